@@ -1,0 +1,189 @@
+"""The codec protocol: what every compression method provides.
+
+A codec turns a gradient into a :class:`Payload` — the tensors that go on the wire plus a local
+context that never leaves the rank — and back. A codec also declares which collectives can carry
+its payloads (``collectives``; the first is the default), whether payloads can simply be summed
+(``summable``: then a plain all-reduce is enough), and how many bytes a payload takes before any
+encoding happens (``wire_bytes``), so buffers and plans can be made ahead of time.
+
+Decoding another rank's payload uses *this* rank's context: a context may only hold facts that
+are the same on every rank (shape, dtype, name, step, shared random indices, shared factors).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..kernels import private_generator
+
+
+@dataclass
+class Meta:
+    """Local context of one encoded tensor; identical on every rank for the same tensor/step."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    name: str = ""
+    step: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Payload:
+    """An encoded tensor: ``tensors`` go on the wire, ``ctx`` stays on this rank."""
+
+    tensors: List[torch.Tensor]
+    ctx: Meta
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One constructor option of a codec: its default, a validity check and what it must be."""
+
+    default: Any
+    check: Callable[[Any], bool]
+    expect: str
+    doc: str = ""
+
+
+def int_in(lo: int, hi: Optional[int] = None) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
+
+    return check
+
+
+def float_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return False
+        return (v > lo if lo_open else v >= lo) and v <= hi
+
+    return check
+
+
+def one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda v: v in choices
+
+
+SEED = Option(0, int_in(0), "a non-negative integer", "seed of the codec's random streams")
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Codec:
+    """Base class of every gradient codec. Subclasses implement ``_encode``/``_decode``."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    collectives: ClassVar[Tuple[str, ...]] = ("allgather",)
+    default_memory: ClassVar[str] = "none"
+    summable: ClassVar[bool] = False
+    stochastic: ClassVar[bool] = False
+    options: ClassVar[Dict[str, Option]] = {}
+
+    def __init__(self, **opts: Any) -> None:
+        unknown = sorted(set(opts) - set(self.options))
+        if unknown:
+            valid = ", ".join(sorted(self.options)) or "(none)"
+            raise ValueError(f"codec {self.name!r}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
+        for key, spec in self.options.items():
+            value = opts.get(key, spec.default)
+            if not spec.check(value):
+                raise ValueError(f"codec {self.name!r}: {key} must be {spec.expect}, got {value!r}")
+            setattr(self, key, value)
+        self._calls: Dict[str, int] = {}
+        self._generators: Dict[torch.device, torch.Generator] = {}
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def collective(self) -> str:
+        """The collective used when none is asked for."""
+        return self.collectives[0]
+
+    def config(self) -> Dict[str, Any]:
+        return {key: getattr(self, key) for key in self.options}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({opts})"
+
+    def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None) -> Payload:
+        """Encode ``t``; ``step`` keys shared randomness (defaults to a per-name call counter)."""
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"codec {self.name!r} encodes floating-point tensors, got {t.dtype}")
+        if step is None:
+            step = self._calls.get(name, 0)
+            self._calls[name] = step + 1
+        meta = Meta(t.shape, t.dtype, t.device, name, step)
+        if t.numel() == 0:
+            return Payload([], meta)
+        return Payload(self._encode(t.reshape(-1), meta), meta)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        """Decode a payload (this rank's or another rank's) to a tensor of the original shape/dtype."""
+        meta = payload.ctx
+        if meta.numel == 0:
+            return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
+        return self._decode(payload.tensors, meta).reshape(meta.shape).to(meta.dtype)
+
+    def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        """Combine every rank's payload (in rank order) into the averaged gradient."""
+        total = self.decode(payloads[0]).float()
+        for p in payloads[1:]:
+            total += self.decode(p).float()
+        return (total / len(payloads)).to(payloads[0].ctx.dtype)
+
+    def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
+        """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
+        return None
+
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
+        """Bytes one rank puts on the wire for a tensor of ``numel`` elements (before encoding).
+
+        ``shape`` matters only to codecs that factor matrices (PowerSGD).
+        """
+        if numel == 0:
+            return 0
+        return self._wire_bytes(numel, dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"calls": dict(self._calls)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._calls = dict(state.get("calls", {}))
+
+    # ------------------------------------------------------------ for subclasses
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This rank's private generator for stochastic rounding on ``device``."""
+        device = torch.device(device)
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = private_generator(getattr(self, "seed", 0), device)
+        return g

@@ -1,0 +1,55 @@
+"""All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec, Payload
+from .base import Collective, Result, Timer, nonfinite_flag, own_payload, register_collective, world
+
+
+@register_collective
+class AllReduce(Collective):
+    """Sums payload tensors with ``dist.all_reduce``; multi-round codecs get one sum per round.
+
+    The input is divided by the world size before encoding, so sums stay in range (fp16) and
+    decoding the sum gives the average directly. The non-finite flag rides as one extra element
+    at the end of the first tensor of the first round.
+    """
+
+    name = "allreduce"
+
+    def supports(self, codec: Codec) -> bool:
+        return codec.summable and super().supports(codec)
+
+    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+        _, w = world(self.group)
+        timer = Timer()
+        flag = nonfinite_flag(x)
+        payload = timer.encode(codec.encode, x / w if w > 1 else x, name, step)
+        wire = 0
+        first = True
+        while True:
+            tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
+            wire += sum(t.numel() * t.element_size() for t in tensors)
+            if first:
+                head = tensors[0]
+                tensors[0] = torch.cat([head, flag.to(head.dtype).reshape(1)])
+            if w > 1:
+                works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+                for work in works:
+                    work.wait()
+            if first:
+                flag = tensors[0][-1] > 0
+                tensors[0] = tensors[0][:-1]
+                first = False
+            reduced = [r.view(t.shape) for r, t in zip(tensors, payload.tensors)]
+            nxt = timer.encode(codec.next_round, payload, reduced)
+            if nxt is None:
+                break
+            payload = nxt
+        avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
+        own = own_payload(codec, payload, timer, float(w)) if need_own else None
+        return Result(avg, own, flag, wire, timer.encode_s, timer.decode_s)

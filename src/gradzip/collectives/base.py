@@ -1,0 +1,166 @@
+"""What every collective shares: the result record, wire (de)serialisation and the registry.
+
+A collective takes one flat tensor (the error-compensated gradient of one parameter), encodes it
+with a codec, moves the payloads with ``torch.distributed`` and returns the average over ranks,
+identical to the bit on every rank because every rank decodes the same bytes the same way.
+
+Every message also carries a one-byte (or one-element) "non-finite input" flag, so every rank
+learns in the same round whether any rank's input held NaN or Inf, without an extra collective
+and without a host sync.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec, Meta, Payload
+
+_ALIGN = 8
+
+# all_gather_single supersedes all_gather_into_tensor (deprecated) in newer torch releases
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major)."""
+    _all_gather_flat(out, inp, group=group)
+
+
+@dataclass
+class Result:
+    """Outcome of one collective call on one tensor."""
+
+    avg: torch.Tensor  # the average over ranks, flat, identical on every rank
+    own: Optional[torch.Tensor]  # this rank's decoded payload at input scale (for error feedback)
+    nonfinite: torch.Tensor  # 0-dim bool: some rank's input held NaN/Inf
+    wire_bytes: int  # payload bytes this rank put on the wire
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+
+class Timer:
+    """Accumulates wall time of encode and decode sections."""
+
+    def __init__(self) -> None:
+        self.encode_s = 0.0
+        self.decode_s = 0.0
+
+    def encode(self, fn: Callable, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.encode_s += time.perf_counter() - t0
+        return out
+
+    def decode(self, fn: Callable, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.decode_s += time.perf_counter() - t0
+        return out
+
+
+def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync)."""
+    return ~torch.isfinite(x).all()
+
+
+# ------------------------------------------------------------------------- wire format
+Spec = List[Tuple[torch.dtype, int]]
+
+
+def spec_of(tensors: Sequence[torch.Tensor]) -> Spec:
+    return [(t.dtype, t.numel()) for t in tensors]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def spec_bytes(spec: Spec) -> int:
+    """Length of the serialised buffer for ``spec`` plus the flag byte."""
+    return sum(_padded(n * torch.empty((), dtype=d).element_size()) for d, n in spec) + _ALIGN
+
+
+def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tensor:
+    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer."""
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        pad = _padded(raw.numel()) - raw.numel()
+        if pad:
+            parts.append(raw.new_zeros(pad))
+    flag_bytes = torch.zeros(_ALIGN, dtype=torch.uint8, device=flag.device)
+    flag_bytes[0] = flag
+    parts.append(flag_bytes)
+    return torch.cat(parts)
+
+
+def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
+    out, offset = [], 0
+    for dtype, numel in spec:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[offset : offset + nbytes].view(dtype))
+        offset += _padded(nbytes)
+    return out, buf[offset] != 0
+
+
+# ------------------------------------------------------------------------- base class
+class Collective:
+    """Moves one tensor's payloads between ranks; subclasses implement :meth:`run`."""
+
+    name: str = ""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.group = group
+
+    def supports(self, codec: Codec) -> bool:
+        return self.name in codec.collectives
+
+    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+        raise NotImplementedError
+
+    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
+        """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""
+        out = buf.new_empty(world_size, buf.numel())
+        if world_size == 1:
+            out[0] = buf
+        else:
+            all_gather_flat(out.view(-1), buf, self.group)
+        return out
+
+
+_COLLECTIVES: Dict[str, Type[Collective]] = {}
+
+
+def register_collective(cls: Type[Collective]) -> Type[Collective]:
+    _COLLECTIVES[cls.name] = cls
+    return cls
+
+
+def names() -> List[str]:
+    return sorted(_COLLECTIVES)
+
+
+def get(name: str) -> Type[Collective]:
+    try:
+        return _COLLECTIVES[name]
+    except KeyError:
+        raise ValueError(f"unknown collective {name!r}; valid collectives: {', '.join(names())}") from None
+
+
+def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:
+    """This rank's payload decoded, at the scale of the input (for error feedback)."""
+    own = timer.decode(codec.decode, payload).reshape(-1)
+    return own * scale if scale != 1.0 else own

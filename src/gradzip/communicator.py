@@ -1,0 +1,163 @@
+"""The Communicator: codec + memory + collective on one process group, in one ordered worker."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as _collectives
+from . import memory as _memory
+from .codecs import registry as _registry
+from .codecs.base import Codec
+from .collectives.base import Collective, world
+from .metrics import Metrics
+from .worker import OrderedWorker
+
+
+def _dedicated_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A new process group over the same ranks, used only by gradzip's worker thread.
+
+    Collectives are matched by issue order within a group; DDP (and the user) issue their own on
+    the default group from other threads, so gradzip's must not share it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    backend = dist.get_backend(group)
+    return dist.new_group(ranks=ranks, backend=backend)
+
+
+class Communicator:
+    """Compressed, averaged all-reduce of named tensors.
+
+    ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
+    ``memory`` defaults to the codec's own default and ``collective`` to the first collective
+    the codec supports. An impossible combination raises ``ValueError`` at construction. Every
+    call is executed by one ordered worker thread, so calls made in the same order on every rank
+    issue their collectives in the same order.
+    """
+
+    def __init__(
+        self,
+        codec: "str | Codec" = "none",
+        *,
+        memory: "str | _memory.Memory | None" = None,
+        collective: Optional[str] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        memory_options: Optional[Dict[str, Any]] = None,
+        dedicated_group: bool = True,
+        **codec_options: Any,
+    ) -> None:
+        self.codec = _registry.codec(codec, **codec_options)
+        self.memory = _memory.memory(memory if memory is not None else self.codec.default_memory, **(memory_options or {}))
+        self.collective_name = collective or self.codec.collective
+        self.group = _dedicated_group(group) if dedicated_group else group
+        self.collective = self._make_collective(self.collective_name, self.codec)
+        self._plain_codec = _registry.codec("none")
+        self._plain = _collectives.get("allreduce")(self.group)
+        self._plain_memory = _memory.memory("none")
+        self.metrics = Metrics()
+        self._steps: Dict[str, int] = {}
+        self._worker: Optional[OrderedWorker] = None
+        self._closed = False
+
+    def _make_collective(self, name: str, codec: Codec) -> Collective:
+        cls = _collectives.get(name)
+        coll = cls(self.group)
+        if not coll.supports(codec):
+            raise ValueError(
+                f"codec {codec.name!r} cannot use collective {name!r}; "
+                f"valid collectives for it: {', '.join(codec.collectives)}"
+            )
+        return coll
+
+    @property
+    def rank(self) -> int:
+        return world(self.group)[0]
+
+    @property
+    def world_size(self) -> int:
+        return world(self.group)[1]
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.codec!r}, memory={self.memory!r}, collective={self.collective_name!r})"
+
+    # ------------------------------------------------------------------ calls
+    def allreduce(self, t: torch.Tensor, name: str = "") -> torch.Tensor:
+        """Average ``t`` over all ranks through the codec; returns a new tensor like ``t``."""
+        return self.allreduce_async(t, name).wait()
+
+    def allreduce_async(self, t: torch.Tensor, name: str = "") -> torch.futures.Future:
+        """Like :meth:`allreduce`, returning a ``torch.futures.Future[Tensor]``."""
+        return self.submit(lambda: self.reduce_now(t, name), t.device)
+
+    def submit(self, fn, device: torch.device) -> torch.futures.Future:
+        """Run ``fn`` on the ordered communication worker."""
+        if self._closed:
+            raise RuntimeError("this Communicator has been closed")
+        if self._worker is None:
+            self._worker = OrderedWorker(device=device)
+        return self._worker.submit(fn)
+
+    def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True) -> torch.Tensor:
+        """Encode, exchange and decode ``t`` in the calling thread (the worker's job)."""
+        if compress:
+            codec, coll, mem = self.codec, self.collective, self.memory
+        else:
+            codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        x = t.reshape(-1)
+        raw = x.numel() * x.element_size()
+        if x.numel() == 0:
+            self.metrics.record(name, raw, 0, 0.0, 0.0, compress)
+            return t.clone()
+        inp = mem.compensate(x, name)
+        res = coll.run(codec, inp, name, step, need_own=mem.stateful)
+        if mem.stateful:
+            mem.update(name, inp, res.own, skip=res.nonfinite)
+        avg = res.avg.masked_fill(res.nonfinite, float("nan"))
+        self.metrics.record(name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress)
+        return avg.view(t.shape).to(t.dtype)
+
+    def reduce_many_now(self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool]) -> List[torch.Tensor]:
+        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce."""
+        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        plain = [i for i, c in enumerate(compress) if not c]
+        if plain:
+            dtype = tensors[plain[0]].dtype
+            flat = torch.cat([tensors[i].reshape(-1).to(dtype) for i in plain])
+            avg = self.reduce_now(flat, f"uncompressed:{names[plain[0]]}", compress=False)
+            offset = 0
+            for i in plain:
+                n = tensors[i].numel()
+                out[i] = avg[offset : offset + n].view(tensors[i].shape).to(tensors[i].dtype)
+                offset += n
+        for i, c in enumerate(compress):
+            if c:
+                out[i] = self.reduce_now(tensors[i], names[i])
+        return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ state
+    def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
+        return self.metrics.summary(per_tensor)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"codec": self.codec.state_dict(), "memory": self.memory.state_dict(), "steps": dict(self._steps)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.codec.load_state_dict(state.get("codec", {}))
+        self.memory.load_state_dict(state.get("memory", {}))
+        self._steps = dict(state.get("steps", {}))
+
+    def close(self) -> None:
+        """Stop the worker thread and release the dedicated process group."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.close()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,70 @@
+"""Configuration: keyword arguments or a :class:`Config`, overridden by ``GRADZIP_*`` variables.
+
+The environment wins, so a training script needs no edit to try another codec:
+``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL`` and ``GRADZIP_COMPRESS_1D`` set the fields of the
+same name; every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
+its value read as an int, a float, a bool (true/false) or else a string.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Mapping, Optional
+
+FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d")
+
+
+def parse_value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclass
+class Config:
+    """What :func:`gradzip.register` builds: codec and its options, memory, collective, filter.
+
+    ``min_numel``: tensors with fewer elements are sent uncompressed (fused into one plain
+    all-reduce per bucket); ``compress_1d``: whether 1-D tensors (biases, norms) are compressed.
+    """
+
+    codec: str = "maxmin"
+    memory: Optional[str] = None
+    collective: Optional[str] = None
+    min_numel: int = 1024
+    compress_1d: bool = False
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+            raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
+        if not isinstance(self.compress_1d, bool):
+            raise ValueError(f"compress_1d must be True or False, got {self.compress_1d!r}")
+
+    def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        """This config with every ``GRADZIP_*`` variable of ``environ`` applied on top."""
+        environ = os.environ if environ is None else environ
+        updates: Dict[str, Any] = {}
+        env_options: Dict[str, Any] = {}
+        for key, text in environ.items():
+            if not key.startswith("GRADZIP_") or key == "GRADZIP_":
+                continue
+            name = key[len("GRADZIP_"):].lower()
+            value = parse_value(text)
+            if name in FIELDS:
+                updates[name] = text if name in ("codec", "memory", "collective") else value
+            else:
+                env_options[name] = value
+        switched = "codec" in updates and updates["codec"] != self.codec
+        options = {} if switched else dict(self.options)  # another codec: the script's options no longer apply
+        options.update(env_options)
+        return replace(self, options=options, **updates)

@@ -1,0 +1,66 @@
+"""One ordered communication thread per process group.
+
+DDP calls the comm hook for buckets in the same order on every rank, but anything launched from
+completion callbacks runs in an order that differs per rank, and with several buckets in flight
+that mismatches collectives (gloo: "Received data size doesn't match expected size"). gradzip
+instead hands every job to a single thread with a FIFO queue: jobs run — encode, collectives,
+decode — strictly in submission order, so every rank issues the same collectives in the same
+order, while the caller (backward) keeps computing. This is CaSync's pipelining made safe.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class OrderedWorker:
+    """Runs submitted callables one at a time, in order, on a daemon thread."""
+
+    def __init__(self, name: str = "gradzip-comm", device: Optional[torch.device] = None) -> None:
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._stream = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
+        """Queue ``fn``; the returned future completes with its result (or its exception)."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the gradzip communication worker has been closed")
+        if self._device is not None:
+            fut = torch.futures.Future(devices=[self._device])
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._device))  # inputs are complete here
+        else:
+            fut = torch.futures.Future()
+            ready = None
+        self._queue.put((fn, fut, ready))
+        return fut
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+            self._stream = torch.cuda.Stream(self._device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut, ready = item
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        self._stream.wait_event(ready)
+                        result = fn()
+                        fut.set_result(result)
+                else:
+                    fut.set_result(fn())
+            except BaseException as exc:  # hand every failure to the waiting caller
+                fut.set_exception(exc)
