@@ -108,15 +108,14 @@ class Communicator:
             codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        x = t.reshape(-1)
-        raw = x.numel() * x.element_size()
-        if x.numel() == 0:
+        raw = t.numel() * t.element_size()
+        if t.numel() == 0:
             self.metrics.record(name, raw, 0, 0.0, 0.0, compress)
             return t.clone()
-        inp = mem.compensate(x, name)
+        inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
         res = coll.run(codec, inp, name, step, need_own=mem.stateful)
         if mem.stateful:
-            mem.update(name, inp, res.own, skip=res.nonfinite)
+            mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = res.avg.masked_fill(res.nonfinite, float("nan"))
         self.metrics.record(name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress)
         return avg.view(t.shape).to(t.dtype)

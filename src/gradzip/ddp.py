@@ -5,8 +5,6 @@ parameters' gradients (named, so state survives DDP's bucket rebuild), sends the
 ones uncompressed in one fused all-reduce and every other one through the codec, writes the
 averages back into the bucket and returns a future that the ordered worker completes.
 """
-from __future__ import annotations
-
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -50,7 +48,7 @@ class GradzipState:
         return f"GradzipState({self.comm!r}, min_numel={self.config.min_numel}, compress_1d={self.config.compress_1d})"
 
 
-def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future:
+def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` through gradzip on the ordered worker."""
     buffer = bucket.buffer()
     params = bucket.parameters()

@@ -34,9 +34,10 @@ class AllReduce(Collective):
         while True:
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
-            if first:
-                head = tensors[0]
-                tensors[0] = torch.cat([head, flag.to(head.dtype).reshape(1)])
+            if first:  # the flag rides at the end of the first tensor (cat makes a copy)
+                tensors[0] = torch.cat([tensors[0], flag.to(tensors[0].dtype).reshape(1)])
+            if need_own:  # all_reduce works in place: keep this rank's payload for error feedback
+                tensors = [t if i == 0 and first else t.clone() for i, t in enumerate(tensors)]
             if w > 1:
                 works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
                 for work in works:

@@ -129,6 +129,7 @@ class Collective:
         return self.name in codec.collectives
 
     def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+        """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``."""
         raise NotImplementedError
 
     def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ class ScatterReduceAllGather(Collective):
     def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
         rank, w = world(self.group)
         timer = Timer()
+        x = x.reshape(-1)
         n = x.numel()
         chunk = -(-n // w)
         flag = nonfinite_flag(x)

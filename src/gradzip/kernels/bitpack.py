@@ -10,7 +10,12 @@ import torch
 
 
 def packed_bytes(numel: int, bits: int) -> int:
-    """Bytes that ``numel`` values of ``bits`` bits occupy once packed."""
+    """Bytes that ``numel`` values of ``bits`` bits occupy once packed.
+
+    Widths below 8 pad to a multiple of eight values; 8-bit values are sent as they are.
+    """
+    if bits == 8:
+        return numel
     return ((numel + 7) // 8) * bits
 
 
