@@ -45,14 +45,14 @@ DEFAULT_CONFIGS = ["fp32", "fp16", "maxmin4", "maxmin2", "topk", "powersgd", "ef
 
 # Chosen so the default run (7 configs, 4 ranks) takes about a minute on 2 cores and fp32
 # reaches ≥ 95% test accuracy; every rank gets batch_size / workers samples per step.
-DEFAULTS = dict(workers=4, epochs=15, batch_size=64, lr=0.05, momentum=0.9, seed=0)
+DEFAULTS = dict(workers=4, epochs=10, batch_size=64, lr=0.05, momentum=0.9, seed=0)
 
 
 def describe(name: str) -> str:
     """A config as text: ``maxmin bits=4 memory=residual``."""
     spec = CONFIGS[name]
     if spec is None:
-        return "DDP fp32 all-reduce"
+        return "DDP all-reduce"
     codec, opts = spec
     return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()])
 
@@ -228,9 +228,12 @@ def table(report: Dict[str, Any]):
     t = Table(
         title=f"gradzip demo: digits MLP, {o['workers']} gloo ranks, {o['epochs']} epochs, batch {o['batch_size']}",
         box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
     )
-    for col in ("config", "test acc %", "wire MB/rank", "ratio", "wall s", "final loss", "ranks identical", "method"):
-        t.add_column(col, justify="left" if col in ("config", "method") else "right")
+    t.caption = "MB/rank: bytes each rank put on the wire; identical: all ranks ended with bit-identical parameters"
+    for col in ("config", "acc %", "MB/rank", "ratio", "time s", "loss", "identical"):
+        t.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    t.add_column("method", ratio=1)
     for r in report["results"]:
         t.add_row(
             r["config"],
