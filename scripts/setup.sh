@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install gradzip into it, editable, with the extras named in $1.
+# torch: a machine that already holds the CPU build of torch 2.13.0 installs it from disk; any
+# other machine gets the newest torch>=2.4 that pip finds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-test}"
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+py=.venv/bin/python
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  "$py" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>/dev/null \
+    || "$py" -m pip install -q --disable-pip-version-check "torch>=2.4"
+fi
+"$py" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+"$py" -c "import gradzip, torch; print(f'gradzip {gradzip.__version__} with torch {torch.__version__}')"
