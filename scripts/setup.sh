@@ -13,5 +13,8 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
   "$py" -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>/dev/null \
     || "$py" -m pip install -q --disable-pip-version-check "torch>=2.4"
 fi
-"$py" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+if ! log=$("$py" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2>&1); then
+  echo "$log" >&2
+  exit 1
+fi
 "$py" -c "import gradzip, torch; print(f'gradzip {gradzip.__version__} with torch {torch.__version__}')"

@@ -146,8 +146,7 @@ def test_summable_payloads_sum(name, shape):
     x1, x2 = _randn(shape, seed=1), _randn(shape, seed=2)
     p1 = c.encode(x1, name="g", step=4)
     p2 = gradzip.codec(name).encode(x2, name="g", step=4)
-    summed = Payload([a.float() + b.float() for a, b in zip(p1.tensors, p2.tensors)], p1.ctx)
-    summed.tensors = [s.to(a.dtype) for s, a in zip(summed.tensors, p1.tensors)]
+    summed = Payload([(a.float() + b.float()).to(a.dtype) for a, b in zip(p1.tensors, p2.tensors)], p1.ctx)
     expected = c.decode(p1).float() + c.decode(p2).float()
     torch.testing.assert_close(c.decode(summed).float(), expected, rtol=1e-2, atol=1e-2)
 
