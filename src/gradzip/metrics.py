@@ -44,18 +44,20 @@ class Metrics:
         self.tensors.clear()
 
     def summary(self, per_tensor: bool = False) -> Dict[str, Any]:
-        raw = sum(s.raw_bytes for s in self.tensors.values())
-        wire = sum(s.wire_bytes for s in self.tensors.values())
+        items = list(self.tensors.items())  # a snapshot: the worker thread may be adding entries
+        stats = [s for _, s in items]
+        raw = sum(s.raw_bytes for s in stats)
+        wire = sum(s.wire_bytes for s in stats)
         out: Dict[str, Any] = {
             "raw_bytes": raw,
             "wire_bytes": wire,
             "ratio": raw / wire if wire else (float("inf") if raw else 1.0),
-            "encode_s": sum(s.encode_s for s in self.tensors.values()),
-            "decode_s": sum(s.decode_s for s in self.tensors.values()),
-            "calls": sum(s.calls for s in self.tensors.values()),
-            "tensors_compressed": sum(1 for s in self.tensors.values() if s.compressed),
-            "tensors_uncompressed": sum(1 for s in self.tensors.values() if not s.compressed),
+            "encode_s": sum(s.encode_s for s in stats),
+            "decode_s": sum(s.decode_s for s in stats),
+            "calls": sum(s.calls for s in stats),
+            "tensors_compressed": sum(1 for s in stats if s.compressed),
+            "tensors_uncompressed": sum(1 for s in stats if not s.compressed),
         }
         if per_tensor:
-            out["per_tensor"] = {k: dict(asdict(v), ratio=v.ratio) for k, v in self.tensors.items()}
+            out["per_tensor"] = {k: dict(asdict(v), ratio=v.ratio) for k, v in items}
         return out
