@@ -31,7 +31,7 @@ def test_demo_two_configs(tmp_path, capsys):
         assert r["identical"] is True
         assert r["wire_bytes"] > 0 and len(r["loss_per_step"]) == r["steps"] > 0
     assert rows["maxmin4"]["wire_bytes"] < rows["fp32"]["wire_bytes"]
-    assert os.path.getsize(out / "plot.png") > 0
+    assert os.path.getsize(out / "demo.png") > 0
 
 
 def test_demo_rejects_unknown_config(capsys):

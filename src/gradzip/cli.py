@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs", type=_config_list, default=DEFAULT_CONFIGS,
         help=f"comma-separated configs (default {','.join(DEFAULT_CONFIGS)})",
     )
-    demo.add_argument("--out", default="demo-results", help="directory for results.json and plot.png (default %(default)s)")
+    demo.add_argument("--out", default="demo-results", help="directory for results.json and demo.png (default %(default)s)")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
