@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradzip
 
-from .bench import spawn_local
+from .launch import spawn_local
 
 # config name -> (codec, keyword arguments of gradzip.register); None means plain fp32 DDP.
 CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import gradzip
 from gradzip.config import parse_value
 
-from . import spawn_local
+from ..launch import spawn_local
 
 BASELINE_CODECS = ["maxmin:bits=4"]
 

@@ -1,0 +1,91 @@
+"""Start W local gloo ranks with ``torch.multiprocessing`` and collect what they return.
+
+Used by ``gradzip demo``, ``gradzip bench`` and the multi-process tests, so a command-line tool
+can run a distributed job and then report in the parent process (where printing and plotting
+live). Every rank's result (or its traceback) travels back through a file.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the rendezvous port of one local job)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # One compute thread per rank: W ranks share few cores, and oversubscription would make
+    # every timing meaningless.
+    torch.set_num_threads(1)
+    # Jobs pick their configurations explicitly; a stray GRADZIP_CODEC in the shell would
+    # silently turn every configuration of gradzip.register() into the same one.
+    for key in [k for k in os.environ if k.startswith("GRADZIP_")]:
+        del os.environ[key]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        record = {"ok": True, "result": fn(rank, world_size, *args)}
+    except BaseException:
+        record = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(record, f)
+    if not record["ok"]:
+        raise SystemExit(1)
+
+
+def spawn_local(fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
+
+    Returns rank 0's result, or the list of every rank's result with ``all_ranks=True``. ``fn``
+    must be a module-level function (it is pickled into spawned processes). A failure on any
+    rank raises ``RuntimeError`` carrying the failing ranks' tracebacks.
+    """
+    import torch.multiprocessing as mp
+
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before they import torch
+    try:
+        with tempfile.TemporaryDirectory(prefix="gradzip-") as outdir:
+            args_ = (world_size, free_port(), outdir, timeout_s, fn, args)
+            failure = None
+            try:
+                mp.spawn(_entry, args=args_, nprocs=world_size, join=True)
+            except Exception as exc:  # collect every rank's story before raising
+                failure = exc
+            records: List[Any] = []
+            for r in range(world_size):
+                path = os.path.join(outdir, f"{r}.pkl")
+                if os.path.exists(path):
+                    with open(path, "rb") as f:
+                        records.append(pickle.load(f))
+                else:
+                    records.append({"ok": False, "error": f"rank {r} exited without a result"})
+            errors = [f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records) if not rec["ok"]]
+            if errors or failure is not None:
+                raise RuntimeError("local ranks failed:\n" + ("\n".join(errors) or str(failure)))
+            results = [rec["result"] for rec in records]
+            return results if all_ranks else results[0]
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
