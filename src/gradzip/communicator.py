@@ -116,7 +116,7 @@ class Communicator:
         res = coll.run(codec, inp, name, step, need_own=mem.stateful)
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
-        avg = res.avg.masked_fill(res.nonfinite, float("nan"))
+        avg = res.avg.masked_fill_(res.nonfinite, float("nan"))  # collectives return fresh tensors
         self.metrics.record(name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress)
         return avg.view(t.shape).to(t.dtype)
 

@@ -15,8 +15,8 @@ class AllReduce(Collective):
     """Sums payload tensors with ``dist.all_reduce``; multi-round codecs get one sum per round.
 
     The input is divided by the world size before encoding, so sums stay in range (fp16) and
-    decoding the sum gives the average directly. The non-finite flag rides as one extra element
-    at the end of the first tensor of the first round.
+    decoding the sum gives the average directly. The non-finite flag is summed as a one-element
+    tensor of its own next to the first round, so the payload is never copied to make room.
     """
 
     name = "allreduce"
@@ -27,25 +27,21 @@ class AllReduce(Collective):
     def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
         _, w = world(self.group)
         timer = Timer()
-        flag = nonfinite_flag(x)
+        flag = nonfinite_flag(x).to(torch.float32).reshape(1)
         payload = timer.encode(codec.encode, x / w if w > 1 else x, name, step)
         wire = 0
         first = True
         while True:
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
-            if first:  # the flag rides at the end of the first tensor (cat makes a copy)
-                tensors[0] = torch.cat([tensors[0], flag.to(tensors[0].dtype).reshape(1)])
-            if need_own:  # all_reduce works in place: keep this rank's payload for error feedback
-                tensors = [t if i == 0 and first else t.clone() for i, t in enumerate(tensors)]
+            if need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
+                tensors = [t.clone() for t in tensors]
             if w > 1:
-                works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+                extra = [flag] if first else []
+                works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors + extra]
                 for work in works:
                     work.wait()
-            if first:
-                flag = tensors[0][-1] > 0
-                tensors[0] = tensors[0][:-1]
-                first = False
+            first = False
             reduced = [r.view(t.shape) for r, t in zip(tensors, payload.tensors)]
             nxt = timer.encode(codec.next_round, payload, reduced)
             if nxt is None:
@@ -53,4 +49,4 @@ class AllReduce(Collective):
             payload = nxt
         avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
         own = own_payload(codec, payload, timer, float(w)) if need_own else None
-        return Result(avg, own, flag, wire, timer.encode_s, timer.decode_s)
+        return Result(avg, own, flag[0] > 0, wire, timer.encode_s, timer.decode_s)

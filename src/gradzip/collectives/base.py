@@ -70,8 +70,13 @@ def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
-    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync)."""
-    return ~torch.isfinite(x).all()
+    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
+
+    One reading pass: NaN and Inf survive a sum (Inf − Inf is NaN), accumulated in fp32 (fp64
+    for fp64 input) where finite gradients cannot overflow.
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return ~torch.isfinite(x.sum(dtype=acc))
 
 
 # ------------------------------------------------------------------------- wire format
