@@ -5,7 +5,7 @@ parameters' gradients (named, so state survives DDP's bucket rebuild), sends the
 ones uncompressed in one fused all-reduce and every other one through the codec, writes the
 averages back into the bucket and returns a future that the ordered worker completes.
 """
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist

@@ -80,7 +80,13 @@ def _progress(rank: int, names: Sequence[str], total: int):
     """Rank 0's progress bar (one task per config); other ranks get None."""
     if rank != 0:
         return None, {}
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     bar = Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     return bar, {n: bar.add_task(n, total=total, start=False) for n in names}  # clock starts with the config
@@ -203,7 +209,6 @@ def plot(results: List[Dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     import numpy as np
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))

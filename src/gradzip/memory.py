@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .naming import Registry
+
 
 class Memory:
     """No error feedback: the codec sees the raw gradient."""
@@ -109,11 +111,11 @@ class PowerSGDMemory(ResidualMemory):
         super().__init__(1.0, 1.0)
 
 
-_MEMORIES = {cls.name: cls for cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory)}
-
-
-def names() -> list:
-    return sorted(_MEMORIES)
+_MEMORIES: Registry[Memory] = Registry("memory", "memories")
+for _cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory):
+    _MEMORIES.add(_cls)
+register_memory = _MEMORIES.add
+names = _MEMORIES.names
 
 
 def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
@@ -124,9 +126,7 @@ def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
         return kind
     if kind is None:
         kind = "none"
-    cls = _MEMORIES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ValueError(f"unknown memory {kind!r}; valid memories: {', '.join(names())}")
+    cls = _MEMORIES.get(kind)
     try:
         return cls(**opts)
     except TypeError:

@@ -1,33 +1,26 @@
 """Codec names → classes: ``codec("qsgd", bits=4)`` builds one, ``names()`` lists them."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Type
+from typing import Any, List, Type
 
+from ..naming import Registry
 from .base import Codec
 
-_REGISTRY: Dict[str, Type[Codec]] = {}
+_CODECS: Registry[Codec] = Registry("codec", "codecs")
 
 
 def register_codec(cls: Type[Codec]) -> Type[Codec]:
     """Class decorator that makes a codec available under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"a codec named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _CODECS.add(cls)
 
 
 def names() -> List[str]:
     """Every registered codec name, sorted."""
-    return sorted(_REGISTRY)
+    return _CODECS.names()
 
 
 def get(name: str) -> Type[Codec]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; valid codecs: {', '.join(names())}") from None
+    return _CODECS.get(name)
 
 
 def codec(name: str | Codec, **opts: Any) -> Codec:

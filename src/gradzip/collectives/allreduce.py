@@ -7,7 +7,15 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import Collective, Result, Timer, nonfinite_flag, own_payload, register_collective, world
+from .base import (
+    Collective,
+    Result,
+    Timer,
+    nonfinite_flag,
+    own_payload,
+    register_collective,
+    world,
+)
 
 
 @register_collective

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Meta, Payload
+from ..codecs.base import Codec, Payload
+from ..naming import Registry
 
 _ALIGN = 8
 
@@ -147,23 +148,10 @@ class Collective:
         return out
 
 
-_COLLECTIVES: Dict[str, Type[Collective]] = {}
-
-
-def register_collective(cls: Type[Collective]) -> Type[Collective]:
-    _COLLECTIVES[cls.name] = cls
-    return cls
-
-
-def names() -> List[str]:
-    return sorted(_COLLECTIVES)
-
-
-def get(name: str) -> Type[Collective]:
-    try:
-        return _COLLECTIVES[name]
-    except KeyError:
-        raise ValueError(f"unknown collective {name!r}; valid collectives: {', '.join(names())}") from None
+_COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")
+register_collective = _COLLECTIVES.add
+names = _COLLECTIVES.names
+get = _COLLECTIVES.get
 
 
 def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:

@@ -57,7 +57,6 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         return packed[:numel]
     mask = (1 << bits) - 1
     if 8 % bits == 0:
-        per_byte = 8 // bits
         shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
         levels = (packed.unsqueeze(1) >> shifts) & mask
         return levels.reshape(-1)[:numel]
