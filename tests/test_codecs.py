@@ -193,8 +193,16 @@ def test_wire_bytes_match_payload(name, opts, shape, dtype):
     c = gradzip.codec(name, **opts)
     x = _randn(shape, dtype, seed=7)
     p = c.encode(x, name="w")
-    assert _payload_bytes(p) == c.wire_bytes(x.numel(), dtype, shape=shape)
+    _check_wire_bytes(c, p, x.numel(), dtype, shape)
     assert p.nbytes == _payload_bytes(p)
+
+
+def _check_wire_bytes(c, p, numel, dtype, shape):
+    """Exact for fixed-size codecs; an upper bound for codecs whose payload depends on the data."""
+    if c.fixed_size:
+        assert _payload_bytes(p) == c.wire_bytes(numel, dtype, shape=shape)
+    else:
+        assert _payload_bytes(p) <= c.wire_bytes(numel, dtype, shape=shape)
 
 
 @settings(max_examples=40, deadline=None)
@@ -208,7 +216,7 @@ def test_wire_bytes_match_payload_any_size(n, cfg, dtype):
     c = gradzip.codec(name, **opts)
     x = _randn((n,), dtype, seed=n)
     p = c.encode(x, name="w")
-    assert _payload_bytes(p) == c.wire_bytes(n, dtype, shape=(n,))
+    _check_wire_bytes(c, p, n, dtype, (n,))
 
 
 def test_powersgd_wire_bytes():

@@ -97,6 +97,7 @@ class Codec:
     default_memory: ClassVar[str] = "none"
     summable: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
+    fixed_size: ClassVar[bool] = True  # payload size depends only on (numel, dtype, shape)
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
@@ -158,7 +159,8 @@ class Codec:
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
         """Bytes one rank puts on the wire for a tensor of ``numel`` elements (before encoding).
 
-        ``shape`` matters only to codecs that factor matrices (PowerSGD).
+        ``shape`` matters only to codecs that factor matrices (PowerSGD). For codecs whose
+        payload size depends on the data (``fixed_size`` false) it is an upper bound.
         """
         if numel == 0:
             return 0

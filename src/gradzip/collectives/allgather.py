@@ -36,7 +36,7 @@ class AllGather(Collective):
         payload = timer.encode(codec.encode, x, name, step)
         spec = spec_of(payload.tensors)
         buf = to_bytes(payload.tensors, flag)
-        if getattr(codec, "fixed_size", True):
+        if codec.fixed_size:
             specs = [spec] * w
             gathered = self._all_gather_bytes(buf, w)
         else:
