@@ -32,6 +32,9 @@ class ScatterReduceAllGather(Collective):
 
     name = "sra"
 
+    def supports(self, codec: Codec) -> bool:
+        return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
+
     def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
         rank, w = world(self.group)
         timer = Timer()
