@@ -55,3 +55,14 @@ def test_bench_allreduce(tmp_path):
         assert r["median_s"] > 0 and r["wire_bytes"] > 0 and r["busbw_gbps"] > 0
     assert rows[0]["speedup"] == 1.0
     assert rows[2]["rel_error"] < 1e-2  # fp16 is nearly exact
+
+
+def test_bench_codecs(tmp_path):
+    path = tmp_path / "codecs.json"
+    rc = cli.main(["bench", "codecs", "--codecs", "none,maxmin:bits=2,topk", "--numel", "4096", "--repeats", "1", "--json", str(path)])
+    assert rc == 0
+    rows = {r["codec"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["none"]["bits_per_element"] == 32
+    assert 2 < rows["maxmin:bits=2"]["bits_per_element"] < 2.1  # 2 bits + a min/scale pair per 1024
+    assert rows["topk"]["bits_per_element"] < 1
+    assert all(r["encode_decode_ms"] > 0 for r in rows.values())

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra codecs besides maxmin:bits=4, e.g. fp16,maxmin:bits=2,topk:ratio=0.01",
     )
     ar.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    cb = bench_sub.add_parser("codecs", help="bits per element and encode+decode speed of each codec (one process)")
+    cb.add_argument("--codecs", type=_codec_list, default=[], help="codec specs (default: every registered codec)")
+    cb.add_argument("--numel", type=_positive, default=1 << 20, help="elements (default %(default)s)")
+    cb.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
+    cb.add_argument("--threads", type=_positive, default=1, help="torch threads (default %(default)s)")
+    cb.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     return parser
 
 
@@ -102,6 +108,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         report = micro.run_allreduce(args.workers, args.size_mb, args.repeats, args.codecs, args.json_path)
         _console().print(micro.table(report))
+        return 0
+    if args.command == "bench" and args.bench == "codecs":
+        from .bench import codecs as codec_bench
+
+        report = codec_bench.run(args.codecs, args.numel, args.repeats, args.threads, args.json_path)
+        _console().print(codec_bench.table(report))
         return 0
     raise AssertionError(args)  # argparse rejects everything else
 
