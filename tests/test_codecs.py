@@ -21,7 +21,10 @@ from gradzip.memory import EFSignMemory, Memory, ResidualMemory, memory
 NAMES = gradzip.codecs.names()
 SHAPES = [(1,), (7,), (1001,), (33, 17), (3, 5, 7), (0,), (0, 4)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-MAJORITY_VOTE = {"signsgd"}  # aggregate is a vote, not the mean of the decodes
+MAJORITY_VOTE = {"signsgd", "signum"}  # aggregate is a vote, not the mean of the decodes
+# data-dependent payloads with no bound below the raw size (tests/test_codecs_sign_sparse.py measures them)
+UNBOUNDED_WIRE = {"threshold", "graddrop"}
+UNBOUNDED_WIRE |= {"inceptionn"}  # 2-bit tag + up to a raw value each: test_codecs_quantize.py measures it
 
 # every codec with its defaults, plus option settings whose wire format differs
 CONFIGS: List[Tuple[str, Dict[str, Any]]] = [(n, {}) for n in NAMES]
@@ -249,6 +252,8 @@ def test_wire_bytes_smaller_than_raw(name):
     if name == "none":
         assert wire32 == 4 * n and wire16 == 2 * n
         return
+    if name in UNBOUNDED_WIRE:
+        pytest.skip("data-dependent size whose bound exceeds raw: measured in the family's test file")
     assert wire32 < 4 * n
     if name in ("fp16", "bf16"):
         assert wire16 == 2 * n

@@ -237,3 +237,23 @@ def test_environment_overrides_and_state_dict_round_trip():
 def test_register_rejects_bad_input_at_construction():
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         gradzip.register(nn.Linear(2, 2), "maxmin")
+
+
+def _ps_training(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("maxmin", "topk", "signum"):
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        state = gradzip.register(ddp, name, collective="ps", collective_options={"partitions": 2}, min_numel=64)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        loss = _train(ddp, opt, rank, 8)
+        out[name] = {"identical": _identical(model, world), "loss": loss, "collective": state.comm.collective_name}
+        state.close()
+    return out
+
+
+def test_parameter_server_collective_under_ddp_keeps_replicas_identical():
+    for res in run_workers(_ps_training, 3):
+        for name, rec in res.items():
+            assert rec["identical"] and rec["loss"] == rec["loss"] and rec["collective"] == "ps", (name, rec)

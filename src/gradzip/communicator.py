@@ -1,6 +1,7 @@
 """The Communicator: codec + memory + collective on one process group, in one ordered worker."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -33,7 +34,8 @@ class Communicator:
 
     ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
     ``memory`` defaults to the codec's own default and ``collective`` to the first collective
-    the codec supports. An impossible combination raises ``ValueError`` at construction. Every
+    the codec supports; ``memory_options`` and ``collective_options`` (e.g. ``{"partitions":
+    8}`` for ``ps``) go to those. An impossible combination raises ``ValueError`` at construction. Every
     call is executed by one ordered worker thread, so calls made in the same order on every rank
     issue their collectives in the same order.
     """
@@ -46,6 +48,7 @@ class Communicator:
         collective: Optional[str] = None,
         group: Optional[dist.ProcessGroup] = None,
         memory_options: Optional[Dict[str, Any]] = None,
+        collective_options: Optional[Dict[str, Any]] = None,
         dedicated_group: bool = True,
         **codec_options: Any,
     ) -> None:
@@ -53,7 +56,7 @@ class Communicator:
         self.memory = _memory.memory(memory if memory is not None else self.codec.default_memory, **(memory_options or {}))
         self.collective_name = collective or self.codec.collective
         self.group = _dedicated_group(group) if dedicated_group else group
-        self.collective = self._make_collective(self.collective_name, self.codec)
+        self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {})
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain_memory = _memory.memory("none")
@@ -62,13 +65,19 @@ class Communicator:
         self._worker: Optional[OrderedWorker] = None
         self._closed = False
 
-    def _make_collective(self, name: str, codec: Codec) -> Collective:
+    def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any]) -> Collective:
         cls = _collectives.get(name)
-        coll = cls(self.group)
-        if not coll.supports(codec):
+        try:
+            coll = cls(self.group, **options)
+        except TypeError:
+            params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "group")]
             raise ValueError(
-                f"codec {codec.name!r} cannot use collective {name!r}; "
-                f"valid collectives for it: {', '.join(codec.collectives)}"
+                f"collective {name!r}: invalid options {sorted(options)}; valid options: {', '.join(params) or '(none)'}"
+            ) from None
+        if not coll.supports(codec):
+            valid = [n for n in _collectives.names() if _collectives.get(n)(None).supports(codec)]
+            raise ValueError(
+                f"codec {codec.name!r} cannot use collective {name!r}; valid collectives for it: {', '.join(valid)}"
             )
         return coll
 

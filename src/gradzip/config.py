@@ -3,7 +3,8 @@
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
 ``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL`` and ``GRADZIP_COMPRESS_1D`` set the fields of the
-same name; every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
+same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
+every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
 its value read as an int, a float, a bool (true/false) or else a string.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
 FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d")
+COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 
 
 def parse_value(text: str) -> Any:
@@ -43,6 +45,7 @@ class Config:
     min_numel: int = 1024
     compress_1d: bool = False
     options: Dict[str, Any] = field(default_factory=dict)
+    collective_options: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -55,6 +58,7 @@ class Config:
         environ = os.environ if environ is None else environ
         updates: Dict[str, Any] = {}
         env_options: Dict[str, Any] = {}
+        collective_options = dict(self.collective_options)
         for key, text in environ.items():
             if not key.startswith("GRADZIP_") or key == "GRADZIP_":
                 continue
@@ -62,9 +66,11 @@ class Config:
             value = parse_value(text)
             if name in FIELDS:
                 updates[name] = text if name in ("codec", "memory", "collective") else value
+            elif name in COLLECTIVE_OPTIONS:
+                collective_options[name] = value
             else:
                 env_options[name] = value
         switched = "codec" in updates and updates["codec"] != self.codec
         options = {} if switched else dict(self.options)  # another codec: the script's options no longer apply
         options.update(env_options)
-        return replace(self, options=options, **updates)
+        return replace(self, options=options, collective_options=collective_options, **updates)

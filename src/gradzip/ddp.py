@@ -76,6 +76,7 @@ def register(
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
+    collective_options: Optional[Dict[str, Any]] = None,
     **codec_options: Any,
 ) -> GradzipState:
     """Register gradzip's communication hook on a DDP model and return its state.
@@ -95,6 +96,8 @@ def register(
     for key, value in (("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d)):
         if value is not None:
             fields[key] = value
+    if collective_options:
+        fields["collective_options"] = {**cfg.collective_options, **collective_options}
     if fields or codec_options:
         merged = dict(fields.get("options", cfg.options))
         merged.update(codec_options)
@@ -107,6 +110,7 @@ def register(
         collective=cfg.collective,
         group=group if group is not None else getattr(model, "process_group", None),
         memory_options=memory_options,
+        collective_options=cfg.collective_options,
         **cfg.options,
     )
     names = {id(p): n for n, p in model.module.named_parameters()}

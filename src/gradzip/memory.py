@@ -111,15 +111,104 @@ class PowerSGDMemory(ResidualMemory):
         super().__init__(1.0, 1.0)
 
 
+class DGCMemory(Memory):
+    """Deep Gradient Compression's memory (Lin et al., ICLR'18): momentum correction, momentum
+    factor masking and local gradient clipping, per tensor name, in fp32.
+
+    ``compensate``: optionally clip the gradient ``g`` to L2 norm ``clip_norm`` (scaled on the
+    device, no host sync), then ``u ← momentum·u + g``, ``v ← v + u``, and hand ``v`` to the codec.
+    ``update``: where the decoded own payload is nonzero (the values that were sent), zero both
+    ``u`` and ``v`` (momentum factor masking); elsewhere both carry over. With ``skip`` (a
+    non-finite step on some rank) ``u`` and ``v`` keep their previous values.
+
+    Made for sparsifying codecs (``dgc``, ``topk``, ...): a sent value leaves nothing behind.
+    With a quantiser, whose decode is nonzero nearly everywhere, the quantisation error would be
+    dropped. Use plain SGD (no optimizer momentum): ``u`` is the momentum. The paper clips the
+    gradient of each worker at the global threshold times ``N^(-1/2)`` for N workers; here
+    ``clip_norm`` is that per-tensor threshold, applied as given.
+
+    Options (``memory_options``): ``momentum`` (default 0.9, in [0, 1)), ``clip_norm`` (default
+    None = no clipping; else a positive number).
+    """
+
+    name = "dgc"
+
+    def __init__(self, momentum: float = 0.9, clip_norm: Optional[float] = None) -> None:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"memory {self.name!r}: momentum must be a float in [0, 1), got {momentum!r}")
+        if clip_norm is not None and (
+            isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not 0.0 < clip_norm < float("inf")
+        ):
+            raise ValueError(f"memory {self.name!r}: clip_norm must be None or a positive number, got {clip_norm!r}")
+        self.momentum = float(momentum)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.momentums: Dict[str, torch.Tensor] = {}  # u
+        self.velocities: Dict[str, torch.Tensor] = {}  # v
+        self._pending: Dict[str, torch.Tensor] = {}  # this step's u, until update() decides
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    @staticmethod
+    def _get(store: Dict[str, torch.Tensor], name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        t = store.get(name)
+        if t is None or t.shape != like.shape:
+            return None
+        return t if t.device == like.device else t.to(like.device)
+
+    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        g = t.float()
+        if self.clip_norm is not None:
+            norm = torch.linalg.vector_norm(g)
+            g = g * (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
+        u_old = self._get(self.momentums, name, g)
+        u = g.clone() if u_old is None else torch.add(g, u_old, alpha=self.momentum)
+        v_old = self._get(self.velocities, name, g)
+        v = u.clone() if v_old is None else v_old + u  # new tensors: neither aliases the state nor t
+        self._pending[name] = u
+        return v
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        v = compensated.float()
+        u = self._pending.pop(name, None)
+        if u is None or u.shape != v.shape:
+            u = torch.zeros_like(v)
+        sent = decoded.reshape(v.shape) != 0
+        u_new = u.masked_fill(sent, 0.0)
+        v_new = v.masked_fill(sent, 0.0)
+        if skip is not None:
+            u_old = self._get(self.momentums, name, v)
+            v_old = self._get(self.velocities, name, v)
+            u_new = torch.where(skip, u_old if u_old is not None else torch.zeros_like(v), u_new)
+            v_new = torch.where(skip, v_old if v_old is not None else torch.zeros_like(v), v_new)
+        self.momentums[name] = u_new
+        self.velocities[name] = v_new
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "momentums": {k: v.cpu() for k, v in self.momentums.items()},
+            "velocities": {k: v.cpu() for k, v in self.velocities.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.momentums = {k: v.clone() for k, v in state.get("momentums", {}).items()}
+        self.velocities = {k: v.clone() for k, v in state.get("velocities", {}).items()}
+        self._pending = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(momentum={self.momentum}, clip_norm={self.clip_norm})"
+
+
 _MEMORIES: Registry[Memory] = Registry("memory", "memories")
-for _cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory):
+for _cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory, DGCMemory):
     _MEMORIES.add(_cls)
 register_memory = _MEMORIES.add
 names = _MEMORIES.names
 
 
 def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
-    """Build a memory by name (``none``, ``residual``, ``efsign``, ``powersgd``)."""
+    """Build a memory by name (``none``, ``residual``, ``efsign``, ``powersgd``, ``dgc``)."""
     if isinstance(kind, Memory):
         if opts:
             raise ValueError("options cannot be given together with a Memory instance")
@@ -130,5 +219,5 @@ def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
     try:
         return cls(**opts)
     except TypeError:
-        valid = {"residual": "beta, gamma"}.get(kind, "(none)")
+        valid = {"residual": "beta, gamma", "dgc": "momentum, clip_norm"}.get(kind, "(none)")
         raise ValueError(f"memory {kind!r}: invalid options {sorted(opts)}; valid options: {valid}") from None

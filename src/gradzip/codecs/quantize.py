@@ -1,12 +1,13 @@
-"""Quantization codecs: casts (none, fp16, bf16), CGX max-min and QSGD."""
+"""Quantization codecs: casts (none, fp16, bf16), CGX max-min, QSGD, TernGrad, natural
+compression, 8-bit dynamic tree (u8bit), INCEPTIONN and threshold binary quantization (TBQ)."""
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
 from ..kernels import bucket_view, pack_bits, packed_bytes, unpack_bits
-from .base import SEED, Codec, Meta, Option, element_size, int_in, one_of
+from .base import SEED, Codec, Meta, Option, element_size, float_in, int_in, one_of
 from .registry import register_codec
 
 
@@ -172,3 +173,439 @@ class QSGD(Codec):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
         return packed_bytes(numel, self.bits) + buckets * 4
+
+
+# ============================================================================ TernGrad
+def _whole_or(bucket_size: int, numel: int) -> int:
+    """Bucket length: ``bucket_size``, or the whole tensor when it is 0."""
+    return bucket_size if bucket_size > 0 else numel
+
+
+def _num_buckets(bucket_size: int, numel: int) -> int:
+    return -(-numel // _whole_or(bucket_size, numel))
+
+
+def _ternary(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes 0, 1, 2 → 0.0, +1.0, -1.0 (fp32); bit 0 is "non-zero", bit 1 is "negative"."""
+    return ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
+
+
+@register_codec
+class TernGrad(Codec):
+    """TernGrad stochastic ternarization (Wen et al., TernGrad, NeurIPS'17).
+
+    Each bucket keeps its scale ``s = max|x|`` (fp32); each value becomes ``s * sign(x) * b``
+    with ``b ~ Bernoulli(|x| / s)``, so decoding is unbiased and every decoded value is 0 or
+    ``±s``. (The paper's optional gradient clipping at 2.5 σ is left out: it would bias the
+    result, and error feedback is the gradzip way to trade bias for variance.)
+
+    Options: ``bucket_size`` (default 0: the whole tensor shares one scale, as in the paper's
+    per-layer scaling; ``n > 0``: one scale per ``n`` values), ``seed`` (private rounding stream).
+    Wire: 2 bits per element packed (``00`` zero, ``01`` +s, ``10`` −s) + one fp32 scale per
+    bucket, i.e. 2.00003 bits/element for a 1 M-element tensor with the default.
+    Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased).
+    """
+
+    name = "terngrad"
+    family = "quantization"
+    paper = "Wen et al., TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep Learning, NeurIPS'17"
+    collectives = ("allgather", "sra")
+    default_memory = "none"
+    stochastic = True
+    options = {
+        "bucket_size": Option(0, int_in(0), "a non-negative integer (0 = whole tensor)", "values sharing one scale"),
+        "seed": SEED,
+    }
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        n = x.numel()
+        buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
+        mags = buckets.abs()
+        scale = mags.amax(dim=1)
+        prob = mags / scale[:, None]  # 0/0 = NaN in an all-zero bucket: NaN < r is false → 0
+        rand = torch.rand(buckets.shape, generator=self._generator(x.device), device=x.device)
+        keep = rand < prob
+        neg = buckets < 0
+        codes = (keep & ~neg).to(torch.uint8) | ((keep & neg).to(torch.uint8) << 1)
+        return [pack_bits(codes.reshape(-1)[:n], 2), scale]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        packed, scale = tensors
+        n = meta.numel
+        vals = bucket_view(_ternary(unpack_bits(packed, 2, n)), _whole_or(self.bucket_size, n))
+        return (vals * scale[:, None]).reshape(-1)[:n]
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return packed_bytes(numel, 2) + 4 * _num_buckets(self.bucket_size, numel)
+
+
+# ================================================================= natural compression
+_MAG = 0x7FFFFFFF  # fp32 bits without the sign
+_INF = 0x7F800000  # fp32 bits of +inf
+_MANT = 1 << 23  # one unit of the fp32 exponent field
+
+
+@register_codec
+class Natural(Codec):
+    """Natural compression (Horváth et al., Natural Compression for Distributed Deep Learning,
+    2019; MSML'22).
+
+    Each ``|x|`` in ``[2**a, 2**(a+1))`` becomes ``2**a`` or ``2**(a+1)``, rounding up with
+    probability ``|x| / 2**a - 1``, so decoding is unbiased; the decoded magnitude is always a
+    power of two bracketing ``|x|`` (powers of two themselves are kept exactly), the relative
+    error is below 1 and the variance at most ``x**2 / 8``. The rounding works on the fp32 bits:
+    a uniform 23-bit integer added to the magnitude bits carries into the exponent field with
+    probability exactly mantissa / 2**23. (fp16 input above 2**15 may round up to 2**16, which
+    fp16 cannot hold: it comes back as inf.)
+
+    Wire: 1 byte per element plus a 4-byte header (8.00003 bits/element for 1 M elements). The
+    header is the int32 ``T``, the biased fp32 exponent of ``max|x|`` rounded up, so every value
+    rounds to at most ``2**(T-127)``. A byte is ``sign << 7 | c``: ``c = 0`` is zero and ``c`` in
+    1..127 is ``2**(T - 254 + c)``. Magnitudes below the smallest code, ``2**(T - 253)``, round
+    to 0 or to that power with probability ``|x| / 2**(T - 253)``, which keeps them unbiased
+    too (to the 2**-23 resolution of the random numbers, like the in-range rounding).
+
+    Options: ``seed`` (private rounding stream). Collectives: ``allgather`` (default) or ``sra``.
+    Default memory: ``none`` (unbiased).
+    """
+
+    name = "natural"
+    family = "quantization"
+    paper = "Horváth et al., Natural Compression for Distributed Deep Learning, MSML'22 (arXiv 2019)"
+    collectives = ("allgather", "sra")
+    default_memory = "none"
+    stochastic = True
+    options = {"seed": SEED}
+
+    _CODES = 127  # exponent codes 1..127 below the header exponent; 0 is zero
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        bits = x.float().contiguous().view(torch.int32)
+        mag = (bits & _MAG).clamp_(max=_INF)  # NaN is sent as inf (the collective flags it)
+        top = ((mag.amax() + (_MANT - 1)) >> 23).reshape(1)  # biased exponent of max|x|, rounded up
+        first = top - (self._CODES - 1)  # biased exponent of code 1
+        gen = self._generator(x.device)
+        rand = torch.randint(0, _MANT, mag.shape, generator=gen, device=x.device, dtype=torch.int32)
+        rounded = (mag + rand) >> 23  # exponent field after stochastic rounding, 0 (zero) .. 255
+        code_in = torch.where(rounded > 0, rounded - (first - 1), 0)
+        # below 2**(first-127): that power with probability |x| / 2**(first-127), else 0
+        scale = ((254 - first).clamp(1, 254) << 23).view(torch.float32)  # 2**(127-first)
+        prob = mag.view(torch.float32) * scale
+        code_under = (rand.float() * (1.0 / _MANT) < prob).to(torch.int32)
+        code = torch.where((mag >> 23) >= first, code_in, code_under)
+        sign = ((bits < 0) & (code > 0)).to(torch.int32) << 7
+        return [(code | sign).to(torch.uint8), top.to(torch.int32)]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        codes, top = tensors
+        # the 256 values a byte can mean under this header, then one lookup per element
+        byte = torch.arange(256, device=codes.device, dtype=torch.int32)
+        code = byte & self._CODES
+        field = (code + (top - self._CODES)).clamp(0, 255) << 23
+        bits = torch.where(code > 0, field, 0) | ((byte >> 7) << 31)
+        return torch.index_select(bits.view(torch.float32), 0, codes.to(torch.int32))
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel + 4
+
+
+# ================================================================================ 8-bit
+def _dynamic_tree_table() -> torch.Tensor:
+    """Dettmers' signed 8-bit dynamic tree: 256 sorted values in [-1, 1] (float64).
+
+    In the tree an 8-bit code is a sign bit, then ``z`` zeros (a decimal exponent, 0..6), an
+    indicator 1 and ``6 - z`` bits of a linear fraction of [0.1, 1]: so ``10**-z`` carries
+    ``2**(6-z)`` values, the midpoints of ``2**(6-z)`` equal steps of [0.1, 1]. The two codes
+    left over are 0 and +1.0 (as in bitsandbytes' ``create_dynamic_map``).
+    """
+    values = [0.0, 1.0]
+    for z in range(7):
+        k = 1 << (6 - z)
+        for j in range(k):
+            frac = 0.1 + 0.9 * (j + 0.5) / k
+            values += [frac * 10.0**-z, -frac * 10.0**-z]
+    return torch.tensor(sorted(values), dtype=torch.float64)
+
+
+_U8_TABLE64 = _dynamic_tree_table()
+_U8_MIDS64 = (_U8_TABLE64[1:] + _U8_TABLE64[:-1]) / 2
+
+
+def _u8_lookup() -> torch.Tensor:
+    """First-candidate table of :func:`_u8_tables`, indexed by the top 16 bits of an fp32."""
+    mids = _U8_MIDS64.float()
+    keys = torch.arange(1 << 16, dtype=torch.int64)
+    neg = keys >= 1 << 15
+    # an interval's smallest float has low bits 0 when positive, all ones when negative
+    def floats(low: torch.Tensor) -> torch.Tensor:
+        bits = (keys << 16) | low
+        return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+    smallest = floats(torch.where(neg, 0xFFFF, 0)).nan_to_num(0.0)  # NaN keys: any entry will do
+    largest = floats(torch.where(neg, 0, 0xFFFF)).nan_to_num(0.0)
+    lut = torch.searchsorted(mids, smallest)
+    if bool(((torch.searchsorted(mids, largest) - lut) > 1).any()):  # import time only
+        raise AssertionError("u8bit lookup: an fp32 interval holds two table midpoints")
+    return lut.to(torch.int32)
+
+
+_U8_LUT = _u8_lookup()
+_U8_CACHE: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _u8_tables(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, midpoints + [inf], first-candidate lookup) on ``device``.
+
+    ``searchsorted(mids, v)`` is the nearest table entry, but a binary search is slow on CPU.
+    The top 16 bits of an fp32 (sign, exponent, 7 mantissa bits) cut the line into intervals of
+    relative width 2**-7 (0.8 %), narrower than any relative gap of the table (≥ 1.4 %), so each
+    interval holds at most one midpoint (checked at import): the entry is
+    ``lut[key] + (mids[lut[key]] < v)``, with ``lut[key]`` the number of midpoints below the
+    interval's smallest float. This equals ``searchsorted(mids, v)`` for every fp32 ``v``.
+    """
+    device = torch.device(device)
+    cached = _U8_CACHE.get(device)
+    if cached is None:
+        mids_inf = torch.cat([_U8_MIDS64.float(), torch.tensor([float("inf")])])
+        cached = (_U8_TABLE64.float().to(device), mids_inf.to(device), _U8_LUT.to(device))
+        _U8_CACHE[device] = cached
+    return cached
+
+
+@register_codec
+class U8bit(Codec):
+    """8-bit quantization with Dettmers' dynamic tree table (Dettmers, 8-Bit Approximations for
+    Parallelism in Deep Learning, ICLR'16; as GRACE's ``u8bit``).
+
+    Each bucket of ``bucket_size`` values keeps its scale ``s = max|x|`` (fp32); each ``x / s``
+    in [-1, 1] becomes the index of the nearest of 256 fixed values (ties to the lower one):
+    0, +1.0 and, for each decimal exponent ``10**-z`` (z = 0..6), the ``2**(6-z)`` midpoints of
+    equal steps of [0.1, 1], with both signs. The error is at most half the gap between the two
+    table entries around ``x / s`` times ``s``: ≤ 0.0070 s near ±1 (−s itself decodes to
+    −0.99297 s), ≤ 0.07 × 10**-z × s in decade z. Deterministic and biased, but the error is
+    relative to the bucket's scale, so no error feedback by default.
+
+    Options: ``bucket_size`` (default 1024, as ``maxmin``; 0 = the whole tensor shares one
+    scale, as in GRACE). Wire: 1 byte (the table index) per element + one fp32 scale per bucket
+    (8.03 bits/element with the default). Collectives: ``allgather`` (default) or ``sra``.
+    Default memory: ``none``.
+    """
+
+    name = "u8bit"
+    family = "quantization"
+    paper = "Dettmers, 8-Bit Approximations for Parallelism in Deep Learning, ICLR'16"
+    collectives = ("allgather", "sra")
+    default_memory = "none"
+    options = {
+        "bucket_size": Option(1024, int_in(0), "a non-negative integer (0 = whole tensor)", "values sharing one scale"),
+    }
+
+    TABLE = _U8_TABLE64.float()  # the 256 values, index = wire code
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        n = x.numel()
+        _, mids, lut = _u8_tables(x.device)
+        buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
+        scale = buckets.abs().amax(dim=1)
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        v = (buckets * inv[:, None]).reshape(-1)[:n].contiguous()
+        key = (v.view(torch.int32) >> 16) & 0xFFFF
+        first = torch.index_select(lut, 0, key)
+        idx = first + (torch.index_select(mids, 0, first) < v).to(torch.int32)
+        return [idx.to(torch.uint8), scale]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        codes, scale = tensors
+        n = meta.numel
+        table, _, _ = _u8_tables(codes.device)
+        vals = bucket_view(torch.index_select(table, 0, codes.to(torch.int32)), _whole_or(self.bucket_size, n))
+        return (vals * scale[:, None]).reshape(-1)[:n]
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel + 4 * _num_buckets(self.bucket_size, numel)
+
+
+# =========================================================================== INCEPTIONN
+def _fp32(v: float) -> float:
+    """``v`` rounded to fp32 (as a Python float), so comparisons in fp32 and fp64 agree."""
+    return torch.tensor(float(v), dtype=torch.float32).item()
+
+
+_SHORT = (torch.float16, torch.bfloat16)  # inputs whose raw values take 2 bytes
+_INC_TABLES: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _inc_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INCEPTIONN lookups on ``device`` (cached): bytes per tag 0..3; int32 masks keeping the low
+    0..4 bytes (by byte count); which of an int32's 4 bytes each tag keeps (4 x 4 bools)."""
+    key = (width, torch.device(device))
+    if key not in _INC_TABLES:
+        lengths = torch.tensor([0, 1, 2, width], dtype=torch.int32)
+        masks = torch.tensor([0, 0xFF, 0xFFFF, 0, -1], dtype=torch.int32)
+        keep = torch.arange(4) < lengths[:, None]
+        _INC_TABLES[key] = (lengths.to(device), masks.to(device), keep.to(device))
+    return _INC_TABLES[key]
+
+
+@register_codec
+class Inceptionn(Codec):
+    """INCEPTIONN error-bounded lossy encoding (Li et al., A Network-Centric Hardware/Algorithm
+    Co-Design to Accelerate Distributed Training of Deep Neural Networks, MICRO'18).
+
+    Every value gets a 2-bit tag choosing how it is stored, so that ``|decode - x| ≤ b`` with
+    ``b = error_bound`` (absolute, as in the paper):
+
+    - tag 0: ``|x| < b`` — nothing is stored, decodes to 0;
+    - tag 1: 1 byte, sign + 7-bit ``m = round(|x| / 2b)`` (``m ≤ 127``: ``|x| ≲ 255 b``),
+      decodes to ``±m · 2b`` — a fixed-point value on a grid of step 2b, so the error is ≤ b;
+    - tag 2: 2 bytes, sign + 15-bit ``m`` on the same grid (``|x| ≲ 65535 b``);
+    - tag 3: the raw value (4 bytes, or 2 for fp16/bf16 input), exact.
+
+    The paper's 8/16-bit tags truncate mantissas of values in (-1, 1); gradzip uses the same
+    four-tag layout with a fixed-point grid tied to the bound, and picks for each value the
+    smallest tag whose decode (cast back to the input dtype) is within ``b`` — the encoder
+    checks the decode itself, so the bound holds exactly for fp32, fp16 and bf16 input and
+    non-finite values travel raw. float64 input is handled as fp32.
+
+    Wire (data-dependent size, ``fixed_size = False``): the packed tags (2 bits/element), then
+    one uint8 stream holding each element's 0/1/2/raw-width bytes in element order (the low
+    bytes of an int32 word in native byte order, little-endian on every supported platform).
+    ``wire_bytes`` is the upper bound ``n/4 + 4n`` (``n/4 + 2n`` for 16-bit input); on 1 M
+    ``randn`` values (80 % in tag 2) a payload is about 16.4 bits/element, on gradient-sized
+    values (``|x| ≲ b``) a few bits. Sizing the stream is the encoder's one implicit device →
+    host wait (``nonzero``), inherent to a data-dependent size; decoding has none.
+
+    Options: ``error_bound`` (default ``2**-10``, the tightest bound the paper evaluates without
+    accuracy loss; a float in [1e-30, 1e30], used rounded to fp32). Collectives: ``allgather``
+    only (SRA needs fixed-size payloads). Default memory: ``residual`` — values under the bound
+    are dropped every step, so without error feedback a weight whose gradient stays below
+    ``b`` would never move; with it, they accumulate until they are sent.
+    """
+
+    name = "inceptionn"
+    family = "quantization"
+    paper = (
+        "Li et al., A Network-Centric Hardware/Algorithm Co-Design to Accelerate Distributed Training "
+        "of Deep Neural Networks (INCEPTIONN), MICRO'18"
+    )
+    collectives = ("allgather",)
+    default_memory = "residual"
+    fixed_size = False
+    options = {
+        "error_bound": Option(2.0**-10, float_in(1e-30, 1e30), "a float in [1e-30, 1e30]", "absolute error bound"),
+    }
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        self._b = _fp32(self.error_bound)
+        self._step = _fp32(2 * self._b)  # the fixed-point grid of tags 1 and 2
+
+    @staticmethod
+    def _raw_bytes(dtype: torch.dtype) -> int:
+        return 2 if dtype in _SHORT else 4
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        xf = x.float()
+        mag = xf.abs()
+        m = torch.floor(mag / self._step + 0.5)
+        approx = m * self._step
+        if x.dtype in _SHORT:  # the decode is cast back: check what the caller will get
+            approx = approx.to(x.dtype).float()
+        ok = (approx - mag).abs() <= self._b  # false for NaN/inf: they go raw
+        # tag 3, minus one if 15 bits do, minus one more if 7 do; 0 under the bound
+        tag = 3 - (ok & (m <= 32767)).to(torch.uint8) - (ok & (m <= 127)).to(torch.uint8)
+        tag = tag * (~(mag < self._b)).to(torch.uint8)  # (NaN is not below the bound: raw)
+        # one int32 word per element, little-endian; the first 0/1/2/width bytes are kept
+        sign_at = (tag.to(torch.int32) << 3) - 1  # tag 1 → bit 7, tag 2 → bit 15
+        fixed = m.clamp(0, 32767).to(torch.int32) | ((xf < 0).to(torch.int32) << sign_at.clamp(min=0))
+        if x.dtype in _SHORT:
+            raw = x.contiguous().view(torch.int16).to(torch.int32)
+        else:
+            raw = xf.contiguous().view(torch.int32)
+        word = torch.where(tag == 3, raw, fixed)
+        keep = torch.index_select(_inc_tables(self._raw_bytes(x.dtype), x.device)[2], 0, tag.to(torch.int32))
+        kept = keep.view(-1).nonzero().view(-1)  # the stream's length depends on the data
+        stream = torch.index_select(word.view(torch.uint8), 0, kept)
+        return [pack_bits(tag, 2), stream]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        packed, stream = tensors
+        n = meta.numel
+        width = self._raw_bytes(meta.dtype)
+        lengths, masks, _ = _inc_tables(width, packed.device)
+        tag = unpack_bits(packed, 2, n)
+        length = torch.index_select(lengths, 0, tag.to(torch.int32))
+        start = torch.cumsum(length, 0, dtype=torch.int32) - length
+        # width bytes from each element's start (reads past the end land in the zero padding),
+        # then the bytes beyond the element's length are masked off
+        padded = torch.cat([stream.reshape(-1), stream.new_zeros(width)])
+        grabbed = torch.index_select(padded.unfold(0, width, 1), 0, start)
+        if width == 2:
+            word = grabbed.view(torch.int16).reshape(n).to(torch.int32) & 0xFFFF
+            raw = grabbed.view(meta.dtype).reshape(n).float()
+        else:
+            word = grabbed.view(torch.int32).reshape(n)
+            raw = word.view(torch.float32)
+        word = word & torch.index_select(masks, 0, length)
+        sign_at = (tag.to(torch.int32) << 3) - 1
+        sign_at = sign_at.clamp_(0, 15)
+        val = (word & ((1 << sign_at) - 1)).float() * self._step  # tag 0: word 0 → 0
+        val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
+        return torch.where(tag == 3, raw, val)
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return packed_bytes(numel, 2) + numel * self._raw_bytes(dtype)
+
+
+# ================================================================================== TBQ
+@register_codec
+class TBQ(Codec):
+    """Threshold binary quantization, TBQ (Strom, Scalable Distributed DNN Training Using
+    Commodity GPU Cloud Computing, Interspeech'15; as in HiPress, Bai et al., SOSP'21).
+
+    With threshold ``τ``, each value becomes ``+τ`` if ``x > τ``, ``−τ`` if ``x < −τ`` and 0
+    otherwise; what is not sent stays in the error-feedback residual (default memory
+    ``residual``, as in Strom's scheme: without it TBQ is heavily biased).
+
+    The encode is one elementwise map and a pack, deterministic and bit-exact, so a generated
+    (CompLL) kernel can be checked against it: ``τ`` is rounded to fp32 once, the comparisons are
+    made in fp32 (16-bit input is first widened exactly), ``code = (x > τ) | (x < −τ) << 1``,
+    and the codes are packed four to a byte, element ``i`` in bits ``2(i mod 4)`` of byte
+    ``i // 4`` (``pack_bits``). Decode maps codes 0/1/2 to 0/+τ/−τ.
+
+    Options: ``threshold`` (default 0.01, a float in [1e-30, 1e30]). ``τ`` is the most an element
+    can move per step; the residual keeps the rest, so ``τ`` should sit at or above the typical
+    per-element gradient (about 1e-4 to 1e-2 in common networks): below that the residual
+    keeps growing, far above it elements are sent only every many steps. (MXNet's 2-bit
+    gradient compression, the same scheme, defaults to 0.5.) Tune it per model.
+    Wire: exactly 2 bits per element (no header; ``τ`` is an option every rank shares).
+    Collectives: ``allgather`` only: in SRA the averaged chunk, whose values lie in [−τ, τ],
+    would be quantized again against the same ``τ`` and come back as all zeros.
+    """
+
+    name = "tbq"
+    family = "quantization"
+    paper = (
+        "Strom, Scalable Distributed DNN Training Using Commodity GPU Cloud Computing, Interspeech'15; "
+        "Bai et al., Gradient Compression Supercharged High-Performance Data Parallel DNN Training (HiPress), SOSP'21"
+    )
+    collectives = ("allgather",)
+    default_memory = "residual"
+    options = {
+        "threshold": Option(0.01, float_in(1e-30, 1e30), "a float in [1e-30, 1e30]", "the threshold τ"),
+    }
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        self._tau = _fp32(self.threshold)
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        xf = x.float()
+        codes = (xf > self._tau).to(torch.uint8) | ((xf < -self._tau).to(torch.uint8) << 1)
+        return [pack_bits(codes, 2)]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        return _ternary(unpack_bits(tensors[0], 2, meta.numel)) * self._tau
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return packed_bytes(numel, 2)

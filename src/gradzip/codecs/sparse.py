@@ -1,24 +1,65 @@
-"""Sparsification codecs: top-k and random-k."""
+"""Sparsification codecs: top-k, random-k, threshold, DGC, gradient dropping and AdaComp.
+
+Four kinds of selection, from exact to adaptive:
+
+- ``topk``: exactly the k largest magnitudes (a full selection, payload of fixed size).
+- ``dgc``: a threshold estimated from a random sample, then capped: if the threshold let through
+  more than ``2k`` values, the exact top-k of those is kept (payload of at most ``2k`` values).
+- ``graddrop``: the sampled threshold alone, no cap: about ``ratio·numel`` values in expectation,
+  exactly how many depends on the sample and the data.
+- ``threshold``: a fixed absolute threshold, no estimate at all; ``adaq`` (AdaComp): a local
+  threshold per bin of 50 values, plus ternary quantisation of what is sent.
+
+The data-dependent ones declare ``fixed_size = False``: the all-gather collective then exchanges
+payload lengths first. They find their indices with ``torch.nonzero``, which on CUDA waits for
+the device once (the output size must be known); there is no other host sync.
+"""
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..kernels import shared_generator
-from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in
+from ..kernels import pack_bits, packed_bytes, shared_generator, unpack_bits
+from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in
 from .registry import register_codec
 
 RATIO = Option(0.01, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of values sent")
+SAMPLE_RATIO = Option(
+    0.01, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of |x| sampled to estimate the threshold"
+)
 
 
 def _k(numel: int, ratio: float) -> int:
     return max(1, min(numel, math.ceil(numel * ratio)))
 
 
+def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int) -> torch.Tensor:
+    """A dense tensor of ``numel`` zeros with ``values`` at ``idx``."""
+    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    return out.index_copy_(0, idx.long(), values)
+
+
+class _ValuesIndices(Codec):
+    """Payload ``[values (input dtype), int32 indices]``; decodes by scattering, aggregates by a
+    scatter-add of every rank's payload in rank order (the same float sums on every rank)."""
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        values, idx = tensors
+        return _scatter(values, idx, meta.numel)
+
+    def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        meta = payloads[0].ctx
+        out = torch.zeros(meta.numel, dtype=torch.float32, device=meta.device)
+        for p in payloads:  # rank order: the same float sums on every rank
+            values, idx = p.tensors
+            out.index_add_(0, idx.long(), values.float())
+        return (out / len(payloads)).reshape(meta.shape).to(meta.dtype)
+
+
 @register_codec
-class TopK(Codec):
+class TopK(_ValuesIndices):
     """Top-k sparsification (Aji & Heafield, EMNLP'17; Stich et al., NeurIPS'18).
 
     Sends the ``k = ceil(ratio * numel)`` values of largest magnitude (in the gradient's dtype)
@@ -40,19 +81,6 @@ class TopK(Codec):
         k = _k(x.numel(), self.ratio)
         _, idx = torch.topk(x.abs(), k, sorted=False)
         return [x[idx], idx.to(torch.int32)]
-
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        values, idx = tensors
-        out = torch.zeros(meta.numel, dtype=values.dtype, device=values.device)
-        return out.index_copy_(0, idx.long(), values)
-
-    def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
-        meta = payloads[0].ctx
-        out = torch.zeros(meta.numel, dtype=torch.float32, device=meta.device)
-        for p in payloads:  # rank order: the same float sums on every rank
-            values, idx = p.tensors
-            out.index_add_(0, idx.long(), values.float())
-        return (out / len(payloads)).reshape(meta.shape).to(meta.dtype)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * (element_size(dtype) + 4)
@@ -104,3 +132,254 @@ class RandomK(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * element_size(dtype)
+
+
+def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
+    """0-dim estimate of the ``ratio`` top quantile of ``mag`` (= |x|) from a random sample.
+
+    ``ceil(numel · sample_ratio)`` magnitudes are drawn uniformly with replacement from this
+    rank's private generator (the whole tensor when that is every element); the threshold is the
+    ``ceil(s · ratio)``-th largest sampled magnitude, so about ``ratio · numel`` values reach it.
+    """
+    n = mag.numel()
+    s = min(n, math.ceil(n * sample_ratio))
+    if s < n:
+        mag = mag[torch.randint(0, n, (s,), generator=gen, device=mag.device)]
+    return torch.topk(mag, _k(s, ratio), sorted=False).values.min()
+
+
+def _upper_bound(numel: int, dtype: torch.dtype) -> int:
+    return numel * (element_size(dtype) + 4)
+
+
+@register_codec
+class Threshold(_ValuesIndices):
+    """Threshold sparsification (Dutta et al., On the Discrepancy between the Theoretical Analysis
+    and Practical Implementations of Compressed Communication for Distributed Deep Learning,
+    AAAI'20; the ``Threshold`` compressor of GRACE, Xu et al., ICDCS'21).
+
+    Sends every value with ``|x| ≥ threshold`` (in the gradient's dtype) and its int32 index. The
+    threshold is absolute, so how much is sent depends on the gradient's scale: 0.01 suits
+    gradients whose typical entries are around 1e-3; tune it to the model. What is not sent
+    waits in the error-feedback memory (default ``residual``) until it grows past the threshold.
+
+    Options: ``threshold`` (default 0.01, ≥ 0). Wire: ``m · (value bytes + 4)`` for the ``m``
+    values that pass, data-dependent (``fixed_size = False``); ``wire_bytes`` is the upper bound
+    ``numel · (value bytes + 4)``, which exceeds the raw size when nearly everything passes.
+    Collective: ``allgather`` (scatter-added).
+    """
+
+    name = "threshold"
+    family = "sparsification"
+    paper = (
+        "Dutta et al., On the Discrepancy between the Theoretical Analysis and Practical Implementations "
+        "of Compressed Communication for Distributed Deep Learning, AAAI'20"
+    )
+    collectives = ("allgather",)
+    default_memory = "residual"
+    fixed_size = False
+    options = {
+        "threshold": Option(0.01, float_in(0.0, math.inf), "a non-negative float", "send values with |x| >= threshold"),
+    }
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        idx = torch.nonzero(x.float().abs() >= self.threshold).reshape(-1)  # CUDA: one device wait
+        return [x[idx], idx.to(torch.int32)]
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return _upper_bound(numel, dtype)
+
+
+@register_codec
+class DGC(_ValuesIndices):
+    """Deep Gradient Compression (Lin et al., Deep Gradient Compression: Reducing the
+    Communication Bandwidth for Distributed Training, ICLR'18).
+
+    Selection as in the paper's implementation: a threshold is estimated from a random sample of
+    ``sample_ratio`` of the magnitudes (drawn from this rank's private generator; the whole
+    tensor when ``sample_ratio=1``) as their top-``ratio`` quantile, and every value with
+    ``|x| ≥ threshold`` is taken. If that lets through more than ``2k`` values
+    (``k = ceil(ratio · numel)``), the exact top-k of them is kept instead; so a payload holds at
+    most ``2k`` values (unlike ``graddrop``, which has no cap, and ``topk``, which always sorts
+    the whole tensor for exactly k). Fewer than k values may be sent when the sample
+    over-estimates the threshold; the memory keeps the rest.
+
+    The rest of DGC lives in the ``dgc`` memory (the default): momentum correction, momentum
+    factor masking and local gradient clipping (``memory_options={"momentum": 0.9,
+    "clip_norm": None}``). Use plain SGD without optimizer momentum with it: the memory already
+    accumulates momentum. The paper's warm-up (sparsity ramped up over the first epochs) is a
+    schedule of ``ratio`` and is not built in.
+
+    Options: ``ratio`` (default 0.001, the paper's 99.9 % sparsity), ``sample_ratio`` (default
+    0.01), ``seed``. Wire: ``m · (value bytes + 4)`` for the ``m ≤ 2k`` values sent
+    (``fixed_size = False``; ``wire_bytes`` gives the bound ``min(numel, 2k) · (value bytes + 4)``).
+    Collective: ``allgather`` (scatter-added).
+    """
+
+    name = "dgc"
+    family = "sparsification"
+    paper = "Lin et al., Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed Training, ICLR'18"
+    collectives = ("allgather",)
+    default_memory = "dgc"
+    fixed_size = False
+    stochastic = True  # the sample differs per rank and step (selection only; values are exact)
+    options = {
+        "ratio": Option(0.001, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of values sent"),
+        "sample_ratio": SAMPLE_RATIO,
+        "seed": SEED,
+    }
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        mag = x.float().abs()
+        thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
+        idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait, the size is data-dependent
+        k = _k(mag.numel(), self.ratio)
+        if idx.numel() > 2 * k:  # the size is known on the host once nonzero has returned
+            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
+        return [x[idx], idx.to(torch.int32)]
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4)
+
+
+@register_codec
+class GradDrop(_ValuesIndices):
+    """Gradient Dropping (Aji & Heafield, Sparse Communication for Distributed Gradient Descent,
+    EMNLP'17), with a sampled threshold as in the ``graddrop`` of HiPress (Bai et al., SOSP'21).
+
+    Drops every value below a threshold chosen so that about ``ratio`` of the values are kept:
+    the top-``ratio`` quantile of a random sample of ``sample_ratio`` of the magnitudes (this
+    rank's private generator). There is no exact selection: unlike ``topk`` (exactly k values,
+    full top-k) and ``dgc`` (capped at 2k by an exact top-k of the over-selection), the number
+    sent is ``ratio · numel`` only in expectation and varies with the sample. Error feedback
+    (default ``residual``) keeps what was dropped, as in the paper.
+
+    Options: ``ratio`` (default 0.01, the paper drops 99 %), ``sample_ratio`` (default 0.01),
+    ``seed``. Wire: ``m · (value bytes + 4)`` for the ``m`` values kept, data-dependent
+    (``fixed_size = False``; ``wire_bytes`` is the bound ``numel · (value bytes + 4)``).
+    Collective: ``allgather`` (scatter-added).
+    """
+
+    name = "graddrop"
+    family = "sparsification"
+    paper = "Aji & Heafield, Sparse Communication for Distributed Gradient Descent, EMNLP'17"
+    collectives = ("allgather",)
+    default_memory = "residual"
+    fixed_size = False
+    stochastic = True  # the sample differs per rank and step (selection only; values are exact)
+    options = {"ratio": RATIO, "sample_ratio": SAMPLE_RATIO, "seed": SEED}
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        mag = x.float().abs()
+        thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
+        idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
+        return [x[idx], idx.to(torch.int32)]
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return _upper_bound(numel, dtype)
+
+
+@register_codec
+class AdaComp(Codec):
+    """AdaComp, adaptive residual gradient compression (Chen et al., AdaComp: Adaptive Residual
+    Gradient Compression for Data-Parallel Distributed Training, AAAI'18).
+
+    From the paper (its Algorithm 1): the codec input ``G`` (the residual plus the new gradient
+    ``dW``, i.e. the ``residual`` memory's output) is cut into bins of ``bin_size`` values; each
+    bin's ``g_max = max |G|``; an element is sent when ``|H| ≥ g_max`` of its bin, with the
+    self-adjusting ``H = G + dW``, so values that the newest gradient pushes up go out early and
+    the compression rate follows local activity. The codec does not see ``dW`` by itself; it
+    keeps, per tensor name, the residual it left last step (``G − decoded``, what the
+    ``residual`` memory with β = γ = 1 stores) and takes ``dW = G − that residual``. With another
+    memory this ``dW`` is only an estimate (selection only; the result stays correct).
+    ``self_adjust=False`` uses ``H = G`` (only each bin's maximum, ties included). Elements with
+    ``G = 0`` are never sent. A non-finite input leaves the kept residual unchanged.
+
+    Quantisation ("Q"): sent values become ternary ``±scale`` with one per-tensor fp32
+    ``scale = mean |G|`` over the sent values (our choice of the layer-wide scale).
+
+    Wire format (compact: in-bin indices rather than global int32 ones): per bin the
+    number of values sent (``num_bins`` counts), each sent value's index inside its bin, both
+    uint8 when ``bin_size ≤ 255`` and int16 otherwise, the sign bits of the sent values packed 8
+    per byte, and the fp32 scale. About ``m · 9 bits + num_bins · 8 bits + 32`` for ``m`` values
+    sent; data-dependent (``fixed_size = False``); ``wire_bytes`` is the bound with every value
+    sent, ``1.15 bytes`` per element for ``bin_size = 50`` (below the raw size of fp32 and fp16).
+    Note: GRACE's ``adaq`` is a different method (Dryden et al., MLHPC'16); the name is kept.
+
+    Options: ``bin_size`` (default 50, the paper's L_T for convolutions; 500 for fully connected
+    layers; 1..32767), ``self_adjust`` (default True). Default memory: ``residual``.
+    Collective: ``allgather``; payloads are decoded and averaged.
+    """
+
+    name = "adaq"
+    family = "sparsification"
+    paper = "Chen et al., AdaComp: Adaptive Residual Gradient Compression for Data-Parallel Distributed Training, AAAI'18"
+    collectives = ("allgather",)
+    default_memory = "residual"
+    fixed_size = False
+    options = {
+        "bin_size": Option(50, int_in(1, 32767), "an integer in 1..32767", "values per selection bin (L_T)"),
+        "self_adjust": Option(True, lambda v: isinstance(v, bool), "True or False", "select on H = G + dW"),
+    }
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        self._residuals: Dict[str, torch.Tensor] = {}
+        self._index_dtype = torch.uint8 if self.bin_size <= 255 else torch.int16
+
+    def _bins(self, numel: int) -> Tuple[int, int]:
+        size = min(self.bin_size, numel)
+        return size, -(-numel // size)
+
+    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        g = x.float()
+        n = g.numel()
+        size, nb = self._bins(n)
+        pad = nb * size - n
+        mag = torch.nn.functional.pad(g.abs(), (0, pad)).view(nb, size)  # zero padding is never sent
+        prev = self._residuals.get(meta.name) if self.self_adjust else None
+        if prev is not None and prev.shape == g.shape:
+            h = (2 * g - prev.to(g.device)).abs()  # |G + dW| with dW = G - residual
+        elif self.self_adjust:
+            h = 2 * mag  # no residual yet: dW = G
+        else:
+            h = mag
+        if h.dim() == 1:
+            h = torch.nn.functional.pad(h, (0, pad)).view(nb, size)
+        gmax = mag.amax(dim=1, keepdim=True)
+        sel = (h >= gmax) & (mag > 0)  # the zero padding of the last bin is never selected
+        idx = torch.nonzero(sel.view(-1)).reshape(-1)  # ascending, so bin-major; CUDA: one wait
+        m = idx.numel()
+        local = torch.remainder(idx, size)
+        values = g.index_select(0, idx)
+        scale = (values.abs().sum() / max(m, 1)).reshape(1)
+        nonneg = values >= 0
+        if self.self_adjust:
+            sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * scale)
+            old = prev if prev is not None and prev.shape == g.shape else torch.zeros_like(g)
+            self._residuals[meta.name] = torch.where(torch.isfinite(g.sum()), g - sent, old.to(g.device))
+        counts = sel.sum(dim=1).to(self._index_dtype)
+        return [counts, local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
+
+    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        counts, local, signs, scale = tensors
+        n = meta.numel
+        size, nb = self._bins(n)
+        m = local.numel()
+        bins = torch.repeat_interleave(torch.arange(nb, device=local.device), counts.long(), output_size=m)
+        idx = bins * size + local.long()
+        values = unpack_bits(signs, 1, m).float().mul_(2).sub_(1).mul_(scale.float())
+        return torch.zeros(n, dtype=torch.float32, device=local.device).index_copy_(0, idx, values)
+
+    def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        width = 1 if self.bin_size <= 255 else 2
+        return (self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        state["residuals"] = {k: v.cpu() for k, v in self._residuals.items()}
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}

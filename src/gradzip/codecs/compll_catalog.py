@@ -1,0 +1,87 @@
+"""Catalogue codecs re-written with the CompLL primitives (:mod:`gradzip.compll`).
+
+Each is a few lines of ``compress``/``decompress`` and produces the same bytes and the same
+decoded values as its hand-written twin (``terngrad``, ``tbq``, ``onebit``), which the tests
+check bit for bit. They are registered as ``cl_terngrad``, ``cl_tbq`` and ``cl_onebit``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import compll as cl
+from ..kernels import packed_bytes
+from .quantize import TBQ, TernGrad
+from .sign import OneBit
+
+
+def _ternary(code: torch.Tensor, scale) -> torch.Tensor:
+    """2-bit codes 0/1/2 → 0/+scale/−scale."""
+    return ((code & 1).to(torch.int8) - (code >> 1).to(torch.int8)).float() * scale
+
+
+@cl.register
+class CLTernGrad(cl.CompLLCodec):
+    """TernGrad (Wen et al., NeurIPS'17) in CompLL: same options and output as ``terngrad``."""
+
+    name, family, paper, stochastic = "cl_terngrad", "quantization", TernGrad.paper, True
+    collectives, options = TernGrad.collectives, TernGrad.options
+
+    def compress(self, x, ctx):
+        size = self.bucket_size or x.numel()
+        scale = cl.reduce(x, "absmax", size)
+        rand = cl.random(ctx, scale.numel() * size)[: x.numel()]
+        s = scale.repeat_interleave(size)[: x.numel()]
+        keep_shift = cl.map(lambda v, s, r: (r < v.abs() / s).to(torch.uint8) << (v < 0).to(torch.uint8), x, s, rand)
+        return [cl.pack(keep_shift, 2), scale]
+
+    def decompress(self, wire, ctx):
+        s = wire[1].repeat_interleave(self.bucket_size or ctx.numel)[: ctx.numel]
+        return cl.map(_ternary, cl.unpack(wire[0], 2, ctx.numel), s)
+
+    def _wire_bytes(self, numel, dtype):
+        return packed_bytes(numel, 2) + 4 * -(-numel // (self.bucket_size or numel))
+
+
+@cl.register
+class CLTBQ(cl.CompLLCodec):
+    """Threshold binary quantization (Strom'15; HiPress) in CompLL: same output as ``tbq``."""
+
+    name, family, paper, wire_bits = "cl_tbq", "quantization", TBQ.paper, 2
+    collectives, options, default_memory = TBQ.collectives, TBQ.options, TBQ.default_memory
+
+    def __init__(self, **opts):
+        super().__init__(**opts)
+        self.tau = torch.tensor(self.threshold, dtype=torch.float32).item()  # τ rounded to fp32 once
+
+    def compress(self, x, ctx):
+        t = self.tau
+        return [cl.pack(cl.map(lambda v: (v > t).to(torch.uint8) | ((v < -t).to(torch.uint8) << 1), x), 2)]
+
+    def decompress(self, wire, ctx):
+        return cl.map(_ternary, cl.unpack(wire[0], 2, ctx.numel), self.tau)
+
+
+@cl.register
+class CLOneBit(cl.CompLLCodec):
+    """1-bit SGD (Seide et al., Interspeech'14) in CompLL: same output as ``onebit``."""
+
+    name, family, paper = "cl_onebit", "sign", OneBit.paper
+    collectives, options, default_memory = OneBit.collectives, OneBit.options, OneBit.default_memory
+
+    def _size(self, numel):
+        return self.bucket_size if 0 < self.bucket_size < numel else numel
+
+    def compress(self, x, ctx):
+        size = self._size(x.numel())
+        neg, nonneg = cl.map(lambda v: v < 0, x), cl.map(lambda v: v >= 0, x)
+        mean_neg = cl.reduce(x.clamp(max=0), "sum", size) / cl.reduce(neg.long(), "sum", size).clamp_min(1)
+        mean_pos = cl.reduce(x.clamp(min=0), "sum", size) / cl.reduce(nonneg.long(), "sum", size).clamp_min(1)
+        return [cl.pack(nonneg.to(torch.uint8), 1), torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
+
+    def decompress(self, wire, ctx):
+        size, means = self._size(ctx.numel), wire[1].view(-1, 2)
+        mn, mp = (means[:, i].repeat_interleave(size)[: ctx.numel] for i in (0, 1))
+        return cl.map(lambda b, mp, mn: b * mp + (1 - b) * mn, cl.unpack(wire[0], 1, ctx.numel).float(), mp, mn)
+
+    def _wire_bytes(self, numel, dtype):
+        return packed_bytes(numel, 1) + 8 * -(-numel // self._size(numel))

@@ -1,0 +1,241 @@
+"""HiPress CaSync-PS: partitions aggregated by round-robin aggregator ranks (a sharded parameter server)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec, Payload
+from .base import (
+    Collective,
+    Result,
+    Spec,
+    Timer,
+    all_gather_flat,
+    from_bytes,
+    nonfinite_flag,
+    own_payload,
+    register_collective,
+    spec_bytes,
+    spec_of,
+    to_bytes,
+    world,
+)
+
+
+def aggregator(call: int, partition: int, world_size: int) -> int:
+    """The rank that aggregates ``partition`` in the ``call``-th call: ``(call + partition) mod W``."""
+    return (call + partition) % world_size
+
+
+def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_partition: int) -> int:
+    """Partitions of a tensor: ``partitions`` (default the world size), but none below ``min_partition``
+    elements, so tiny tensors go whole to one aggregator. Depends only on sizes: equal on every rank."""
+    wanted = partitions if partitions is not None else world_size
+    return max(1, min(wanted, numel // min_partition))
+
+
+def partition_bounds(numel: int, parts: int) -> List[Tuple[int, int]]:
+    """``(start, end)`` of each partition: contiguous, sizes differing by at most one."""
+    return [(p * numel // parts, (p + 1) * numel // parts) for p in range(parts)]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@register_collective
+class ParameterServer(Collective):
+    """HiPress CaSync-PS (Bai et al., Gradient Compression Supercharged High-Performance Data
+    Parallel DNN Training, SOSP'21): every rank is the aggregator (server) of some partitions.
+
+    Each tensor is cut into ``K`` contiguous partitions (``partitions``, default the world size W;
+    never below ``min_partition`` elements, so a tiny tensor is one partition). In the c-th call
+    of this collective, partition p is aggregated by rank ``(c + p) mod W``; every rank makes the
+    same calls in the same order, so the call counter, and with it the assignment, is the same on
+    every rank, and the aggregation load rotates over tensors and partitions.
+
+    1. Every rank encodes each partition (as the tensor ``name#p``) and sends it to the partition's
+       aggregator, all partitions in one ``all_to_all_single``. Payloads whose size depends on the
+       data first all-gather their tensor lengths.
+    2. An aggregator decodes the W payloads of its partition in rank order, merges them with
+       ``codec.aggregate`` and encodes the merged partition once more (same name and step, so
+       shared randomness such as random-k's indices is the same); summable codecs instead sum the
+       payloads (as ``allreduce`` does, the input is divided by W first) and are not re-encoded.
+    3. The aggregated payloads are all-gathered (padded to the longest), and every rank, the
+       aggregators included, decodes those same bytes in partition order: replicas are identical.
+
+    The non-finite flag rides in every message: an aggregator ORs the flags it received into the
+    message it sends back. Each rank sends about ``(W-1)/W · wire_bytes`` to aggregators and its
+    merged partitions (about ``wire_bytes / W``) to W-1 ranks: about ``2 · wire_bytes`` in all,
+    whatever W, as in ``sra``. Values of non-summable codecs are quantised twice (signSGD's tied
+    votes come back as +1: the re-encoded sign of zero). ``Result.wire_bytes`` counts this rank's
+    partition payloads plus its merged ones, once each.
+
+    Any codec may use it except multi-round ones (PowerSGD's ``next_round`` needs all-reduce
+    rounds): :meth:`supports` decides this, not the codec's ``collectives`` tuple. A codec with
+    state of its own (per-name momentum or residuals inside the codec) re-encodes the aggregate
+    with a fresh instance, so its state only ever sees this rank's own partitions.
+
+    Options: ``partitions`` (default None: the world size), ``min_partition`` (elements, default
+    4096). ``Communicator`` builds collectives as ``cls(group)``, so there they take the defaults.
+    """
+
+    name = "ps"
+
+    def __init__(
+        self, group: Optional[dist.ProcessGroup] = None, partitions: Optional[int] = None, min_partition: int = 4096
+    ) -> None:
+        super().__init__(group)
+        if partitions is not None and not (_is_int(partitions) and partitions >= 1):
+            raise ValueError(f"collective 'ps': partitions must be a positive integer or None, got {partitions!r}")
+        if not (_is_int(min_partition) and min_partition >= 1):
+            raise ValueError(f"collective 'ps': min_partition must be a positive integer, got {min_partition!r}")
+        self.partitions = partitions
+        self.min_partition = min_partition
+        self.calls = 0  # calls so far: the same on every rank
+        self.aggregated: List[int] = []  # partitions this rank aggregated in the last call
+
+    def supports(self, codec: Codec) -> bool:
+        return type(codec).next_round is Codec.next_round
+
+    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+        rank, w = world(self.group)
+        timer = Timer()
+        x = x.reshape(-1)
+        n = x.numel()
+        parts = num_partitions(n, self.partitions, w, self.min_partition)
+        call, self.calls = self.calls, self.calls + 1
+        owner = [aggregator(call, p, w) for p in range(parts)]
+        mine = [p for p in range(parts) if owner[p] == rank]
+        self.aggregated = mine
+        summable = codec.summable
+        flag = nonfinite_flag(x)
+        src = x / w if summable and w > 1 else x  # summed payloads then decode to the mean
+
+        # phase 1: encode every partition, send it to its aggregator
+        encoded = [
+            timer.encode(codec.encode, src[a:b], f"{name}#{p}", step)
+            for p, (a, b) in enumerate(partition_bounds(n, parts))
+        ]
+        bufs = [to_bytes(e.tensors, flag) for e in encoded]
+        own_specs = [spec_of(e.tensors) for e in encoded]
+        if codec.fixed_size:
+            specs = [own_specs] * w
+        else:
+            specs = self._exchange_specs(own_specs, [[t.numel() for t in e.tensors] for e in encoded], w, x.device)
+        sizes = [[spec_bytes(s) for s in row] for row in specs]  # sizes[r][p]: rank r's message for p
+        send = [bufs[p] for d in range(w) for p in range(parts) if owner[p] == d]
+        send_splits = [sum(sizes[rank][p] for p in range(parts) if owner[p] == d) for d in range(w)]
+        recv_splits = [sum(sizes[r][p] for p in mine) for r in range(w)]
+        send_buf = torch.cat(send) if send else x.new_empty(0, dtype=torch.uint8)
+        if w > 1:
+            recv_buf = send_buf.new_empty(sum(recv_splits))
+            dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits, group=self.group)
+        else:
+            recv_buf = send_buf
+
+        # phase 2: aggregate my partitions, encode each once
+        merged_tensors = {}
+        merged_bufs = {}
+        offset = 0
+        received = {p: [] for p in mine}
+        for r in range(w):  # rank r's messages for my partitions, in partition order
+            for p in mine:
+                received[p].append(from_bytes(recv_buf[offset : offset + sizes[r][p]], specs[r][p]))
+                offset += sizes[r][p]
+        for p in mine:
+            flags = torch.stack([f for _, f in received[p]]).any()
+            if summable:
+                merged = timer.decode(_sum_payloads, [t for t, _ in received[p]])
+            else:
+                payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
+                mean = timer.decode(codec.aggregate, payloads).reshape(-1)
+                merged = timer.encode(_reencoder(codec).encode, mean, f"{name}#{p}", step).tensors
+            merged_tensors[p] = merged
+            merged_bufs[p] = to_bytes(merged, flags)
+
+        # phase 3: every rank gets every aggregated partition and decodes the same bytes
+        if codec.fixed_size:
+            specs2 = own_specs  # the merged partition has the shape and dtype of the first round
+        else:
+            specs2 = self._merged_specs(own_specs, merged_tensors, x.device)
+        sizes2 = [spec_bytes(s) for s in specs2]
+        lengths = [sum(sizes2[p] for p in range(parts) if owner[p] == d) for d in range(w)]
+        longest = max(lengths)
+        contribution = [merged_bufs[p] for p in mine]
+        pad = longest - lengths[rank]
+        if pad:
+            contribution.append(send_buf.new_zeros(pad))
+        mine_buf = torch.cat(contribution)
+        gathered = self._all_gather_bytes(mine_buf, w)
+        outs, flags2 = [], []
+        offsets = [0] * w
+        for p in range(parts):
+            d = owner[p]
+            tensors, f = from_bytes(gathered[d, offsets[d] : offsets[d] + sizes2[p]], specs2[p])
+            offsets[d] += sizes2[p]
+            outs.append(timer.decode(codec.decode, Payload(tensors, encoded[p].ctx)).reshape(-1))
+            flags2.append(f)
+        avg = torch.cat(outs) if parts > 1 else outs[0]
+        own = None
+        if need_own:
+            scale = float(w) if summable else 1.0
+            own = torch.cat([own_payload(codec, e, timer, scale) for e in encoded])
+        wire = sum(e.nbytes for e in encoded) + sum(
+            t.numel() * t.element_size() for p in mine for t in merged_tensors[p]
+        )
+        return Result(avg, own, torch.stack(flags2).any(), wire, timer.encode_s, timer.decode_s)
+
+    # ------------------------------------------------------------ variable-size payloads
+    def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:
+        """Every rank's spec of every partition: tensor lengths all-gathered (one host sync)."""
+        flat = torch.tensor([v for row in numels for v in row], dtype=torch.int64, device=device)
+        table = flat.new_empty(w, flat.numel())
+        if w > 1 and flat.numel():
+            all_gather_flat(table.view(-1), flat, self.group)
+        else:
+            table[:] = flat
+        rows = table.tolist()
+        out = []
+        for row in rows:
+            specs, i = [], 0
+            for spec in own_specs:
+                specs.append([(dtype, row[i + j]) for j, (dtype, _) in enumerate(spec)])
+                i += len(spec)
+            out.append(specs)
+        return out
+
+    def _merged_specs(self, own_specs: List[Spec], merged: dict, device) -> List[Spec]:
+        """Specs of the aggregated partitions: each aggregator's lengths, summed over ranks (one host sync)."""
+        starts, total = [], 0
+        for spec in own_specs:
+            starts.append(total)
+            total += len(spec)
+        flat = torch.zeros(total, dtype=torch.int64, device=device)
+        for p, tensors in merged.items():
+            flat[starts[p] : starts[p] + len(tensors)] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized() and world(self.group)[1] > 1 and total:
+            dist.all_reduce(flat, group=self.group)  # one aggregator per partition: the sum is its row
+        row = flat.tolist()
+        return [[(dtype, row[starts[p] + j]) for j, (dtype, _) in enumerate(spec)] for p, spec in enumerate(own_specs)]
+
+
+def _reencoder(codec: Codec) -> Codec:
+    """The codec that re-encodes an aggregate: ``codec`` itself when its encode is a pure function,
+    a fresh instance when it keeps state of its own (it overrides ``state_dict``: signum's momentum,
+    adaq's residual), so the aggregate neither reads nor overwrites this rank's state."""
+    if type(codec).state_dict is Codec.state_dict:
+        return codec
+    return type(codec)(**codec.config())
+
+
+def _sum_payloads(payloads: Sequence[List[torch.Tensor]]) -> List[torch.Tensor]:
+    """Element-wise sum of summable payloads in rank order (in their own dtypes, as an all-reduce)."""
+    out = [t.clone() for t in payloads[0]]
+    for tensors in payloads[1:]:
+        for acc, t in zip(out, tensors):
+            acc += t
+    return out

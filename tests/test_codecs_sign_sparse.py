@@ -1,0 +1,536 @@
+"""Expected behaviour of onebit, signum, threshold, dgc, graddrop, adaq and the DGC memory.
+
+The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/test_codecs.py; these
+tests pin down what each method is meant to compute.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.codecs import Payload
+from gradzip.memory import DGCMemory, memory
+
+NEW = ["onebit", "signum", "threshold", "dgc", "graddrop", "adaq"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _round_trip(c, x, name="t", step=0):
+    return c.decode(c.encode(x, name=name, step=step))
+
+
+def _distinct(n: int, seed: int = 0) -> torch.Tensor:
+    """Values with distinct magnitudes and random signs."""
+    g = torch.Generator().manual_seed(seed)
+    mags = (torch.randperm(n, generator=g) + 1).float() / n
+    return mags * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+
+
+# ============================================================================ all new codecs
+@pytest.mark.parametrize("name", NEW)
+def test_metadata(name):
+    c = gradzip.codec(name)
+    assert c.collectives == ("allgather",)
+    assert c.paper and c.family and type(c).__doc__ and "Wire" in type(c).__doc__
+    expected_memory = {"signum": "none", "dgc": "dgc"}.get(name, "residual")
+    assert c.default_memory == expected_memory
+    assert c.fixed_size == (name in ("onebit", "signum"))
+    comm = gradzip.Communicator(name)
+    assert comm.memory.name == expected_memory and comm.collective_name == "allgather"
+    comm.close()
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_decode_other_ranks_payload_with_own_ctx(name):
+    a, b = gradzip.codec(name), gradzip.codec(name)
+    mine = a.encode(_randn((1001,), seed=1), name="w", step=3)
+    other = b.encode(_randn((1001,), seed=2) * 3, name="w", step=3)
+    assert torch.equal(a.decode(Payload(other.tensors, mine.ctx)), b.decode(other))
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("onebit", {"bucket_size": 1}),
+        ("onebit", {"bucket_size": 7}),
+        ("onebit", {"bucket_size": 5000}),
+        ("threshold", {"threshold": 0.0}),
+        ("threshold", {"threshold": 1.0}),
+        ("dgc", {"ratio": 0.3, "sample_ratio": 1.0}),
+        ("dgc", {"ratio": 1.0}),
+        ("graddrop", {"ratio": 0.5}),
+        ("adaq", {"bin_size": 1}),
+        ("adaq", {"bin_size": 7, "self_adjust": False}),
+        ("adaq", {"bin_size": 300}),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 7, 1001, 4099])
+def test_wire_bytes_of_option_variants(name, opts, dtype, n):
+    c = gradzip.codec(name, **opts)
+    x = _randn((n,), dtype, seed=n)
+    for step in range(2):  # adaq's second step selects with its kept residual
+        p = c.encode(x, name="w", step=step)
+        bound = c.wire_bytes(n, dtype)
+        if c.fixed_size:
+            assert p.nbytes == bound
+        else:
+            assert p.nbytes <= bound
+        y = c.decode(p)
+        assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize(
+    "name,opts,expect",
+    [
+        ("onebit", {"bucket_size": -1}, "non-negative"),
+        ("onebit", {"bucket_size": 2.0}, "non-negative"),
+        ("signum", {"momentum": 1.0}, r"\[0, 1\)"),
+        ("signum", {"momentum": -0.1}, r"\[0, 1\)"),
+        ("signum", {"momentum": True}, r"\[0, 1\)"),
+        ("threshold", {"threshold": -0.1}, "non-negative"),
+        ("threshold", {"threshold": float("nan")}, "non-negative"),
+        ("threshold", {"threshold": "0.1"}, "non-negative"),
+        ("dgc", {"ratio": 0.0}, r"\(0, 1\]"),
+        ("dgc", {"sample_ratio": 0.0}, r"\(0, 1\]"),
+        ("dgc", {"sample_ratio": 1.5}, r"\(0, 1\]"),
+        ("dgc", {"seed": -1}, "non-negative"),
+        ("graddrop", {"ratio": 1.5}, r"\(0, 1\]"),
+        ("adaq", {"bin_size": 0}, "1..32767"),
+        ("adaq", {"bin_size": 40000}, "1..32767"),
+        ("adaq", {"self_adjust": 1}, "True or False"),
+    ],
+)
+def test_bad_options(name, opts, expect):
+    with pytest.raises(ValueError, match=expect) as err:
+        gradzip.codec(name, **opts)
+    assert next(iter(opts)) in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+def test_sampling_leaves_global_rng_alone(name):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    gradzip.codec(name).encode(_randn((100_000,)), name="w")
+    assert torch.equal(torch.rand(3), expected)
+
+
+# =================================================================================== onebit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_onebit_decodes_to_the_two_means(dtype):
+    x = _randn((33, 17), dtype, seed=3)
+    x[0, :5] = 0.0  # zero counts as non-negative
+    p = gradzip.codec("onebit").encode(x)
+    y = gradzip.codec("onebit").decode(p)
+    xf = x.float()
+    pos, neg = xf >= 0, xf < 0
+    mean_pos, mean_neg = xf[pos].mean(), xf[neg].mean()
+    torch.testing.assert_close(p.tensors[1], torch.stack([mean_neg, mean_pos]), rtol=1e-6, atol=1e-7)
+    sent_neg, sent_pos = p.tensors[1]
+    assert torch.equal(y, torch.where(pos, sent_pos, sent_neg).to(dtype))  # exactly the two sent means
+    assert len(torch.unique(y)) == 2
+
+
+def test_onebit_per_bucket_means_and_tail():
+    x = _randn((1001,), seed=4)
+    y = _round_trip(gradzip.codec("onebit", bucket_size=7), x)
+    for b in range(0, 1001, 7):  # the last bucket holds 0 values beyond 1001: its means are its own
+        xb, yb = x[b : b + 7], y[b : b + 7]
+        for mask in (xb >= 0, xb < 0):
+            if mask.any():
+                torch.testing.assert_close(yb[mask], xb[mask].mean().expand(int(mask.sum())))
+    # one-signed tensors: everything decodes to the mean
+    assert torch.allclose(_round_trip(gradzip.codec("onebit"), torch.full((9,), 2.5)), torch.full((9,), 2.5))
+    z = torch.arange(1.0, 11.0).neg()
+    assert torch.allclose(_round_trip(gradzip.codec("onebit"), z), z.mean().expand(10))
+    assert torch.equal(_round_trip(gradzip.codec("onebit"), torch.zeros(9)), torch.zeros(9))
+
+
+def test_onebit_error_feedback_keeps_the_sum():
+    c, m = gradzip.codec("onebit"), memory("residual")
+    g = _randn((500,), seed=5)
+    sent = torch.zeros(500)
+    for step in range(20):
+        inp = m.compensate(g, "w")
+        out = c.decode(c.encode(inp, name="w", step=step))
+        m.update("w", inp, out)
+        sent += out
+    torch.testing.assert_close(sent + m.residuals["w"], 20 * g, rtol=1e-4, atol=1e-4)
+
+
+# =================================================================================== signum
+def test_signum_momentum_follows_the_formula():
+    beta = 0.8
+    c = gradzip.codec("signum", momentum=beta)
+    g1 = _randn((50,), seed=1)
+    g2 = -0.5 * g1 + 0.01 * _randn((50,), seed=2)  # m2 ≈ 0.06 g1: the opposite sign of g2
+    p1 = c.encode(g1, name="w")
+    m1 = (1 - beta) * g1
+    torch.testing.assert_close(c._momentum["w"], m1)
+    assert torch.equal(c.decode(p1), torch.where(m1 >= 0, 1.0, -1.0))
+    p2 = c.encode(g2, name="w")
+    m2 = beta * m1 + (1 - beta) * g2
+    torch.testing.assert_close(c._momentum["w"], m2)
+    assert torch.equal(c.decode(p2), torch.where(m2 >= 0, 1.0, -1.0))
+    assert not torch.equal(torch.sign(m2), torch.sign(g2))  # the momentum, not the gradient, is sent
+    # other names keep their own momentum; a new shape starts over
+    c.encode(g1, name="b")
+    torch.testing.assert_close(c._momentum["b"], m1)
+    c.encode(torch.ones(4), name="w")
+    torch.testing.assert_close(c._momentum["w"], torch.full((4,), 1 - beta))
+
+
+def test_signum_state_dict_round_trip():
+    c = gradzip.codec("signum")
+    for s in range(3):
+        c.encode(_randn((40,), seed=s), name="w")
+    c2 = gradzip.codec("signum")
+    c2.load_state_dict(c.state_dict())
+    g = _randn((40,), seed=9)
+    assert torch.equal(c2.encode(g, name="w").tensors[0], c.encode(g, name="w").tensors[0])
+    assert torch.equal(c2._momentum["w"], c._momentum["w"])
+    c2._momentum["w"].add_(1)  # the loaded state is a copy
+    assert not torch.equal(c2._momentum["w"], c._momentum["w"])
+
+
+def test_signum_majority_vote_and_momentum_zero_is_signsgd():
+    xs = [_randn((7, 143), seed=s) for s in range(3)]
+    c = gradzip.codec("signum")
+    payloads = [gradzip.codec("signum").encode(x, name="g") for x in xs]  # one codec per "rank"
+    out = c.aggregate(payloads)
+    assert torch.equal(out, torch.sign(sum(torch.where(x >= 0, 1.0, -1.0) for x in xs)))
+    tie = c.aggregate([c.encode(torch.tensor([1.0, -1.0]), name="t"), gradzip.codec("signum").encode(torch.tensor([-1.0, -3.0]), name="t")])
+    assert torch.equal(tie, torch.tensor([0.0, -1.0]))
+    s0, plain = gradzip.codec("signum", momentum=0.0), gradzip.codec("signsgd")
+    for x in xs:
+        assert torch.equal(s0.encode(x, name="w").tensors[0], plain.encode(x, name="w").tensors[0])
+
+
+def test_signum_nonfinite_gradient_keeps_momentum():
+    c = gradzip.codec("signum")
+    c.encode(_randn((20,), seed=1), name="w")
+    before = c._momentum["w"].clone()
+    bad = _randn((20,), seed=2)
+    bad[3] = float("nan")
+    c.encode(bad, name="w")
+    assert torch.equal(c._momentum["w"], before)
+
+
+# ================================================================================ threshold
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tau", [0.0, 0.01, 0.5, 2.0, 100.0])
+def test_threshold_keeps_exactly_the_values_at_or_above(tau, dtype):
+    x = _randn((2003,), seed=6).to(dtype)
+    x[:3] = torch.tensor([tau, -tau, tau / 2], dtype=dtype)  # ties are kept
+    c = gradzip.codec("threshold", threshold=tau)
+    p = c.encode(x)
+    keep = x.float().abs() >= tau
+    assert p.tensors[1].dtype == torch.int32 and p.tensors[0].dtype == dtype
+    assert torch.equal(p.tensors[1].long(), keep.nonzero().reshape(-1))
+    assert p.nbytes == int(keep.sum()) * (x.element_size() + 4)
+    y = c.decode(p)
+    assert torch.equal(y, torch.where(keep, x, torch.zeros_like(x)))
+
+
+def test_threshold_aggregate_overlapping_indices():
+    c = gradzip.codec("threshold", threshold=1.0)
+    a = torch.tensor([4.0, 0.5, 3.0, 0.0])
+    b = torch.tensor([2.0, 5.0, 0.2, -1.0])
+    out = c.aggregate([c.encode(a), c.encode(b)])
+    torch.testing.assert_close(out, torch.tensor([3.0, 2.5, 1.5, -0.5]))
+
+
+# ====================================================================================== dgc
+def test_dgc_keeps_about_ratio_n_on_randn():
+    n, ratio = 1 << 20, 0.001
+    k = math.ceil(n * ratio)
+    c = gradzip.codec("dgc", ratio=ratio)
+    x = _randn((n,), seed=7)
+    counts = []
+    for step in range(10):
+        p = c.encode(x, name="w", step=step)
+        m = p.tensors[0].numel()
+        assert m <= 2 * k and p.nbytes == m * 8 <= c.wire_bytes(n)
+        y = c.decode(p)
+        kept = y != 0
+        assert torch.equal(y[kept], x[kept]) and int(kept.sum()) == m
+        if (~kept).any():  # a threshold: nothing dropped is larger than what was kept
+            assert x[kept].abs().min() >= x[~kept].abs().max()
+        counts.append(m)
+    mean = sum(counts) / len(counts)
+    assert 0.7 * k <= mean <= 1.5 * k, counts
+    assert len(set(counts)) > 1  # the sample, hence the count, changes from step to step
+
+
+@pytest.mark.parametrize("n", [1, 7, 1001, 4099])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.5])
+def test_dgc_whole_tensor_sample_is_top_k(n, ratio):
+    x = _distinct(n, seed=n)
+    k = max(1, min(n, math.ceil(n * ratio)))
+    y = _round_trip(gradzip.codec("dgc", ratio=ratio, sample_ratio=1.0), x)
+    kept = y != 0
+    thr = x.abs().topk(k).values.min()
+    assert int(kept.sum()) == k
+    assert (x[kept].abs() >= thr).all()
+    assert torch.equal(y, _round_trip(gradzip.codec("topk", ratio=ratio), x))
+
+
+def test_dgc_over_selection_is_cut_to_exact_top_k():
+    x = torch.ones(1000)  # every sampled magnitude is 1: the threshold lets everything through
+    x[500] = 3.0
+    x[17] = -2.0
+    p = gradzip.codec("dgc", ratio=0.01).encode(x)
+    assert p.tensors[0].numel() == 10  # 1000 > 2k = 20 selected: exact top-k
+    y = gradzip.codec("dgc", ratio=0.01).decode(p)
+    assert y[500] == 3.0 and y[17] == -2.0 and int((y != 0).sum()) == 10
+
+
+def test_dgc_seeded_sampling_is_reproducible():
+    x = _randn((50_000,), seed=8)
+    enc = lambda seed: gradzip.codec("dgc", ratio=0.01, seed=seed).encode(x, name="w").tensors[1]  # noqa: E731
+    assert torch.equal(enc(3), enc(3))
+    assert not torch.equal(enc(3), enc(4))
+
+
+# ================================================================================= graddrop
+def test_graddrop_keeps_about_ratio_n_without_a_cap():
+    n, ratio = 1 << 20, 0.01
+    c = gradzip.codec("graddrop", ratio=ratio)
+    x = _randn((n,), seed=9)
+    counts = []
+    for step in range(10):
+        p = c.encode(x, name="w", step=step)
+        y = c.decode(p)
+        kept = y != 0
+        assert torch.equal(y[kept], x[kept])
+        assert x[kept].abs().min() >= x[~kept].abs().max()
+        assert p.nbytes < 4 * n / 10  # measured: far below the raw size
+        counts.append(p.tensors[0].numel())
+    mean = sum(counts) / len(counts)
+    assert 0.85 * ratio * n <= mean <= 1.15 * ratio * n, counts
+    assert all(0.5 * ratio * n <= m <= 1.6 * ratio * n for m in counts), counts
+    assert len(set(counts)) > 1  # not an exact selection
+
+
+def test_graddrop_has_no_cap_unlike_dgc():
+    x = torch.ones(1000)
+    assert gradzip.codec("graddrop", ratio=0.01).encode(x).tensors[0].numel() == 1000
+    assert gradzip.codec("dgc", ratio=0.01).encode(x).tensors[0].numel() == 10
+
+
+def test_graddrop_whole_tensor_sample_is_top_k():
+    x = _distinct(4099)
+    y = _round_trip(gradzip.codec("graddrop", ratio=0.05, sample_ratio=1.0), x)
+    assert torch.equal(y, _round_trip(gradzip.codec("topk", ratio=0.05), x))
+
+
+def test_threshold_measured_wire_below_raw_when_tuned():
+    x = _randn((1 << 20,), seed=10)
+    p = gradzip.codec("threshold", threshold=2.0).encode(x)
+    assert p.nbytes < 4 * x.numel() / 5  # ~4.6 % of N(0, 1) reach 2.0
+
+
+# ===================================================================================== adaq
+def _bins(x: torch.Tensor, size: int) -> torch.Tensor:
+    pad = (-x.numel()) % size
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, size)
+
+
+@pytest.mark.parametrize("self_adjust", [True, False])
+@pytest.mark.parametrize("bin_size,n", [(50, 1 << 16), (7, 1001), (300, 4099), (1, 37)])
+def test_adaq_keeps_each_bins_max(bin_size, n, self_adjust):
+    x = _distinct(n, seed=bin_size)
+    c = gradzip.codec("adaq", bin_size=bin_size, self_adjust=self_adjust)
+    p = c.encode(x, name="w")
+    y = c.decode(p)
+    xb, yb = _bins(x, bin_size), _bins(y, bin_size)
+    arg = xb.abs().argmax(dim=1, keepdim=True)
+    top = yb.gather(1, arg).reshape(-1)
+    assert (top != 0).all()
+    assert torch.equal(top > 0, xb.gather(1, arg).reshape(-1) > 0)
+    kept = y != 0
+    # ternary: ±scale, scale = mean |x| over what was sent, signs kept
+    scale = x[kept].abs().mean()
+    torch.testing.assert_close(y[kept].abs(), scale.expand(int(kept.sum())))
+    assert torch.equal(y[kept] > 0, x[kept] > 0)
+    gmax = xb.abs().amax(dim=1, keepdim=True)
+    if self_adjust:  # first step: H = G + dW = 2G, so |G| >= g_max / 2 is sent
+        expected = (2 * xb.abs() >= gmax) & (xb != 0)
+    else:
+        expected = xb.abs() >= gmax
+    assert torch.equal(yb != 0, expected)
+
+
+def test_adaq_second_step_selects_on_g_plus_dw():
+    c, m = gradzip.codec("adaq", bin_size=10), memory("residual")
+    g1, g2 = _randn((1000,), seed=11), _randn((1000,), seed=12)
+    inp1 = m.compensate(g1, "w")
+    m.update("w", inp1, c.decode(c.encode(inp1, name="w")))
+    torch.testing.assert_close(c._residuals["w"], m.residuals["w"])  # the codec's view of the residual
+    inp2 = m.compensate(g2, "w")  # G = residual + dW
+    y2 = c.decode(c.encode(inp2, name="w"))
+    h = inp2 + g2  # H = G + dW
+    expected = (_bins(h.abs(), 10) >= _bins(inp2.abs(), 10).amax(1, keepdim=True)) & (_bins(inp2, 10) != 0)
+    assert torch.equal(_bins(y2, 10) != 0, expected)
+
+
+def test_adaq_error_feedback_and_state_dict():
+    c, m = gradzip.codec("adaq"), memory("residual")
+    g = _randn((3000,), seed=13)
+    sent = torch.zeros(3000)
+    for step in range(15):
+        inp = m.compensate(g, "w")
+        out = c.decode(c.encode(inp, name="w", step=step))
+        m.update("w", inp, out)
+        sent += out
+    torch.testing.assert_close(sent + m.residuals["w"], 15 * g, rtol=1e-4, atol=1e-3)
+    c2 = gradzip.codec("adaq")
+    c2.load_state_dict(c.state_dict())
+    inp = m.compensate(g, "w")
+    assert all(torch.equal(a, b) for a, b in zip(c2.encode(inp, name="w").tensors, c.encode(inp, name="w").tensors))
+
+
+def test_adaq_zeros_and_nonfinite():
+    c = gradzip.codec("adaq")
+    p = c.encode(torch.zeros(120), name="z")
+    assert p.tensors[1].numel() == 0 and torch.equal(c.decode(p), torch.zeros(120))
+    c.encode(_randn((120,)), name="w")
+    before = c._residuals["w"].clone()
+    bad = _randn((120,), seed=1)
+    bad[7] = float("inf")
+    c.encode(bad, name="w")
+    assert torch.equal(c._residuals["w"], before)
+
+
+def test_adaq_wire_format_is_compact():
+    n = 1 << 20
+    c = gradzip.codec("adaq")
+    assert c.wire_bytes(n, torch.float32) < 1.2 * n  # < 1.2 bytes per element even if all were sent
+    assert c.wire_bytes(n, torch.float16) < 2 * n
+    p = c.encode(_randn((n,), seed=14), name="w")
+    counts, local, signs, scale = p.tensors
+    assert counts.dtype == local.dtype == torch.uint8 and counts.numel() == math.ceil(n / 50)
+    assert signs.numel() == math.ceil(local.numel() / 8) and scale.dtype == torch.float32
+    assert int(counts.sum()) == local.numel()
+    assert gradzip.codec("adaq", bin_size=500).encode(_randn((2000,)), name="w").tensors[1].dtype == torch.int16
+
+
+# =============================================================================== DGC memory
+def test_dgc_memory_factory_and_options():
+    m = memory("dgc")
+    assert isinstance(m, DGCMemory) and m.momentum == 0.9 and m.clip_norm is None and m.stateful
+    m = memory("dgc", momentum=0.5, clip_norm=2.0)
+    assert m.momentum == 0.5 and m.clip_norm == 2.0
+    for bad in ({"momentum": 1.0}, {"momentum": -0.1}, {"momentum": "0.9"}, {"clip_norm": 0.0}, {"clip_norm": -1.0}, {"clip_norm": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            memory("dgc", **bad)
+    with pytest.raises(ValueError, match="momentum, clip_norm"):
+        memory("dgc", beta=1.0)
+    comm = gradzip.Communicator("dgc", memory_options={"momentum": 0.5})
+    assert isinstance(comm.memory, DGCMemory) and comm.memory.momentum == 0.5
+    comm.close()
+
+
+def test_dgc_memory_momentum_correction_and_masking():
+    mom = 0.5
+    m = memory("dgc", momentum=mom)
+    g1, g2, g3 = (_randn((4, 5), seed=s) for s in (1, 2, 3))
+    keep = [g.clone() for g in (g1, g2, g3)]
+
+    v1 = m.compensate(g1, "w")  # u = g1, v = g1
+    torch.testing.assert_close(v1, g1)
+    sent1 = torch.zeros(4, 5, dtype=torch.bool)
+    sent1[0] = True
+    sent1[2, 3] = True
+    m.update("w", v1, torch.where(sent1, v1, torch.zeros_like(v1)))
+    u1 = torch.where(sent1, 0.0, g1)
+    torch.testing.assert_close(m.momentums["w"], u1)
+    torch.testing.assert_close(m.velocities["w"], torch.where(sent1, 0.0, g1))
+
+    v2 = m.compensate(g2, "w")  # u = mom * u1 + g2, v = v1 (masked) + u
+    u2 = mom * u1 + g2
+    torch.testing.assert_close(v2, torch.where(sent1, 0.0, g1) + u2)
+    sent2 = v2.abs() > 1.0
+    m.update("w", v2, torch.where(sent2, v2, torch.zeros_like(v2)))
+    torch.testing.assert_close(m.momentums["w"], torch.where(sent2, 0.0, u2))
+    torch.testing.assert_close(m.velocities["w"], torch.where(sent2, 0.0, v2))
+
+    torch.testing.assert_close(m.compensate(g3, "other"), g3)  # other names are independent
+    for g, k in zip((g1, g2, g3), keep):
+        assert torch.equal(g, k), "memory modified its input in place"
+
+
+def test_dgc_memory_skip_keeps_old_state():
+    m = memory("dgc")
+    g = _randn((6,))
+    m.update("w", m.compensate(g, "w"), torch.zeros(6))
+    u, v = m.momentums["w"].clone(), m.velocities["w"].clone()
+    nan = torch.full((6,), float("nan"))
+    m.update("w", m.compensate(nan, "w"), torch.zeros(6), skip=torch.tensor(True))
+    assert torch.equal(m.momentums["w"], u) and torch.equal(m.velocities["w"], v)
+    # the step after a skip starts from the old state
+    torch.testing.assert_close(m.compensate(g, "w"), v + 0.9 * u + g)
+    m.update("fresh", m.compensate(nan, "fresh"), torch.zeros(6), skip=torch.tensor(True))
+    assert torch.equal(m.momentums["fresh"], torch.zeros(6)) and torch.equal(m.velocities["fresh"], torch.zeros(6))
+
+
+def test_dgc_memory_clipping():
+    m = memory("dgc", clip_norm=1.0)
+    big = torch.tensor([3.0, 4.0])  # norm 5: scaled to norm 1
+    torch.testing.assert_close(m.compensate(big, "a"), big / 5, rtol=1e-5, atol=1e-6)
+    small = torch.tensor([0.3, 0.4])  # norm 0.5: untouched
+    torch.testing.assert_close(m.compensate(small, "b"), small)
+
+
+def test_dgc_memory_does_not_alias_input_and_state_dict():
+    m = memory("dgc")
+    g = _randn((8,))
+    keep = g.clone()
+    v = m.compensate(g, "w")
+    v.mul_(3)  # a codec writing into its input must not reach the gradient or the momentum
+    assert torch.equal(g, keep)
+    m.update("w", v, torch.zeros(8))
+    torch.testing.assert_close(m.momentums["w"], g)
+    m2 = memory("dgc")
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m2.compensate(g, "w"), m.compensate(g, "w"))
+    m2.momentums["w"].add_(1)
+    assert not torch.equal(m2.momentums["w"], m.momentums["w"])
+
+
+def test_dgc_without_momentum_loses_nothing():
+    """momentum = 0: v is plain residual accumulation, so sent + v is the sum of gradients."""
+    c, m = gradzip.codec("dgc", ratio=0.05), memory("dgc", momentum=0.0)
+    g = _randn((400,), seed=15)
+    sent = torch.zeros(400)
+    for step in range(30):
+        inp = m.compensate(g, "w")
+        out = c.decode(c.encode(inp, name="w", step=step))
+        m.update("w", inp, out)
+        sent += out
+    torch.testing.assert_close(sent + m.velocities["w"], 30 * g, rtol=1e-4, atol=1e-4)
+
+
+def test_dgc_communicator_single_process():
+    comm = gradzip.Communicator("dgc", ratio=0.01)
+    x = _randn((100, 50), seed=16)
+    y = comm.allreduce(x, name="w")
+    assert y.shape == x.shape and 0 < int((y != 0).sum()) <= 100
+    assert isinstance(comm.memory, DGCMemory) and "w" in comm.memory.velocities
+    comm.close()

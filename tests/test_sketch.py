@@ -1,0 +1,244 @@
+"""SketchML: quantile buckets (error bound, sign, sum), index widths, delta-encoded sparse keys.
+
+The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/test_codecs.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.codecs import Payload
+from gradzip.codecs.sketch import _sortable_keys
+from gradzip.kernels import packed_bytes, unpack_bits
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _codes(p: Payload, count: int) -> torch.Tensor:
+    means = p.tensors[1]
+    return unpack_bits(p.tensors[0], max(1, (means.numel() - 1).bit_length()), count).long()
+
+
+def _bucket_ranges(x: torch.Tensor, codes: torch.Tensor, nb: int):
+    lo = torch.full((nb,), math.inf, dtype=torch.float64).scatter_reduce(0, codes, x.double(), "amin")
+    hi = torch.full((nb,), -math.inf, dtype=torch.float64).scatter_reduce(0, codes, x.double(), "amax")
+    return lo, hi
+
+
+def _check_buckets(x: torch.Tensor, buckets: int = 256) -> None:
+    """Every value decodes to its bucket's mean, inside the bucket's range: error <= its width."""
+    c = gradzip.codec("sketchml", buckets=buckets)
+    x = x.reshape(-1)
+    p = c.encode(x)
+    y = c.decode(p)
+    nb = p.tensors[1].numel()
+    assert nb == max(2, min(buckets, x.numel()))
+    codes = _codes(p, x.numel())
+    assert codes.max() < nb
+    lo, hi = _bucket_ranges(x.float(), codes, nb)
+    assert torch.equal(y, p.tensors[1][codes].to(y.dtype))  # the bucket's mean
+    yd = y.double()
+    assert (yd >= lo[codes]).all() and (yd <= hi[codes]).all()  # fp64 sums: never outside
+    assert ((yd - x.double()).abs() <= (hi - lo)[codes]).all()
+    # buckets are contiguous value ranges (-0.0 just below +0.0): sorting by value sorts the codes
+    order = torch.argsort((~torch.signbit(x)).int(), stable=True)
+    order = order[torch.argsort(x[order].float(), stable=True)]
+    assert (codes[order].diff() >= 0).all()
+    # no bucket mixes signs, so no value changes sign
+    nz = x != 0
+    assert torch.equal(torch.sign(y[nz]), torch.sign(x[nz]))
+    # the means keep each bucket's sum, so the whole sum (up to the output dtype's rounding)
+    eps = {torch.float16: 2**-11, torch.bfloat16: 2**-8}.get(x.dtype, 1e-5)
+    torch.testing.assert_close(y.double().sum(), x.double().sum(), rtol=0, atol=eps * x.double().abs().sum().item())
+
+
+@pytest.mark.parametrize("buckets", [2, 3, 16, 17, 255, 256])
+@pytest.mark.parametrize("n", [1, 2, 7, 300, 10_000])
+def test_sketchml_value_decodes_to_bucket_mean(n, buckets):
+    x = _randn((n,), seed=n + buckets) * 3
+    x[: n // 10] *= 100  # a heavy tail
+    _check_buckets(x, buckets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_sketchml_other_dtypes(dtype):
+    _check_buckets(_randn((5000,), dtype, seed=3))
+
+
+def test_sketchml_special_values():
+    for x in (
+        torch.zeros(100),
+        torch.full((1000,), -0.3),
+        torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, 1.0]),
+        torch.tensor([1.0, 1.0, 1.0, 2.0]),
+        torch.cat([torch.zeros(500), _randn((500,))]),
+    ):
+        _check_buckets(x)
+    # a constant tensor is one bucket and comes back exactly
+    for v in (0.3, -7.25, 1e-20):
+        x = torch.full((999,), v)
+        assert torch.equal(gradzip.codec("sketchml").decode(gradzip.codec("sketchml").encode(x)), x)
+
+
+def test_sketchml_buckets_hold_equal_counts():
+    """The quantile sketch gives buckets of about n / (buckets - 1) values (plus the zero split)."""
+    n = 200_000
+    for x in (_randn((n,)), _randn((n,)).exp(), _randn((n,)) * 1e3):
+        p = gradzip.codec("sketchml").encode(x)
+        counts = torch.bincount(_codes(p, n), minlength=256)
+        assert counts.max() <= 1.25 * n / 255, counts.max()
+        assert (counts > 0).sum() >= 250
+    # values packed far from zero relative to their spread: quantiles are exact up to one sketch
+    # cell (2**-9 relative), so a bucket holds at most n / 255 values plus one cell's
+    x = _randn((n,)) * 1e-4 + 1e-3
+    counts = torch.bincount(_codes(gradzip.codec("sketchml").encode(x), n), minlength=256)
+    heaviest_cell = torch.bincount(_sortable_keys(x.clone())).max()
+    assert counts.max() <= math.ceil(n / 255) + heaviest_cell
+
+
+def test_sketchml_wire_format_and_bytes():
+    n = 1 << 20
+    x = _randn((n,))
+    c = gradzip.codec("sketchml")
+    p = c.encode(x)
+    assert [t.dtype for t in p.tensors] == [torch.uint8, torch.float32]
+    assert p.nbytes == n + 256 * 4 == c.wire_bytes(n, torch.float32)
+    assert 8 * c.wire_bytes(n) / n == pytest.approx(8.0078125)
+    assert c.wire_bytes(n, torch.float16) == c.wire_bytes(n, torch.float32)  # codes + an fp32 table
+    for buckets, bits in [(2, 1), (3, 2), (4, 2), (16, 4), (17, 5), (128, 7), (129, 8)]:
+        cb = gradzip.codec("sketchml", buckets=buckets)
+        for m in (1, 7, 1001):
+            nb = max(2, min(buckets, m))
+            bits_m = max(1, (nb - 1).bit_length())
+            pm = cb.encode(_randn((m,)))
+            assert pm.tensors[0].numel() == packed_bytes(m, bits_m)
+            assert pm.nbytes == packed_bytes(m, bits_m) + 4 * nb == cb.wire_bytes(m)
+        assert cb.encode(x).tensors[0].numel() == packed_bytes(n, bits)
+
+
+def _sparse_from_positions(positions, n: int) -> torch.Tensor:
+    x = torch.zeros(n)
+    pos = torch.tensor(positions)
+    x[pos] = torch.linspace(1, 2, len(positions)) * torch.where(pos % 2 == 0, 1.0, -1.0)
+    return x
+
+
+@pytest.mark.parametrize(
+    "positions,width",
+    [
+        ([0, 1, 2, 256, 512], 1),  # gap - 1 = 255 fits a byte
+        ([3, 260, 261], 2),  # gap - 1 = 256 does not
+        ([5, 5 + 0x8001, 5 + 0x8001 + 0x10000], 2),  # gaps - 1 = 0x8000 and 0xFFFF: int16 bit patterns
+        ([0, 0x10001 + 1], 4),  # gap - 1 = 0x10001: 4 bytes
+        ([7, 199_999], 4),
+        ([123], None),  # one key: the first index alone
+    ],
+)
+def test_sketchml_sparse_keys_reconstruct(positions, width):
+    n = 200_000
+    x = _sparse_from_positions(positions, n)
+    k = len(positions)
+    c = gradzip.codec("sketchml", ratio=k / n)
+    p = c.encode(x)
+    _, _, first, gaps = p.tensors
+    assert first.dtype == torch.int32 and first.item() == positions[0]
+    assert gaps.dtype == torch.uint8 and gaps.numel() == (k - 1) * (width or 0)
+    y = c.decode(p)
+    assert torch.equal((y != 0).nonzero().reshape(-1), torch.tensor(positions))
+    assert torch.equal(torch.sign(y[positions]), torch.sign(x[positions]))
+    assert p.nbytes <= c.wire_bytes(n)
+    # the same bytes after the wire (views of one buffer) decode the same
+    from gradzip.collectives.base import from_bytes, spec_of, to_bytes
+
+    tensors, flag = from_bytes(to_bytes(p.tensors, torch.tensor(False)), spec_of(p.tensors))
+    assert torch.equal(c.decode(Payload(tensors, p.ctx)), y) and not flag
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.3, 0.9])
+def test_sketchml_sparse_keeps_top_k(ratio):
+    n = 50_000
+    x = _randn((n,), seed=5)
+    c = gradzip.codec("sketchml", ratio=ratio)
+    p = c.encode(x)
+    k = math.ceil(n * ratio)
+    y = c.decode(p)
+    kept = y != 0
+    expected = torch.zeros(n, dtype=torch.bool)
+    expected[x.abs().topk(k).indices] = True
+    assert torch.equal(kept, expected)
+    # kept values decode to their bucket's mean, as in dense mode
+    nb = p.tensors[1].numel()
+    codes = _codes(p, k)
+    lo, hi = _bucket_ranges(x[kept], codes, nb)
+    assert ((y[kept].double() - x[kept].double()).abs() <= (hi - lo)[codes]).all()
+    bound = c.wire_bytes(n)
+    assert bound == packed_bytes(k, (nb - 1).bit_length()) + nb * 4 + 4 + 4 * (k - 1)
+    assert p.nbytes <= bound
+
+
+def test_sketchml_sparse_one_million_byte_count():
+    """1 % of 1 M randn values: gaps average 100, so 2-byte gaps: 3 bytes per kept value."""
+    n = 1 << 20
+    c = gradzip.codec("sketchml", ratio=0.01)
+    p = c.encode(_randn((n,), seed=1))
+    k = math.ceil(n * 0.01)
+    assert p.tensors[3].numel() == 2 * (k - 1)
+    assert p.nbytes == k + 256 * 4 + 4 + 2 * (k - 1)
+    topk_bytes = gradzip.codec("topk", ratio=0.01).wire_bytes(n)
+    assert p.nbytes < 0.7 * topk_bytes
+
+
+def test_sketchml_mode_metadata_and_options():
+    dense, sparse = gradzip.codec("sketchml"), gradzip.codec("sketchml", ratio=0.1)
+    assert dense.fixed_size and dense.default_memory == "none" and dense.collectives == ("allgather", "sra")
+    assert not sparse.fixed_size and sparse.default_memory == "residual" and sparse.collectives == ("allgather",)
+    assert type(sparse).fixed_size  # the class keeps its own defaults
+    assert gradzip.Communicator("sketchml", ratio=0.1).memory.stateful
+    with pytest.raises(ValueError, match="sra"):
+        gradzip.Communicator("sketchml", ratio=0.1, collective="sra")
+    gradzip.Communicator("sketchml", collective="sra").close()
+    for opts, expect in [
+        ({"buckets": 1}, "2..256"),
+        ({"buckets": 257}, "2..256"),
+        ({"buckets": 16.0}, "2..256"),
+        ({"buckets": True}, "2..256"),
+        ({"ratio": 0}, r"\(0, 1\]"),
+        ({"ratio": 1.5}, r"\(0, 1\]"),
+        ({"seed": 1}, "buckets, ratio"),
+    ]:
+        with pytest.raises(ValueError, match=expect):
+            gradzip.codec("sketchml", **opts)
+
+
+def test_sketchml_is_deterministic_and_leaves_global_rng_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    x = _randn((100_000,))
+    a = gradzip.codec("sketchml").encode(x).tensors
+    b = gradzip.codec("sketchml").encode(x).tensors
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_sketchml_nonfinite_input_keeps_shape():
+    x = _randn((1000,))
+    x[10], x[20] = float("nan"), float("inf")
+    y = gradzip.codec("sketchml").decode(gradzip.codec("sketchml").encode(x))
+    assert y.shape == x.shape
+    assert torch.isfinite(y[x.abs() < 0.5]).all()  # finite values in other buckets are untouched
