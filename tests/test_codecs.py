@@ -18,6 +18,8 @@ from gradzip.codecs import Payload
 from gradzip.config import Config
 from gradzip.memory import EFSignMemory, Memory, ResidualMemory, memory
 
+from .tensors import randn as _randn
+
 NAMES = gradzip.codecs.names()
 SHAPES = [(1,), (7,), (1001,), (33, 17), (3, 5, 7), (0,), (0, 4)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -33,20 +35,6 @@ CONFIGS += [("qsgd", {"bits": b, "bucket_size": s}) for b in range(2, 9) for s i
 CONFIGS += [("topk", {"ratio": r}) for r in (0.3, 1.0)]
 CONFIGS += [("randomk", {"ratio": r, "scale": True}) for r in (0.5, 1.0)]
 CONFIG_IDS = [n + "".join(f"-{k}{v}" for k, v in o.items()) for n, o in CONFIGS]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tensors here are tiny: one intra-op thread is fastest and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
 
 
 def _payload_bytes(p: Payload) -> int:

@@ -22,14 +22,6 @@ N = 1 << 20  # "1M elements" of the wire figures
 NEW = ["terngrad", "natural", "u8bit", "inceptionn", "tbq"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _mixed(n: int = 4000, seed: int = 0) -> torch.Tensor:
     """Values over many magnitudes, with zeros, ties and a sign pair."""
     g = torch.Generator().manual_seed(seed)

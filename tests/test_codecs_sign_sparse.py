@@ -14,20 +14,9 @@ import gradzip
 from gradzip.codecs import Payload
 from gradzip.memory import DGCMemory, memory
 
+from .tensors import randn as _randn
+
 NEW = ["onebit", "signum", "threshold", "dgc", "graddrop", "adaq"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
 
 
 def _round_trip(c, x, name="t", step=0):

@@ -15,18 +15,7 @@ from gradzip.codecs import Payload
 from gradzip.codecs.sketch import _sortable_keys
 from gradzip.kernels import packed_bytes, unpack_bits
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
+from .tensors import randn as _randn
 
 
 def _codes(p: Payload, count: int) -> torch.Tensor:

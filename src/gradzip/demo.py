@@ -40,6 +40,29 @@ CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "randomk": ("randomk", {"ratio": 0.01}),
     "powersgd": ("powersgd", {"rank": 2}),
     "efsignsgd": ("efsignsgd", {}),
+    "terngrad": ("terngrad", {}),
+    "natural": ("natural", {}),
+    "u8bit": ("u8bit", {}),
+    "inceptionn": ("inceptionn", {}),
+    "tbq": ("tbq", {"threshold": 0.001}),
+    "onebit": ("onebit", {}),
+    "signsgd": ("signsgd", {}),
+    "signum": ("signum", {}),
+    "threshold": ("threshold", {"threshold": 0.001}),
+    "dgc": ("dgc", {"ratio": 0.01}),
+    "graddrop": ("graddrop", {"ratio": 0.01}),
+    "adaq": ("adaq", {}),
+    "sketchml": ("sketchml", {}),
+    "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
+}
+# Optimizer settings a method needs to work at all, applied on top of --lr/--momentum: sign
+# methods send ±1 per element, so the step is lr per element (a far smaller lr, and Signum keeps
+# its own momentum); DGC's momentum correction *is* the momentum, so the optimizer must not add
+# another (with both, training diverges).
+OPTIMIZER_OVERRIDES: Dict[str, Dict[str, float]] = {
+    "signsgd": {"lr": 0.002, "momentum": 0.0},
+    "signum": {"lr": 0.002, "momentum": 0.0},
+    "dgc": {"momentum": 0.0},
 }
 DEFAULT_CONFIGS = ["fp32", "fp16", "maxmin4", "maxmin2", "topk", "powersgd", "efsignsgd"]
 
@@ -54,7 +77,8 @@ def describe(name: str) -> str:
     if spec is None:
         return "DDP all-reduce"
     codec, opts = spec
-    return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()])
+    optim = OPTIMIZER_OVERRIDES.get(name, {})
+    return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + [f"(SGD {k}={v})" for k, v in optim.items()])
 
 
 def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,7 +131,8 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     spec = CONFIGS[name]
     state = gradzip.register(ddp, spec[0], **spec[1]) if spec is not None else None
-    optim = torch.optim.SGD(ddp.parameters(), lr=opts["lr"], momentum=opts["momentum"])
+    sgd = {"lr": opts["lr"], "momentum": opts["momentum"], **OPTIMIZER_OVERRIDES.get(name, {})}
+    optim = torch.optim.SGD(ddp.parameters(), **sgd)
     loss_fn = nn.CrossEntropyLoss()
 
     batch = opts["batch_size"]

@@ -1,4 +1,17 @@
-"""Benchmarks: ``gradzip bench allreduce`` (micro) lives in :mod:`gradzip.bench.micro`."""
+"""Benchmarks: ``gradzip bench allreduce`` (:mod:`.micro`) and ``gradzip bench codecs`` (:mod:`.codecs`)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Optional
+
 from ..launch import free_port, spawn_local
 
-__all__ = ["free_port", "spawn_local"]
+__all__ = ["free_port", "spawn_local", "write_json"]
+
+
+def write_json(report: Dict[str, Any], path: Optional[str]) -> Dict[str, Any]:
+    """Save ``report`` to ``path`` (when one is given) and hand it back."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report

@@ -13,7 +13,6 @@ compressed rows show the *effective* bandwidth they deliver to the training job.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -25,6 +24,7 @@ import gradzip
 from gradzip.config import parse_value
 
 from ..launch import spawn_local
+from . import write_json
 
 BASELINE_CODECS = ["maxmin:bits=4"]
 
@@ -113,11 +113,7 @@ def run_allreduce(workers: int = 4, size_mb: float = 100, repeats: int = 5, code
         name, opts = parse_spec(spec)
         gradzip.codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
     rows = spawn_local(bench_worker, workers, size_mb, repeats, specs)
-    report = {"workers": workers, "size_mb": size_mb, "repeats": repeats, "rows": rows}
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=1)
-    return report
+    return write_json({"workers": workers, "size_mb": size_mb, "repeats": repeats, "rows": rows}, json_path)
 
 
 def table(report: Dict[str, Any]):

@@ -2,10 +2,15 @@
 
 ``gradzip.codecs.names()`` lists every codec; ``gradzip.codec(name, **options)`` builds one.
 """
-from . import lowrank, quantize, sign, sketch, sparse  # noqa: F401  (registers the codecs)
+from . import (  # noqa: F401  (registers the codecs)
+    compll_catalog,  # noqa: E402,F401  (codecs written with gradzip.compll; after the rest)
+    lowrank,
+    quantize,
+    sign,
+    sketch,
+    sparse,
+)
 from .base import Codec, Meta, Option, Payload
 from .registry import codec, get, names, register_codec
-
-from . import compll_catalog  # noqa: E402,F401  (codecs written with gradzip.compll; after the rest)
 
 __all__ = ["Codec", "Meta", "Option", "Payload", "codec", "get", "names", "register_codec"]
