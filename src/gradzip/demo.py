@@ -78,7 +78,8 @@ def describe(name: str) -> str:
         return "DDP all-reduce"
     codec, opts = spec
     optim = OPTIMIZER_OVERRIDES.get(name, {})
-    return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + [f"(SGD {k}={v})" for k, v in optim.items()])
+    sgd = [f"(SGD {' '.join(f'{k}={v:g}' for k, v in optim.items())})"] if optim else []
+    return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + sgd)
 
 
 def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
