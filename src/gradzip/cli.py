@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra codecs besides maxmin:bits=4, e.g. fp16,maxmin:bits=2,topk:ratio=0.01",
     )
     ar.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    ar.add_argument(
+        "--rate", default=None,
+        help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2); "
+        "default: plain loopback",
+    )
     cb = bench_sub.add_parser("codecs", help="bits per element and encode+decode speed of each codec (one process)")
     cb.add_argument("--codecs", type=_codec_list, default=[], help="codec specs (default: every registered codec)")
     cb.add_argument("--numel", type=_positive, default=1 << 20, help="elements (default %(default)s)")
@@ -87,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _console():
     from rich.console import Console
 
-    return Console()
+    return Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -106,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench" and args.bench == "allreduce":
         from .bench import micro
 
-        report = micro.run_allreduce(args.workers, args.size_mb, args.repeats, args.codecs, args.json_path)
+        report = micro.run_allreduce(args.workers, args.size_mb, args.repeats, args.codecs, args.json_path, args.rate)
         _console().print(micro.table(report))
         return 0
     if args.command == "bench" and args.bench == "codecs":

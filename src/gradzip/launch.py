@@ -12,7 +12,7 @@ import socket
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional, Tuple
 
 
 def free_port() -> int:
@@ -22,7 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, outdir: str, timeout_s: float, network: Optional[Tuple[List[str], str, str]],
+    fn: Callable, args: tuple,
+) -> None:
+    master = "127.0.0.1"
+    if network is not None:  # an emulated cluster: this rank's namespace, gloo on its interface
+        from .bench.cluster import enter_namespace
+
+        namespaces, master, iface = network
+        enter_namespace(namespaces[rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
     import torch
     import torch.distributed as dist
 
@@ -35,7 +45,7 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
         del os.environ[key]
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
@@ -52,12 +62,16 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, timeout_s: float,
         raise SystemExit(1)
 
 
-def spawn_local(fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300) -> Any:
+def spawn_local(
+    fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None
+) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
     Returns rank 0's result, or the list of every rank's result with ``all_ranks=True``. ``fn``
     must be a module-level function (it is pickled into spawned processes). A failure on any
-    rank raises ``RuntimeError`` carrying the failing ranks' tracebacks.
+    rank raises ``RuntimeError`` carrying the failing ranks' tracebacks. With ``cluster`` (an
+    entered :class:`gradzip.bench.cluster.EmulatedCluster`) rank r runs in namespace r and
+    gloo talks over the shaped links.
     """
     import torch.multiprocessing as mp
 
@@ -65,7 +79,12 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, all_ranks: bool = Fal
     os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before they import torch
     try:
         with tempfile.TemporaryDirectory(prefix="gradzip-") as outdir:
-            args_ = (world_size, free_port(), outdir, timeout_s, fn, args)
+            network = None
+            if cluster is not None:
+                from .bench.cluster import IFACE
+
+                network = (list(cluster.namespaces), cluster.address(0), IFACE)
+            args_ = (world_size, free_port(), outdir, timeout_s, network, fn, args)
             failure = None
             try:
                 mp.spawn(_entry, args=args_, nprocs=world_size, join=True)

@@ -24,7 +24,7 @@ import gradzip
 from gradzip.config import parse_value
 
 from ..launch import spawn_local
-from . import write_json
+from . import cluster, write_json
 
 BASELINE_CODECS = ["maxmin:bits=4"]
 
@@ -106,14 +106,36 @@ def bench_worker(rank: int, world: int, size_mb: float, repeats: int, specs: Lis
     return rows
 
 
-def run_allreduce(workers: int = 4, size_mb: float = 100, repeats: int = 5, codecs: Sequence[str] = (), json_path: Optional[str] = None) -> Dict[str, Any]:
-    """Run the benchmark on ``workers`` local ranks; return (and optionally save) the report."""
+def run_allreduce(
+    workers: int = 4, size_mb: float = 100, repeats: int = 5, codecs: Sequence[str] = (),
+    json_path: Optional[str] = None, rate: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Run the benchmark on ``workers`` local ranks; return (and optionally save) the report.
+
+    With ``rate`` (e.g. "1gbit") the ranks run on an emulated cluster with links of that rate;
+    where one cannot be built (no root, no iproute2) the report says why and uses loopback.
+    """
     specs = BASELINE_CODECS + [c for c in codecs if c not in BASELINE_CODECS]
     for spec in specs:  # fail here, not in W processes: unknown codecs and options raise ValueError
         name, opts = parse_spec(spec)
         gradzip.codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
-    rows = spawn_local(bench_worker, workers, size_mb, repeats, specs)
-    return write_json({"workers": workers, "size_mb": size_mb, "repeats": repeats, "rows": rows}, json_path)
+    report: Dict[str, Any] = {"workers": workers, "size_mb": size_mb, "repeats": repeats, "network": "loopback"}
+    reason = cluster.available() if rate else None
+    if rate and reason is None:
+        with cluster.EmulatedCluster(workers, rate) as emu:
+            report["network"] = emu.describe()
+            rows = spawn_local(bench_worker, workers, size_mb, repeats, specs, cluster=emu)
+    else:
+        if rate:
+            report["network"] = f"loopback (no emulation: {reason})"
+        rows = spawn_local(bench_worker, workers, size_mb, repeats, specs)
+    link_bps = cluster.parse_rate(rate) if rate and reason is None else None
+    for r in rows:  # the physical limit: what each rank must push through its link
+        traffic = 2 * (workers - 1) / workers * r["wire_bytes"]
+        r["wire_limit_s"] = traffic * 8 / link_bps if link_bps else None
+        r["vs_limit"] = r["median_s"] / r["wire_limit_s"] if link_bps else None
+    report["rows"] = rows
+    return write_json(report, json_path)
 
 
 def table(report: Dict[str, Any]):
@@ -122,12 +144,13 @@ def table(report: Dict[str, Any]):
     from rich.table import Table
 
     t = Table(
-        title=f"all-reduce of {report['size_mb']:g} MiB fp32 over {report['workers']} gloo ranks (median of {report['repeats']})",
-        caption="time: median; error: ‖result − exact mean‖ / ‖exact mean‖; bus GB/s: 2(W−1)/W · uncompressed bytes / time",
+        title=f"all-reduce of {report['size_mb']:g} MiB fp32 over {report['workers']} gloo ranks (median of {report['repeats']}); {report['network']}",
+        caption="time: median; error: ‖result − exact mean‖ / ‖exact mean‖; bus GB/s: 2(W−1)/W · uncompressed bytes / time; "
+        "limit: 2(W−1)/W · wire bytes / link rate",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),
     )
-    for col in ("method", "collective", "time s", "speedup", "MB/rank", "ratio", "bus GB/s", "error"):
+    for col in ("method", "collective", "time s", "speedup", "MB/rank", "ratio", "bus GB/s", "limit s", "× limit", "error"):
         t.add_column(col, justify="left" if col in ("method", "collective") else "right", no_wrap=col != "method", min_width=12 if col == "method" else None)
     for r in report["rows"]:
         err = r.get("rel_error")
@@ -140,6 +163,8 @@ def table(report: Dict[str, Any]):
             f"{r['wire_bytes'] / 1e6:.2f}",
             f"{r['ratio']:.1f}×",
             f"{r['busbw_gbps']:.2f}",
+            "-" if r.get("wire_limit_s") is None else f"{r['wire_limit_s']:.3f}",
+            "-" if r.get("vs_limit") is None else f"{r['vs_limit']:.2f}",
             "-" if err is None else f"{err:.1e}",
         )
     return t

@@ -1,0 +1,80 @@
+"""The emulated cluster: namespaces, shaped links, clean-up, and the loopback fallback."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradzip.bench import cluster, micro
+from gradzip.launch import spawn_local
+
+REASON = cluster.available()
+PREFIX = "gztest"
+
+
+def _leftovers():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+def test_parse_rate():
+    assert cluster.parse_rate("100mbit") == 100e6
+    assert cluster.parse_rate("1gbit") == 1e9
+    assert cluster.parse_rate("2.5Gbit") == 2.5e9
+    with pytest.raises(ValueError, match="100mbit"):
+        cluster.parse_rate("fast")
+
+
+def _timed_allreduce(rank: int, world: int, numel: int) -> dict:
+    import os
+
+    t = torch.full((numel,), float(rank))
+    dist.all_reduce(t)  # warm-up: connections are set up
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t0, "value": t[0].item(), "iface": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+@pytest.mark.timeout(300)
+def test_links_are_shaped_to_the_rate_and_everything_is_removed():
+    numel = 2**20 // 4 * 2  # 2 MiB of fp32
+    with cluster.EmulatedCluster(2, "50mbit", prefix=PREFIX) as c:
+        assert sorted(_leftovers()) == sorted(c.namespaces + [c.switch])
+        results = spawn_local(_timed_allreduce, 2, numel, all_ranks=True, cluster=c)
+    assert _leftovers() == []
+    # a ring all-reduce on 2 ranks sends 2(W-1)/W = 1 × the tensor per rank: 2 MiB at 50 Mbit/s
+    limit = 2 * 2**20 * 8 / 50e6
+    for r in results:
+        assert r["value"] == 2.0  # (0 + 1), then summed once more by the timed call
+        assert r["iface"] == cluster.IFACE
+        assert limit * 0.8 < r["seconds"] < limit * 4, (r["seconds"], limit)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+def test_cleanup_on_error_inside_the_block():
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster.EmulatedCluster(2, "1gbit", prefix=PREFIX):
+            assert len(_leftovers()) == 3
+            raise RuntimeError("boom")
+    assert _leftovers() == []
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+def test_leftovers_of_a_killed_run_are_removed_first():
+    subprocess.run(["ip", "netns", "add", f"{PREFIX}7"], check=True)
+    with cluster.EmulatedCluster(1, "1gbit", prefix=PREFIX):
+        assert f"{PREFIX}7" not in _leftovers()
+    assert _leftovers() == []
+
+
+def test_benchmark_falls_back_to_loopback_and_says_why(monkeypatch):
+    monkeypatch.setattr(cluster, "available", lambda: "network namespaces and tc need root")
+    report = micro.run_allreduce(workers=2, size_mb=0.25, repeats=1, rate="1gbit")
+    assert report["network"] == "loopback (no emulation: network namespaces and tc need root)"
+    assert all(r["wire_limit_s"] is None for r in report["rows"])
