@@ -846,3 +846,11 @@ def test_config_validation():
         Config(min_numel=-1)
     with pytest.raises(ValueError, match="compress_1d"):
         Config(compress_1d="yes")
+
+
+def test_config_with_env_bool_digits_and_codec_switch_resets_collective():
+    cfg = Config(codec="maxmin", collective="sra", options={"bits": 2})
+    out = cfg.with_env({"GRADZIP_CODEC": "topk", "GRADZIP_COMPRESS_1D": "1"})
+    assert out.codec == "topk" and out.collective is None and out.options == {} and out.compress_1d is True
+    assert cfg.with_env({"GRADZIP_COMPRESS_1D": "0"}).compress_1d is False
+    assert cfg.with_env({"GRADZIP_CODEC": "topk", "GRADZIP_COLLECTIVE": "ps"}).collective == "ps"

@@ -241,7 +241,7 @@ def test_register_rejects_bad_input_at_construction():
 
 def _ps_training(rank: int, world: int) -> dict:
     out = {}
-    for name in ("maxmin", "topk", "signum"):
+    for name in ("maxmin", "onebit", "signum"):
         torch.manual_seed(0)
         model = Net()
         ddp = DDP(model, bucket_cap_mb=0.01)

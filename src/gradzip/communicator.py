@@ -24,9 +24,11 @@ def _dedicated_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.Proces
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    ranks = dist.get_process_group_ranks(group) if group is not None else None
     backend = dist.get_backend(group)
-    return dist.new_group(ranks=ranks, backend=backend)
+    if group is None or group is dist.group.WORLD:
+        return dist.new_group(backend=backend)
+    # a subgroup: only its members call this, so only they may take part in making the new one
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True)
 
 
 class Communicator:
@@ -99,7 +101,12 @@ class Communicator:
 
     def allreduce_async(self, t: torch.Tensor, name: str = "") -> torch.futures.Future:
         """Like :meth:`allreduce`, returning a ``torch.futures.Future[Tensor]``."""
-        return self.submit(lambda: self.reduce_now(t, name), t.device)
+        def job() -> torch.Tensor:
+            if t.is_cuda:  # read on the worker's stream: keep the caller's memory until then
+                t.record_stream(torch.cuda.current_stream(t.device))
+            return self.reduce_now(t, name)
+
+        return self.submit(job, t.device)
 
     def submit(self, fn, device: torch.device) -> torch.futures.Future:
         """Run ``fn`` on the ordered communication worker."""

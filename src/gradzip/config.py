@@ -65,12 +65,19 @@ class Config:
             name = key[len("GRADZIP_"):].lower()
             value = parse_value(text)
             if name in FIELDS:
-                updates[name] = text if name in ("codec", "memory", "collective") else value
+                if name in ("codec", "memory", "collective"):
+                    updates[name] = text
+                elif name == "compress_1d" and value in (0, 1):
+                    updates[name] = bool(value)
+                else:
+                    updates[name] = value
             elif name in COLLECTIVE_OPTIONS:
                 collective_options[name] = value
             else:
                 env_options[name] = value
         switched = "codec" in updates and updates["codec"] != self.codec
         options = {} if switched else dict(self.options)  # another codec: the script's options no longer apply
+        if switched and "collective" not in updates:
+            updates["collective"] = None  # nor does its collective: the new codec's default is used
         options.update(env_options)
         return replace(self, options=options, collective_options=collective_options, **updates)

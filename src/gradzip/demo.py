@@ -267,7 +267,8 @@ def table(report: Dict[str, Any]):
         padding=(0, 1, 0, 0),
     )
     t.caption = (
-        "acc: test accuracy at the end; MB/rank: bytes each rank put on the wire; loss: mean training loss"
+        "acc: test accuracy at the end; MB/rank: payload bytes each rank contributed (a ring all-gather moves"
+        " (W−1)× that per rank, a ring all-reduce or SRA about 2(W−1)/W×); loss: mean training loss"
         " of the last epoch; identical: all ranks ended with bit-identical parameters"
     )
     for col in ("config", "acc %", "MB/rank", "ratio", "time s", "loss", "identical"):

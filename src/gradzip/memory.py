@@ -10,6 +10,7 @@ example an fp16 overflow that a GradScaler will skip) never poisons the memory.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, Optional
 
 import torch
@@ -64,21 +65,29 @@ class ResidualMemory(Memory):
     def stateful(self) -> bool:
         return True
 
+    def _residual(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The stored residual on ``like``'s device (a restored checkpoint may sit on the CPU)."""
+        res = self.residuals.get(name)
+        if res is None or res.shape != like.shape:
+            return None
+        if res.device != like.device:
+            res = self.residuals[name] = res.to(like.device)
+        return res
+
     def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
         x = t.float()
         if self.gamma != 1.0:
             x = x * self.gamma
-        res = self.residuals.get(name)
-        if res is None or res.shape != t.shape or res.device != t.device:
+        res = self._residual(name, t)
+        if res is None:
             return x
         return torch.add(x, res, alpha=self.beta)  # a new tensor: the caller's gradient stays as it was
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         new = compensated.float() - decoded.float()
         if skip is not None:
-            old = self.residuals.get(name)
-            keep = old if old is not None and old.shape == new.shape else torch.zeros_like(new)
-            new = torch.where(skip, keep, new)
+            old = self._residual(name, new)
+            new = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
         self.residuals[name] = new
 
     def state_dict(self) -> Dict[str, Any]:
@@ -219,5 +228,6 @@ def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
     try:
         return cls(**opts)
     except TypeError:
-        valid = {"residual": "beta, gamma", "dgc": "momentum, clip_norm"}.get(kind, "(none)")
+        params = [] if cls.__init__ is object.__init__ else list(inspect.signature(cls.__init__).parameters)[1:]
+        valid = ", ".join(params) or "(none)"
         raise ValueError(f"memory {kind!r}: invalid options {sorted(opts)}; valid options: {valid}") from None

@@ -27,7 +27,18 @@ class OrderedWorker:
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
-        """Queue ``fn``; the returned future completes with its result (or its exception)."""
+        """Queue ``fn``; the returned future completes with its result (or its exception).
+
+        Called from the worker itself (a callback chained on one of its futures), ``fn`` runs at
+        once: that is its place in the order, and queueing it would wait on itself forever.
+        """
+        if threading.current_thread() is self._thread:
+            fut = torch.futures.Future()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+            return fut
         if not self._thread.is_alive():
             raise RuntimeError("the gradzip communication worker has been closed")
         if self._device is not None:

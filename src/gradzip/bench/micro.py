@@ -131,7 +131,9 @@ def run_allreduce(
         rows = spawn_local(bench_worker, workers, size_mb, repeats, specs)
     link_bps = cluster.parse_rate(rate) if rate and reason is None else None
     for r in rows:  # the physical limit: what each rank must push through its link
-        traffic = 2 * (workers - 1) / workers * r["wire_bytes"]
+        # ring all-reduce, SRA and PS move about 2(W-1)/W payloads per rank; a ring all-gather W-1
+        factor = workers - 1 if r["collective"] == "allgather" else 2 * (workers - 1) / workers
+        traffic = factor * r["wire_bytes"]
         r["wire_limit_s"] = traffic * 8 / link_bps if link_bps else None
         r["vs_limit"] = r["median_s"] / r["wire_limit_s"] if link_bps else None
     report["rows"] = rows
@@ -146,7 +148,7 @@ def table(report: Dict[str, Any]):
     t = Table(
         title=f"all-reduce of {report['size_mb']:g} MiB fp32 over {report['workers']} gloo ranks (median of {report['repeats']}); {report['network']}",
         caption="time: median; error: ‖result − exact mean‖ / ‖exact mean‖; bus GB/s: 2(W−1)/W · uncompressed bytes / time; "
-        "limit: 2(W−1)/W · wire bytes / link rate",
+        "limit: bytes each rank's link carries / link rate (2(W−1)/W payloads; all-gather: W−1)",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),
     )

@@ -98,6 +98,10 @@ class Codec:
     summable: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
     fixed_size: ClassVar[bool] = True  # payload size depends only on (numel, dtype, shape)
+    # an aggregator (``ps``) may decode, average and re-encode it without systematically losing
+    # what the ranks sent: False for sparsifiers (the union of W selections would be cut back to
+    # one selection) and for threshold quantizers (an average lies inside the threshold)
+    reencodable: ClassVar[bool] = True
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:

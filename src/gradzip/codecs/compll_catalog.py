@@ -48,6 +48,7 @@ class CLTBQ(cl.CompLLCodec):
 
     name, family, paper, wire_bits = "cl_tbq", "quantization", TBQ.paper, 2
     collectives, options, default_memory = TBQ.collectives, TBQ.options, TBQ.default_memory
+    reencodable = TBQ.reencodable
 
     def __init__(self, **opts):
         super().__init__(**opts)

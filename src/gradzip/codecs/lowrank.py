@@ -88,7 +88,11 @@ class PowerSGD(Codec):
             meta.extra.update(round=2, P=p_hat)
             return Payload([meta.extra["M"].T @ p_hat], meta)
         if meta.extra["round"] == 2 and self.warm_start:
-            self._q[meta.name] = reduced[0].clone()
+            # a non-finite step (NaN/Inf on any rank: the sum is then non-finite everywhere) must
+            # not become the next warm start, or every later step would be NaN too
+            q = reduced[0]
+            fallback = self._initial_q(meta, *q.shape)
+            self._q[meta.name] = torch.where(torch.isfinite(q.sum()), q, fallback)
         return None
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:

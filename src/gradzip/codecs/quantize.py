@@ -584,6 +584,7 @@ class TBQ(Codec):
     """
 
     name = "tbq"
+    reencodable = False  # an average of ±τ/0 values lies in [−τ, τ]: re-encoded it is all zeros
     family = "quantization"
     paper = (
         "Strom, Scalable Distributed DNN Training Using Commodity GPU Cloud Computing, Interspeech'15; "

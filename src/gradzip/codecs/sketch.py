@@ -153,6 +153,7 @@ class SketchML(Codec):
         super().__init__(**opts)
         if self.ratio < 1.0:  # sparse: the payload size depends on the gaps between indices
             self.fixed_size = False
+            self.reencodable = False  # sparse: re-selecting from the union would drop most of it
             self.collectives = ("allgather",)
             self.default_memory = "residual"
 

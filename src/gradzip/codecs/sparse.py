@@ -45,6 +45,8 @@ class _ValuesIndices(Codec):
     """Payload ``[values (input dtype), int32 indices]``; decodes by scattering, aggregates by a
     scatter-add of every rank's payload in rank order (the same float sums on every rank)."""
 
+    reencodable = False  # re-selecting from the union of W selections would drop most of it
+
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values, idx = tensors
         return _scatter(values, idx, meta.numel)
@@ -312,6 +314,7 @@ class AdaComp(Codec):
     """
 
     name = "adaq"
+    reencodable = False  # a sparsifier: see _ValuesIndices
     family = "sparsification"
     paper = "Chen et al., AdaComp: Adaptive Residual Gradient Compression for Data-Parallel Distributed Training, AAAI'18"
     collectives = ("allgather",)

@@ -4,9 +4,9 @@ A collective takes one flat tensor (the error-compensated gradient of one parame
 with a codec, moves the payloads with ``torch.distributed`` and returns the average over ranks,
 identical to the bit on every rank because every rank decodes the same bytes the same way.
 
-Every message also carries a one-byte (or one-element) "non-finite input" flag, so every rank
-learns in the same round whether any rank's input held NaN or Inf, without an extra collective
-and without a host sync.
+Every message also carries a one-byte "non-finite input" flag, so every rank learns in the same
+round whether any rank's input held NaN or Inf, without a host sync. (The all-reduce sums a
+one-element flag tensor issued next to the payload, an extra tiny collective in the same round.)
 """
 from __future__ import annotations
 
@@ -152,6 +152,15 @@ _COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")
 register_collective = _COLLECTIVES.add
 names = _COLLECTIVES.names
 get = _COLLECTIVES.get
+
+
+def reencoder(codec: Codec) -> Codec:
+    """The codec that re-encodes an aggregate: ``codec`` itself when its encode is a pure function,
+    a fresh instance when it keeps state of its own (it overrides ``state_dict``: signum's momentum,
+    adaq's residual), so the aggregate neither reads nor overwrites this rank's state."""
+    if type(codec).state_dict is Codec.state_dict:
+        return codec
+    return type(codec)(**codec.config())
 
 
 def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:

@@ -17,6 +17,7 @@ from .base import (
     from_bytes,
     nonfinite_flag,
     own_payload,
+    reencoder,
     register_collective,
     spec_bytes,
     spec_of,
@@ -80,7 +81,7 @@ class ParameterServer(Collective):
     with a fresh instance, so its state only ever sees this rank's own partitions.
 
     Options: ``partitions`` (default None: the world size), ``min_partition`` (elements, default
-    4096). ``Communicator`` builds collectives as ``cls(group)``, so there they take the defaults.
+    4096); pass them as ``Communicator(..., collective_options={...})`` or ``GRADZIP_PARTITIONS``.
     """
 
     name = "ps"
@@ -99,7 +100,8 @@ class ParameterServer(Collective):
         self.aggregated: List[int] = []  # partitions this rank aggregated in the last call
 
     def supports(self, codec: Codec) -> bool:
-        return type(codec).next_round is Codec.next_round
+        single_round = type(codec).next_round is Codec.next_round
+        return single_round and (codec.summable or codec.reencodable)
 
     def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
         rank, w = world(self.group)
@@ -153,7 +155,7 @@ class ParameterServer(Collective):
             else:
                 payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
                 mean = timer.decode(codec.aggregate, payloads).reshape(-1)
-                merged = timer.encode(_reencoder(codec).encode, mean, f"{name}#{p}", step).tensors
+                merged = timer.encode(reencoder(codec).encode, mean, f"{name}#{p}", step).tensors
             merged_tensors[p] = merged
             merged_bufs[p] = to_bytes(merged, flags)
 
@@ -221,15 +223,6 @@ class ParameterServer(Collective):
             dist.all_reduce(flat, group=self.group)  # one aggregator per partition: the sum is its row
         row = flat.tolist()
         return [[(dtype, row[starts[p] + j]) for j, (dtype, _) in enumerate(spec)] for p, spec in enumerate(own_specs)]
-
-
-def _reencoder(codec: Codec) -> Codec:
-    """The codec that re-encodes an aggregate: ``codec`` itself when its encode is a pure function,
-    a fresh instance when it keeps state of its own (it overrides ``state_dict``: signum's momentum,
-    adaq's residual), so the aggregate neither reads nor overwrites this rank's state."""
-    if type(codec).state_dict is Codec.state_dict:
-        return codec
-    return type(codec)(**codec.config())
 
 
 def _sum_payloads(payloads: Sequence[List[torch.Tensor]]) -> List[torch.Tensor]:

@@ -12,6 +12,7 @@ from .base import (
     from_bytes,
     nonfinite_flag,
     own_payload,
+    reencoder,
     register_collective,
     spec_of,
     to_bytes,
@@ -63,14 +64,16 @@ class ScatterReduceAllGather(Collective):
         reduced = timer.decode(codec.aggregate, parts).reshape(-1)
         flag1 = torch.stack(flags).any()
 
-        # phase 2: re-encode the averaged chunk once, all-gather, everyone decodes the same bytes
-        second = timer.encode(codec.encode, reduced, f"{name}@{rank}", step)
+        # phase 2: re-encode the averaged chunk once (under the chunk's own name, with a codec
+        # whose state it cannot touch), all-gather, everyone decodes the same bytes with the
+        # chunk's context, which is the same on every rank
+        second = timer.encode(reencoder(codec).encode, reduced, f"{name}#{rank}", step)
         gathered = self._all_gather_bytes(to_bytes(second.tensors, flag1), w)
         spec2 = spec_of(second.tensors)
         outs, flags2 = [], []
         for r in range(w):
             tensors, f = from_bytes(gathered[r], spec2)
-            outs.append(timer.decode(codec.decode, Payload(tensors, second.ctx)).reshape(-1))
+            outs.append(timer.decode(codec.decode, Payload(tensors, encoded[r].ctx)).reshape(-1))
             flags2.append(f)
         avg = torch.cat(outs)[:n]
         own = None
