@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, List
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from ..kernels import pack_bits, packed_bytes, unpack_bits
 from .base import Codec, Meta, Option, float_in, int_in
 from .registry import register_codec
+from .sparse import _k
 
 # Quantile sketch resolution: values are keyed by the top KEY_BITS bits of their fp32 pattern
 # (sign, 8 exponent bits, 9 mantissa bits), mapped to an order-preserving integer. A histogram
@@ -18,10 +18,6 @@ KEY_BITS = 18
 _CELLS = 1 << KEY_BITS
 _SHIFT = 32 - KEY_BITS
 _ZERO_KEY = 1 << (KEY_BITS - 1)  # key of +0.0: the forced split between negative and positive values
-
-
-def _k(numel: int, ratio: float) -> int:
-    return max(1, min(numel, math.ceil(numel * ratio)))
 
 
 def _num_buckets(count: int, buckets: int) -> int:

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload
+from ..codecs.base import Codec, Payload, element_size
 from ..naming import Registry
 
 _ALIGN = 8
@@ -94,7 +94,7 @@ def _padded(nbytes: int) -> int:
 
 def spec_bytes(spec: Spec) -> int:
     """Length of the serialised buffer for ``spec`` plus the flag byte."""
-    return sum(_padded(n * torch.empty((), dtype=d).element_size()) for d, n in spec) + _ALIGN
+    return sum(_padded(n * element_size(d)) for d, n in spec) + _ALIGN
 
 
 def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch
     """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
     out, offset = [], 0
     for dtype, numel in spec:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * element_size(dtype)
         out.append(buf[offset : offset + nbytes].view(dtype))
         offset += _padded(nbytes)
     return out, buf[offset] != 0

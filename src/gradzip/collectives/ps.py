@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload
+from ..codecs.base import Codec, Payload, int_in
 from .base import (
     Collective,
     Result,
@@ -31,6 +31,9 @@ def aggregator(call: int, partition: int, world_size: int) -> int:
     return (call + partition) % world_size
 
 
+_positive = int_in(1)
+
+
 def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_partition: int) -> int:
     """Partitions of a tensor: ``partitions`` (default the world size), but none below ``min_partition``
     elements, so tiny tensors go whole to one aggregator. Depends only on sizes: equal on every rank."""
@@ -41,10 +44,6 @@ def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_p
 def partition_bounds(numel: int, parts: int) -> List[Tuple[int, int]]:
     """``(start, end)`` of each partition: contiguous, sizes differing by at most one."""
     return [(p * numel // parts, (p + 1) * numel // parts) for p in range(parts)]
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @register_collective
@@ -90,9 +89,9 @@ class ParameterServer(Collective):
         self, group: Optional[dist.ProcessGroup] = None, partitions: Optional[int] = None, min_partition: int = 4096
     ) -> None:
         super().__init__(group)
-        if partitions is not None and not (_is_int(partitions) and partitions >= 1):
+        if partitions is not None and not _positive(partitions):
             raise ValueError(f"collective 'ps': partitions must be a positive integer or None, got {partitions!r}")
-        if not (_is_int(min_partition) and min_partition >= 1):
+        if not _positive(min_partition):
             raise ValueError(f"collective 'ps': min_partition must be a positive integer, got {min_partition!r}")
         self.partitions = partitions
         self.min_partition = min_partition
