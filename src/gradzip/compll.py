@@ -31,7 +31,7 @@ A codec in a few lines::
             return cl.map(lambda c: self.threshold * ((c == 1).float() - (c == 2).float()), code)
 
 Primitives: :func:`map`, :func:`reduce`, :func:`select` (filter by mask → values + indices),
-:func:`topk`, :func:`scatter`, :func:`random` (counter-based: shared by all ranks or private
+:func:`topk`, :func:`scatter`, :func:`random` (keyed by (seed, step, name): shared by all ranks, or private
 per rank), :func:`pack`/:func:`unpack` (k-bit values), :func:`concat`/:func:`extract` (a small
 header and a payload in one byte buffer).
 """
