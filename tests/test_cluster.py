@@ -78,3 +78,18 @@ def test_benchmark_falls_back_to_loopback_and_says_why(monkeypatch):
     report = micro.run_allreduce(workers=2, size_mb=0.25, repeats=1, rate="1gbit")
     assert report["network"] == "loopback (no emulation: network namespaces and tc need root)"
     assert all(r["wire_limit_s"] is None for r in report["rows"])
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+@pytest.mark.timeout(300)
+def test_demo_trains_on_the_emulated_cluster_with_pytorchs_hook_as_baseline():
+    pytest.importorskip("sklearn")
+    from gradzip.demo import run_demo
+
+    report = run_demo(["torch-fp16", "maxmin4"], out=None, workers=2, epochs=1, rate="1gbit")
+    assert report["network"].startswith("2 ranks in network namespaces")
+    rows = {r["config"]: r for r in report["results"]}
+    assert rows["torch-fp16"]["method"] == "PyTorch fp16_compress_hook"
+    assert all(r["identical"] and r["test_accuracy"] > 50 for r in rows.values())
+    assert rows["maxmin4"]["wire_bytes"] < rows["torch-fp16"]["wire_bytes"]
+    assert cluster.EmulatedCluster.cleanup(cluster.PREFIX) == []  # nothing left behind

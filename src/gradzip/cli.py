@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="SGD learning rate (default %(default)s)")
     demo.add_argument("--momentum", type=float, default=DEFAULTS["momentum"], help="default %(default)s")
     demo.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model, split and shuffle seed")
+    demo.add_argument("--width", type=_positive, default=DEFAULTS["width"], help="hidden width of the MLP (default %(default)s)")
+    demo.add_argument(
+        "--rate", default=None,
+        help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2)",
+    )
     demo.add_argument(
         "--configs", type=_config_list, default=DEFAULT_CONFIGS,
         help=f"comma-separated configs (default {','.join(DEFAULT_CONFIGS)})",
@@ -103,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = demo.run_demo(
             args.configs, out=args.out, workers=args.workers, epochs=args.epochs,
             batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed,
+            width=args.width, rate=args.rate,
         )
         console = _console()
         console.print(demo.table(report))

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradzip
 
+from .bench import cluster
 from .launch import spawn_local
 
 # config name -> (codec, keyword arguments of gradzip.register); None means plain fp32 DDP.
@@ -54,6 +55,7 @@ CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "adaq": ("adaq", {}),
     "sketchml": ("sketchml", {}),
     "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
+    "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hook, the baseline to beat
 }
 # Optimizer settings a method needs to work at all, applied on top of --lr/--momentum: sign
 # methods send ±1 per element, so the step is lr per element (a far smaller lr, and Signum keeps
@@ -68,7 +70,7 @@ DEFAULT_CONFIGS = ["fp32", "fp16", "maxmin4", "maxmin2", "topk", "powersgd", "ef
 
 # Chosen so the default run (7 configs, 4 ranks) takes 1–2 minutes on 2 cores and fp32 reaches
 # ≥ 95% test accuracy (≈97%); every rank gets batch_size / workers samples per step.
-DEFAULTS = dict(workers=4, epochs=8, batch_size=64, lr=0.05, momentum=0.9, seed=0)
+DEFAULTS = dict(workers=4, epochs=8, batch_size=64, lr=0.05, momentum=0.9, seed=0, width=256, rate=None)
 
 
 def describe(name: str) -> str:
@@ -77,6 +79,8 @@ def describe(name: str) -> str:
     if spec is None:
         return "DDP all-reduce"
     codec, opts = spec
+    if codec.startswith("torch:"):
+        return f"PyTorch {codec[len('torch:'):]}"
     optim = OPTIMIZER_OVERRIDES.get(name, {})
     sgd = [f"(SGD {' '.join(f'{k}={v:g}' for k, v in optim.items())})"] if optim else []
     return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + sgd)
@@ -96,9 +100,10 @@ def load_digits_split(seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.
     return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, width: int = 256) -> nn.Module:
+    """64 → width → width → 10 MLP; a larger ``width`` makes training communication-bound."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 def _progress(rank: int, names: Sequence[str], total: int):
@@ -128,10 +133,16 @@ def _identical(model: nn.Module) -> bool:
 def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar, task) -> Dict[str, Any]:
     """Train one configuration from scratch; every rank returns the same record."""
     x_tr, y_tr, x_te, y_te = data
-    model = make_model(opts["seed"])
+    model = make_model(opts["seed"], opts["width"])
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     spec = CONFIGS[name]
-    state = gradzip.register(ddp, spec[0], **spec[1]) if spec is not None else None
+    state = None
+    if spec is not None and spec[0].startswith("torch:"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, getattr(default_hooks, spec[0][len("torch:"):]))
+    elif spec is not None:
+        state = gradzip.register(ddp, spec[0], **spec[1])
     sgd = {"lr": opts["lr"], "momentum": opts["momentum"], **OPTIMIZER_OVERRIDES.get(name, {})}
     optim = torch.optim.SGD(ddp.parameters(), **sgd)
     loss_fn = nn.CrossEntropyLoss()
@@ -173,8 +184,8 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
         stats = state.stats()
         wire = int(stats["wire_bytes"])
         state.close()
-    else:
-        stats, wire = {}, raw
+    else:  # plain DDP sends fp32; PyTorch's fp16 hook sends half of that
+        stats, wire = {}, raw // 2 if spec is not None and spec[0] == "torch:fp16_compress_hook" else raw
     last = losses[-steps_per_epoch:]
     return {
         "config": name,
@@ -219,8 +230,17 @@ def run_demo(configs: Sequence[str] = DEFAULT_CONFIGS, out: Optional[str] = "dem
         raise ValueError("--batch-size must be at least --workers (every rank needs a sample)")
     t0 = time.perf_counter()
     data = load_digits_split(opts["seed"])  # once, in the parent: the ranks need no scikit-learn
-    results = spawn_local(demo_worker, opts["workers"], list(configs), opts, data)
-    report = {"options": opts, "total_wall_s": time.perf_counter() - t0, "results": results}
+    network = "loopback"
+    reason = cluster.available() if opts["rate"] else None
+    if opts["rate"] and reason is None:
+        with cluster.EmulatedCluster(opts["workers"], opts["rate"]) as emu:
+            network = emu.describe()
+            results = spawn_local(demo_worker, opts["workers"], list(configs), opts, data, cluster=emu)
+    else:
+        if opts["rate"]:
+            network = f"loopback (no emulation: {reason})"
+        results = spawn_local(demo_worker, opts["workers"], list(configs), opts, data)
+    report = {"options": opts, "network": network, "total_wall_s": time.perf_counter() - t0, "results": results}
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
@@ -262,7 +282,8 @@ def table(report: Dict[str, Any]):
 
     o = report["options"]
     t = Table(
-        title=f"gradzip demo: digits MLP, {o['workers']} gloo ranks, {o['epochs']} epochs, batch {o['batch_size']}",
+        title=f"gradzip demo: digits MLP (width {o['width']}), {o['workers']} gloo ranks, {o['epochs']} epochs,"
+        f" batch {o['batch_size']}; {report.get('network', 'loopback')}",
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),
     )
@@ -271,7 +292,7 @@ def table(report: Dict[str, Any]):
         " (W−1)× that per rank, a ring all-reduce or SRA about 2(W−1)/W×); loss: mean training loss"
         " of the last epoch; identical: all ranks ended with bit-identical parameters"
     )
-    for col in ("config", "acc %", "MB/rank", "ratio", "time s", "loss", "identical"):
+    for col in ("config", "acc %", "MB/rank", "ratio", "time s", "steps/s", "loss", "identical"):
         t.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     t.add_column("method", ratio=1)
     for r in report["results"]:
@@ -281,6 +302,7 @@ def table(report: Dict[str, Any]):
             f"{r['wire_bytes'] / 1e6:.2f}",
             f"{r['ratio']:.1f}×",
             f"{r['wall_s']:.1f}",
+            f"{r['steps'] / r['wall_s']:.1f}",
             f"{r['final_train_loss']:.4f}",
             "yes" if r["identical"] else "[red]NO[/red]",
             r["method"],
