@@ -463,17 +463,25 @@ class _SharedDither(Codec):
 
 def _shared_randomness_sra(rank: int, world: int) -> dict:
     x = (torch.rand(1001, generator=torch.Generator().manual_seed(rank)) - 0.5) * 8
-    res = collectives.get("sra")(None).run(_SharedDither(), x, "w", 3, need_own=False)
-    return {"avg": res.avg, "x": x}
+    out = {"x": x}
+    for segment in (1 << 22, 100):  # one segment, and eleven pipelined segments
+        res = collectives.get("sra")(None, segment=segment).run(_SharedDither(), x, "w", 3, need_own=True)
+        out[segment] = {"avg": res.avg, "own": res.own, "wire": res.wire_bytes}
+    return out
 
 
-def test_sra_decodes_with_the_encoders_shared_randomness():
+def test_sra_decodes_with_the_encoders_shared_randomness_also_when_pipelined():
     results = run_workers(_shared_randomness_sra, 3)
     mean = torch.stack([r["x"] for r in results]).mean(0)
-    for r in results:
-        assert torch.equal(r["avg"], results[0]["avg"]), "ranks disagree"
-        # two dithered quantisations of step 1/4: each off by at most 1/8
-        assert (r["avg"] - mean).abs().max() <= 0.25 + 1e-5
+    for segment in (1 << 22, 100):
+        for r in results:
+            rec = r[segment]
+            assert rec["avg"].shape == (1001,) and torch.equal(rec["avg"], results[0][segment]["avg"]), segment
+            # two dithered quantisations of step 1/4: each off by at most 1/8
+            assert (rec["avg"] - mean).abs().max() <= 0.25 + 1e-5, segment
+            assert (rec["own"] - r["x"]).abs().max() <= 0.125 + 1e-5, segment  # own first-stage decode
+    # eleven segments pad their chunks separately: a few more bytes than one segment
+    assert results[0][100]["wire"] >= results[0][1 << 22]["wire"]
 
 
 @pytest.mark.timeout(60)

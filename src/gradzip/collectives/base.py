@@ -26,9 +26,9 @@ _ALIGN = 8
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major)."""
-    _all_gather_flat(out, inp, group=group)
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False):
+    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major); a work handle if async."""
+    return _all_gather_flat(out, inp, group=group, async_op=async_op)
 
 
 @dataclass

@@ -1,14 +1,17 @@
-"""CGX's compressed scatter-reduce + all-gather (SRA)."""
+"""CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
+
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload
+from ..codecs.base import Codec, Payload, int_in
 from .base import (
     Collective,
     Result,
     Timer,
+    all_gather_flat,
     from_bytes,
     nonfinite_flag,
     own_payload,
@@ -18,6 +21,8 @@ from .base import (
     to_bytes,
     world,
 )
+
+_positive = int_in(1)
 
 
 @register_collective
@@ -29,9 +34,20 @@ class ScatterReduceAllGather(Collective):
     that average once more and all-gathers it. Each value is thus quantised twice, every rank
     decodes the same bytes (the owner of a chunk included), and traffic per rank is about
     ``2 · wire_bytes`` whatever the world size.
+
+    Large tensors are processed in segments of ``segment`` values (default 4 M), pipelined as
+    in HiPress's CaSync: while segment s is on the wire (asynchronous collectives), segment s+1
+    is encoded and segment s−1 decoded. Every rank issues the same collectives in the same
+    order: all the all-to-alls, then all the all-gathers.
     """
 
     name = "sra"
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, segment: int = 1 << 22) -> None:
+        super().__init__(group)
+        if not _positive(segment):
+            raise ValueError(f"collective 'sra': segment must be a positive integer, got {segment!r}")
+        self.segment = segment
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
@@ -41,43 +57,71 @@ class ScatterReduceAllGather(Collective):
         timer = Timer()
         x = x.reshape(-1)
         n = x.numel()
-        chunk = -(-n // w)
         flag = nonfinite_flag(x)
+        bounds = [(a, min(a + self.segment, n)) for a in range(0, n, self.segment)]
+        tag = (lambda s: name) if len(bounds) == 1 else (lambda s: f"{name}/{s}")
+
+        # phase 1, per segment: encode every chunk, send chunk j to rank j (asynchronously)
+        phase1 = [self._scatter(codec, x[a:b], tag(s), step, flag, rank, w, timer) for s, (a, b) in enumerate(bounds)]
+        # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
+        phase2 = [self._reduce(codec, p, tag(s), step, rank, w, timer) for s, p in enumerate(phase1)]
+        outs, flags, wire = [], [], 0
+        for (a, b), p1, p2 in zip(bounds, phase1, phase2):
+            avg, f = self._gather(codec, p1, p2, w, timer)
+            outs.append(avg[: b - a])
+            flags.append(f)
+            wire += sum(p.nbytes for p in p1["encoded"]) + p2["second"].nbytes
+        own = None
+        if need_own:
+            own = torch.cat([torch.cat([own_payload(codec, e, timer) for e in p["encoded"]])[: b - a]
+                             for (a, b), p in zip(bounds, phase1)])
+        avg = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return Result(avg, own, torch.stack(flags).any(), wire, timer.encode_s, timer.decode_s)
+
+    def _scatter(self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer) -> dict:
+        n = x.numel()
+        chunk = -(-n // w)
         padded = x if chunk * w == n else torch.cat([x, x.new_zeros(chunk * w - n)])
         chunks = padded.view(w, chunk)
-
-        # phase 1: encode every chunk, send chunk j to rank j
         encoded = [timer.encode(codec.encode, chunks[j], f"{name}#{j}", step) for j in range(w)]
-        spec = spec_of(encoded[0].tensors)
         send = torch.stack([to_bytes(p.tensors, flag) for p in encoded])
         recv = torch.empty_like(send)
+        work = None
         if w > 1:
-            dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
+            work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=True)
         else:
             recv.copy_(send)
-        mine = encoded[rank].ctx
-        parts, flags = [], []
+        return {"encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work}
+
+    def _reduce(self, codec: Codec, p1: dict, name: str, step: int, rank: int, w: int, timer: Timer) -> dict:
+        if p1["work"] is not None:
+            p1["work"].wait()
+        mine = p1["encoded"][rank].ctx
+        parts: List[Payload] = []
+        flags = []
         for r in range(w):
-            tensors, f = from_bytes(recv[r], spec)
+            tensors, f = from_bytes(p1["recv"][r], p1["spec"])
             parts.append(Payload(tensors, mine))
             flags.append(f)
         reduced = timer.decode(codec.aggregate, parts).reshape(-1)
-        flag1 = torch.stack(flags).any()
-
-        # phase 2: re-encode the averaged chunk once (under the chunk's own name, with a codec
-        # whose state it cannot touch), all-gather, everyone decodes the same bytes with the
-        # chunk's context, which is the same on every rank
+        # re-encode under the chunk's own name, with a codec whose state it cannot touch
         second = timer.encode(reencoder(codec).encode, reduced, f"{name}#{rank}", step)
-        gathered = self._all_gather_bytes(to_bytes(second.tensors, flag1), w)
-        spec2 = spec_of(second.tensors)
-        outs, flags2 = [], []
-        for r in range(w):
-            tensors, f = from_bytes(gathered[r], spec2)
-            outs.append(timer.decode(codec.decode, Payload(tensors, encoded[r].ctx)).reshape(-1))
-            flags2.append(f)
-        avg = torch.cat(outs)[:n]
-        own = None
-        if need_own:
-            own = torch.cat([own_payload(codec, p, timer) for p in encoded])[:n]
-        wire = sum(p.nbytes for p in encoded) + second.nbytes
-        return Result(avg, own, torch.stack(flags2).any(), wire, timer.encode_s, timer.decode_s)
+        buf = to_bytes(second.tensors, torch.stack(flags).any())
+        gathered = buf.new_empty(w, buf.numel())
+        work = None
+        if w > 1:
+            work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
+        else:
+            gathered[0] = buf
+        return {"second": second, "gathered": gathered, "work": work}
+
+    def _gather(self, codec: Codec, p1: dict, p2: dict, w: int, timer: Timer):
+        if p2["work"] is not None:
+            p2["work"].wait()
+        spec2 = spec_of(p2["second"].tensors)
+        outs, flags = [], []
+        for r in range(w):  # every rank decodes the same bytes with the chunk's shared context
+            tensors, f = from_bytes(p2["gathered"][r], spec2)
+            outs.append(timer.decode(codec.decode, Payload(tensors, p1["encoded"][r].ctx)).reshape(-1))
+            flags.append(f)
+        return torch.cat(outs), torch.stack(flags).any()
