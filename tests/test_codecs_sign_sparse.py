@@ -151,18 +151,6 @@ def test_onebit_per_bucket_means_and_tail():
     assert torch.equal(_round_trip(gradzip.codec("onebit"), torch.zeros(9)), torch.zeros(9))
 
 
-def test_onebit_error_feedback_keeps_the_sum():
-    c, m = gradzip.codec("onebit"), memory("residual")
-    g = _randn((500,), seed=5)
-    sent = torch.zeros(500)
-    for step in range(20):
-        inp = m.compensate(g, "w")
-        out = c.decode(c.encode(inp, name="w", step=step))
-        m.update("w", inp, out)
-        sent += out
-    torch.testing.assert_close(sent + m.residuals["w"], 20 * g, rtol=1e-4, atol=1e-4)
-
-
 # =================================================================================== signum
 def test_signum_momentum_follows_the_formula():
     beta = 0.8
