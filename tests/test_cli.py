@@ -66,3 +66,18 @@ def test_bench_codecs(tmp_path):
     assert 2 < rows["maxmin:bits=2"]["bits_per_element"] < 2.1  # 2 bits + a min/scale pair per 1024
     assert rows["topk"]["bits_per_element"] < 1
     assert all(r["encode_decode_ms"] > 0 for r in rows.values())
+
+
+def _hang(rank: int, world: int) -> None:
+    import time
+
+    if rank == 1:
+        time.sleep(600)  # a rank that never finishes, like one stuck in a mismatched collective
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_job_is_killed_at_its_deadline():
+    from gradzip.launch import spawn_local
+
+    with pytest.raises(RuntimeError, match="ranks still running after 5 s: killed"):
+        spawn_local(_hang, 2, deadline_s=5)

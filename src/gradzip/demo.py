@@ -55,8 +55,15 @@ CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "adaq": ("adaq", {}),
     "sketchml": ("sketchml", {}),
     "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
-    "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hook, the baseline to beat
+    "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hooks, the baselines to beat
+    "torch-powersgd": ("torch:powerSGD_hook", {"rank": 2}),
 }
+# Configs run in a spawn of their own with a short collective timeout, so that a failure (or a
+# hang: PyTorch's PowerSGD hook issues all-reduces from Future callbacks, which with several
+# buckets in flight can reach gloo in a different order on each rank) is recorded, not fatal.
+ISOLATED = {"torch-powersgd"}
+ISOLATED_TIMEOUT_S = 60  # one collective
+ISOLATED_DEADLINE_S = 180  # the whole config
 # Optimizer settings a method needs to work at all, applied on top of --lr/--momentum: sign
 # methods send ±1 per element, so the step is lr per element (a far smaller lr, and Signum keeps
 # its own momentum); DGC's momentum correction *is* the momentum, so the optimizer must not add
@@ -137,7 +144,12 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     spec = CONFIGS[name]
     state = None
-    if spec is not None and spec[0].startswith("torch:"):
+    if spec is not None and spec[0] == "torch:powerSGD_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        hook_state = psgd.PowerSGDState(None, matrix_approximation_rank=spec[1]["rank"], start_powerSGD_iter=2)
+        ddp.register_comm_hook(hook_state, psgd.powerSGD_hook)
+    elif spec is not None and spec[0].startswith("torch:"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(None, getattr(default_hooks, spec[0][len("torch:"):]))
@@ -150,7 +162,9 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
     batch = opts["batch_size"]
     steps_per_epoch = x_tr.shape[0] // batch  # drop the last partial batch: equal steps on every rank
     losses = torch.zeros(opts["epochs"] * steps_per_epoch)
+    elapsed = torch.zeros(opts["epochs"] * steps_per_epoch, dtype=torch.float64)
     accuracy: List[float] = []
+    epoch_end_s: List[float] = []
     step = 0
     dist.barrier()
     if bar is not None:
@@ -167,12 +181,14 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
             loss.backward()
             optim.step()
             losses[step] = loss.detach()
+            elapsed[step] = time.perf_counter() - start
             step += 1
             if bar is not None:
                 bar.advance(task)
         with torch.no_grad():  # every rank holds the same parameters, so evaluate locally
             model.eval()
             accuracy.append((model(x_te).argmax(1) == y_te).float().mean().item() * 100)
+        epoch_end_s.append(time.perf_counter() - start)
     dist.barrier()
     wall = time.perf_counter() - start
 
@@ -198,6 +214,8 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
         "wall_s": wall,
         "final_train_loss": float(last.mean()),
         "loss_per_step": losses.tolist(),
+        "seconds_per_step": elapsed.tolist(),  # wall time since the start, rank 0's clock
+        "seconds_to_95": next((t for a, t in zip(accuracy, epoch_end_s) if a >= 95.0), None),
         "steps": step,
         "identical": _identical(model),
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
@@ -220,6 +238,25 @@ def demo_worker(rank: int, world: int, names: List[str], opts: Dict[str, Any], d
     return results
 
 
+def _run_configs(configs: List[str], opts: Dict[str, Any], data, emu) -> List[Dict[str, Any]]:
+    """Most configs in one spawn; each ISOLATED one alone, its failure recorded as a row."""
+    shared = [c for c in configs if c not in ISOLATED]
+    done = {r["config"]: r for r in spawn_local(demo_worker, opts["workers"], shared, opts, data, cluster=emu)} if shared else {}
+    for name in [c for c in configs if c in ISOLATED]:
+        try:
+            done[name] = spawn_local(
+                demo_worker, opts["workers"], [name], opts, data, cluster=emu,
+                timeout_s=ISOLATED_TIMEOUT_S, deadline_s=ISOLATED_DEADLINE_S,
+            )[0]
+        except RuntimeError as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+            cause = next((ln for ln in lines if "hung" in ln), None) or next(
+                (ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln), lines[-1] if lines else ""
+            )
+            done[name] = {"config": name, "method": describe(name), "error": cause[:300]}
+    return [done[c] for c in configs]
+
+
 def run_demo(configs: Sequence[str] = DEFAULT_CONFIGS, out: Optional[str] = "demo-results", **overrides: Any) -> Dict[str, Any]:
     """Train every config on local gloo ranks; write results.json and demo.png into ``out``."""
     unknown = sorted(set(overrides) - set(DEFAULTS))
@@ -235,11 +272,11 @@ def run_demo(configs: Sequence[str] = DEFAULT_CONFIGS, out: Optional[str] = "dem
     if opts["rate"] and reason is None:
         with cluster.EmulatedCluster(opts["workers"], opts["rate"]) as emu:
             network = emu.describe()
-            results = spawn_local(demo_worker, opts["workers"], list(configs), opts, data, cluster=emu)
+            results = _run_configs(list(configs), opts, data, emu)
     else:
         if opts["rate"]:
             network = f"loopback (no emulation: {reason})"
-        results = spawn_local(demo_worker, opts["workers"], list(configs), opts, data)
+        results = _run_configs(list(configs), opts, data, None)
     report = {"options": opts, "network": network, "total_wall_s": time.perf_counter() - t0, "results": results}
     if out:
         os.makedirs(out, exist_ok=True)
@@ -250,24 +287,28 @@ def run_demo(configs: Sequence[str] = DEFAULT_CONFIGS, out: Optional[str] = "dem
 
 
 def plot(results: List[Dict[str, Any]], path: str) -> None:
-    """Training loss per step and test accuracy per epoch, one line per config."""
+    """Training loss per step and against wall time, and test accuracy per epoch, a line per config."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_time, ax_acc) = plt.subplots(1, 3, figsize=(17, 4.5))
     for r in results:
+        if "error" in r:  # a config that failed has no curve
+            continue
         loss = np.asarray(r["loss_per_step"])
         window = max(1, min(10, len(loss)))  # per-step losses of small batches are noisy
         smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
         ax_loss.plot(np.arange(window - 1, len(loss)), smooth, label=r["config"], linewidth=1)
+        ax_time.plot(np.asarray(r["seconds_per_step"])[window - 1 :], smooth, label=r["config"], linewidth=1)
         epochs = range(1, len(r["accuracy_per_epoch"]) + 1)
         ax_acc.plot(epochs, r["accuracy_per_epoch"], marker="o", markersize=3, label=r["config"])
     ax_loss.set(xlabel="step", ylabel="training loss (mean over ranks, 10-step mean)", yscale="log", title="Training loss")
+    ax_time.set(xlabel="wall time (s)", ylabel="training loss (10-step mean)", yscale="log", title="Loss against wall time")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="Test accuracy")
-    for ax in (ax_loss, ax_acc):
+    for ax in (ax_loss, ax_time, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -290,12 +331,16 @@ def table(report: Dict[str, Any]):
     t.caption = (
         "acc: test accuracy at the end; MB/rank: payload bytes each rank contributed (a ring all-gather moves"
         " (W−1)× that per rank, a ring all-reduce or SRA about 2(W−1)/W×); loss: mean training loss"
-        " of the last epoch; identical: all ranks ended with bit-identical parameters"
+        " of the last epoch; s to 95%: wall time until the test accuracy first reached 95% (checked after each"
+        " epoch); identical: all ranks ended with bit-identical parameters"
     )
-    for col in ("config", "acc %", "MB/rank", "ratio", "time s", "steps/s", "loss", "identical"):
+    for col in ("config", "acc %", "MB/rank", "ratio", "time s", "steps/s", "s to 95%", "loss", "identical"):
         t.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
     t.add_column("method", ratio=1)
     for r in report["results"]:
+        if "error" in r:
+            t.add_row(r["config"], *["-"] * 7, "[red]failed[/red]", f"{r['method']}: {r['error']}")
+            continue
         t.add_row(
             r["config"],
             f"{r['test_accuracy']:.2f}",
@@ -303,6 +348,7 @@ def table(report: Dict[str, Any]):
             f"{r['ratio']:.1f}×",
             f"{r['wall_s']:.1f}",
             f"{r['steps'] / r['wall_s']:.1f}",
+            "-" if r.get("seconds_to_95") is None else f"{r['seconds_to_95']:.1f}",
             f"{r['final_train_loss']:.4f}",
             "yes" if r["identical"] else "[red]NO[/red]",
             r["method"],

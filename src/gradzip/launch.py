@@ -10,6 +10,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple
@@ -63,7 +64,8 @@ def _entry(
 
 
 def spawn_local(
-    fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None
+    fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None,
+    deadline_s: Optional[float] = None,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
@@ -71,7 +73,8 @@ def spawn_local(
     must be a module-level function (it is pickled into spawned processes). A failure on any
     rank raises ``RuntimeError`` carrying the failing ranks' tracebacks. With ``cluster`` (an
     entered :class:`gradzip.bench.cluster.EmulatedCluster`) rank r runs in namespace r and
-    gloo talks over the shaped links.
+    gloo talks over the shaped links. ``timeout_s`` bounds each collective; ``deadline_s``
+    bounds the whole job: ranks still running then are killed and ``RuntimeError`` says so.
     """
     import torch.multiprocessing as mp
 
@@ -86,8 +89,16 @@ def spawn_local(
                 network = (list(cluster.namespaces), cluster.address(0), IFACE)
             args_ = (world_size, free_port(), outdir, timeout_s, network, fn, args)
             failure = None
+            ctx = mp.spawn(_entry, args=args_, nprocs=world_size, join=False)
+            start = time.monotonic()
             try:
-                mp.spawn(_entry, args=args_, nprocs=world_size, join=True)
+                while not ctx.join(timeout=1.0):
+                    if deadline_s is not None and time.monotonic() - start > deadline_s:
+                        for proc in ctx.processes:
+                            if proc.is_alive():
+                                proc.kill()
+                        failure = RuntimeError(f"ranks still running after {deadline_s:g} s: killed (hung)")
+                        break
             except Exception as exc:  # collect every rank's story before raising
                 failure = exc
             records: List[Any] = []
@@ -100,7 +111,7 @@ def spawn_local(
                     records.append({"ok": False, "error": f"rank {r} exited without a result"})
             errors = [f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records) if not rec["ok"]]
             if errors or failure is not None:
-                raise RuntimeError("local ranks failed:\n" + ("\n".join(errors) or str(failure)))
+                raise RuntimeError("local ranks failed:\n" + "\n".join(errors + ([str(failure)] if failure else [])))
             results = [rec["result"] for rec in records]
             return results if all_ranks else results[0]
     finally:
