@@ -102,6 +102,9 @@ class Codec:
     # what the ranks sent: False for sparsifiers (the union of W selections would be cut back to
     # one selection) and for threshold quantizers (an average lies inside the threshold)
     reencodable: ClassVar[bool] = True
+    # per-tensor state kept across steps (PowerSGD's Q, Signum's momentum, ...): the key under
+    # which state_dict() saves it; the codec holds it in the dict attribute ``_<key>``
+    tensor_state: ClassVar[str] = ""
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
@@ -171,10 +174,15 @@ class Codec:
         return self._wire_bytes(numel, dtype)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"calls": dict(self._calls)}
+        state: Dict[str, Any] = {"calls": dict(self._calls)}
+        if self.tensor_state:
+            state[self.tensor_state] = {k: v.cpu() for k, v in getattr(self, f"_{self.tensor_state}").items()}
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._calls = dict(state.get("calls", {}))
+        if self.tensor_state:
+            setattr(self, f"_{self.tensor_state}", {k: v.clone() for k, v in state.get(self.tensor_state, {}).items()})
 
     # ------------------------------------------------------------ for subclasses
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:

@@ -43,6 +43,7 @@ class PowerSGD(Codec):
     collectives = ("allreduce",)
     default_memory = "residual"
     summable = True
+    tensor_state = "q"
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),
         "warm_start": Option(True, lambda v: isinstance(v, bool), "True or False", "reuse last step's Q"),
@@ -51,7 +52,7 @@ class PowerSGD(Codec):
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
-        self._q: Dict[str, torch.Tensor] = {}
+        self._q: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
 
     def _matrix(self, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
         """(n, m, r) when compressing ``shape`` pays off, else None."""
@@ -114,11 +115,3 @@ class PowerSGD(Codec):
         n, m, r = dims
         return (n + m) * r * 4
 
-    def state_dict(self) -> Dict[str, Any]:
-        state = super().state_dict()
-        state["q"] = {k: v.cpu() for k, v in self._q.items()}
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._q = {k: v.clone() for k, v in state.get("q", {}).items()}

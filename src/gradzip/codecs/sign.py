@@ -171,10 +171,11 @@ class Signum(SignSGD):
     paper = "Bernstein et al., signSGD with Majority Vote is Communication Efficient and Fault Tolerant, ICLR'19"
     collectives = ("allgather",)
     options = {"momentum": Option(0.9, _momentum_value, "a float in [0, 1)", "momentum factor β")}
+    tensor_state = "momentum"
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
-        self._momentum: Dict[str, torch.Tensor] = {}
+        self._momentum: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         g = x.float()
@@ -188,11 +189,3 @@ class Signum(SignSGD):
         self._momentum[meta.name] = torch.where(finite, m, old)
         return [_sign_bits(m)]
 
-    def state_dict(self) -> Dict[str, Any]:
-        state = super().state_dict()
-        state["momentum"] = {k: v.cpu() for k, v in self._momentum.items()}
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._momentum = {k: v.clone() for k, v in state.get("momentum", {}).items()}

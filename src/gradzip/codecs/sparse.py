@@ -315,6 +315,7 @@ class AdaComp(Codec):
 
     name = "adaq"
     reencodable = False  # a sparsifier: see _ValuesIndices
+    tensor_state = "residuals"
     family = "sparsification"
     paper = "Chen et al., AdaComp: Adaptive Residual Gradient Compression for Data-Parallel Distributed Training, AAAI'18"
     collectives = ("allgather",)
@@ -327,7 +328,7 @@ class AdaComp(Codec):
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
-        self._residuals: Dict[str, torch.Tensor] = {}
+        self._residuals: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
         self._index_dtype = torch.uint8 if self.bin_size <= 255 else torch.int16
 
     def _bins(self, numel: int) -> Tuple[int, int]:
@@ -378,11 +379,3 @@ class AdaComp(Codec):
         width = 1 if self.bin_size <= 255 else 2
         return (self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4
 
-    def state_dict(self) -> Dict[str, Any]:
-        state = super().state_dict()
-        state["residuals"] = {k: v.cpu() for k, v in self._residuals.items()}
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}

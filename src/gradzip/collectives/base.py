@@ -156,9 +156,9 @@ get = _COLLECTIVES.get
 
 def reencoder(codec: Codec) -> Codec:
     """The codec that re-encodes an aggregate: ``codec`` itself when its encode is a pure function,
-    a fresh instance when it keeps state of its own (it overrides ``state_dict``: signum's momentum,
-    adaq's residual), so the aggregate neither reads nor overwrites this rank's state."""
-    if type(codec).state_dict is Codec.state_dict:
+    a fresh instance when it keeps per-tensor state (``tensor_state``: signum's momentum, adaq's
+    residual), so the aggregate neither reads nor overwrites this rank's state."""
+    if not codec.tensor_state:
         return codec
     return type(codec)(**codec.config())
 
