@@ -1,4 +1,4 @@
-"""The ``gradzip`` command: ``gradzip demo`` and ``gradzip bench allreduce``.
+"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce`` and ``gradzip bench codecs``.
 
 Heavy modules (the demo, the benchmark, rich) are imported by the subcommand that needs them, so
 ``gradzip --help`` stays quick and a missing optional extra only breaks the command that uses it.
@@ -6,8 +6,9 @@ Heavy modules (the demo, the benchmark, rich) are imported by the subcommand tha
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
 def _config_list(text: str) -> List[str]:
@@ -36,6 +37,24 @@ def _codec_list(text: str) -> List[str]:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return specs
+
+
+def _size_mb(text: str) -> float:
+    """One tensor size in MiB: a positive number that holds at least one fp32 value."""
+    from .bench.micro import check_sizes
+
+    try:
+        return check_sizes([float(text)])[0]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size must be a positive number of MiB, got {text!r}") from None
+
+
+def _size_list(text: str) -> List[float]:
+    """``"1,4,16"`` → ``[1.0, 4.0, 16.0]`` (MiB), each checked; duplicates dropped."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("expected comma-separated sizes in MiB, e.g. 1,4,16,64,256")
+    return list(dict.fromkeys(_size_mb(p) for p in parts))
 
 
 def _positive(text: str) -> int:
@@ -73,13 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ar = bench_sub.add_parser("allreduce", help="time one all-reduce of a large fp32 tensor, plain vs compressed")
     ar.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
-    ar.add_argument("--size-mb", type=float, default=100.0, help="tensor size in MiB (default %(default)s)")
+    sizes = ar.add_mutually_exclusive_group()
+    sizes.add_argument("--size-mb", type=_size_mb, default=None, help="tensor size in MiB (default 100)")
+    sizes.add_argument(
+        "--sizes", type=_size_list, default=None,
+        help="a sweep of sizes in MiB, e.g. 1,4,16,64,256, all in one run of the ranks (instead of --size-mb)",
+    )
     ar.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
     ar.add_argument(
         "--codecs", type=_codec_list, default=[],
         help="extra codecs besides maxmin:bits=4, e.g. fp16,maxmin:bits=2,topk:ratio=0.01",
     )
     ar.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    ar.add_argument(
+        "--plot", dest="plot_path",
+        help="draw time and bus bandwidth against size to this PNG (default with --json: next to it, same name)",
+    )
     ar.add_argument(
         "--rate", default=None,
         help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2); "
@@ -91,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
     cb.add_argument("--threads", type=_positive, default=1, help="torch threads (default %(default)s)")
     cb.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    cb.add_argument(
+        "--plot", dest="plot_path",
+        help="draw GB/s per codec against memory-copy speed to this PNG (default with --json: next to it, same name)",
+    )
     return parser
 
 
@@ -98,6 +130,26 @@ def _console():
     from rich.console import Console
 
     return Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
+
+
+def _plot(draw: Callable[[Dict[str, Any], str], None], report: Dict[str, Any], args: argparse.Namespace, console: Any) -> None:
+    """Draw ``report`` to ``--plot``, or next to ``--json`` when only that was given.
+
+    A missing matplotlib fails an explicit ``--plot`` and only skips the implicit one.
+    """
+    path = args.plot_path
+    if path is None and args.json_path:
+        path = os.path.splitext(args.json_path)[0] + ".png"
+    if path is None:
+        return
+    try:
+        draw(report, path)
+    except ImportError as exc:
+        if args.plot_path:
+            raise
+        console.print(f"no plot ({exc}); install the 'bench' extra for one")
+        return
+    console.print(f"plot: {path}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -115,16 +167,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console.print(f"total wall time {report['total_wall_s']:.1f} s; results and plot in {args.out}/")
         return 0 if all(r.get("identical", True) for r in report["results"]) else 1  # failed baselines are rows
     if args.command == "bench" and args.bench == "allreduce":
-        from .bench import micro
+        from .bench import micro, plots
 
-        report = micro.run_allreduce(args.workers, args.size_mb, args.repeats, args.codecs, args.json_path, args.rate)
-        _console().print(micro.table(report))
+        report = micro.run_allreduce(
+            args.workers, args.size_mb, args.repeats, args.codecs, args.json_path, args.rate, sizes_mb=args.sizes,
+        )
+        console = _console()
+        console.print(micro.table(report))
+        _plot(plots.allreduce, report, args, console)
         return 0
     if args.command == "bench" and args.bench == "codecs":
         from .bench import codecs as codec_bench
+        from .bench import plots
 
         report = codec_bench.run(args.codecs, args.numel, args.repeats, args.threads, args.json_path)
-        _console().print(codec_bench.table(report))
+        console = _console()
+        console.print(codec_bench.table(report))
+        _plot(plots.codecs, report, args, console)
         return 0
     raise AssertionError(args)  # argparse rejects everything else
 

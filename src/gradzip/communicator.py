@@ -133,7 +133,10 @@ class Communicator:
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = res.avg.masked_fill_(res.nonfinite, float("nan"))  # collectives return fresh tensors
-        self.metrics.record(name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress)
+        self.metrics.record(
+            name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress,
+            encode_cpu_s=res.encode_cpu_s, decode_cpu_s=res.decode_cpu_s,
+        )
         return avg.view(t.shape).to(t.dtype)
 
     def reduce_many_now(self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool]) -> List[torch.Tensor]:

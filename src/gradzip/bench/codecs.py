@@ -4,7 +4,7 @@ For each codec (default options unless given as ``name:key=value``) on a float32
 ``numel`` elements shaped like a weight matrix: the payload's bytes per element (measured on the
 encoded payload; for multi-round codecs from ``wire_bytes``), and the median encode+decode time
 over ``repeats`` runs, next to a same-size memory copy timed in the same run — the roofline a
-fused codec would approach.
+fused codec would approach (``gradzip bench codecs --plot`` draws it as a line).
 """
 from __future__ import annotations
 
@@ -60,7 +60,10 @@ def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, t
             })
     finally:
         torch.set_num_threads(before)
-    return {"numel": numel, "repeats": repeats, "threads": threads, "copy_ms": copy_s * 1e3, "rows": rows}
+    return {
+        "numel": numel, "repeats": repeats, "threads": threads,
+        "copy_ms": copy_s * 1e3, "copy_gbps": 4 * numel / copy_s / 1e9, "rows": rows,
+    }
 
 
 def run(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1, json_path: Optional[str] = None) -> Dict[str, Any]:

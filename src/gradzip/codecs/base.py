@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..kernels import private_generator
+from ..kernels import draw_key, private_generator
 
 
 @dataclass
@@ -152,12 +152,26 @@ class Codec:
             return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
         return self._decode(payload.tensors, meta).reshape(meta.shape).to(meta.dtype)
 
+    def decode_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+        """Decode the first ``out.numel()`` values of a payload into the flat ``out`` (or add them).
+
+        Collectives decode chunks straight into their result and sum ranks in place with this,
+        which saves a fresh allocation and a pass over memory per payload; codecs with fused
+        kernels override :meth:`_decode_into`. The values are exactly those of :meth:`decode`.
+        """
+        if out.numel() > payload.ctx.numel:
+            raise ValueError(f"out has {out.numel()} values, the payload only {payload.ctx.numel}")
+        if out.numel() == 0:
+            return out
+        return self._decode_into(payload.tensors, payload.ctx, out, accumulate)
+
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Combine every rank's payload (in rank order) into the averaged gradient."""
-        total = self.decode(payloads[0]).float()
-        for p in payloads[1:]:
-            total += self.decode(p).float()
-        return (total / len(payloads)).to(payloads[0].ctx.dtype)
+        meta = payloads[0].ctx
+        total = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
+        for i, p in enumerate(payloads):
+            self.decode_into(p, total, accumulate=i > 0)
+        return total.div_(len(payloads)).reshape(meta.shape).to(meta.dtype)
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
@@ -191,8 +205,16 @@ class Codec:
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         raise NotImplementedError
 
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        values = self._decode(tensors, meta).reshape(-1)[: out.numel()]
+        return out.add_(values) if accumulate else out.copy_(values)
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         raise NotImplementedError
+
+    def _key(self) -> int:
+        """A fresh 32-bit key for this rank's counter-based stochastic rounding."""
+        return draw_key(self._generator(torch.device("cpu")))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This rank's private generator for stochastic rounding on ``device``."""

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..kernels import bucket_view, pack_bits, packed_bytes, unpack_bits
+from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
 from .base import SEED, Codec, Meta, Option, element_size, float_in, int_in, one_of
 from .registry import register_codec
 
@@ -99,23 +99,14 @@ class MaxMin(Codec):
     }
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        buckets = bucket_view(x.float(), self.bucket_size)
-        lo, hi = torch.aminmax(buckets, dim=1)
-        scale = (hi - lo) / ((1 << self.bits) - 1)
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        v = (buckets - lo[:, None]) * inv[:, None]
-        levels = _round(v, self.mode == "stochastic", self._generator(x.device))
-        levels = levels.clamp_(0, (1 << self.bits) - 1).to(torch.uint8).reshape(-1)[: x.numel()]
-        return [pack_bits(levels, self.bits), torch.stack([lo, scale], dim=1).reshape(-1)]
+        key = self._key() if self.mode == "stochastic" else None
+        return list(fused.maxmin_encode(x, self.bits, self.bucket_size, key))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        packed, stats = tensors
-        n = meta.numel
-        levels = unpack_bits(packed, self.bits, n).float()
-        stats = stats.view(-1, 2)
-        levels = bucket_view(levels, self.bucket_size)
-        out = torch.addcmul(stats[:, :1], levels, stats[:, 1:])
-        return out.reshape(-1)[:n]
+        return fused.maxmin_decode(*tensors, self.bits, self.bucket_size, meta.numel)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        return fused.maxmin_decode(*tensors, self.bits, self.bucket_size, out.numel(), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
@@ -147,28 +138,13 @@ class QSGD(Codec):
     }
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        s = (1 << (self.bits - 1)) - 1
-        buckets = bucket_view(x.float(), self.bucket_size)
-        pad = buckets.numel() - x.numel()
-        if pad:  # the pad (a fresh copy) repeats a value, which would inflate the tail's norm
-            buckets.view(-1)[x.numel():] = 0
-        norms = torch.linalg.vector_norm(buckets, dim=1)
-        inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        v = buckets.abs() * inv[:, None]
-        levels = _round(v, True, self._generator(x.device)).clamp_(0, s).to(torch.uint8)
-        signs = (buckets < 0).to(torch.uint8) << (self.bits - 1)
-        codes = (levels | signs).reshape(-1)[: x.numel()]
-        return [pack_bits(codes, self.bits), norms]
+        return list(fused.qsgd_encode(x, self.bits, self.bucket_size, self._key()))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        packed, norms = tensors
-        n = meta.numel
-        s = (1 << (self.bits - 1)) - 1
-        codes = unpack_bits(packed, self.bits, n)
-        levels = (codes & s).float()
-        signs = 1.0 - 2.0 * (codes >> (self.bits - 1)).float()
-        vals = bucket_view(levels * signs, self.bucket_size)
-        return (vals * (norms / s)[:, None]).reshape(-1)[:n]
+        return fused.qsgd_decode(*tensors, self.bits, self.bucket_size, meta.numel)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        return fused.qsgd_decode(*tensors, self.bits, self.bucket_size, out.numel(), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)

@@ -8,18 +8,18 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..kernels import pack_bits, packed_bytes, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
 from .base import Codec, Meta, Option, Payload, int_in
 from .registry import register_codec
 
 
 def _sign_bits(x: torch.Tensor) -> torch.Tensor:
-    return pack_bits((x >= 0).to(torch.uint8), 1)
+    return fused.sign_encode(x)
 
 
 def _signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """±1.0 from packed sign bits."""
-    return unpack_bits(packed, 1, numel).float().mul_(2).sub_(1)
+    return fused.sign_decode(packed, numel)
 
 
 @register_codec
@@ -44,9 +44,9 @@ class SignSGD(Codec):
 
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         meta = payloads[0].ctx
-        votes = torch.zeros(meta.numel, dtype=torch.float32, device=meta.device)
-        for p in payloads:
-            votes += _signs(p.tensors[0], meta.numel)
+        votes = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
+        for i, p in enumerate(payloads):
+            fused.sign_decode(p.tensors[0], meta.numel, out=votes, accumulate=i > 0)
         return votes.sign_().reshape(meta.shape).to(meta.dtype)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -75,7 +75,11 @@ class EFSignSGD(Codec):
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         packed, scale = tensors
-        return _signs(packed, meta.numel).mul_(scale)
+        return fused.sign_decode(packed, meta.numel, scale)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        packed, scale = tensors
+        return fused.sign_decode(packed, out.numel(), scale, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1) + 4

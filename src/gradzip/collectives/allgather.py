@@ -48,7 +48,7 @@ class AllGather(Collective):
             flags.append(f)
         avg = timer.decode(codec.aggregate, payloads).reshape(-1)
         own = own_payload(codec, payload, timer) if need_own else None
-        return Result(avg, own, torch.stack(flags).any(), payload.nbytes, timer.encode_s, timer.decode_s)
+        return Result(avg, own, torch.stack(flags).any(), payload.nbytes, *timer.times())
 
     def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
         sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)

@@ -57,4 +57,4 @@ class AllReduce(Collective):
             payload = nxt
         avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
         own = own_payload(codec, payload, timer, float(w)) if need_own else None
-        return Result(avg, own, flag[0] > 0, wire, timer.encode_s, timer.decode_s)
+        return Result(avg, own, flag[0] > 0, wire, *timer.times())

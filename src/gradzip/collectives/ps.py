@@ -188,7 +188,7 @@ class ParameterServer(Collective):
         wire = sum(e.nbytes for e in encoded) + sum(
             t.numel() * t.element_size() for p in mine for t in merged_tensors[p]
         )
-        return Result(avg, own, torch.stack(flags2).any(), wire, timer.encode_s, timer.decode_s)
+        return Result(avg, own, torch.stack(flags2).any(), wire, *timer.times())
 
     # ------------------------------------------------------------ variable-size payloads
     def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:

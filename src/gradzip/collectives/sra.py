@@ -14,7 +14,6 @@ from .base import (
     all_gather_flat,
     from_bytes,
     nonfinite_flag,
-    own_payload,
     reencoder,
     register_collective,
     spec_of,
@@ -65,18 +64,17 @@ class ScatterReduceAllGather(Collective):
         phase1 = [self._scatter(codec, x[a:b], tag(s), step, flag, rank, w, timer) for s, (a, b) in enumerate(bounds)]
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
         phase2 = [self._reduce(codec, p, tag(s), step, rank, w, timer) for s, p in enumerate(phase1)]
-        outs, flags, wire = [], [], 0
+        # every rank's decoded chunks land straight in their place in the result
+        avg = torch.empty(n, dtype=x.dtype, device=x.device)
+        own = torch.empty(n, dtype=x.dtype, device=x.device) if need_own else None
+        flags, wire = [], 0
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
-            avg, f = self._gather(codec, p1, p2, w, timer)
-            outs.append(avg[: b - a])
-            flags.append(f)
+            flags.append(self._gather(codec, p1, p2, avg[a:b], w, timer))
             wire += sum(p.nbytes for p in p1["encoded"]) + p2["second"].nbytes
-        own = None
-        if need_own:
-            own = torch.cat([torch.cat([own_payload(codec, e, timer) for e in p["encoded"]])[: b - a]
-                             for (a, b), p in zip(bounds, phase1)])
-        avg = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return Result(avg, own, torch.stack(flags).any(), wire, timer.encode_s, timer.decode_s)
+            if own is not None:
+                for payload, dst in zip(p1["encoded"], _chunks(own[a:b], w)):
+                    timer.decode(codec.decode_into, payload, dst)
+        return Result(avg, own, torch.stack(flags).any(), wire, *timer.times())
 
     def _scatter(self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer) -> dict:
         n = x.numel()
@@ -115,13 +113,20 @@ class ScatterReduceAllGather(Collective):
             gathered[0] = buf
         return {"second": second, "gathered": gathered, "work": work}
 
-    def _gather(self, codec: Codec, p1: dict, p2: dict, w: int, timer: Timer):
+    def _gather(self, codec: Codec, p1: dict, p2: dict, out: torch.Tensor, w: int, timer: Timer) -> torch.Tensor:
+        """Decode the all-gathered chunks into ``out`` (this segment of the result); the flag."""
         if p2["work"] is not None:
             p2["work"].wait()
         spec2 = spec_of(p2["second"].tensors)
-        outs, flags = [], []
-        for r in range(w):  # every rank decodes the same bytes with the chunk's shared context
+        flags = []
+        for r, dst in enumerate(_chunks(out, w)):  # every rank decodes the same bytes, same context
             tensors, f = from_bytes(p2["gathered"][r], spec2)
-            outs.append(timer.decode(codec.decode, Payload(tensors, p1["encoded"][r].ctx)).reshape(-1))
+            timer.decode(codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
             flags.append(f)
-        return torch.cat(outs), torch.stack(flags).any()
+        return torch.stack(flags).any()
+
+
+def _chunks(segment: torch.Tensor, w: int) -> List[torch.Tensor]:
+    """The W chunk views of a segment, as ``_scatter`` cut it (the last ones may be short or empty)."""
+    chunk = -(-segment.numel() // w)
+    return [segment[r * chunk : (r + 1) * chunk] for r in range(w)]

@@ -1,11 +1,13 @@
 """Vectorised building blocks shared by the codecs.
 
-Everything here is plain torch (no Python loops over elements, no host syncs) so it runs on CPU
-and GPU alike; faster fused versions can replace a function without touching the codecs.
+The building blocks are plain torch (no Python loops over elements, no host syncs) so they run on
+CPU and GPU alike. The hot codec kernels (max-min, QSGD, sign packing) live in :mod:`.fused`,
+which runs a fused C version on CPU (:mod:`.native`), a Triton version on CUDA (:mod:`.gpu`) or
+the torch specification (:mod:`.reference`), all producing the same bytes.
 """
 from .bitpack import pack_bits, packed_bytes, unpack_bits
 from .buckets import bucket_view, pad_to_multiple
-from .rng import private_generator, shared_generator, stable_hash
+from .rng import counter_uniform, draw_key, private_generator, shared_generator, stable_hash
 
 __all__ = [
     "pack_bits",
@@ -16,4 +18,6 @@ __all__ = [
     "shared_generator",
     "private_generator",
     "stable_hash",
+    "counter_uniform",
+    "draw_key",
 ]

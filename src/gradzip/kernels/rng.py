@@ -33,3 +33,29 @@ def private_generator(seed: int, device: torch.device | str = "cpu") -> torch.Ge
     g = torch.Generator(device=device)
     g.manual_seed((stable_hash("private", seed, rank) * 0x9E3779B97F4A7C15) & _MASK)
     return g
+
+
+_GOLDEN, _MIX1, _MIX2, _WORD = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF
+
+
+def counter_uniform(numel: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``numel`` uniform floats in [0, 1): value ``i`` is a pure function of ``(i, key)``.
+
+    A counter-based generator (the MurmurHash3 32-bit finaliser of ``i · 0x9E3779B1 + key``,
+    top 24 bits scaled by 2^-24) has no state to carry between elements, so a fused CPU loop, a
+    GPU kernel and this torch version draw the very same numbers and can be checked against
+    each other bit for bit. All arithmetic is modulo 2^32 (done here in int64 with masks).
+    """
+    x = torch.arange(numel, device=device, dtype=torch.int64)
+    x = (x * _GOLDEN + (key & _WORD)) & _WORD
+    x ^= x >> 16
+    x = (x * _MIX1) & _WORD
+    x ^= x >> 13
+    x = (x * _MIX2) & _WORD
+    x ^= x >> 16
+    return (x >> 8).to(torch.float32).mul_(1.0 / (1 << 24))
+
+
+def draw_key(gen: torch.Generator) -> int:
+    """A fresh 32-bit key for :func:`counter_uniform` from a (CPU) generator."""
+    return int(torch.randint(0, 1 << 32, (), generator=gen, dtype=torch.int64))

@@ -1,0 +1,103 @@
+"""PNG plots of the benchmark reports, drawn from the JSON-ready report dicts alone.
+
+They take the report (not the raw measurements), so a saved JSON can be plotted again later.
+matplotlib is an optional extra (``bench``, ``demo``): it is imported inside the functions, with
+the Agg backend, so the benchmarks run and print without it and no display is needed.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(method: str) -> str:
+    """``"maxmin:bits=2"`` → ``"maxmin bits=2"``, as in the table."""
+    return " ".join(method.split(":"))
+
+
+def allreduce(report: Dict[str, Any], path: str) -> None:
+    """Time and bus bandwidth against size, a line per method, on log-log axes.
+
+    Each method's wire limit (when the link rate is known) is a dashed line of its colour and its
+    codec limit a dotted one, so the plot shows which limit a method runs into as sizes grow.
+    """
+    plt = _pyplot()
+    from matplotlib.ticker import NullLocator
+
+    methods: Dict[str, List[Dict[str, Any]]] = {}
+    for r in report["rows"]:
+        methods.setdefault(r["method"], []).append(r)
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
+    for method, rows in methods.items():
+        rows = sorted(rows, key=lambda r: r["size_mb"])
+        sizes = [r["size_mb"] for r in rows]
+        (line,) = ax_time.plot(sizes, [r["median_s"] for r in rows], marker="o", label=_label(method))
+        color = line.get_color()
+        wire = [(r["size_mb"], r["wire_limit_s"]) for r in rows if r.get("wire_limit_s")]
+        if wire:
+            ax_time.plot(*zip(*wire), linestyle="--", color=color, linewidth=1, label=f"{_label(method)}: wire limit")
+        codec = [(r["size_mb"], r["codec_limit_s"]) for r in rows if r.get("codec_limit_s")]
+        if codec:
+            ax_time.plot(*zip(*codec), linestyle=":", color=color, linewidth=1, label=f"{_label(method)}: codec limit")
+        ax_bw.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", color=color, label=_label(method))
+    ax_time.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time per all-reduce (s, median)",
+                title="Time (dashed: wire limit, dotted: codec limit)")
+    ax_bw.set(xscale="log", xlabel="tensor size (MiB)", ylabel="bus bandwidth (GB/s, uncompressed bytes)",
+              title="Bus bandwidth: 2(W−1)/W · bytes / time")
+    sizes = sorted({r["size_mb"] for r in report["rows"]})
+    for ax in (ax_time, ax_bw):
+        ax.set_xticks(sizes, [f"{s:g}" for s in sizes])  # the measured sizes, not powers of ten
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"all-reduce over {report['workers']} gloo ranks, {report['network']}, median of {report['repeats']}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _fraction(x: float) -> str:
+    return f"{100 * x:.3g}% of copy"
+
+
+def codecs(report: Dict[str, Any], path: str) -> None:
+    """Encode+decode GB/s per codec as bars, against the memory copy timed in the same run.
+
+    The copy is the roofline: a codec reads its input at least once, so a fused one could at best
+    approach copy speed. Each bar is labelled with its fraction of it.
+    """
+    plt = _pyplot()
+    rows = report["rows"]
+    copy_gbps = report["copy_gbps"]
+    names = [r["codec"] for r in rows]
+    speeds = [r["gbps"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(rows) + 1.8))
+    ax.barh(names, speeds, color="tab:blue")
+    ax.axvline(copy_gbps, color="tab:red", linestyle="--", label=f"memory copy: {copy_gbps:.2f} GB/s")
+    for y, r in enumerate(rows):
+        ax.annotate(_fraction(r["vs_copy"]), (r["gbps"], y), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    values = speeds + [copy_gbps]
+    log = max(values) > 30 * min(values)  # slow codecs would be invisible on a linear axis
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlim(right=max(values) * (3 if log else 1.35))  # room for the labels
+    ax.invert_yaxis()  # first codec on top, as in the table
+    ax.set(xlabel="encode+decode throughput (GB/s of fp32 input)",
+           title=f"codecs on {report['numel']:,} fp32 values, {report['threads']} thread(s), median of {report['repeats']}")
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,232 @@
+/* Fused CPU kernels for the hot codecs: one pass over memory per encode and per decode.
+ *
+ * Each function produces exactly the bytes of its torch specification in reference.py
+ * (same rounding, same counter-based noise, same bit layout), bucket by bucket: a bucket's
+ * values stay in L1 between the statistics pass and the quantise-and-pack pass. Compiled at
+ * first use by native.py with -ffp-contract=off, so no multiply-add is fused into an FMA and
+ * every float operation rounds as torch's do.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_BUCKET 65536
+
+static inline uint32_t mix(uint32_t i, uint32_t key) {
+    uint32_t x = i * 0x9E3779B1u + key;
+    x ^= x >> 16;
+    x *= 0x85EBCA6Bu;
+    x ^= x >> 13;
+    x *= 0xC2B2AE35u;
+    x ^= x >> 16;
+    return x;
+}
+
+static inline float uniform(int64_t i, uint32_t key) {
+    return (float)(mix((uint32_t)i, key) >> 8) * (1.0f / 16777216.0f);
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Pack `len` levels (len a multiple of 8) of `bits` bits into `out` (the layout of pack_bits). */
+INLINE void pack_width(const uint8_t *lv, int64_t len, uint8_t *out, const int bits) {
+    if (bits == 8) {
+        memcpy(out, lv, (size_t)len);
+    } else if (8 % bits == 0) {
+        const int per = 8 / bits;
+        for (int64_t k = 0; k < len / per; k++) {
+            uint8_t b = 0;
+            for (int j = 0; j < per; j++) b |= (uint8_t)(lv[k * per + j] << (bits * j));
+            out[k] = b;
+        }
+    } else {
+        for (int64_t g = 0; g < len / 8; g++) {
+            uint64_t w = 0;
+            for (int j = 0; j < 8; j++) w |= (uint64_t)lv[g * 8 + j] << (bits * j);
+            for (int j = 0; j < bits; j++) out[g * bits + j] = (uint8_t)(w >> (8 * j));
+        }
+    }
+}
+
+/* Inverse of pack_width for `len` levels (len a multiple of 8). */
+INLINE void unpack_width(const uint8_t *in, int64_t len, uint8_t *lv, const int bits) {
+    const uint8_t mask = (uint8_t)((1u << bits) - 1u);
+    if (bits == 8) {
+        memcpy(lv, in, (size_t)len);
+    } else if (8 % bits == 0) {
+        const int per = 8 / bits;
+        for (int64_t k = 0; k < len / per; k++) {
+            const uint8_t b = in[k];
+            for (int j = 0; j < per; j++) lv[k * per + j] = (uint8_t)((b >> (bits * j)) & mask);
+        }
+    } else {
+        for (int64_t g = 0; g < len / 8; g++) {
+            uint64_t w = 0;
+            for (int j = 0; j < bits; j++) w |= (uint64_t)in[g * bits + j] << (8 * j);
+            for (int j = 0; j < 8; j++) lv[g * 8 + j] = (uint8_t)((w >> (bits * j)) & mask);
+        }
+    }
+}
+
+/* The width as a compile-time constant in each case, so the loops above unroll and vectorise. */
+#define BY_WIDTH(call, ...)                                                                   \
+    switch (bits) {                                                                           \
+    case 1: call(__VA_ARGS__, 1); break;                                                      \
+    case 2: call(__VA_ARGS__, 2); break;                                                      \
+    case 3: call(__VA_ARGS__, 3); break;                                                      \
+    case 4: call(__VA_ARGS__, 4); break;                                                      \
+    case 5: call(__VA_ARGS__, 5); break;                                                      \
+    case 6: call(__VA_ARGS__, 6); break;                                                      \
+    case 7: call(__VA_ARGS__, 7); break;                                                      \
+    default: call(__VA_ARGS__, 8); break;                                                     \
+    }
+
+static void pack(const uint8_t *lv, int64_t len, int bits, uint8_t *out) { BY_WIDTH(pack_width, lv, len, out) }
+
+static void unpack(const uint8_t *in, int64_t len, int bits, uint8_t *lv) { BY_WIDTH(unpack_width, in, len, lv) }
+
+static void min_max(const float *x, int64_t len, float *lo_out, float *hi_out) {
+    float lo = x[0], hi = x[0];
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+    for (int64_t i = 0; i < len; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+static inline int64_t round_up8(int64_t n) { return (n + 7) & ~(int64_t)7; }
+
+static inline int64_t packed_offset(int64_t start, int bits) { return bits == 8 ? start : start / 8 * bits; }
+
+/* stochastic != 0: floor(v + u) with u = uniform(index, key); else round half to even. */
+void gz_maxmin_encode(const float *x, int64_t n, int bits, int64_t bucket, int stochastic, uint32_t key,
+                      uint8_t *packed, float *stats, int threads) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+    const float q = (float)((1 << bits) - 1);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t lv[MAX_BUCKET];
+        const int64_t start = b * bucket;
+        const int64_t len = n - start < bucket ? n - start : bucket;
+        const float *xb = x + start;
+        float lo, hi;
+        min_max(xb, len, &lo, &hi);
+        const float scale = (hi - lo) / q;
+        const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+        if (stochastic) {
+            for (int64_t i = 0; i < len; i++) {
+                float f = floorf((xb[i] - lo) * inv + uniform(start + i, key));
+                f = f < 0.0f ? 0.0f : f;
+                f = f > q ? q : f;
+                lv[i] = (uint8_t)f;
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                float f = nearbyintf((xb[i] - lo) * inv);
+                f = f < 0.0f ? 0.0f : f;
+                f = f > q ? q : f;
+                lv[i] = (uint8_t)f;
+            }
+        }
+        const int64_t padded = bits == 8 ? len : round_up8(len);
+        memset(lv + len, 0, (size_t)(padded - len));
+        pack(lv, padded, bits, packed + packed_offset(start, bits));
+        stats[2 * b] = lo;
+        stats[2 * b + 1] = scale;
+    }
+}
+
+/* The decoders write out[i] = value, or out[i] += value with accumulate != 0 (summing ranks). */
+void gz_maxmin_decode(const uint8_t *packed, const float *stats, int64_t n, int bits, int64_t bucket, float *out,
+                      int accumulate, int threads) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t lv[MAX_BUCKET];
+        const int64_t start = b * bucket;
+        const int64_t len = n - start < bucket ? n - start : bucket;
+        unpack(packed + packed_offset(start, bits), bits == 8 ? len : round_up8(len), bits, lv);
+        const float lo = stats[2 * b], scale = stats[2 * b + 1];
+        float *ob = out + start;
+        if (accumulate)
+            for (int64_t i = 0; i < len; i++) ob[i] += lo + (float)lv[i] * scale;
+        else
+            for (int64_t i = 0; i < len; i++) ob[i] = lo + (float)lv[i] * scale;
+    }
+}
+
+void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_t key, uint8_t *packed, float *norms,
+                    int threads) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+    const int s = (1 << (bits - 1)) - 1;
+    const float sf = (float)s;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t lv[MAX_BUCKET];
+        const int64_t start = b * bucket;
+        const int64_t len = n - start < bucket ? n - start : bucket;
+        const float *xb = x + start;
+        double total = 0.0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < len; i++) total += (double)xb[i] * (double)xb[i];
+        const float norm = (float)sqrt(total);
+        const float inv = norm > 0.0f ? sf / norm : 0.0f;
+        for (int64_t i = 0; i < len; i++) {
+            float f = floorf(fabsf(xb[i]) * inv + uniform(start + i, key));
+            f = f < 0.0f ? 0.0f : f;
+            f = f > sf ? sf : f;
+            lv[i] = (uint8_t)((uint8_t)f | ((xb[i] < 0.0f) << (bits - 1)));
+        }
+        const int64_t padded = bits == 8 ? len : round_up8(len);
+        memset(lv + len, 0, (size_t)(padded - len));
+        pack(lv, padded, bits, packed + packed_offset(start, bits));
+        norms[b] = norm;
+    }
+}
+
+void gz_qsgd_decode(const uint8_t *packed, const float *norms, int64_t n, int bits, int64_t bucket, float *out,
+                    int accumulate, int threads) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+    const int s = (1 << (bits - 1)) - 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t lv[MAX_BUCKET];
+        const int64_t start = b * bucket;
+        const int64_t len = n - start < bucket ? n - start : bucket;
+        unpack(packed + packed_offset(start, bits), bits == 8 ? len : round_up8(len), bits, lv);
+        const float step = norms[b] / (float)s;
+        float *ob = out + start;
+        for (int64_t i = 0; i < len; i++) {
+            const float sign = 1.0f - 2.0f * (float)(lv[i] >> (bits - 1));
+            const float v = ((float)(lv[i] & s) * sign) * step;
+            ob[i] = accumulate ? ob[i] + v : v;
+        }
+    }
+}
+
+void gz_sign_encode(const float *x, int64_t n, uint8_t *packed) {
+    const int64_t full = n / 8;
+    for (int64_t k = 0; k < full; k++) {
+        uint8_t b = 0;
+        for (int j = 0; j < 8; j++) b |= (uint8_t)((x[8 * k + j] >= 0.0f) << j);
+        packed[k] = b;
+    }
+    if (n % 8) {
+        uint8_t b = 0;
+        for (int64_t j = 0; j < n % 8; j++) b |= (uint8_t)((x[8 * full + j] >= 0.0f) << j);
+        packed[full] = b;
+    }
+}
+
+/* scale: a pointer to one float, or NULL for plain ±1. */
+void gz_sign_decode(const uint8_t *packed, int64_t n, const float *scale, float *out, int accumulate) {
+    const float s = scale ? *scale : 1.0f;
+    const int scaled = scale != NULL;
+    for (int64_t i = 0; i < n; i++) {
+        float v = (float)((packed[i >> 3] >> (i & 7)) & 1) * 2.0f - 1.0f;
+        v = scaled ? v * s : v;
+        out[i] = accumulate ? out[i] + v : v;
+    }
+}

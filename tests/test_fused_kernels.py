@@ -1,0 +1,167 @@
+"""The fused kernels: the C versions must give the bytes of the torch specification.
+
+Max-min and sign are bit-identical (min/max are exact in any order); QSGD's norm is summed in a
+different order (and in fp64 in C), so its codes may differ where ``v + u`` lands within an ulp
+of an integer — a handful at most — while decoding a given payload is bit-identical.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.kernels import counter_uniform, fused, native
+from gradzip.kernels import reference as ref
+
+SIZES = [1, 7, 8, 1000, 1024, 4097, 20_000]
+HAVE_CC = any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang"))
+needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine: the torch versions run")
+
+
+def _x(n: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@needs_native
+def test_native_kernels_build_where_a_compiler_exists():
+    assert native.available() is None
+    assert fused.name(torch.zeros(8), 4, 1024) == "native"
+
+
+@needs_native
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("bucket", [8, 64, 1024])
+@pytest.mark.parametrize("key", [None, 0, 0xDEADBEEF])
+def test_maxmin_native_is_bit_identical(bits, bucket, key):
+    for n in SIZES:
+        x = _x(n, seed=n + bits)
+        want = ref.maxmin_encode(x, bits, bucket, key)
+        got = native.maxmin_encode(x, bits, bucket, key)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+        assert torch.equal(native.maxmin_decode(*want, bits, bucket, n), ref.maxmin_decode(*want, bits, bucket, n))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_qsgd_native_matches_the_specification(bits):
+    for n in SIZES:
+        x = _x(n, seed=n * bits)
+        want = ref.qsgd_encode(x, bits, 512, 99)
+        got = native.qsgd_encode(x, bits, 512, 99)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        assert (got[0] != want[0]).sum() <= 3
+        assert torch.equal(native.qsgd_decode(*got, bits, 512, n), ref.qsgd_decode(*got, bits, 512, n))
+
+
+@needs_native
+@pytest.mark.parametrize("scale", [None, 0.25])
+def test_sign_native_is_bit_identical(scale):
+    s = None if scale is None else torch.tensor([scale])
+    for n in SIZES:
+        x = _x(n, seed=n)
+        x[::5] = 0.0  # zero counts as non-negative
+        packed = ref.sign_encode(x)
+        assert torch.equal(native.sign_encode(x), packed)
+        assert torch.equal(native.sign_decode(packed, n, s), ref.sign_decode(packed, n, s))
+
+
+@needs_native
+@pytest.mark.parametrize("impl", [native, ref], ids=["native", "torch"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_decode_into_out_and_accumulate(impl, accumulate):
+    n = 3000
+    x = _x(n)
+    base = _x(n, seed=1)
+    packed = ref.maxmin_encode(x, 4, 1024, 5)
+    plain = ref.maxmin_decode(*packed, 4, 1024, n)
+    out = base.clone()
+    res = impl.maxmin_decode(*packed, 4, 1024, n, out, accumulate)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.equal(out, base + plain if accumulate else plain)
+    # a prefix: the first 1500 values only
+    prefix = torch.empty(1500)
+    impl.maxmin_decode(*packed, 4, 1024, 1500, prefix)
+    assert torch.equal(prefix, plain[:1500])
+
+
+@needs_native
+def test_native_takes_other_dtypes_and_views():
+    x = _x(4096 * 2).view(2, 4096).t()[:, 0]  # a strided view of 4096 values
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        y = x.to(dtype)
+        want = ref.maxmin_encode(y, 4, 1024, 3)
+        got = native.maxmin_encode(y, 4, 1024, 3)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_counter_uniform_is_a_pure_function_of_index_and_key():
+    u = counter_uniform(1 << 16, key=7)
+    assert u.dtype == torch.float32 and 0.0 <= u.min() and u.max() < 1.0
+    assert torch.equal(u, counter_uniform(1 << 16, key=7))
+    assert torch.equal(u[:100], counter_uniform(100, key=7))
+    assert not torch.equal(u, counter_uniform(1 << 16, key=8))
+    assert abs(u.mean().item() - 0.5) < 0.01
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.01  # roughly uniform
+
+
+def test_kernels_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("GRADZIP_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="auto, native, triton, torch"):
+        fused.setting()
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")
+    assert fused.name(torch.zeros(8)) == "torch"
+
+
+@needs_native
+@pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"mode": "nearest"}), ("qsgd", {}),
+                                  ("signsgd", {}), ("efsignsgd", {})])
+def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
+    name, opts = spec
+    x = _x(5000, seed=3)
+    payloads = {}
+    for setting in ("native", "torch"):
+        monkeypatch.setenv("GRADZIP_KERNELS", setting)
+        codec = gradzip.codec(name, **opts)
+        payloads[setting] = [codec.encode(x, name="w") for _ in range(2)]
+        decoded = [codec.decode(p) for p in payloads[setting]]
+        payloads[setting + "/decoded"] = decoded
+    for a, b in zip(payloads["native"], payloads["torch"]):
+        for ta, tb in zip(a.tensors, b.tensors):
+            if name == "qsgd" and ta.dtype == torch.uint8:
+                assert (ta != tb).sum() <= 3
+            elif name == "qsgd":
+                torch.testing.assert_close(ta, tb, rtol=1e-6, atol=0)
+            else:
+                assert torch.equal(ta, tb)
+    if name != "qsgd":
+        for a, b in zip(payloads["native/decoded"], payloads["torch/decoded"]):
+            assert torch.equal(a, b)
+
+
+def test_a_failed_build_falls_back_to_torch(tmp_path):
+    """With a compiler that fails, the reason is reported and codecs still work (torch kernels)."""
+    script = (
+        "import torch, gradzip\n"
+        "from gradzip.kernels import fused, native\n"
+        "print('WHY', native.available())\n"
+        "print('USES', fused.name(torch.zeros(8), 4, 1024))\n"
+        "c = gradzip.codec('maxmin')\n"
+        "x = torch.randn(4096)\n"
+        "print('ERR', float((c.decode(c.encode(x)) - x).abs().max()))\n"
+    )
+    env = dict(os.environ, CC="false", GRADZIP_CACHE=str(tmp_path), GRADZIP_KERNELS="auto")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "WHY building the fused CPU kernels failed" in proc.stdout
+    assert "USES torch" in proc.stdout
+    err = float(proc.stdout.split("ERR")[1])
+    assert err < 1.0
+    env["GRADZIP_KERNELS"] = "native"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "GRADZIP_KERNELS=native cannot run here" in proc.stderr
