@@ -4,7 +4,9 @@ For each codec (default options unless given as ``name:key=value``) on a float32
 ``numel`` elements shaped like a weight matrix: the payload's bytes per element (measured on the
 encoded payload; for multi-round codecs from ``wire_bytes``), and the median encode+decode time
 over ``repeats`` runs, next to a same-size memory copy timed in the same run — the roofline a
-fused codec would approach (``gradzip bench codecs --plot`` draws it as a line).
+fused codec would approach (``gradzip bench codecs --plot`` draws it as a line). Decoding is
+timed into a preallocated tensor (``decode_into``, what the collectives do), like the copy; the
+time with a freshly allocated result, page faults included, is reported beside it.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 import gradzip
+from gradzip.kernels import fused, native
 
 from . import write_json
 from .micro import parse_spec
@@ -28,6 +31,12 @@ def _median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _kernels() -> str:
+    """Which kernel versions ran: the setting, and why the fused CPU ones did not if they did not."""
+    why = native.available()
+    return f"{fused.setting()}; fused CPU kernels " + ("built" if why is None else f"unavailable ({why})")
 
 
 def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1) -> Dict[str, Any]:
@@ -48,20 +57,27 @@ def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, t
             payload = codec.encode(x, name="w")
             multi_round = type(codec).next_round is not gradzip.Codec.next_round
             wire = codec.wire_bytes(numel, x.dtype, shape=shape) if multi_round else payload.nbytes
-            seconds = _median_time(lambda: codec.decode(codec.encode(x, name="w")), repeats)
+            flat = out.view(-1)
+            encode_s = _median_time(lambda: codec.encode(x, name="w"), repeats)
+            decode_s = _median_time(lambda: codec.decode_into(payload, flat), repeats)
+            alloc_s = _median_time(lambda: codec.decode(codec.encode(x, name="w")), repeats)
+            seconds = encode_s + decode_s
             rows.append({
                 "codec": spec,
                 "family": codec.family,
                 "wire_bytes": wire,
                 "bits_per_element": 8 * wire / numel,
+                "encode_ms": encode_s * 1e3,
+                "decode_ms": decode_s * 1e3,
                 "encode_decode_ms": seconds * 1e3,
+                "encode_decode_alloc_ms": alloc_s * 1e3,
                 "gbps": 4 * numel / seconds / 1e9,
                 "vs_copy": copy_s / seconds,
             })
     finally:
         torch.set_num_threads(before)
     return {
-        "numel": numel, "repeats": repeats, "threads": threads,
+        "numel": numel, "repeats": repeats, "threads": threads, "kernels": _kernels(),
         "copy_ms": copy_s * 1e3, "copy_gbps": 4 * numel / copy_s / 1e9, "rows": rows,
     }
 
@@ -77,15 +93,21 @@ def table(report: Dict[str, Any]):
 
     t = Table(
         title=f"codecs on {report['numel']:,} fp32 values, {report['threads']} thread(s), median of {report['repeats']}",
-        caption=f"memory copy of the same tensor: {report['copy_ms']:.2f} ms; vs copy = copy time / encode+decode time",
+        caption=(
+            f"memory copy of the same tensor into a preallocated one: {report['copy_ms']:.2f} ms; decode writes into a "
+            "preallocated tensor too, as the collectives do; vs copy = copy time / (encode + decode); "
+            f"enc+new dec: decode into a fresh tensor (page faults included); kernels: {report.get('kernels', '-')}"
+        ),
         box=box.SIMPLE_HEAD,
         padding=(0, 1, 0, 0),
     )
-    for col in ("codec", "family", "bits/elem", "ratio", "enc+dec ms", "GB/s", "vs copy"):
+    cols = ("codec", "family", "bits/elem", "ratio", "enc ms", "dec ms", "GB/s", "vs copy", "enc+new dec ms")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("codec", "family") else "right", no_wrap=True)
     for r in report["rows"]:
         t.add_row(
             r["codec"], r["family"], f"{r['bits_per_element']:.3f}", f"{32 / r['bits_per_element']:.1f}×",
-            f"{r['encode_decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
+            f"{r['encode_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
+            f"{r['encode_decode_alloc_ms']:.2f}",
         )
     return t

@@ -42,6 +42,9 @@ class SignSGD(Codec):
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return _signs(tensors[0], meta.numel)
 
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        return fused.sign_decode(tensors[0], out.numel(), out=out, accumulate=accumulate)
+
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         meta = payloads[0].ctx
         votes = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
@@ -70,7 +73,9 @@ class EFSignSGD(Codec):
     default_memory = "efsign"
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        scale = x.float().abs().mean().reshape(1)
+        # the L1 norm in one pass: no |x| temporary
+        xf = x if x.dtype == torch.float32 else x.float()  # fp16 sums would overflow
+        scale = (torch.linalg.vector_norm(xf, 1) / x.numel()).reshape(1)
         return [_sign_bits(x), scale]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:

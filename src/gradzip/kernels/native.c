@@ -120,14 +120,14 @@ void gz_maxmin_encode(const float *x, int64_t n, int bits, int64_t bucket, int s
                 float f = floorf((xb[i] - lo) * inv + uniform(start + i, key));
                 f = f < 0.0f ? 0.0f : f;
                 f = f > q ? q : f;
-                lv[i] = (uint8_t)f;
+                lv[i] = (uint8_t)(int32_t)f;
             }
         } else {
             for (int64_t i = 0; i < len; i++) {
                 float f = nearbyintf((xb[i] - lo) * inv);
                 f = f < 0.0f ? 0.0f : f;
                 f = f > q ? q : f;
-                lv[i] = (uint8_t)f;
+                lv[i] = (uint8_t)(int32_t)f;
             }
         }
         const int64_t padded = bits == 8 ? len : round_up8(len);
@@ -177,7 +177,7 @@ void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_
             float f = floorf(fabsf(xb[i]) * inv + uniform(start + i, key));
             f = f < 0.0f ? 0.0f : f;
             f = f > sf ? sf : f;
-            lv[i] = (uint8_t)((uint8_t)f | ((xb[i] < 0.0f) << (bits - 1)));
+            lv[i] = (uint8_t)((int32_t)f | ((xb[i] < 0.0f) << (bits - 1)));
         }
         const int64_t padded = bits == 8 ? len : round_up8(len);
         memset(lv + len, 0, (size_t)(padded - len));
@@ -220,13 +220,27 @@ void gz_sign_encode(const float *x, int64_t n, uint8_t *packed) {
     }
 }
 
-/* scale: a pointer to one float, or NULL for plain ±1. */
+/* scale: a pointer to one float, or NULL for plain ±1. Eight values per byte; the branches on
+ * scale and accumulate are loop-invariant, so the compiler unswitches them. */
 void gz_sign_decode(const uint8_t *packed, int64_t n, const float *scale, float *out, int accumulate) {
     const float s = scale ? *scale : 1.0f;
     const int scaled = scale != NULL;
-    for (int64_t i = 0; i < n; i++) {
-        float v = (float)((packed[i >> 3] >> (i & 7)) & 1) * 2.0f - 1.0f;
-        v = scaled ? v * s : v;
-        out[i] = accumulate ? out[i] + v : v;
+    for (int64_t k = 0; k < (n + 7) / 8; k++) {
+        const uint8_t b = packed[k];
+        const int64_t m = n - 8 * k < 8 ? n - 8 * k : 8;
+        float *o = out + 8 * k;
+        if (m == 8) {
+            for (int j = 0; j < 8; j++) {
+                float v = (float)((b >> j) & 1) * 2.0f - 1.0f;
+                v = scaled ? v * s : v;
+                o[j] = accumulate ? o[j] + v : v;
+            }
+        } else {
+            for (int64_t j = 0; j < m; j++) {
+                float v = (float)((b >> j) & 1) * 2.0f - 1.0f;
+                v = scaled ? v * s : v;
+                o[j] = accumulate ? o[j] + v : v;
+            }
+        }
     }
 }
