@@ -803,6 +803,8 @@ def test_config_with_env_parsing():
             "GRADZIP_BUCKET_SIZE": "256",
             "GRADZIP_RATIO": "0.5",
             "GRADZIP_MODE": "nearest",
+            "GRADZIP_KERNELS": "torch",  # process settings, not codec options
+            "GRADZIP_CACHE": "/tmp/x",
             "OTHER_VAR": "1",
         }
     )

@@ -491,3 +491,57 @@ def test_a_callback_on_the_worker_may_submit_more_work():
     chained = comm.allreduce_async(x, name="a").then(lambda f: comm.allreduce(f.value() * 2, name="b"))
     assert torch.equal(chained.wait(), torch.full((10,), 2.0))
     comm.close()
+
+
+OUT_CASES = [
+    ("maxmin", {}),  # sra: decodes straight into the destination
+    ("maxmin", {"collective": "ps"}),
+    ("fp16", {}),  # allreduce
+    ("powersgd", {}),  # two rounds
+    ("topk", {}),  # allgather
+    ("maxmin", {"memory": "residual"}),  # stateful memory: an aliasing destination must wait
+    ("efsignsgd", {}),
+]
+
+
+def _out_worker(rank: int, world: int) -> dict:
+    results = {}
+    for name, opts in OUT_CASES:
+        fresh, into = gradzip.Communicator(name, **opts), gradzip.Communicator(name, **opts)
+        try:
+            g = torch.Generator().manual_seed(rank)
+            same = True
+            for step in range(3):
+                x = torch.randn(64, 300, generator=g)
+                want = fresh.allreduce(x, name="w")
+                dest = torch.full_like(x, 7.0)
+                got_out = into.allreduce(x.clone(), name="w", out=dest) if step != 1 else None
+                if step == 1:  # in place: the input is the destination
+                    y = x.clone()
+                    got_out = into.allreduce(y, name="w", out=y)
+                    same &= got_out.data_ptr() == y.data_ptr()
+                else:
+                    same &= got_out.data_ptr() == dest.data_ptr()
+                same &= torch.equal(got_out, want)
+            results[(name, str(opts))] = same
+        finally:
+            fresh.close()
+            into.close()
+    return results
+
+
+def test_allreduce_into_a_destination_matches_a_fresh_result():
+    """``out=`` (also the input itself) gives the bits of a fresh result, step after step."""
+    for res in run_workers(_out_worker, 2):
+        assert all(res.values()), res
+
+
+def test_out_must_match_the_input():
+    comm = gradzip.Communicator("maxmin")
+    try:
+        with pytest.raises(ValueError, match="out must match the input"):
+            comm.allreduce(torch.zeros(8), out=torch.zeros(9))
+        with pytest.raises(ValueError, match="out must match the input"):
+            comm.allreduce(torch.zeros(8), out=torch.zeros(8, dtype=torch.float16))
+    finally:
+        comm.close()

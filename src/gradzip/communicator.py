@@ -95,16 +95,23 @@ class Communicator:
         return f"Communicator({self.codec!r}, memory={self.memory!r}, collective={self.collective_name!r})"
 
     # ------------------------------------------------------------------ calls
-    def allreduce(self, t: torch.Tensor, name: str = "") -> torch.Tensor:
-        """Average ``t`` over all ranks through the codec; returns a new tensor like ``t``."""
-        return self.allreduce_async(t, name).wait()
+    def allreduce(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Average ``t`` over all ranks through the codec.
 
-    def allreduce_async(self, t: torch.Tensor, name: str = "") -> torch.futures.Future:
+        Returns a new tensor like ``t``, or ``out`` (same shape and dtype; ``t`` itself for an
+        in-place all-reduce) holding the average: reusing a destination saves allocating, and
+        first touching, a result as large as the gradient on every call.
+        """
+        return self.allreduce_async(t, name, out).wait()
+
+    def allreduce_async(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.futures.Future:
         """Like :meth:`allreduce`, returning a ``torch.futures.Future[Tensor]``."""
+        _check_out(t, out)
+
         def job() -> torch.Tensor:
             if t.is_cuda:  # read on the worker's stream: keep the caller's memory until then
                 t.record_stream(torch.cuda.current_stream(t.device))
-            return self.reduce_now(t, name)
+            return self.reduce_now(t, name, out=out)
 
         return self.submit(job, t.device)
 
@@ -116,8 +123,9 @@ class Communicator:
             self._worker = OrderedWorker(device=device)
         return self._worker.submit(fn)
 
-    def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True) -> torch.Tensor:
-        """Encode, exchange and decode ``t`` in the calling thread (the worker's job)."""
+    def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out`` if given."""
+        _check_out(t, out)
         if compress:
             codec, coll, mem = self.codec, self.collective, self.memory
         else:
@@ -127,20 +135,35 @@ class Communicator:
         raw = t.numel() * t.element_size()
         if t.numel() == 0:
             self.metrics.record(name, raw, 0, 0.0, 0.0, compress)
-            return t.clone()
+            return t.clone() if out is None else out
         inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
-        res = coll.run(codec, inp, name, step, need_own=mem.stateful)
+        # the collective writes straight into ``out`` when it can; not while the memory still has
+        # to read an input that aliases it
+        dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
+        if dest is not None and mem.stateful and _overlaps(dest, inp):
+            dest = None
+        res = coll.run(codec, inp, name, step, need_own=mem.stateful, out=dest)
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
-        avg = res.avg.masked_fill_(res.nonfinite, float("nan"))  # collectives return fresh tensors
+        avg = res.avg.masked_fill_(res.nonfinite, float("nan"))  # a fresh tensor, or dest
         self.metrics.record(
             name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress,
             encode_cpu_s=res.encode_cpu_s, decode_cpu_s=res.decode_cpu_s,
         )
-        return avg.view(t.shape).to(t.dtype)
+        if out is None:
+            return avg.view(t.shape).to(t.dtype)
+        if dest is None:
+            out.copy_(avg.view(t.shape))
+        return out
 
-    def reduce_many_now(self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool]) -> List[torch.Tensor]:
-        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce."""
+    def reduce_many_now(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
+    ) -> List[torch.Tensor]:
+        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce.
+
+        With ``inplace`` the averages are written into ``tensors`` themselves (as DDP's bucket
+        views want them), and those are returned.
+        """
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         plain = [i for i, c in enumerate(compress) if not c]
         if plain:
@@ -151,10 +174,12 @@ class Communicator:
             for i in plain:
                 n = tensors[i].numel()
                 out[i] = avg[offset : offset + n].view(tensors[i].shape).to(tensors[i].dtype)
+                if inplace:
+                    out[i] = tensors[i].copy_(out[i])
                 offset += n
         for i, c in enumerate(compress):
             if c:
-                out[i] = self.reduce_now(tensors[i], names[i])
+                out[i] = self.reduce_now(tensors[i], names[i], out=tensors[i] if inplace else None)
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ state
@@ -179,3 +204,16 @@ class Communicator:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    if out is not None and (out.shape != t.shape or out.dtype != t.dtype or out.device != t.device):
+        raise ValueError(
+            f"out must match the input: shape {tuple(t.shape)}, {t.dtype} on {t.device}; "
+            f"got shape {tuple(out.shape)}, {out.dtype} on {out.device}"
+        )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share storage (then writing one may change the other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

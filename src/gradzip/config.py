@@ -4,6 +4,7 @@ The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
 ``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL`` and ``GRADZIP_COMPRESS_1D`` set the fields of the
 same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
+``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
 its value read as an int, a float, a bool (true/false) or else a string.
 """
@@ -15,6 +16,7 @@ from typing import Any, Dict, Mapping, Optional
 
 FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d")
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
+PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 
 
 def parse_value(text: str) -> Any:
@@ -73,6 +75,8 @@ class Config:
                     updates[name] = value
             elif name in COLLECTIVE_OPTIONS:
                 collective_options[name] = value
+            elif name in PROCESS_SETTINGS:
+                continue
             else:
                 env_options[name] = value
         switched = "codec" in updates and updates["codec"] != self.codec

@@ -57,9 +57,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     compress = [state.should_compress(g) for g in grads]
 
     def job() -> torch.Tensor:
-        outs = state.comm.reduce_many_now(grads, names, compress)
-        for g, out in zip(grads, outs):
-            g.copy_(out)  # the gradients are views into the bucket's buffer
+        # the gradients are views into the bucket's buffer: the averages are written into them
+        state.comm.reduce_many_now(grads, names, compress, inplace=True)
         return buffer
 
     return state.comm.submit(job, buffer.device)

@@ -43,10 +43,10 @@ def allreduce(report: Dict[str, Any], path: str) -> None:
         color = line.get_color()
         wire = [(r["size_mb"], r["wire_limit_s"]) for r in rows if r.get("wire_limit_s")]
         if wire:
-            ax_time.plot(*zip(*wire), linestyle="--", color=color, linewidth=1, label=f"{_label(method)}: wire limit")
+            ax_time.plot(*zip(*wire), linestyle="--", color=color, linewidth=1)
         codec = [(r["size_mb"], r["codec_limit_s"]) for r in rows if r.get("codec_limit_s")]
         if codec:
-            ax_time.plot(*zip(*codec), linestyle=":", color=color, linewidth=1, label=f"{_label(method)}: codec limit")
+            ax_time.plot(*zip(*codec), linestyle=":", color=color, linewidth=1)
         ax_bw.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", color=color, label=_label(method))
     ax_time.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time per all-reduce (s, median)",
                 title="Time (dashed: wire limit, dotted: codec limit)")
@@ -57,7 +57,7 @@ def allreduce(report: Dict[str, Any], path: str) -> None:
         ax.set_xticks(sizes, [f"{s:g}" for s in sizes])  # the measured sizes, not powers of ten
         ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8)  # the limits share their method's colour, so only methods are listed
     fig.suptitle(
         f"all-reduce over {report['workers']} gloo ranks, {report['network']}, median of {report['repeats']}",
         fontsize=10,

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from ..kernels import pack_bits, packed_bytes, shared_generator, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
 from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in
 from .registry import register_codec
 
@@ -80,9 +80,8 @@ class TopK(_ValuesIndices):
     options = {"ratio": RATIO}
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        k = _k(x.numel(), self.ratio)
-        _, idx = torch.topk(x.abs(), k, sorted=False)
-        return [x[idx], idx.to(torch.int32)]
+        values, idx = fused.topk(x, _k(x.numel(), self.ratio))
+        return [values, idx.to(torch.int32)]
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * (element_size(dtype) + 4)

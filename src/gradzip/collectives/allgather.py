@@ -1,6 +1,8 @@
 """All-gather of arbitrary payloads, fixed or variable in size, aggregated by the codec."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..codecs.base import Codec, Payload
@@ -9,6 +11,7 @@ from .base import (
     Result,
     Timer,
     all_gather_flat,
+    deliver,
     from_bytes,
     nonfinite_flag,
     own_payload,
@@ -29,7 +32,9 @@ class AllGather(Collective):
 
     name = "allgather"
 
-    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+    ) -> Result:
         _, w = world(self.group)
         timer = Timer()
         flag = nonfinite_flag(x)
@@ -46,7 +51,7 @@ class AllGather(Collective):
             tensors, f = from_bytes(gathered[r], specs[r])
             payloads.append(Payload(tensors, payload.ctx))
             flags.append(f)
-        avg = timer.decode(codec.aggregate, payloads).reshape(-1)
+        avg = deliver(timer.decode(codec.aggregate, payloads).reshape(-1), out)
         own = own_payload(codec, payload, timer) if need_own else None
         return Result(avg, own, torch.stack(flags).any(), payload.nbytes, *timer.times())
 

@@ -1,7 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,9 @@ class AllReduce(Collective):
     def supports(self, codec: Codec) -> bool:
         return codec.summable and super().supports(codec)
 
-    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+    ) -> Result:
         _, w = world(self.group)
         timer = Timer()
         flag = nonfinite_flag(x).to(torch.float32).reshape(1)
@@ -55,6 +57,9 @@ class AllReduce(Collective):
             if nxt is None:
                 break
             payload = nxt
-        avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
+        if out is None:
+            avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
+        else:
+            avg = timer.decode(codec.decode_into, Payload(reduced, payload.ctx), out)
         own = own_payload(codec, payload, timer, float(w)) if need_own else None
         return Result(avg, own, flag[0] > 0, wire, *timer.times())

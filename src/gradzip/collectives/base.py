@@ -151,8 +151,16 @@ class Collective:
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
 
-    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
-        """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``."""
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+    ) -> Result:
+        """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``.
+
+        With ``out`` (flat, ``x.numel()`` values, ``x``'s dtype) the average is written there and
+        ``Result.avg`` is ``out``: no fresh result tensor, whose first touch of every page costs
+        more than decoding into it. ``out`` may be ``x`` itself: every collective has finished
+        reading ``x`` before it writes ``out``.
+        """
         raise NotImplementedError
 
     def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -178,6 +186,11 @@ def reencoder(codec: Codec) -> Codec:
     if not codec.tensor_state:
         return codec
     return type(codec)(**codec.config())
+
+
+def deliver(avg: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``avg``, or ``out`` holding it when the caller gave a destination."""
+    return avg if out is None else out.copy_(avg.view_as(out))
 
 
 def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:

@@ -14,6 +14,7 @@ from .base import (
     Spec,
     Timer,
     all_gather_flat,
+    deliver,
     from_bytes,
     nonfinite_flag,
     own_payload,
@@ -102,7 +103,9 @@ class ParameterServer(Collective):
         single_round = type(codec).next_round is Codec.next_round
         return single_round and (codec.summable or codec.reencodable)
 
-    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+    ) -> Result:
         rank, w = world(self.group)
         timer = Timer()
         x = x.reshape(-1)
@@ -180,7 +183,7 @@ class ParameterServer(Collective):
             offsets[d] += sizes2[p]
             outs.append(timer.decode(codec.decode, Payload(tensors, encoded[p].ctx)).reshape(-1))
             flags2.append(f)
-        avg = torch.cat(outs) if parts > 1 else outs[0]
+        avg = deliver(torch.cat(outs) if parts > 1 else outs[0], out)
         own = None
         if need_own:
             scale = float(w) if summable else 1.0

@@ -51,7 +51,9 @@ class ScatterReduceAllGather(Collective):
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
 
-    def run(self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool) -> Result:
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+    ) -> Result:
         rank, w = world(self.group)
         timer = Timer()
         x = x.reshape(-1)
@@ -65,7 +67,7 @@ class ScatterReduceAllGather(Collective):
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
         phase2 = [self._reduce(codec, p, tag(s), step, rank, w, timer) for s, p in enumerate(phase1)]
         # every rank's decoded chunks land straight in their place in the result
-        avg = torch.empty(n, dtype=x.dtype, device=x.device)
+        avg = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
         own = torch.empty(n, dtype=x.dtype, device=x.device) if need_own else None
         flags, wire = [], 0
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):

@@ -96,3 +96,19 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
 def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = backend(packed)
     return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))
+
+
+def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` entries of the flat ``x`` largest in magnitude: ``(values, int64 indices)``.
+
+    On CUDA with Triton, a radix select that never waits on the host (indices ascending);
+    elsewhere ``torch.topk`` of ``|x|`` (order unspecified). Ranks all run the same version, so
+    they agree on ties.
+    """
+    choice = setting()
+    if x.device.type == "cuda" and choice in ("auto", "triton"):
+        gpu = _gpu()
+        if gpu is not None and gpu.available() is None and gpu.supports_topk(x):
+            return gpu.topk(x, k)
+    _, idx = torch.topk(x.abs(), k, sorted=False)
+    return x[idx], idx

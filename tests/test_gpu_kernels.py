@@ -1,0 +1,290 @@
+"""The Triton kernels (:mod:`gradzip.kernels.gpu`) against their torch specification.
+
+The kernels run in Triton's interpreter on CPU tensors, so no GPU is needed: the interpreter is
+switched on here, before anything imports Triton (gradzip itself imports Triton only at first use
+of the kernels). Running this module with ``TRITON_INTERPRET=0`` on a machine with a GPU checks
+the compiled kernels on CUDA tensors instead. The interpreter takes milliseconds per program, so
+the tensors are small and large buckets carry the odd sizes.
+"""
+from __future__ import annotations
+
+import os
+
+_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, here or by gradzip
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def _restore_interpret() -> None:
+    """Give TRITON_INTERPRET back as the session had it, for the tests that run after these."""
+    if _INTERPRET_BEFORE is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
+
+
+try:
+    triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")
+except pytest.skip.Exception:
+    _restore_interpret()
+    raise
+
+from gradzip.kernels import gpu, reference  # noqa: E402
+from gradzip.kernels.bitpack import unpack_bits  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+# (numel, bucket): odd sizes, a single partial bucket, many small buckets, a non-power-of-two
+# bucket, and buckets larger than gpu.CHUNK (walked in pieces)
+CASES = [(1, 8), (7, 8), (40, 8), (64, 64), (1000, 64), (1000, 1024), (4097, 1024), (100, 24), (9000, 5000)]
+KEYS = [None, 0xDEADBEEF]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels_available():
+    """Load the kernels (in the interpreter unless switched off); restore the environment after."""
+    reason = gpu.available()
+    try:
+        if reason is not None:
+            pytest.fail(f"Triton is installed but its kernels cannot run: {reason}")
+        if not INTERPRET and not torch.cuda.is_available():
+            pytest.skip("TRITON_INTERPRET is off and there is no GPU")
+        yield
+    finally:
+        _restore_interpret()
+
+
+def _randn(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(dtype).to(DEVICE)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (tells -0.0 from 0.0, compares NaNs)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# -------------------------------------------------------------------------------------- max-min
+@pytest.mark.parametrize("key", KEYS, ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_maxmin_bit_identical(bits, key):
+    for n, bucket in CASES:
+        x = _randn(n, seed=n * 131 + bits)
+        packed, stats = gpu.maxmin_encode(x, bits, bucket, key)
+        ref_packed, ref_stats = reference.maxmin_encode(x, bits, bucket, key)
+        assert torch.equal(packed, ref_packed), (n, bucket)
+        assert _same_bits(stats, ref_stats), (n, bucket)
+        out = gpu.maxmin_decode(packed, stats, bits, bucket, n)
+        assert _same_bits(out, reference.maxmin_decode(packed, stats, bits, bucket, n)), (n, bucket)
+
+
+@pytest.mark.parametrize("bucket", [1, 5, 12, 100])
+def test_maxmin_8_bits_takes_any_bucket(bucket):
+    x = _randn(203, seed=bucket)
+    for key in KEYS:
+        packed, stats = gpu.maxmin_encode(x, 8, bucket, key)
+        ref_packed, ref_stats = reference.maxmin_encode(x, 8, bucket, key)
+        assert torch.equal(packed, ref_packed) and _same_bits(stats, ref_stats)
+        out = gpu.maxmin_decode(packed, stats, 8, bucket, 203)
+        assert _same_bits(out, reference.maxmin_decode(packed, stats, 8, bucket, 203))
+
+
+def test_maxmin_rounds_half_to_even():
+    # bucket range [0, 3] at 2 bits: scale 1, so the levels are the values rounded
+    x = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 0.5], device=DEVICE)
+    packed, _ = gpu.maxmin_encode(x, 2, 8, None)
+    assert unpack_bits(packed, 2, 8).tolist() == [0, 0, 2, 2, 3, 1, 2, 0]
+    assert torch.equal(packed, reference.maxmin_encode(x, 2, 8, None)[0])
+
+
+@pytest.mark.parametrize("key", KEYS, ids=["nearest", "stochastic"])
+def test_maxmin_constant_buckets(key):
+    x = torch.cat([torch.zeros(16), torch.full((16,), -2.5), torch.arange(16.0)]).to(DEVICE)
+    packed, stats = gpu.maxmin_encode(x, 4, 16, key)
+    ref_packed, ref_stats = reference.maxmin_encode(x, 4, 16, key)
+    assert torch.equal(packed, ref_packed)
+    assert _same_bits(stats, ref_stats)
+    assert stats.tolist()[:4] == [0.0, 0.0, -2.5, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_maxmin_other_dtypes_convert_like_reference(dtype):
+    x = _randn(300, seed=3, dtype=dtype)
+    for key in KEYS:
+        packed, stats = gpu.maxmin_encode(x, 3, 64, key)
+        ref_packed, ref_stats = reference.maxmin_encode(x, 3, 64, key)
+        assert torch.equal(packed, ref_packed)
+        assert _same_bits(stats, ref_stats)
+
+
+def test_maxmin_non_contiguous_input():
+    x = _randn(2 * 257, seed=4)[::2]
+    assert not x.is_contiguous()
+    packed, stats = gpu.maxmin_encode(x, 5, 64, 7)
+    ref_packed, ref_stats = reference.maxmin_encode(x.contiguous(), 5, 64, 7)
+    assert torch.equal(packed, ref_packed) and _same_bits(stats, ref_stats)
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_maxmin_decode_into_out_and_accumulate(bits):
+    n, bucket = 1000, 64
+    packed, stats = gpu.maxmin_encode(_randn(n, seed=5), bits, bucket, 11)
+    expected = reference.maxmin_decode(packed, stats, bits, bucket, n)
+    out = torch.full((n,), 7.0, device=DEVICE)
+    assert gpu.maxmin_decode(packed, stats, bits, bucket, n, out=out) is out
+    assert _same_bits(out, expected)
+    base = _randn(n, seed=6)
+    acc = base.clone()
+    gpu.maxmin_decode(packed, stats, bits, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + expected)
+
+
+def test_empty_inputs():
+    x = torch.empty(0, device=DEVICE)
+    packed, stats = gpu.maxmin_encode(x, 4, 64, None)
+    assert packed.numel() == 0 and stats.numel() == 0
+    assert gpu.maxmin_decode(packed, stats, 4, 64, 0).numel() == 0
+    assert gpu.sign_encode(x).numel() == 0
+    assert gpu.sign_decode(torch.empty(0, dtype=torch.uint8, device=DEVICE), 0).numel() == 0
+
+
+# ----------------------------------------------------------------------------------------- QSGD
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_qsgd_matches_reference(bits):
+    for n, bucket in CASES:
+        x = _randn(n, seed=n * 17 + bits)
+        key = 0x9E3779B9 + bits
+        packed, norms = gpu.qsgd_encode(x, bits, bucket, key)
+        ref_packed, ref_norms = reference.qsgd_encode(x, bits, bucket, key)
+        # norms: a float64 sum here, torch's float32 reduction there, so the last bit may differ
+        torch.testing.assert_close(norms, ref_norms, rtol=2e-6, atol=0)
+        codes = unpack_bits(packed, bits, n)
+        ref_codes = unpack_bits(ref_packed, bits, n)
+        # where the norms agree bit for bit, so do the codes; elsewhere only a handful may differ
+        same_norm = (norms.view(torch.int32) == ref_norms.view(torch.int32)).repeat_interleave(bucket)[:n]
+        assert torch.equal(codes[same_norm], ref_codes[same_norm]), (n, bucket)
+        assert int((codes != ref_codes).sum()) <= 4, (n, bucket)
+        # decoding a given payload is exact
+        out = gpu.qsgd_decode(packed, norms, bits, bucket, n)
+        assert _same_bits(out, reference.qsgd_decode(packed, norms, bits, bucket, n)), (n, bucket)
+
+
+def test_qsgd_decode_into_out_and_accumulate():
+    n, bits, bucket = 777, 4, 64
+    packed, norms = gpu.qsgd_encode(_randn(n, seed=8), bits, bucket, 123)
+    expected = reference.qsgd_decode(packed, norms, bits, bucket, n)
+    out = torch.empty(n, device=DEVICE)
+    gpu.qsgd_decode(packed, norms, bits, bucket, n, out=out)
+    assert _same_bits(out, expected)
+    base = _randn(n, seed=9)
+    acc = base.clone()
+    gpu.qsgd_decode(packed, norms, bits, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + expected)
+
+
+# ----------------------------------------------------------------------------------------- sign
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 5000, 9001])
+def test_sign_bit_identical(n):
+    x = _randn(n, seed=n)
+    x[::5] = 0.0
+    x[1::7] = -0.0  # counts as >= 0
+    x[2::11] = float("nan")  # counts as negative
+    packed = gpu.sign_encode(x)
+    assert torch.equal(packed, reference.sign_encode(x))
+    scale = torch.tensor([0.37], device=DEVICE)
+    for s in (None, scale):
+        assert _same_bits(gpu.sign_decode(packed, n, s), reference.sign_decode(packed, n, s))
+    base = _randn(n, seed=n + 1)
+    acc = base.clone()
+    gpu.sign_decode(packed, n, scale, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.sign_decode(packed, n, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_sign_other_dtypes(dtype):
+    x = _randn(100, seed=1, dtype=dtype)
+    assert torch.equal(gpu.sign_encode(x), reference.sign_encode(x))
+
+
+# ----------------------------------------------------------------------------------------- top-k
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 50), (9000, 1), (9000, 9000)])
+def test_topk_matches_torch_for_distinct_magnitudes(n, k):
+    x = _randn(n, seed=n + k)
+    values, indices = gpu.topk(x, k)
+    assert indices.dtype == torch.int64 and values.dtype == x.dtype
+    assert torch.equal(indices, torch.topk(x.abs(), k).indices.sort().values)  # output in index order
+    assert torch.equal(values, x[indices])
+
+
+@pytest.mark.parametrize("k", [1, 100, 700, 2000, 4999, 5000])
+def test_topk_ties_give_exactly_k_lowest_indices_first(k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-3, 4, (5000,), generator=g).float().to(DEVICE)  # magnitudes 0..3, many ties
+    values, indices = gpu.topk(x, k)
+    assert indices.numel() == k and torch.all(indices[1:] > indices[:-1])
+    mags = x.abs()
+    threshold = torch.topk(mags, k).values[-1]
+    above = (mags > threshold).nonzero().flatten()
+    ties = (mags == threshold).nonzero().flatten()
+    expected = torch.cat([above, ties[: k - above.numel()]]).sort().values
+    assert torch.equal(indices, expected)
+    assert torch.equal(values, x[indices])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_topk_half_precision_and_signs(dtype):
+    # 1..256 with alternating signs: exact in both dtypes, so the magnitudes are distinct
+    x = (torch.arange(1, 257, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(128)).to(dtype).to(DEVICE)
+    x = x[torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(DEVICE)]
+    values, indices = gpu.topk(x, 20)
+    assert torch.equal(indices, torch.topk(x.float().abs(), 20).indices.sort().values)
+    assert torch.equal(values, x[indices])
+
+
+def test_topk_edges():
+    x = _randn(100, seed=2)
+    values, indices = gpu.topk(x, 0)
+    assert values.numel() == 0 and indices.numel() == 0
+    x[37] = float("nan")  # NaN ranks above every number, as in torch.topk
+    assert 37 in gpu.topk(x, 1)[1].tolist()
+    with pytest.raises(ValueError):
+        gpu.topk(x, 101)
+    with pytest.raises(ValueError):
+        gpu.topk(x.double(), 5)
+
+
+# ------------------------------------------------------------------------------------- plumbing
+def test_supports():
+    x = torch.zeros(16, device=DEVICE)
+    assert gpu.supports(x, 4, 64) and gpu.supports(x, 8, 12) and gpu.supports(x, 3, 24)
+    assert gpu.supports(torch.zeros(16, dtype=torch.uint8, device=DEVICE), 4, 64)  # a decoder's payload
+    assert not gpu.supports(x, 4, 12)  # a bucket must fill whole bytes
+    assert not gpu.supports(x, 4, gpu.MAX_BUCKET * 2)
+    assert not gpu.supports(x, 9, 64)
+    assert gpu.supports_topk(x) and not gpu.supports_topk(x.double())
+    with pytest.raises(ValueError):
+        gpu.maxmin_encode(x, 4, 12, None)
+    with pytest.raises(ValueError):
+        gpu.maxmin_decode(torch.zeros(8, dtype=torch.uint8, device=DEVICE), torch.zeros(2, device=DEVICE),
+                          4, 16, 16, accumulate=True)
+
+
+def test_import_does_not_need_triton():
+    """gradzip and the kernel module import without Triton, which is only loaded at first use."""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import gradzip\n"
+        "from gradzip.kernels import gpu\n"
+        "reason = gpu.available()\n"
+        "assert reason is not None and 'triton' in reason, reason\n"
+        "assert gpu.supports(__import__('torch').zeros(8), 8, 8) is False\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
