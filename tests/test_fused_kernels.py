@@ -165,3 +165,34 @@ def test_a_failed_build_falls_back_to_torch(tmp_path):
     env["GRADZIP_KERNELS"] = "native"
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "GRADZIP_KERNELS=native cannot run here" in proc.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 0), (7, 7), (1000, 10), (20_000, 200), (65_537, 6553)])
+def test_native_topk_is_exact(n, k):
+    x = _x(n, seed=n + k)
+    values, idx = native.topk(x, k)
+    _, want = torch.topk(x.abs(), k)
+    assert set(idx.tolist()) == set(want.tolist())
+    assert torch.equal(values, x[idx])
+    assert bool((idx[1:] > idx[:-1]).all())  # ascending
+
+
+@needs_native
+def test_native_topk_breaks_ties_towards_low_indices_and_ranks_nan_first():
+    x = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 3.0, float("nan"), 0.5])
+    values, idx = native.topk(x, 4)
+    assert idx.tolist() == [1, 2, 4, 6]  # NaN first, then the three first of the four ±3
+    x16 = x[:6].to(torch.float16)
+    assert native.topk(x16, 2)[1].tolist() == [1, 2] and native.topk(x16, 2)[0].dtype == torch.float16
+
+
+@needs_native
+def test_topk_codec_selects_the_same_entries_on_either_kernel(monkeypatch):
+    x = _x(10_000, seed=5)
+    decoded = {}
+    for setting in ("native", "torch"):
+        monkeypatch.setenv("GRADZIP_KERNELS", setting)
+        codec = gradzip.codec("topk", ratio=0.05)
+        decoded[setting] = codec.decode(codec.encode(x))
+    assert torch.equal(decoded["native"], decoded["torch"])

@@ -17,6 +17,7 @@ import torch
 from . import native, reference
 
 CHOICES = ("auto", "native", "triton", "torch")
+_TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
 
 
 def setting() -> str:
@@ -101,11 +102,13 @@ def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = Fal
 def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` entries of the flat ``x`` largest in magnitude: ``(values, int64 indices)``.
 
-    On CUDA with Triton, a radix select that never waits on the host (indices ascending);
-    elsewhere ``torch.topk`` of ``|x|`` (order unspecified). Ranks all run the same version, so
-    they agree on ties.
+    A radix select on the bits of ``|x|``, in C on CPU or in Triton on CUDA (indices ascending,
+    ties to the lowest indices); elsewhere ``torch.topk`` of ``|x|`` (order unspecified). Ranks
+    all run the same version, so they agree on ties.
     """
     choice = setting()
+    if x.device.type == "cpu" and choice in ("auto", "native") and native.supports(x) and x.dtype in _TOPK_DTYPES:
+        return native.topk(x, k)
     if x.device.type == "cuda" and choice in ("auto", "triton"):
         gpu = _gpu()
         if gpu is not None and gpu.available() is None and gpu.supports_topk(x):

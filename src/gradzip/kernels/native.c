@@ -244,3 +244,46 @@ void gz_sign_decode(const uint8_t *packed, int64_t n, const float *scale, float 
         }
     }
 }
+
+/* Exact top-k by magnitude, as a radix select on the bit patterns of |x| (for non-negative
+ * floats, the order of the bits as unsigned integers is the order of the values; NaN ranks
+ * highest). Pass 1 histograms the top 16 bits, pass 2 the low 16 bits within the bin that holds
+ * the k-th largest, pass 3 writes the indices, ascending: every key above the threshold and the
+ * first of those equal to it (lowest indices first), k in all. `hist` is 65536 scratch counters. */
+static inline uint32_t magnitude_key(float v) {
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    return u & 0x7FFFFFFFu;
+}
+
+static uint32_t select_bin(const int64_t *hist, int64_t k, int64_t *above) {
+    int64_t acc = 0;
+    uint32_t b = 65535;
+    for (;; b--) {
+        if (acc + hist[b] >= k || b == 0) break;
+        acc += hist[b];
+    }
+    *above = acc;
+    return b;
+}
+
+void gz_topk(const float *x, int64_t n, int64_t k, int64_t *idx, int64_t *hist) {
+    if (k <= 0) return;
+    memset(hist, 0, 65536 * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) hist[magnitude_key(x[i]) >> 16]++;
+    int64_t above_hi;
+    const uint32_t hi = select_bin(hist, k, &above_hi);
+    memset(hist, 0, 65536 * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t key = magnitude_key(x[i]);
+        if ((key >> 16) == hi) hist[key & 0xFFFFu]++;
+    }
+    int64_t above_lo;
+    const uint32_t lo = select_bin(hist, k - above_hi, &above_lo);
+    const uint32_t threshold = (hi << 16) | lo;
+    int64_t ties = k - above_hi - above_lo, out = 0;
+    for (int64_t i = 0; i < n && out < k; i++) {
+        const uint32_t key = magnitude_key(x[i]);
+        if (key > threshold || (key == threshold && ties-- > 0)) idx[out++] = i;
+    }
+}

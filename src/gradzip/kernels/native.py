@@ -42,6 +42,7 @@ _SIGNATURES = {
     "gz_qsgd_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int, _int],
     "gz_sign_encode": [_f32p, _i64, _u8p],
     "gz_sign_decode": [_u8p, _i64, _f32p, _f32p, _int],
+    "gz_topk": [_f32p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p],
 }
 
 
@@ -110,6 +111,13 @@ def _load() -> Optional[ctypes.CDLL]:
         return lib
 
 
+def _kernels() -> ctypes.CDLL:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"gradzip's fused CPU kernels are unavailable: {_error}")
+    return lib
+
+
 def available() -> Optional[str]:
     """None when the fused CPU kernels are ready; otherwise why they are not."""
     _load()
@@ -153,7 +161,7 @@ def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -
     n = x.numel()
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
     stats = torch.empty(2 * (-(-n // bucket)), dtype=torch.float32)
-    _lib.gz_maxmin_encode(
+    _kernels().gz_maxmin_encode(
         x.data_ptr(), n, bits, bucket, int(key is not None), (key or 0) & 0xFFFFFFFF,
         packed.data_ptr(), stats.data_ptr(), _threads(n),
     )
@@ -165,7 +173,7 @@ def maxmin_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     packed, stats, out = packed.contiguous(), stats.contiguous(), _out(out, numel)
-    _lib.gz_maxmin_decode(packed.data_ptr(), stats.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
+    _kernels().gz_maxmin_decode(packed.data_ptr(), stats.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
     return out
 
 
@@ -174,7 +182,7 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torc
     n = x.numel()
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
     norms = torch.empty(-(-n // bucket), dtype=torch.float32)
-    _lib.gz_qsgd_encode(x.data_ptr(), n, bits, bucket, key & 0xFFFFFFFF, packed.data_ptr(), norms.data_ptr(), _threads(n))
+    _kernels().gz_qsgd_encode(x.data_ptr(), n, bits, bucket, key & 0xFFFFFFFF, packed.data_ptr(), norms.data_ptr(), _threads(n))
     return packed, norms
 
 
@@ -183,14 +191,14 @@ def qsgd_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     packed, norms, out = packed.contiguous(), norms.contiguous(), _out(out, numel)
-    _lib.gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
+    _kernels().gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
     return out
 
 
 def sign_encode(x: torch.Tensor) -> torch.Tensor:
     x = _f32(x)
     packed = torch.empty(packed_bytes(x.numel(), 1), dtype=torch.uint8)
-    _lib.gz_sign_encode(x.data_ptr(), x.numel(), packed.data_ptr())
+    _kernels().gz_sign_encode(x.data_ptr(), x.numel(), packed.data_ptr())
     return packed
 
 
@@ -200,5 +208,19 @@ def sign_decode(
 ) -> torch.Tensor:
     packed, out = packed.contiguous(), _out(out, numel)
     scale = None if scale is None else scale.reshape(-1).to(torch.float32).contiguous()
-    _lib.gz_sign_decode(packed.data_ptr(), numel, _ptr(scale), out.data_ptr(), int(accumulate))
+    _kernels().gz_sign_decode(packed.data_ptr(), numel, _ptr(scale), out.data_ptr(), int(accumulate))
     return out
+
+
+def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of ``|x|`` by radix select: ``(x[idx], idx)`` with ``idx`` ascending.
+
+    Ties at the threshold go to the lowest indices, as in the Triton version.
+    """
+    flat = x.reshape(-1)
+    xf = _f32(flat)
+    k = max(0, min(k, xf.numel()))
+    idx = torch.empty(k, dtype=torch.int64)
+    hist = torch.empty(65536, dtype=torch.int64)
+    _kernels().gz_topk(xf.data_ptr(), xf.numel(), k, idx.data_ptr(), hist.data_ptr())
+    return flat[idx], idx
