@@ -145,7 +145,7 @@ class Communicator:
         res = coll.run(codec, inp, name, step, need_own=mem.stateful, out=dest)
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
-        avg = res.avg.masked_fill_(res.nonfinite, float("nan"))  # a fresh tensor, or dest
+        avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
         self.metrics.record(
             name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress,
             encode_cpu_s=res.encode_cpu_s, decode_cpu_s=res.decode_cpu_s,
@@ -217,3 +217,10 @@ def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share storage (then writing one may change the other)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome)."""
+    if avg.device.type == "cpu":  # reading the flag is free here; skip a pass over the result
+        return avg.fill_(float("nan")) if bool(nonfinite) else avg
+    return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip
+from gradzip.collectives.base import measure_cpu_time
 from gradzip.config import parse_value
 
 from ..launch import spawn_local
@@ -92,19 +93,29 @@ def _timed(
     """Warm up once, then time ``repeats`` runs, each behind a barrier; slowest rank per run.
 
     Also returns this rank's median per run of ``cpu_probe`` (a running total of codec CPU
-    seconds), read outside the timed region; 0 without a probe.
+    seconds) over ``repeats`` further runs that are not timed, since reading CPU clocks slows a
+    run down; 0 without a probe.
     """
     out = op()
     times = torch.zeros(repeats, dtype=torch.float64)
-    cpu: List[float] = []
     for i in range(repeats):
         dist.barrier()
-        c0 = cpu_probe() if cpu_probe else 0.0
         t0 = time.perf_counter()
         op()
         times[i] = time.perf_counter() - t0
-        cpu.append((cpu_probe() if cpu_probe else 0.0) - c0)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    cpu: List[float] = [0.0]
+    if cpu_probe is not None:
+        cpu = []
+        measure_cpu_time(True)
+        try:
+            for _ in range(repeats):
+                dist.barrier()
+                c0 = cpu_probe()
+                op()
+                cpu.append(cpu_probe() - c0)
+        finally:
+            measure_cpu_time(False)
     return times.tolist(), out, statistics.median(cpu)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,23 @@ class Result:
     decode_cpu_s: float = 0.0
 
 
+_measure_cpu = False
+
+
+def measure_cpu_time(enabled: bool) -> None:
+    """Make :class:`Timer` also take thread CPU time (off by default).
+
+    Reading a thread's CPU clock is a system call, and on some machines (sandboxed or
+    virtualised kernels) a slow one: a few per tensor can cost as much as encoding it. Only the
+    benchmarks turn it on, for runs that they do not time.
+    """
+    global _measure_cpu
+    _measure_cpu = enabled
+
+
 class Timer:
-    """Accumulates wall time and thread CPU time of encode and decode sections.
+    """Accumulates wall time (and, when :func:`measure_cpu_time` is on, thread CPU time) of
+    encode and decode sections.
 
     Wall time is what the caller waits; thread CPU time (``time.thread_time``) is the work the
     codec did, which stays meaningful when ranks share cores and wall time includes waiting for
@@ -60,19 +75,24 @@ class Timer:
         self.decode_s = 0.0
         self.encode_cpu_s = 0.0
         self.decode_cpu_s = 0.0
+        self._cpu = _measure_cpu
+
+    def _section(self, fn: Callable, args, kwargs) -> Tuple[Any, float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time() if self._cpu else 0.0
+        out = fn(*args, **kwargs)
+        cpu = time.thread_time() - c0 if self._cpu else 0.0
+        return out, time.perf_counter() - t0, cpu
 
     def encode(self, fn: Callable, *args, **kwargs):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        out = fn(*args, **kwargs)
-        self.encode_cpu_s += time.thread_time() - c0
-        self.encode_s += time.perf_counter() - t0
+        out, wall, cpu = self._section(fn, args, kwargs)
+        self.encode_s += wall
+        self.encode_cpu_s += cpu
         return out
 
     def decode(self, fn: Callable, *args, **kwargs):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        out = fn(*args, **kwargs)
-        self.decode_cpu_s += time.thread_time() - c0
-        self.decode_s += time.perf_counter() - t0
+        out, wall, cpu = self._section(fn, args, kwargs)
+        self.decode_s += wall
+        self.decode_cpu_s += cpu
         return out
 
     def times(self) -> Tuple[float, float, float, float]:
@@ -114,8 +134,8 @@ def spec_bytes(spec: Spec) -> int:
     return sum(_padded(n * element_size(d)) for d, n in spec) + _ALIGN
 
 
-def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tensor:
-    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer."""
+def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if given)."""
     parts = []
     for t in tensors:
         raw = t.contiguous().reshape(-1).view(torch.uint8)
@@ -126,7 +146,7 @@ def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor) -> torch.Tenso
     flag_bytes = torch.zeros(_ALIGN, dtype=torch.uint8, device=flag.device)
     flag_bytes[0] = flag
     parts.append(flag_bytes)
-    return torch.cat(parts)
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:

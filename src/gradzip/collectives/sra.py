@@ -1,7 +1,7 @@
 """CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from .base import (
     nonfinite_flag,
     reencoder,
     register_collective,
+    spec_bytes,
     spec_of,
     to_bytes,
     world,
@@ -47,6 +48,15 @@ class ScatterReduceAllGather(Collective):
         if not _positive(segment):
             raise ValueError(f"collective 'sra': segment must be a positive integer, got {segment!r}")
         self.segment = segment
+        # send/receive buffers per (tensor, segment, role), reused from call to call: fresh ones
+        # would cost a page fault per 4 KiB on every call
+        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def _buffer(self, name: str, role: str, shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((name, role))
+        if buf is None or buf.shape != shape or buf.device != device:
+            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=torch.uint8, device=device)
+        return buf
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
@@ -84,8 +94,11 @@ class ScatterReduceAllGather(Collective):
         padded = x if chunk * w == n else torch.cat([x, x.new_zeros(chunk * w - n)])
         chunks = padded.view(w, chunk)
         encoded = [timer.encode(codec.encode, chunks[j], f"{name}#{j}", step) for j in range(w)]
-        send = torch.stack([to_bytes(p.tensors, flag) for p in encoded])
-        recv = torch.empty_like(send)
+        shape = (w, spec_bytes(spec_of(encoded[0].tensors)))
+        send = self._buffer(name, "send", shape, x.device)
+        for j, p in enumerate(encoded):
+            to_bytes(p.tensors, flag, out=send[j])
+        recv = self._buffer(name, "recv", shape, x.device)
         work = None
         if w > 1:
             work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=True)
@@ -106,8 +119,9 @@ class ScatterReduceAllGather(Collective):
         reduced = timer.decode(codec.aggregate, parts).reshape(-1)
         # re-encode under the chunk's own name, with a codec whose state it cannot touch
         second = timer.encode(reencoder(codec).encode, reduced, f"{name}#{rank}", step)
-        buf = to_bytes(second.tensors, torch.stack(flags).any())
-        gathered = buf.new_empty(w, buf.numel())
+        shape = (w, spec_bytes(spec_of(second.tensors)))
+        gathered = self._buffer(name, "gathered", shape, reduced.device)
+        buf = to_bytes(second.tensors, torch.stack(flags).any(), out=self._buffer(name, "mine", (1, shape[1]), reduced.device)[0])
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
