@@ -57,7 +57,7 @@ class _ValuesIndices(Codec):
         for p in payloads:  # rank order: the same float sums on every rank
             values, idx = p.tensors
             out.index_add_(0, idx.long(), values.float())
-        return (out / len(payloads)).reshape(meta.shape).to(meta.dtype)
+        return out.div_(len(payloads)).reshape(meta.shape).to(meta.dtype)
 
 
 @register_codec
