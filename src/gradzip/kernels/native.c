@@ -168,10 +168,11 @@ void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_
         const int64_t start = b * bucket;
         const int64_t len = n - start < bucket ? n - start : bucket;
         const float *xb = x + start;
-        double total = 0.0;
+        /* fp32 partial sums, as torch's vector_norm: a bucket is short enough to lose nothing */
+        float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < len; i++) total += (double)xb[i] * (double)xb[i];
-        const float norm = (float)sqrt(total);
+        for (int64_t i = 0; i < len; i++) total += xb[i] * xb[i];
+        const float norm = sqrtf(total);
         const float inv = norm > 0.0f ? sf / norm : 0.0f;
         for (int64_t i = 0; i < len; i++) {
             float f = floorf(fabsf(xb[i]) * inv + uniform(start + i, key));
