@@ -102,10 +102,9 @@ static inline int64_t packed_offset(int64_t start, int bits) { return bits == 8 
 
 /* stochastic != 0: floor(v + u) with u = uniform(index, key); else round half to even. */
 void gz_maxmin_encode(const float *x, int64_t n, int bits, int64_t bucket, int stochastic, uint32_t key,
-                      uint8_t *packed, float *stats, int threads) {
+                      uint8_t *packed, float *stats) {
     const int64_t nb = (n + bucket - 1) / bucket;
     const float q = (float)((1 << bits) - 1);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t lv[MAX_BUCKET];
         const int64_t start = b * bucket;
@@ -140,9 +139,8 @@ void gz_maxmin_encode(const float *x, int64_t n, int bits, int64_t bucket, int s
 
 /* The decoders write out[i] = value, or out[i] += value with accumulate != 0 (summing ranks). */
 void gz_maxmin_decode(const uint8_t *packed, const float *stats, int64_t n, int bits, int64_t bucket, float *out,
-                      int accumulate, int threads) {
+                      int accumulate) {
     const int64_t nb = (n + bucket - 1) / bucket;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t lv[MAX_BUCKET];
         const int64_t start = b * bucket;
@@ -157,12 +155,10 @@ void gz_maxmin_decode(const uint8_t *packed, const float *stats, int64_t n, int 
     }
 }
 
-void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_t key, uint8_t *packed, float *norms,
-                    int threads) {
+void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_t key, uint8_t *packed, float *norms) {
     const int64_t nb = (n + bucket - 1) / bucket;
     const int s = (1 << (bits - 1)) - 1;
     const float sf = (float)s;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t lv[MAX_BUCKET];
         const int64_t start = b * bucket;
@@ -188,10 +184,9 @@ void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_
 }
 
 void gz_qsgd_decode(const uint8_t *packed, const float *norms, int64_t n, int bits, int64_t bucket, float *out,
-                    int accumulate, int threads) {
+                    int accumulate) {
     const int64_t nb = (n + bucket - 1) / bucket;
     const int s = (1 << (bits - 1)) - 1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < nb; b++) {
         uint8_t lv[MAX_BUCKET];
         const int64_t start = b * bucket;

@@ -6,8 +6,9 @@ encode at a few percent of memory-copy speed. ``native.c`` does the same arithme
 bucket while the bucket sits in L1, and the compiler vectorises it. The library is compiled once
 per source, compiler and CPU into ``$GRADZIP_CACHE`` (default ``~/.cache/gradzip``) and loaded
 with :mod:`ctypes`; ctypes releases the GIL during the call, so encoding overlaps with the
-communication thread. Where no compiler is found or the build fails, :func:`available` says why
-and the torch versions run instead.
+training thread. The kernels use one thread: they run on the communication thread while the
+backward pass keeps torch's own threads busy. Where no compiler is found or the build fails,
+:func:`available` says why and the torch versions run instead.
 """
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ _loaded = False
 
 _u8p, _f32p, _i64, _int, _u32 = ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
 _SIGNATURES = {
-    "gz_maxmin_encode": [_f32p, _i64, _int, _i64, _int, _u32, _u8p, _f32p, _int],
-    "gz_maxmin_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int, _int],
-    "gz_qsgd_encode": [_f32p, _i64, _int, _i64, _u32, _u8p, _f32p, _int],
-    "gz_qsgd_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int, _int],
+    "gz_maxmin_encode": [_f32p, _i64, _int, _i64, _int, _u32, _u8p, _f32p],
+    "gz_maxmin_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
+    "gz_qsgd_encode": [_f32p, _i64, _int, _i64, _u32, _u8p, _f32p],
+    "gz_qsgd_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
     "gz_sign_encode": [_f32p, _i64, _u8p],
     "gz_sign_decode": [_u8p, _i64, _f32p, _f32p, _int],
     "gz_topk": [_f32p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p],
@@ -66,7 +67,7 @@ def _compiler() -> Optional[str]:
 def _build(cc: str) -> Path:
     """Compile ``native.c`` into the cache (once per source, compiler, flags and CPU)."""
     source = _SOURCE.read_bytes()
-    flags = FLAGS + ["-fopenmp"]
+    flags = FLAGS + ["-fopenmp-simd"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
     cache = Path(os.environ.get("GRADZIP_CACHE", Path.home() / ".cache" / "gradzip"))
@@ -78,7 +79,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        for attempt in (flags, FLAGS + ["-fopenmp-simd"], FLAGS):  # without OpenMP threads if need be
+        for attempt in (flags, FLAGS):  # the simd pragmas are hints: drop them if need be
             proc = subprocess.run([cc, *attempt, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(tmp, target)
@@ -134,11 +135,6 @@ def supports(x: torch.Tensor, bits: int = 8, bucket: int = 8) -> bool:
     )
 
 
-def _threads(numel: int) -> int:
-    # below ~1M values a thread team costs more than it saves
-    return torch.get_num_threads() if numel >= (1 << 20) else 1
-
-
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).to(torch.float32).contiguous()
 
@@ -163,7 +159,7 @@ def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -
     stats = torch.empty(2 * (-(-n // bucket)), dtype=torch.float32)
     _kernels().gz_maxmin_encode(
         x.data_ptr(), n, bits, bucket, int(key is not None), (key or 0) & 0xFFFFFFFF,
-        packed.data_ptr(), stats.data_ptr(), _threads(n),
+        packed.data_ptr(), stats.data_ptr(),
     )
     return packed, stats
 
@@ -173,7 +169,7 @@ def maxmin_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     packed, stats, out = packed.contiguous(), stats.contiguous(), _out(out, numel)
-    _kernels().gz_maxmin_decode(packed.data_ptr(), stats.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
+    _kernels().gz_maxmin_decode(packed.data_ptr(), stats.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate))
     return out
 
 
@@ -182,7 +178,7 @@ def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torc
     n = x.numel()
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
     norms = torch.empty(-(-n // bucket), dtype=torch.float32)
-    _kernels().gz_qsgd_encode(x.data_ptr(), n, bits, bucket, key & 0xFFFFFFFF, packed.data_ptr(), norms.data_ptr(), _threads(n))
+    _kernels().gz_qsgd_encode(x.data_ptr(), n, bits, bucket, key & 0xFFFFFFFF, packed.data_ptr(), norms.data_ptr())
     return packed, norms
 
 
@@ -191,7 +187,7 @@ def qsgd_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     packed, norms, out = packed.contiguous(), norms.contiguous(), _out(out, numel)
-    _kernels().gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate), _threads(numel))
+    _kernels().gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate))
     return out
 
 
