@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..kernels import draw_key, private_generator
+from ..kernels import draw_key, private_generator, store_into
 
 
 @dataclass
@@ -206,8 +206,7 @@ class Codec:
         raise NotImplementedError
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        values = self._decode(tensors, meta).reshape(-1)[: out.numel()]
-        return out.add_(values) if accumulate else out.copy_(values)
+        return store_into(self._decode(tensors, meta).reshape(-1)[: out.numel()], out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         raise NotImplementedError

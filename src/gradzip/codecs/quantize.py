@@ -62,14 +62,6 @@ class BF16(_Cast):
     wire_dtype = torch.bfloat16
 
 
-def _round(v: torch.Tensor, stochastic: bool, gen: torch.Generator) -> torch.Tensor:
-    """Round ``v`` to integers, stochastically (unbiased) or to the nearest."""
-    if stochastic:
-        noise = torch.rand(v.shape, generator=gen, device=v.device, dtype=v.dtype)
-        return (v + noise).floor_()
-    return v.round()
-
-
 @register_codec
 class MaxMin(Codec):
     """CGX bucketed max-min quantization (Markov et al., CGX, Middleware'22).

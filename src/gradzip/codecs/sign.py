@@ -13,15 +13,6 @@ from .base import Codec, Meta, Option, Payload, int_in
 from .registry import register_codec
 
 
-def _sign_bits(x: torch.Tensor) -> torch.Tensor:
-    return fused.sign_encode(x)
-
-
-def _signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """±1.0 from packed sign bits."""
-    return fused.sign_decode(packed, numel)
-
-
 @register_codec
 class SignSGD(Codec):
     """signSGD with majority vote (Bernstein et al., ICML'18 and ICLR'19).
@@ -37,10 +28,10 @@ class SignSGD(Codec):
     collectives = ("allgather",)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [_sign_bits(x)]
+        return [fused.sign_encode(x)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        return _signs(tensors[0], meta.numel)
+        return fused.sign_decode(tensors[0], meta.numel)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         return fused.sign_decode(tensors[0], out.numel(), out=out, accumulate=accumulate)
@@ -76,7 +67,7 @@ class EFSignSGD(Codec):
         # the L1 norm in one pass: no |x| temporary
         xf = x if x.dtype == torch.float32 else x.float()  # fp16 sums would overflow
         scale = (torch.linalg.vector_norm(xf, 1) / x.numel()).reshape(1)
-        return [_sign_bits(x), scale]
+        return [fused.sign_encode(x), scale]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         packed, scale = tensors
@@ -196,5 +187,5 @@ class Signum(SignSGD):
         m = torch.add(old * self.momentum, g, alpha=1.0 - self.momentum)
         finite = torch.isfinite(g.sum())  # 0-dim, on device: a NaN/Inf step keeps the old momentum
         self._momentum[meta.name] = torch.where(finite, m, old)
-        return [_sign_bits(m)]
+        return [fused.sign_encode(m)]
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload, element_size
+from ..kernels import store_into
 from ..naming import Registry
 
 _ALIGN = 8
@@ -210,7 +211,7 @@ def reencoder(codec: Codec) -> Codec:
 
 def deliver(avg: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """``avg``, or ``out`` holding it when the caller gave a destination."""
-    return avg if out is None else out.copy_(avg.view_as(out))
+    return store_into(avg, out, accumulate=False)
 
 
 def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:

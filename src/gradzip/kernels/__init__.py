@@ -7,6 +7,7 @@ the torch specification (:mod:`.reference`), all producing the same bytes.
 """
 from .bitpack import pack_bits, packed_bytes, unpack_bits
 from .buckets import bucket_view, pad_to_multiple
+from .reference import store as store_into
 from .rng import counter_uniform, draw_key, private_generator, shared_generator, stable_hash
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "stable_hash",
     "counter_uniform",
     "draw_key",
+    "store_into",
 ]

@@ -68,8 +68,7 @@ def _decode_via(impl, out: Optional[torch.Tensor], accumulate: bool, call):
     """Decode straight into ``out`` when the kernel can take it, else through a temporary."""
     if out is None or (out.dtype == torch.float32 and out.is_contiguous()):
         return call(out, accumulate)
-    values = call(None, False)
-    return out.add_(values.view_as(out)) if accumulate else out.copy_(values.view_as(out))
+    return reference.store(call(None, False), out, accumulate)
 
 
 def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -92,24 +92,28 @@ def _build(cc: str) -> Path:
 
 def _load() -> Optional[ctypes.CDLL]:
     global _lib, _error, _loaded
+    if _loaded:  # every kernel call comes through here: no lock once settled
+        return _lib
     with _lock:
-        if _loaded:
-            return _lib
-        _loaded = True
-        cc = _compiler()
-        if cc is None:
-            _error = "no C compiler found (set CC, or install gcc or clang)"
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _error = f"building the fused CPU kernels failed: {exc}"
-            return None
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
-        _lib = lib
-        return lib
+        if not _loaded:
+            _lib, _error = _open()
+            _loaded = True  # only now: a reader without the lock must see _lib and _error set
+        return _lib
+
+
+def _open() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """Build and load the library: ``(library, None)`` or ``(None, why not)``."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install gcc or clang)"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"building the fused CPU kernels failed: {exc}"
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib, None
 
 
 def _kernels() -> ctypes.CDLL:

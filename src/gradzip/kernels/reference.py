@@ -17,10 +17,12 @@ from .buckets import bucket_view
 from .rng import counter_uniform
 
 
-def _store(values: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
-    """The decoders' ``out``/``accumulate`` contract: write (or add) into ``out`` when given."""
+def store(values: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    """The decoders' ``out``/``accumulate`` contract: ``values``, or ``out`` holding them (added
+    to what it held when ``accumulate``); ``out`` may have another dtype or shape of the same size."""
     if out is None:
         return values
+    values = values.reshape(out.shape)
     return out.add_(values) if accumulate else out.copy_(values)
 
 
@@ -60,7 +62,7 @@ def maxmin_decode(
     """fp32 ``min + level * scale`` for the first ``numel`` values, into ``out`` if given."""
     levels = bucket_view(unpack_bits(packed, bits, numel).float(), bucket)
     stats = stats.view(-1, 2)[: levels.shape[0]]
-    return _store((stats[:, :1] + levels * stats[:, 1:]).reshape(-1)[:numel], out, accumulate)
+    return store((stats[:, :1] + levels * stats[:, 1:]).reshape(-1)[:numel], out, accumulate)
 
 
 def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +92,7 @@ def qsgd_decode(
     levels = (codes & s).float()
     signs = 1.0 - 2.0 * (codes >> (bits - 1)).float()
     vals = bucket_view(levels * signs, bucket)
-    return _store((vals * (norms[: vals.shape[0]] / s)[:, None]).reshape(-1)[:numel], out, accumulate)
+    return store((vals * (norms[: vals.shape[0]] / s)[:, None]).reshape(-1)[:numel], out, accumulate)
 
 
 def sign_encode(x: torch.Tensor) -> torch.Tensor:
@@ -104,4 +106,4 @@ def sign_decode(
 ) -> torch.Tensor:
     """fp32 ``±1`` per bit (times the one-element ``scale`` when given), into ``out`` if given."""
     signs = unpack_bits(packed, 1, numel).float().mul_(2).sub_(1)
-    return _store(signs if scale is None else signs.mul_(scale), out, accumulate)
+    return store(signs if scale is None else signs.mul_(scale), out, accumulate)
