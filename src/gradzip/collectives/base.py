@@ -111,11 +111,13 @@ def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
 
-    One reading pass: NaN and Inf survive a sum (Inf − Inf is NaN), accumulated in fp32 (fp64
-    for fp64 input) where finite gradients cannot overflow.
+    One reading pass, the minimum and maximum together: NaN propagates through them and ±Inf
+    is one of them, while, unlike a sum, they cannot overflow on large finite values.
     """
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return ~torch.isfinite(x.sum(dtype=acc))
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 # ------------------------------------------------------------------------- wire format

@@ -28,13 +28,16 @@ default it does, in encode and decode alike). On GPU the results are then expect
 reference bit for bit as well: the PTX for sm_90 has only ``add/sub/mul.rn.f32``, ``div.rn.f32``,
 ``sqrt.rn.f64`` and ``cvt.rmi`` (floor; its flush-to-zero cannot matter as ``v + u >= 0``), each
 a single correctly rounded IEEE operation. In the interpreter they are numpy's float32 operations.
-QSGD norms are summed in float64 and rounded once, which matches the float32 reduction of torch
-except in the last bit now and then; the levels use the reference's ``(1 / norm) * s`` (two
+QSGD norms are summed in float64 and rounded once, as in the reference and the C kernels (the
+order of the sum differs, so the last bit may now and then); the levels use the reference's ``(1 / norm) * s`` (two
 roundings, what torch's ``s / tensor`` computes), so given equal norms the codes are equal too.
 The decoders compute exactly the reference's expressions (``lo + level * scale``,
 ``(level * sign) * (norm / s)``, ``±1 * scale``) and are bit-identical given the same payload.
 Non-finite inputs (NaN, ±inf) give unspecified codes, as they do in the reference, and a bucket
-whose minimum is a zero may store it as +0.0 where torch stores -0.0 (or the reverse).
+whose minimum is a zero may store it as +0.0 where torch stores -0.0 (or the reverse). Finite
+extremes follow the reference (``3.4028234663852886e38`` below is the largest fp32): a max-min
+range beyond fp32 is handled in halves, a QSGD norm beyond it is stored as that maximum, and
+decoded values of finite stats are clamped to the fp32 range.
 """
 from __future__ import annotations
 
@@ -141,10 +144,15 @@ def _unpack_load(packed_ptr, offs, valid, BITS: tl.constexpr):
     return ((b0 | (b1 << 8)) >> shift) & ((1 << BITS) - 1)
 
 
-def _maxmin_levels(x, lo, inv, offs, valid, key, BITS: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Levels of a tile: ``floor(v + u)`` or ``rint(v)`` with ``v = (x - lo) * inv``, clamped."""
+def _maxmin_levels(x, lo, inv, big, offs, valid, key, BITS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Levels of a tile: ``floor(v + u)`` or ``rint(v)`` with ``v = (x - lo) * inv``, clamped;
+    ``v = (x * 0.5 - lo * 0.5) * (inv * 2)`` in ``big`` rows (a range beyond fp32)."""
     Q: tl.constexpr = (1 << BITS) - 1
-    v = (x - lo[:, None]) * inv[:, None]
+    v = tl.where(
+        big[:, None],
+        (x * 0.5 - (lo * 0.5)[:, None]) * (inv * 2.0)[:, None],
+        (x - lo[:, None]) * inv[:, None],
+    )
     if STOCHASTIC:
         f = tl.floor(v + _uniform(offs, key))
     else:
@@ -191,16 +199,20 @@ def _maxmin_encode_kernel(
     row_ok = row < num_buckets
     lo = tl.where(row_ok, lo, 0.0)
     hi = tl.where(row_ok, hi, 0.0)
-    scale = tl.div_rn(hi - lo, Q * 1.0)
+    span = hi - lo
+    # a finite range beyond fp32 (both signs near the maximum): halves, as the reference
+    big = (tl.abs(span) == float("inf")) & (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
+    halves = tl.minimum(tl.div_rn(hi, Q * 1.0) - tl.div_rn(lo, Q * 1.0), 3.4028234663852886e38)
+    scale = tl.where(big, halves, tl.div_rn(span, Q * 1.0))
     inv = tl.where(scale > 0, tl.div_rn(1.0, tl.where(scale > 0, scale, 1.0)), 0.0)
     if CHUNKED:
         for c in tl.range(0, bucket, BLOCK):
             offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
             x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-            levels = _maxmin_levels(x, lo, inv, offs, valid, ukey, BITS, STOCHASTIC)
+            levels = _maxmin_levels(x, lo, inv, big, offs, valid, ukey, BITS, STOCHASTIC)
             _pack_store(packed_ptr, levels, row, c, bucket, num_buckets, numel, BITS, ROWS, BLOCK)
     else:
-        levels = _maxmin_levels(x, lo, inv, offs, valid, ukey, BITS, STOCHASTIC)
+        levels = _maxmin_levels(x, lo, inv, big, offs, valid, ukey, BITS, STOCHASTIC)
         _pack_store(packed_ptr, levels, row, 0, bucket, num_buckets, numel, BITS, ROWS, BLOCK)
     tl.store(stats_ptr + 2 * row, lo, mask=row_ok)
     tl.store(stats_ptr + 2 * row + 1, scale, mask=row_ok)
@@ -210,15 +222,21 @@ def _maxmin_decode_kernel(
     packed_ptr, stats_ptr, out_ptr, numel, bucket, num_buckets,
     BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """ROWS buckets: ``lo + level * scale`` (no FMA), stored or added into ``out``."""
+    """ROWS buckets: ``lo + level * scale`` (no FMA), stored or added into ``out``; where that
+    overflows with finite stats, ``2 * (lo * 0.5 + level * (scale * 0.5))`` saturated."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < num_buckets
     lo = tl.load(stats_ptr + 2 * row, mask=row_ok, other=0.0)
     scale = tl.load(stats_ptr + 2 * row + 1, mask=row_ok, other=0.0)
+    finite = (tl.abs(lo) < float("inf")) & (tl.abs(scale) < float("inf"))
+    fmax = 3.4028234663852886e38
     for c in tl.range(0, bucket, BLOCK):
         offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
-        levels = _unpack_load(packed_ptr, offs, valid, BITS)
-        val = lo[:, None] + levels.to(tl.float32) * scale[:, None]
+        level = _unpack_load(packed_ptr, offs, valid, BITS).to(tl.float32)
+        val = lo[:, None] + level * scale[:, None]
+        halves = 2.0 * ((lo * 0.5)[:, None] + level * (scale * 0.5)[:, None])
+        halves = tl.where(halves > fmax, fmax, tl.where(halves < -fmax, -fmax, halves))
+        val = tl.where((tl.abs(val) == float("inf")) & finite[:, None], halves, val)
         if ACCUMULATE:
             val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
         tl.store(out_ptr + offs, val, mask=valid)
@@ -243,9 +261,13 @@ def _qsgd_encode_kernel(
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         x64 = x.to(tl.float64)
         total = tl.sum(x64 * x64, axis=1)
-    norm = tl.sqrt(total).to(tl.float32)
+    norm64 = tl.sqrt(total)
+    # a finite norm beyond fp32 is stored as its maximum; s / norm is capped at it too
+    norm64 = tl.where((norm64 > 3.4028234663852886e38) & (norm64 < float("inf")), 3.4028234663852886e38, norm64)
+    norm = norm64.to(tl.float32)
     # torch's `s / norms` is `norms.reciprocal() * s`: two roundings, reproduced as such
     inv = tl.where(norm > 0, tl.div_rn(1.0, tl.where(norm > 0, norm, 1.0)) * (S * 1.0), 0.0)
+    inv = tl.minimum(inv, 3.4028234663852886e38)
     if CHUNKED:
         for c in tl.range(0, bucket, BLOCK):
             offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
@@ -265,12 +287,16 @@ def _qsgd_decode_kernel(
     """ROWS buckets: ``(level * sign) * (norm / s)``, stored or added into ``out``."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     S: tl.constexpr = (1 << (BITS - 1)) - 1
-    step = tl.div_rn(tl.load(norms_ptr + row, mask=row < num_buckets, other=0.0), S * 1.0)
+    norm = tl.load(norms_ptr + row, mask=row < num_buckets, other=0.0)
+    step = tl.div_rn(norm, S * 1.0)
+    # s * (norm / s) may round above the largest fp32: clamp where the norm is finite
+    top = tl.where(tl.abs(norm) < float("inf"), 3.4028234663852886e38, float("inf"))[:, None]
     for c in tl.range(0, bucket, BLOCK):
         offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
         codes = _unpack_load(packed_ptr, offs, valid, BITS)
         sign = 1.0 - 2.0 * (codes >> (BITS - 1)).to(tl.float32)
         val = ((codes & S).to(tl.float32) * sign) * step[:, None]
+        val = tl.where(val > top, top, tl.where(val < -top, -top, val))
         if ACCUMULATE:
             val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
         tl.store(out_ptr + offs, val, mask=valid)

@@ -6,6 +6,7 @@
  * first use by native.py with -ffp-contract=off, so no multiply-add is fused into an FMA and
  * every float operation rounds as torch's do.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -112,9 +113,25 @@ void gz_maxmin_encode(const float *x, int64_t n, int bits, int64_t bucket, int s
         const float *xb = x + start;
         float lo, hi;
         min_max(xb, len, &lo, &hi);
-        const float scale = (hi - lo) / q;
+        const float span = hi - lo;
+        /* a finite range beyond fp32 (both signs near the maximum): work on halves */
+        const int big = isinf(span) && isfinite(lo) && isfinite(hi);
+        float scale = span / q;
+        if (big) {
+            scale = hi / q - lo / q;
+            scale = scale > FLT_MAX ? FLT_MAX : scale;
+        }
         const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-        if (stochastic) {
+        if (big) {
+            const float half_lo = lo * 0.5f, inv2 = inv * 2.0f;
+            for (int64_t i = 0; i < len; i++) {
+                const float v = (xb[i] * 0.5f - half_lo) * inv2;
+                float f = stochastic ? floorf(v + uniform(start + i, key)) : nearbyintf(v);
+                f = f < 0.0f ? 0.0f : f;
+                f = f > q ? q : f;
+                lv[i] = (uint8_t)(int32_t)f;
+            }
+        } else if (stochastic) {
             for (int64_t i = 0; i < len; i++) {
                 float f = floorf((xb[i] - lo) * inv + uniform(start + i, key));
                 f = f < 0.0f ? 0.0f : f;
@@ -148,10 +165,22 @@ void gz_maxmin_decode(const uint8_t *packed, const float *stats, int64_t n, int 
         unpack(packed + packed_offset(start, bits), bits == 8 ? len : round_up8(len), bits, lv);
         const float lo = stats[2 * b], scale = stats[2 * b + 1];
         float *ob = out + start;
-        if (accumulate)
+        /* lo + level * scale cannot overflow unless |lo| + q * scale nears the fp32 maximum */
+        const float q = (float)((1 << bits) - 1);
+        if (isfinite(lo) && isfinite(scale) && !(fabsf(lo) + q * scale < 0x1p126f)) {
+            for (int64_t i = 0; i < len; i++) {
+                float v = lo + (float)lv[i] * scale;
+                if (isinf(v)) { /* a range beyond fp32: halves, saturated */
+                    v = 2.0f * (lo * 0.5f + (float)lv[i] * (scale * 0.5f));
+                    v = v > FLT_MAX ? FLT_MAX : (v < -FLT_MAX ? -FLT_MAX : v);
+                }
+                ob[i] = accumulate ? ob[i] + v : v;
+            }
+        } else if (accumulate) {
             for (int64_t i = 0; i < len; i++) ob[i] += lo + (float)lv[i] * scale;
-        else
+        } else {
             for (int64_t i = 0; i < len; i++) ob[i] = lo + (float)lv[i] * scale;
+        }
     }
 }
 
@@ -164,12 +193,15 @@ void gz_qsgd_encode(const float *x, int64_t n, int bits, int64_t bucket, uint32_
         const int64_t start = b * bucket;
         const int64_t len = n - start < bucket ? n - start : bucket;
         const float *xb = x + start;
-        /* fp32 partial sums, as torch's vector_norm: a bucket is short enough to lose nothing */
-        float total = 0.0f;
+        /* fp64 sum of squares, exact products that cannot overflow or underflow, rounded once;
+         * a finite norm beyond fp32 is stored as its maximum, s / norm is capped at it too */
+        double total = 0.0;
 #pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < len; i++) total += xb[i] * xb[i];
-        const float norm = sqrtf(total);
-        const float inv = norm > 0.0f ? sf / norm : 0.0f;
+        for (int64_t i = 0; i < len; i++) total += (double)xb[i] * (double)xb[i];
+        const double nd = sqrt(total);
+        const float norm = nd > FLT_MAX && !isinf(nd) ? FLT_MAX : (float)nd;
+        float inv = norm > 0.0f ? sf / norm : 0.0f;
+        inv = inv > FLT_MAX ? FLT_MAX : inv;
         for (int64_t i = 0; i < len; i++) {
             float f = floorf(fabsf(xb[i]) * inv + uniform(start + i, key));
             f = f < 0.0f ? 0.0f : f;
@@ -194,9 +226,12 @@ void gz_qsgd_decode(const uint8_t *packed, const float *norms, int64_t n, int bi
         unpack(packed + packed_offset(start, bits), bits == 8 ? len : round_up8(len), bits, lv);
         const float step = norms[b] / (float)s;
         float *ob = out + start;
+        /* s * (norm / s) may round above the largest fp32: clamp where the norm is finite */
+        const float top = isfinite(norms[b]) ? FLT_MAX : INFINITY;
         for (int64_t i = 0; i < len; i++) {
             const float sign = 1.0f - 2.0f * (float)(lv[i] >> (bits - 1));
-            const float v = ((float)(lv[i] & s) * sign) * step;
+            float v = ((float)(lv[i] & s) * sign) * step;
+            v = v > top ? top : (v < -top ? -top : v);
             ob[i] = accumulate ? ob[i] + v : v;
         }
     }

@@ -16,6 +16,8 @@ from .bitpack import pack_bits, unpack_bits
 from .buckets import bucket_view
 from .rng import counter_uniform
 
+FLT_MAX = torch.finfo(torch.float32).max
+
 
 def store(values: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
     """The decoders' ``out``/``accumulate`` contract: ``values``, or ``out`` holding them (added
@@ -44,13 +46,24 @@ def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -
 
     ``scale = (max - min) / (2**bits - 1)``; level ``floor((x - min) / scale + u)`` (``u`` from
     the key) or ``round((x - min) / scale)``, clamped to ``0 .. 2**bits - 1``.
+
+    A finite bucket whose range ``max - min`` exceeds fp32 (values near ±3.4e38 of both signs)
+    works on halves, which cannot overflow: ``scale = max / q - min / q`` (at most the largest
+    fp32, which with ``bits=1`` is below the range: the top level then decodes low) and
+    ``v = (x / 2 - min / 2) · (2 / scale)``.
     """
     buckets = bucket_view(x.float(), bucket)
     lo, hi = torch.aminmax(buckets, dim=1)
     q = (1 << bits) - 1
-    scale = (hi - lo) / q
+    span = hi - lo
+    big = torch.isinf(span) & torch.isfinite(lo) & torch.isfinite(hi)
+    scale = torch.where(big, (hi / q - lo / q).clamp_(max=FLT_MAX), span / q)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    v = (buckets - lo[:, None]) * inv[:, None]
+    v = torch.where(
+        big[:, None],
+        (buckets * 0.5 - (lo * 0.5)[:, None]) * (inv * 2)[:, None],
+        (buckets - lo[:, None]) * inv[:, None],
+    )
     levels = _round(v, key, x.numel()).clamp_(0, q).to(torch.uint8).reshape(-1)[: x.numel()]
     return pack_bits(levels, bits), torch.stack([lo, scale], dim=1).reshape(-1)
 
@@ -59,23 +72,35 @@ def maxmin_decode(
     packed: torch.Tensor, stats: torch.Tensor, bits: int, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """fp32 ``min + level * scale`` for the first ``numel`` values, into ``out`` if given."""
+    """fp32 ``min + level * scale`` for the first ``numel`` values, into ``out`` if given.
+
+    Where that overflows with finite ``min`` and ``scale`` (a range beyond fp32), the value is
+    ``2 · (min / 2 + level · (scale / 2))`` clamped to the fp32 range instead.
+    """
     levels = bucket_view(unpack_bits(packed, bits, numel).float(), bucket)
     stats = stats.view(-1, 2)[: levels.shape[0]]
-    return store((stats[:, :1] + levels * stats[:, 1:]).reshape(-1)[:numel], out, accumulate)
+    lo, scale = stats[:, :1], stats[:, 1:]
+    val = lo + levels * scale
+    halves = (2 * (lo * 0.5 + levels * (scale * 0.5))).clamp_(-FLT_MAX, FLT_MAX)
+    val = torch.where(torch.isinf(val) & torch.isfinite(lo) & torch.isfinite(scale), halves, val)
+    return store(val.reshape(-1)[:numel], out, accumulate)
 
 
 def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Packed codes ``level | negative << (bits-1)`` and per-bucket L2 norms (fp32).
 
     ``level = floor(|x| · s / norm + u)`` clamped to ``0 .. s``, ``s = 2**(bits-1) - 1``.
+    The norm is summed in fp64 (squares of fp32 values neither overflow nor underflow there) and
+    rounded once; a finite norm beyond fp32 is stored as the largest fp32 (its bucket's values
+    are then clamped to it), and ``s / norm`` is capped at the largest fp32 (subnormal norms).
     """
     s = (1 << (bits - 1)) - 1
     buckets = bucket_view(x.float(), bucket)
     if buckets.numel() != x.numel():  # the pad (a fresh copy) repeats a value: zero it for the norm
         buckets.view(-1)[x.numel():] = 0
-    norms = torch.linalg.vector_norm(buckets, dim=1)
-    inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+    norms64 = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64)
+    norms = torch.where(torch.isinf(norms64), norms64, norms64.clamp(max=FLT_MAX)).float()
+    inv = torch.where(norms > 0, s / norms, torch.zeros_like(norms)).clamp_(max=FLT_MAX)
     v = buckets.abs() * inv[:, None]
     levels = _round(v, key, x.numel()).clamp_(0, s).to(torch.uint8)
     signs = (buckets < 0).to(torch.uint8) << (bits - 1)
@@ -86,13 +111,17 @@ def qsgd_decode(
     packed: torch.Tensor, norms: torch.Tensor, bits: int, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """fp32 ``±level · (norm / s)`` for the first ``numel`` values, into ``out`` if given."""
+    """fp32 ``±level · (norm / s)`` for the first ``numel`` values, into ``out`` if given;
+    clamped to the fp32 range where the norm is finite (``s · (norm / s)`` may round above it)."""
     s = (1 << (bits - 1)) - 1
     codes = unpack_bits(packed, bits, numel)
     levels = (codes & s).float()
     signs = 1.0 - 2.0 * (codes >> (bits - 1)).float()
     vals = bucket_view(levels * signs, bucket)
-    return store((vals * (norms[: vals.shape[0]] / s)[:, None]).reshape(-1)[:numel], out, accumulate)
+    norms = norms[: vals.shape[0]]
+    vals = vals * (norms / s)[:, None]
+    vals = torch.where(torch.isfinite(norms)[:, None], vals.clamp(-FLT_MAX, FLT_MAX), vals)
+    return store(vals.reshape(-1)[:numel], out, accumulate)
 
 
 def sign_encode(x: torch.Tensor) -> torch.Tensor:
