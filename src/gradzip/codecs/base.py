@@ -84,7 +84,46 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
+
+
+def raw_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Bytes of ``numel`` values of ``dtype`` as they are: no codec puts more on the wire."""
+    return numel * dtype.itemsize
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``x``'s device: no NaN or ±inf in ``x`` (no host sync).
+
+    A min/max pass: unlike a sum, it cannot overflow on large finite values, and NaN propagates
+    through it.
+    """
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` cast to ``dtype``, finite values beyond its range clamped to its largest finite value.
+
+    A decoded value may land just beyond the range of a 16-bit input dtype (QSGD's levels, natural
+    compression's power of two above 2**15, bf16 rounding of a value near 65504): cast as it is,
+    finite input would come back as ±inf. NaN and ±inf stay as they are.
+    """
+    if y.dtype == dtype:
+        return y
+    if not (dtype.is_floating_point and y.dtype.is_floating_point) or torch.finfo(y.dtype).max <= torch.finfo(dtype).max:
+        return y.to(dtype)
+    if y.dtype not in (torch.float32, torch.float64):
+        y = y.float()  # the bound itself must be exact: 65504 is not a bf16 value
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isinf(y), y, y.clamp(-big, big)).to(dtype)
+
+
+def empty_result(meta: "Meta") -> torch.Tensor:
+    """The decode of a tensor without elements."""
+    return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
 class Codec:
@@ -102,9 +141,17 @@ class Codec:
     # what the ranks sent: False for sparsifiers (the union of W selections would be cut back to
     # one selection) and for threshold quantizers (an average lies inside the threshold)
     reencodable: ClassVar[bool] = True
+    # fixed-size codecs: when the format of a (numel, dtype) would take more bytes than the raw
+    # tensor, send the tensor raw instead (a choice every rank makes alike, so payloads keep one
+    # size); False where the codec has a dense format of its own. Codecs whose size depends on
+    # the data must keep within the raw size by themselves.
+    raw_fallback: ClassVar[bool] = True
     # per-tensor state kept across steps (PowerSGD's Q, Signum's momentum, ...): the key under
     # which state_dict() saves it; the codec holds it in the dict attribute ``_<key>``
     tensor_state: ClassVar[str] = ""
+    # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
+    # also agree on which kernels run (compared at registration)
+    kernels_bit_exact: ClassVar[bool] = True
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
@@ -143,14 +190,22 @@ class Codec:
         meta = Meta(t.shape, t.dtype, t.device, name, step)
         if t.numel() == 0:
             return Payload([], meta)
+        if self._raw(t.numel(), t.dtype):
+            return Payload([t.reshape(-1)], meta)
         return Payload(self._encode(t.reshape(-1), meta), meta)
 
     def decode(self, payload: Payload) -> torch.Tensor:
-        """Decode a payload (this rank's or another rank's) to a tensor of the original shape/dtype."""
+        """Decode a payload (this rank's or another rank's) to a tensor of the original shape/dtype.
+
+        Finite values come back finite: decoded values beyond the range of a 16-bit dtype are
+        clamped to its largest finite value (see :func:`saturate`).
+        """
         meta = payload.ctx
         if meta.numel == 0:
-            return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
-        return self._decode(payload.tensors, meta).reshape(meta.shape).to(meta.dtype)
+            return empty_result(meta)
+        if self._raw(meta.numel, meta.dtype):
+            return payload.tensors[0].reshape(meta.shape)
+        return saturate(self._decode(payload.tensors, meta).reshape(meta.shape), meta.dtype)
 
     def decode_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
         """Decode the first ``out.numel()`` values of a payload into the flat ``out`` (or add them).
@@ -163,15 +218,26 @@ class Codec:
             raise ValueError(f"out has {out.numel()} values, the payload only {payload.ctx.numel}")
         if out.numel() == 0:
             return out
-        return self._decode_into(payload.tensors, payload.ctx, out, accumulate)
+        meta = payload.ctx
+        if self._raw(meta.numel, meta.dtype):
+            return store_into(payload.tensors[0][: out.numel()], out, accumulate)
+        if out.dtype.is_floating_point and torch.finfo(out.dtype).max < torch.finfo(torch.float32).max:
+            # a 16-bit destination: decode in fp32, then saturate as decode() does
+            tmp = self._decode_into(payload.tensors, meta, torch.empty(out.numel(), dtype=torch.float32, device=out.device), False)
+            if accumulate:
+                tmp = tmp.add_(out.reshape(-1))
+            return store_into(saturate(tmp, out.dtype), out, False)
+        return self._decode_into(payload.tensors, meta, out, accumulate)
 
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         """Combine every rank's payload (in rank order) into the averaged gradient."""
         meta = payloads[0].ctx
+        if meta.numel == 0:
+            return empty_result(meta)
         total = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
         for i, p in enumerate(payloads):
             self.decode_into(p, total, accumulate=i > 0)
-        return total.div_(len(payloads)).reshape(meta.shape).to(meta.dtype)
+        return saturate(total.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
@@ -181,11 +247,14 @@ class Codec:
         """Bytes one rank puts on the wire for a tensor of ``numel`` elements (before encoding).
 
         ``shape`` matters only to codecs that factor matrices (PowerSGD). For codecs whose
-        payload size depends on the data (``fixed_size`` false) it is an upper bound.
+        payload size depends on the data (``fixed_size`` false) it is an upper bound. No codec of
+        gradzip exceeds the raw size ``numel * element_size(dtype)``: a fixed-size format that
+        would is replaced by the raw tensor (``raw_fallback``), and the data-dependent ones fall
+        back to a dense format of their own (their ``_wire_bytes`` is at most the raw size).
         """
         if numel == 0:
             return 0
-        return self._wire_bytes(numel, dtype)
+        return raw_bytes(numel, dtype) if self._raw(numel, dtype) else self._wire_bytes(numel, dtype)
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"calls": dict(self._calls)}
@@ -209,7 +278,15 @@ class Codec:
         return store_into(self._decode(tensors, meta).reshape(-1)[: out.numel()], out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes of this codec's own format (an upper bound if the size depends on the data)."""
         raise NotImplementedError
+
+    def _raw(self, numel: int, dtype: torch.dtype) -> bool:
+        """Whether a tensor of ``numel`` values of ``dtype`` goes on the wire raw: a fixed-size
+        codec whose format would be larger (decided by size alone, so alike on every rank)."""
+        return (
+            self.raw_fallback and self.fixed_size and self._wire_bytes(numel, dtype) > raw_bytes(numel, dtype)
+        )
 
     def _key(self) -> int:
         """A fresh 32-bit key for this rank's counter-based stochastic rounding."""

@@ -75,8 +75,10 @@ class CLOneBit(cl.CompLLCodec):
     def compress(self, x, ctx):
         size = self._size(x.numel())
         neg, nonneg = cl.map(lambda v: v < 0, x), cl.map(lambda v: v >= 0, x)
-        mean_neg = cl.reduce(x.clamp(max=0), "sum", size) / cl.reduce(neg.long(), "sum", size).clamp_min(1)
-        mean_pos = cl.reduce(x.clamp(min=0), "sum", size) / cl.reduce(nonneg.long(), "sum", size).clamp_min(1)
+        # fp64 sums, as onebit: values near the fp32 maximum must not overflow them
+        mean_neg = cl.reduce(x.clamp(max=0).double(), "sum", size) / cl.reduce(neg.long(), "sum", size).clamp_min(1)
+        mean_pos = cl.reduce(x.clamp(min=0).double(), "sum", size) / cl.reduce(nonneg.long(), "sum", size).clamp_min(1)
+        mean_neg, mean_pos = mean_neg.float(), mean_pos.float()
         return [cl.pack(nonneg.to(torch.uint8), 1), torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
 
     def decompress(self, wire, ctx):

@@ -7,19 +7,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import shared_generator
-from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in
+from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in
 from .registry import register_codec
 
 
-def orthogonalize(p: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Orthonormalise the columns of ``p`` in place (modified Gram-Schmidt; NaN propagates)."""
-    for i in range(p.shape[1]):
-        col = p[:, i : i + 1]
-        col /= torch.linalg.vector_norm(col) + eps
-        if i + 1 < p.shape[1]:
-            rest = p[:, i + 1 :]
-            rest -= col @ (col.T @ rest)
-    return p
+def orthogonalize(p: torch.Tensor) -> torch.Tensor:
+    """An ``n × r`` matrix whose orthonormal columns span the columns of ``p`` (``r ≤ n``).
+
+    The Q factor of a reduced Householder QR: orthonormal even when ``p`` is rank-deficient or
+    zero (the missing directions are filled with other unit vectors, so ``Q Qᵀ`` stays a
+    projection onto a space holding ``p``'s columns), deterministic for a given input (every
+    rank orthonormalises the same all-reduced ``p``), and finite for finite input. Non-finite
+    input gives an all-NaN result, so a NaN/Inf step stays visible.
+    """
+    q = torch.linalg.qr(p, mode="reduced").Q
+    return torch.where(all_finite(p), q, torch.full_like(q, float("nan")))
 
 
 @register_codec
@@ -29,9 +31,19 @@ class PowerSGD(Codec):
     A gradient of shape ``(n, ...)`` is viewed as an ``n × m`` matrix M and approximated by
     ``P Qᵀ`` with one power-iteration step in two all-reduce rounds: ``P = M Q`` is summed and
     orthonormalised, then ``Q = Mᵀ P`` is summed. Q is warm-started from the previous step (per
-    tensor name), and the first Q comes from a generator shared by all ranks. Tensors with fewer
-    than two dimensions, or where ``(n + m) r`` would not be smaller than ``n m``, pass through
-    uncompressed. Biased: use it with error feedback (``memory="residual"``, the default).
+    tensor name), and the first Q comes from a generator shared by all ranks; Q is
+    orthonormalised before use (the same column span, so the same approximation), which keeps
+    ``P`` at the scale of ``M`` rather than of ``M²``. ``P`` is orthonormalised by a QR
+    factorisation, so a rank-deficient ``M`` (rank below r, a constant or zero matrix) comes
+    back exactly and the result is always a projection of ``M``: its error is never larger
+    than ``M``. Tensors with fewer than two dimensions, or where the factors would not be
+    smaller than the tensor (``(n + m) r ≥ n m``, or ``4 (n + m) r`` bytes above the raw size of
+    a 16-bit input), pass through uncompressed. Biased: use it with error feedback
+    (``memory="residual"``, the default).
+
+    The factors are fp32 sums of ``m`` (or ``n``) products: entries above about
+    ``3.4e38 / max(n, m)`` can overflow them, and the step is then non-finite like one with a
+    NaN input. A 16-bit input is decoded with its finite range saturated (:func:`saturate`).
 
     Options: ``rank`` (default 2), ``warm_start`` (default True), ``seed``.
     Wire: ``(n + m) · rank · 4`` bytes over two rounds. Collective: ``allreduce``.
@@ -43,6 +55,7 @@ class PowerSGD(Codec):
     collectives = ("allreduce",)
     default_memory = "residual"
     summable = True
+    raw_fallback = False  # passes small matrices through itself (``_matrix``)
     tensor_state = "q"
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),
@@ -54,31 +67,35 @@ class PowerSGD(Codec):
         super().__init__(**opts)
         self._q: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
 
-    def _matrix(self, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+    def _matrix(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[int, int, int]]:
         """(n, m, r) when compressing ``shape`` pays off, else None."""
         if len(shape) < 2:
             return None
         n = shape[0]
         m = math.prod(shape[1:])
         r = min(self.rank, n, m)
-        if (n + m) * r >= n * m:
+        if (n + m) * r >= n * m or (n + m) * r * 4 > n * m * element_size(dtype):
             return None
         return n, m, r
 
-    def _initial_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
-        q = self._q.get(meta.name)
-        if self.warm_start and q is not None and q.shape == (m, r):
-            return q.to(meta.device)
+    def _random_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
         gen = shared_generator(self.seed, 0, meta.name, meta.device)
         return torch.randn(m, r, generator=gen, device=meta.device)
 
+    def _initial_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
+        """This step's Q, orthonormal: last step's (warm start) or the shared random one."""
+        q = self._q.get(meta.name)
+        if not (self.warm_start and q is not None and q.shape == (m, r)):
+            return orthogonalize(self._random_q(meta, m, r))
+        return orthogonalize(q.to(meta.device))
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        dims = self._matrix(tuple(meta.shape))
+        dims = self._matrix(tuple(meta.shape), meta.dtype)
         if dims is None:
             meta.extra["round"] = 0
             return [x]
         n, m, r = dims
-        mat = x.float().view(n, m)
+        mat = x.float().view(n, m).contiguous()  # BLAS rounds by layout: one layout on every rank
         meta.extra.update(round=1, M=mat)
         return [mat @ self._initial_q(meta, m, r)]
 
@@ -93,7 +110,7 @@ class PowerSGD(Codec):
             # not become the next warm start, or every later step would be NaN too
             q = reduced[0]
             fallback = self._initial_q(meta, *q.shape)
-            self._q[meta.name] = torch.where(torch.isfinite(q.sum()), q, fallback)
+            self._q[meta.name] = torch.where(all_finite(q), q, fallback)
         return None
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
@@ -109,7 +126,7 @@ class PowerSGD(Codec):
         """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D)."""
         if numel == 0:
             return 0
-        dims = self._matrix(tuple(shape) if shape is not None else (numel,))
+        dims = self._matrix(tuple(shape) if shape is not None else (numel,), dtype)
         if dims is None:
             return numel * element_size(dtype)
         n, m, r = dims

@@ -7,12 +7,16 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
-from .base import SEED, Codec, Meta, Option, element_size, float_in, int_in, one_of
+from .base import SEED, Codec, Meta, Option, element_size, float_in, int_in, one_of, saturate
 from .registry import register_codec
 
 
 class _Cast(Codec):
-    """Send the gradient as another floating-point type; payloads sum directly."""
+    """Send the gradient as another floating-point type; payloads sum directly.
+
+    Finite values beyond the wire type's range are sent as its largest finite value (of their
+    sign), so finite input never comes back as ±inf; NaN and ±inf are sent as they are.
+    """
 
     family = "cast"
     collectives = ("allreduce", "allgather")
@@ -23,7 +27,7 @@ class _Cast(Codec):
         return self.wire_dtype or dtype
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [x.to(self._wdtype(x.dtype))]
+        return [saturate(x, self._wdtype(x.dtype))]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return tensors[0]
@@ -44,8 +48,9 @@ class NoCompression(_Cast):
 class FP16(_Cast):
     """Half precision (IEEE fp16) on the wire: 2 bytes per element.
 
-    As in GRACE (Xu et al., ICDCS'21) and PyTorch's ``fp16_compress_hook``. Values beyond
-    ±65504 overflow to ±inf; the collective averages before summing to keep sums in range.
+    As in GRACE (Xu et al., ICDCS'21) and PyTorch's ``fp16_compress_hook``. Finite values
+    beyond ±65504 are sent as ±65504 (saturated, not ±inf); the collective averages before
+    summing to keep sums in range.
     """
 
     name = "fp16"
@@ -55,7 +60,11 @@ class FP16(_Cast):
 
 @register_codec
 class BF16(_Cast):
-    """bfloat16 on the wire: 2 bytes per element, fp32's range with 8 bits of mantissa."""
+    """bfloat16 on the wire: 2 bytes per element, fp32's range with 8 bits of mantissa.
+
+    Finite values that round beyond bf16's largest value (fp32 above about 3.39e38) are sent as
+    that value; an fp16 input near 65504 may round to 65536 in bf16 and decodes to 65504.
+    """
 
     name = "bf16"
     paper = "Kalamkar et al., A Study of BFLOAT16 for Deep Learning Training, 2019"
@@ -120,6 +129,7 @@ class QSGD(Codec):
 
     name = "qsgd"
     family = "quantization"
+    kernels_bit_exact = False  # the norm's summation order differs between kernel versions
     paper = "Alistarh et al., QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding, NeurIPS'17"
     collectives = ("allgather", "sra")
     stochastic = True
@@ -208,6 +218,7 @@ class TernGrad(Codec):
 
 
 # ================================================================= natural compression
+_FLT_MAX = torch.finfo(torch.float32).max
 _MAG = 0x7FFFFFFF  # fp32 bits without the sign
 _INF = 0x7F800000  # fp32 bits of +inf
 _MANT = 1 << 23  # one unit of the fp32 exponent field
@@ -223,8 +234,10 @@ class Natural(Codec):
     power of two bracketing ``|x|`` (powers of two themselves are kept exactly), the relative
     error is below 1 and the variance at most ``x**2 / 8``. The rounding works on the fp32 bits:
     a uniform 23-bit integer added to the magnitude bits carries into the exponent field with
-    probability exactly mantissa / 2**23. (fp16 input above 2**15 may round up to 2**16, which
-    fp16 cannot hold: it comes back as inf.)
+    probability exactly mantissa / 2**23. At the top of a range the rounding saturates and is
+    no longer unbiased: fp16 input above 2**15 may round up to 2**16, which fp16 cannot hold,
+    and fp32 input above 2**127 to 2**128: such a value decodes to the largest finite value of
+    its dtype (65504, 3.4028235e38). NaN and ±inf decode to ±inf (the header is then 256).
 
     Wire: 1 byte per element plus a 4-byte header (8.00003 bits/element for 1 M elements). The
     header is the int32 ``T``, the biased fp32 exponent of ``max|x|`` rounded up, so every value
@@ -250,7 +263,10 @@ class Natural(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         bits = x.float().contiguous().view(torch.int32)
         mag = (bits & _MAG).clamp_(max=_INF)  # NaN is sent as inf (the collective flags it)
-        top = ((mag.amax() + (_MANT - 1)) >> 23).reshape(1)  # biased exponent of max|x|, rounded up
+        largest = mag.amax()
+        # biased exponent of max|x|, rounded up; 256 (one past inf's) when a value is non-finite,
+        # so the decoder tells 2**128 (a finite value rounded up: saturates) from inf
+        top = ((largest + (_MANT - 1)) >> 23).add_((largest >= _INF).to(torch.int32)).reshape(1)
         first = top - (self._CODES - 1)  # biased exponent of code 1
         gen = self._generator(x.device)
         rand = torch.randint(0, _MANT, mag.shape, generator=gen, device=x.device, dtype=torch.int32)
@@ -270,6 +286,8 @@ class Natural(Codec):
         byte = torch.arange(256, device=codes.device, dtype=torch.int32)
         code = byte & self._CODES
         field = (code + (top - self._CODES)).clamp(0, 255) << 23
+        # finite input (top <= 255): 2**128 does not exist in fp32, the largest fp32 stands in
+        field = torch.minimum(field, torch.where(top <= 255, _INF - 1, _INF).to(torch.int32))
         bits = torch.where(code > 0, field, 0) | ((byte >> 7) << 31)
         return torch.index_select(bits.view(torch.float32), 0, codes.to(torch.int32))
 
@@ -375,7 +393,8 @@ class U8bit(Codec):
         _, mids, lut = _u8_tables(x.device)
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
         scale = buckets.abs().amax(dim=1)
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        # a subnormal scale has no fp32 reciprocal: the largest fp32 keeps 0 · inv at 0, not NaN
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=_FLT_MAX)
         v = (buckets * inv[:, None]).reshape(-1)[:n].contiguous()
         key = (v.view(torch.int32) >> 16) & 0xFFFF
         first = torch.index_select(lut, 0, key)
@@ -438,7 +457,10 @@ class Inceptionn(Codec):
     Wire (data-dependent size, ``fixed_size = False``): the packed tags (2 bits/element), then
     one uint8 stream holding each element's 0/1/2/raw-width bytes in element order (the low
     bytes of an int32 word in native byte order, little-endian on every supported platform).
-    ``wire_bytes`` is the upper bound ``n/4 + 4n`` (``n/4 + 2n`` for 16-bit input); on 1 M
+    Where that would exceed the raw values (mostly raw tags, or 16-bit input whose 2-bit tags
+    cost more than the bytes they save), the payload is the dense form instead: an empty tag
+    tensor and the stream holding every raw value (exact), which the decoder recognises by the
+    empty tags. ``wire_bytes`` is the upper bound ``4n`` (``2n`` for 16-bit input); on 1 M
     ``randn`` values (80 % in tag 2) a payload is about 16.4 bits/element, on gradient-sized
     values (``|x| ≲ b``) a few bits. Sizing the stream is the encoder's one implicit device →
     host wait (``nonzero``), inherent to a data-dependent size; decoding has none.
@@ -459,6 +481,7 @@ class Inceptionn(Codec):
     collectives = ("allgather",)
     default_memory = "residual"
     fixed_size = False
+    raw_fallback = False  # a dense form of its own (see the docstring)
     options = {
         "error_bound": Option(2.0**-10, float_in(1e-30, 1e30), "a float in [1e-30, 1e30]", "absolute error bound"),
     }
@@ -491,8 +514,13 @@ class Inceptionn(Codec):
         else:
             raw = xf.contiguous().view(torch.int32)
         word = torch.where(tag == 3, raw, fixed)
-        keep = torch.index_select(_inc_tables(self._raw_bytes(x.dtype), x.device)[2], 0, tag.to(torch.int32))
+        width = self._raw_bytes(x.dtype)
+        keep = torch.index_select(_inc_tables(width, x.device)[2], 0, tag.to(torch.int32))
         kept = keep.view(-1).nonzero().view(-1)  # the stream's length depends on the data
+        if packed_bytes(x.numel(), 2) + kept.numel() > x.numel() * width:
+            # the dense form: no tags, every raw value (exact; recognised by the empty tags)
+            dense = x if x.dtype in _SHORT else xf
+            return [tag.new_empty(0), dense.contiguous().view(torch.uint8)]
         stream = torch.index_select(word.view(torch.uint8), 0, kept)
         return [pack_bits(tag, 2), stream]
 
@@ -500,6 +528,8 @@ class Inceptionn(Codec):
         packed, stream = tensors
         n = meta.numel
         width = self._raw_bytes(meta.dtype)
+        if packed.numel() == 0:  # the dense form
+            return stream.view(meta.dtype if meta.dtype in _SHORT else torch.float32).float()
         lengths, masks, _ = _inc_tables(width, packed.device)
         tag = unpack_bits(packed, 2, n)
         length = torch.index_select(lengths, 0, tag.to(torch.int32))
@@ -522,7 +552,7 @@ class Inceptionn(Codec):
         return torch.where(tag == 3, raw, val)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return packed_bytes(numel, 2) + numel * self._raw_bytes(dtype)
+        return numel * self._raw_bytes(dtype)  # the dense form whenever the tagged one is larger
 
 
 # ================================================================================== TBQ

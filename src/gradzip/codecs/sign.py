@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
-from .base import Codec, Meta, Option, Payload, int_in
+from .base import Codec, Meta, Option, Payload, all_finite, empty_result, int_in
 from .registry import register_codec
 
 
@@ -38,6 +38,8 @@ class SignSGD(Codec):
 
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         meta = payloads[0].ctx
+        if meta.numel == 0:
+            return empty_result(meta)
         votes = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
         for i, p in enumerate(payloads):
             fused.sign_decode(p.tensors[0], meta.numel, out=votes, accumulate=i > 0)
@@ -51,8 +53,8 @@ class SignSGD(Codec):
 class EFSignSGD(Codec):
     """EF-signSGD (Karimireddy et al., Error Feedback Fixes SignSGD, ICML'19).
 
-    Sends the sign bits plus one fp32 scale ``||x||_1 / numel`` so the decoded value
-    ``scale * sign(x)`` keeps the gradient's magnitude; the error-feedback memory (default
+    Sends the sign bits plus one fp32 scale ``||x||_1 / numel`` (summed in fp64, so it cannot
+    overflow) so the decoded value ``scale * sign(x)`` keeps the gradient's magnitude; the error-feedback memory (default
     ``efsign``) carries the difference into the next step. Decoded payloads are averaged.
     Collective: ``allgather``.
     """
@@ -64,9 +66,9 @@ class EFSignSGD(Codec):
     default_memory = "efsign"
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        # the L1 norm in one pass: no |x| temporary
-        xf = x if x.dtype == torch.float32 else x.float()  # fp16 sums would overflow
-        scale = (torch.linalg.vector_norm(xf, 1) / x.numel()).reshape(1)
+        # the L1 norm in one pass, no |x| temporary, summed in fp64: an fp32 sum of values near
+        # the fp32 maximum would overflow, while the mean itself never exceeds max |x|
+        scale = (torch.linalg.vector_norm(x, 1, dtype=torch.float64) / x.numel()).float().reshape(1)
         return [fused.sign_encode(x), scale]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
@@ -92,7 +94,7 @@ class OneBit(Codec):
 
     Each element becomes one bit, its sign (zero counts as non-negative). Per bucket the payload
     also carries two fp32 reconstruction values: the mean of the bucket's negative values and
-    the mean of its non-negative values; decoding maps each bit back to its bucket's mean. The
+    the mean of its non-negative values (summed in fp64, so they cannot overflow); decoding maps each bit back to its bucket's mean. The
     paper reconstructs per column of a weight matrix; here the unit is the whole tensor
     (``bucket_size=0``, the default, as in GRACE's ``onebit``) or flat buckets of
     ``bucket_size`` elements. The quantisation error must be fed back: the default memory is
@@ -128,9 +130,10 @@ class OneBit(Codec):
         count_neg = size - count_pos
         if pad:
             count_pos[-1] -= pad
-        # clamp, not a boolean select: exact sums of each side, and far faster on CPU
-        mean_neg = xb.clamp(max=0).sum(dim=1) / count_neg.clamp_min(1)
-        mean_pos = xb.clamp(min=0).sum(dim=1) / count_pos.clamp_min(1)
+        # clamp, not a boolean select: exact sums of each side, and far faster on CPU; summed in
+        # fp64, where values near the fp32 maximum cannot overflow (a mean never exceeds them)
+        mean_neg = (xb.clamp(max=0).double().sum(dim=1) / count_neg.clamp_min(1)).float()
+        mean_pos = (xb.clamp(min=0).double().sum(dim=1) / count_pos.clamp_min(1)).float()
         bits = pack_bits(nonneg.reshape(-1)[:n].to(torch.uint8), 1)
         return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
 
@@ -185,7 +188,7 @@ class Signum(SignSGD):
         elif old.device != g.device:
             old = old.to(g.device)
         m = torch.add(old * self.momentum, g, alpha=1.0 - self.momentum)
-        finite = torch.isfinite(g.sum())  # 0-dim, on device: a NaN/Inf step keeps the old momentum
+        finite = all_finite(g)  # 0-dim, on device: a NaN/Inf step keeps the old momentum
         self._momentum[meta.name] = torch.where(finite, m, old)
         return [fused.sign_encode(m)]
 

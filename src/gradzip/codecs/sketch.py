@@ -7,7 +7,7 @@ from typing import Any, List
 import torch
 
 from ..kernels import pack_bits, packed_bytes, unpack_bits
-from .base import Codec, Meta, Option, float_in, int_in
+from .base import Codec, Meta, Option, float_in, int_in, raw_bytes, saturate
 from .registry import register_codec
 from .sparse import _k
 
@@ -126,6 +126,12 @@ class SketchML(Codec):
     gaps), and choosing the width reads one scalar on the host. Dense mode (``ratio = 1``, the
     default) has a fixed size and no host sync.
 
+    No payload exceeds the raw tensor: in dense mode a tensor whose codes and table would (fewer
+    than about 340 fp32 or 680 fp16 values with 256 buckets) is sent raw, exactly (a choice by
+    size alone, the same on every rank); in sparse mode a payload that would is replaced by
+    its dense form, the same four tensors with the first three empty and the decoded values
+    (input dtype) as the bytes of the fourth, which the decoder recognises by the empty index.
+
     Options: ``buckets`` (2..256, default 256), ``ratio`` (0 < ratio <= 1, default 1.0 = dense).
     Wire: dense ``[codes (packed uint8), means (fp32, nb)]`` with ``nb = min(buckets, numel)``;
     sparse ``[codes, means, first index (int32, 1), gaps (uint8 bytes, (k-1)·width)]``.
@@ -165,13 +171,25 @@ class SketchML(Codec):
         idx = idx.sort().values
         out = _quantize(x[idx], _num_buckets(k, self.buckets))
         gaps = idx.diff() - 1
-        return out + [idx[:1].to(torch.int32), _encode_gaps(gaps)]
+        out += [idx[:1].to(torch.int32), _encode_gaps(gaps)]
+        if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, x.dtype):
+            # the dense form: the decoded values as the bytes of the last tensor, the rest empty
+            values = torch.zeros(n, dtype=x.dtype, device=x.device)
+            values.index_copy_(0, idx, saturate(_dequantize(out[0], out[1], k), x.dtype))
+            return [t.new_empty(0) for t in out[:3]] + [values.view(torch.uint8)]
+        return out
+
+    def _raw(self, numel: int, dtype: torch.dtype) -> bool:
+        # by size alone in dense mode (fixed size even when ratio < 1); sparse: the dense form
+        return not self._sparse(numel) and self._wire_bytes(numel, dtype) > raw_bytes(numel, dtype)
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         n = meta.numel
         if not self._sparse(n):
             return _dequantize(tensors[0], tensors[1], n)
         packed, means, first, raw = tensors
+        if first.numel() == 0:  # the dense form
+            return raw.view(meta.dtype)
         k = _k(n, self.ratio)
         values = _dequantize(packed, means, k)
         steps = _decode_gaps(raw, k - 1).add_(1)
@@ -184,4 +202,5 @@ class SketchML(Codec):
         wire = packed_bytes(count, _index_bits(nb)) + 4 * nb
         if count < numel:
             wire += 4 + 4 * (count - 1)  # first index and the widest gaps: an upper bound
+            wire = min(wire, raw_bytes(numel, dtype))  # else the dense form
         return wire

@@ -13,6 +13,12 @@ Four kinds of selection, from exact to adaptive:
 The data-dependent ones declare ``fixed_size = False``: the all-gather collective then exchanges
 payload lengths first. They find their indices with ``torch.nonzero``, which on CUDA waits for
 the device once (the output size must be known); there is no other host sync.
+
+No payload is larger than the raw tensor: where values and indices would be (a dense selection,
+a tiny tensor), the same two tensors carry the selected values densely instead — every value in
+the input dtype, zeros where none was selected, and no indices. The decoder tells the formats
+apart by the lengths alone (``len(indices) == 0`` and ``len(values) == numel``), so each rank may
+pick its own, and the all-gather keeps the tensor count and dtypes it expects.
 """
 from __future__ import annotations
 
@@ -22,7 +28,20 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
-from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in
+from .base import (
+    SEED,
+    Codec,
+    Meta,
+    Option,
+    Payload,
+    all_finite,
+    element_size,
+    empty_result,
+    float_in,
+    int_in,
+    raw_bytes,
+    saturate,
+)
 from .registry import register_codec
 
 RATIO = Option(0.01, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of values sent")
@@ -41,23 +60,46 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int) -> torch.Tenso
     return out.index_copy_(0, idx.long(), values)
 
 
+def _is_dense(values: torch.Tensor, idx: torch.Tensor, numel: int) -> bool:
+    """Whether a ``[values, indices]`` payload holds every value densely (no indices)."""
+    return idx.numel() == 0 and values.numel() == numel
+
+
 class _ValuesIndices(Codec):
-    """Payload ``[values (input dtype), int32 indices]``; decodes by scattering, aggregates by a
-    scatter-add of every rank's payload in rank order (the same float sums on every rank)."""
+    """Payload ``[values (input dtype), int32 indices]``, or the dense form of the same selection
+    where that is smaller; decodes by scattering, aggregates by a scatter-add of every rank's
+    payload in rank order (the same float sums on every rank)."""
 
     reencodable = False  # re-selecting from the union of W selections would drop most of it
+    raw_fallback = False  # the dense form of the selection instead (see the module docstring)
+
+    @staticmethod
+    def _payload(x: torch.Tensor, idx: torch.Tensor) -> List[torch.Tensor]:
+        """``[x[idx], int32 idx]``, or ``[x with zeros off idx, no indices]`` where that is smaller."""
+        n, m, size = x.numel(), idx.numel(), x.element_size()
+        if m * (size + 4) <= n * size:
+            return [x[idx], idx.to(torch.int32)]
+        dense = x if m == n else torch.zeros_like(x).index_copy_(0, idx, x[idx])
+        return [dense, idx.new_empty(0, dtype=torch.int32)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values, idx = tensors
+        if _is_dense(values, idx, meta.numel):
+            return values
         return _scatter(values, idx, meta.numel)
 
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         meta = payloads[0].ctx
+        if meta.numel == 0:
+            return empty_result(meta)
         out = torch.zeros(meta.numel, dtype=torch.float32, device=meta.device)
         for p in payloads:  # rank order: the same float sums on every rank
             values, idx = p.tensors
-            out.index_add_(0, idx.long(), values.float())
-        return out.div_(len(payloads)).reshape(meta.shape).to(meta.dtype)
+            if _is_dense(values, idx, meta.numel):
+                out.add_(values.float())
+            else:
+                out.index_add_(0, idx.long(), values.float())
+        return saturate(out.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
 
 @register_codec
@@ -69,7 +111,9 @@ class TopK(_ValuesIndices):
     default), which keeps what was not sent for later steps. Payloads have different indices on
     every rank, so they are all-gathered and scattered into one dense sum.
 
-    Options: ``ratio`` (default 0.01). Wire: ``k * (value bytes + 4)``.
+    Options: ``ratio`` (default 0.01). Wire: ``k * (value bytes + 4)``, or the raw size where
+    that is smaller (the dense form: ``k`` close to ``numel``, or a tiny tensor; it depends
+    only on ``numel`` and the dtype, so the payload size stays fixed).
     """
 
     name = "topk"
@@ -80,11 +124,11 @@ class TopK(_ValuesIndices):
     options = {"ratio": RATIO}
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        values, idx = fused.topk(x, _k(x.numel(), self.ratio))
-        return [values, idx.to(torch.int32)]
+        _, idx = fused.topk(x, _k(x.numel(), self.ratio))
+        return self._payload(x, idx)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return _k(numel, self.ratio) * (element_size(dtype) + 4)
+        return min(_k(numel, self.ratio) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
 
 
 @register_codec
@@ -94,8 +138,9 @@ class RandomK(Codec):
     Sends ``k = ceil(ratio * numel)`` values at indices drawn (uniformly, with replacement) from a
     generator seeded by (seed, step, tensor name). Every rank draws the same indices, so only the
     values travel and they are summed by a plain all-reduce. Biased unless ``scale=True``
-    (each drawn value counts ``numel / k`` times, which makes the estimate exactly unbiased);
-    the default error feedback keeps what was not sent.
+    (each drawn value counts ``numel / k`` times, which makes the estimate exactly unbiased,
+    except that a value whose multiple exceeds the dtype's range is decoded as its largest
+    finite value); the default error feedback keeps what was not sent.
 
     Options: ``ratio`` (default 0.01), ``seed``, ``scale`` (default False).
     """
@@ -128,7 +173,10 @@ class RandomK(Codec):
         values = tensors[0]
         out = torch.zeros(meta.numel, dtype=values.dtype, device=values.device)
         if self.scale:  # each draw adds x_j * n/k: exactly unbiased, duplicates included
-            return out.index_add_(0, self._indices(meta), values, alpha=meta.numel / values.numel())
+            # in fp64, then saturated: x_j * n/k may exceed the range of the dtype
+            wide = torch.zeros(meta.numel, dtype=torch.float64, device=values.device)
+            wide.index_add_(0, self._indices(meta), values.double(), alpha=meta.numel / values.numel())
+            return saturate(wide, values.dtype)
         return out.index_copy_(0, self._indices(meta), values)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -150,7 +198,8 @@ def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen
 
 
 def _upper_bound(numel: int, dtype: torch.dtype) -> int:
-    return numel * (element_size(dtype) + 4)
+    """Every value with its index, or the dense form where that is smaller: the raw size."""
+    return min(numel * (element_size(dtype) + 4), raw_bytes(numel, dtype))
 
 
 @register_codec
@@ -165,9 +214,10 @@ class Threshold(_ValuesIndices):
     waits in the error-feedback memory (default ``residual``) until it grows past the threshold.
 
     Options: ``threshold`` (default 0.01, ≥ 0). Wire: ``m · (value bytes + 4)`` for the ``m``
-    values that pass, data-dependent (``fixed_size = False``); ``wire_bytes`` is the upper bound
-    ``numel · (value bytes + 4)``, which exceeds the raw size when nearly everything passes.
-    Collective: ``allgather`` (scatter-added).
+    values that pass, data-dependent (``fixed_size = False``), or the raw size when that is
+    smaller (the dense form, when more than ``value bytes / (value bytes + 4)`` of the values
+    pass); ``wire_bytes`` is the upper bound, the raw size. Collective: ``allgather``
+    (scatter-added).
     """
 
     name = "threshold"
@@ -185,7 +235,7 @@ class Threshold(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         idx = torch.nonzero(x.float().abs() >= self.threshold).reshape(-1)  # CUDA: one device wait
-        return [x[idx], idx.to(torch.int32)]
+        return self._payload(x, idx)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -213,7 +263,8 @@ class DGC(_ValuesIndices):
 
     Options: ``ratio`` (default 0.001, the paper's 99.9 % sparsity), ``sample_ratio`` (default
     0.01), ``seed``. Wire: ``m · (value bytes + 4)`` for the ``m ≤ 2k`` values sent
-    (``fixed_size = False``; ``wire_bytes`` gives the bound ``min(numel, 2k) · (value bytes + 4)``).
+    (``fixed_size = False``), or the raw size where that is smaller (the dense form);
+    ``wire_bytes`` gives the bound ``min(numel, 2k) · (value bytes + 4)``, at most the raw size.
     Collective: ``allgather`` (scatter-added).
     """
 
@@ -237,10 +288,10 @@ class DGC(_ValuesIndices):
         k = _k(mag.numel(), self.ratio)
         if idx.numel() > 2 * k:  # the size is known on the host once nonzero has returned
             idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
-        return [x[idx], idx.to(torch.int32)]
+        return self._payload(x, idx)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4)
+        return min(min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
 
 
 @register_codec
@@ -257,7 +308,8 @@ class GradDrop(_ValuesIndices):
 
     Options: ``ratio`` (default 0.01, the paper drops 99 %), ``sample_ratio`` (default 0.01),
     ``seed``. Wire: ``m · (value bytes + 4)`` for the ``m`` values kept, data-dependent
-    (``fixed_size = False``; ``wire_bytes`` is the bound ``numel · (value bytes + 4)``).
+    (``fixed_size = False``), or the raw size where that is smaller (the dense form);
+    ``wire_bytes`` is the bound, the raw size.
     Collective: ``allgather`` (scatter-added).
     """
 
@@ -274,7 +326,7 @@ class GradDrop(_ValuesIndices):
         mag = x.float().abs()
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
-        return [x[idx], idx.to(torch.int32)]
+        return self._payload(x, idx)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -305,6 +357,10 @@ class AdaComp(Codec):
     per byte, and the fp32 scale. About ``m · 9 bits + num_bins · 8 bits + 32`` for ``m`` values
     sent; data-dependent (``fixed_size = False``); ``wire_bytes`` is the bound with every value
     sent, ``1.15 bytes`` per element for ``bin_size = 50`` (below the raw size of fp32 and fp16).
+    Where this format would take more bytes than the raw tensor (tiny tensors, small bins on
+    16-bit input), the same four tensors carry the decoded values densely instead: no counts,
+    no indices, no scale, and the values (input dtype) as the bytes of the third tensor; the
+    decoder recognises it by the empty counts (a sparse payload has one count per bin).
     Note: GRACE's ``adaq`` is a different method (Dryden et al., MLHPC'16); the name is kept.
 
     Options: ``bin_size`` (default 50, the paper's L_T for convolutions; 500 for fully connected
@@ -314,6 +370,7 @@ class AdaComp(Codec):
 
     name = "adaq"
     reencodable = False  # a sparsifier: see _ValuesIndices
+    raw_fallback = False  # a dense form of its own (see the docstring)
     tensor_state = "residuals"
     family = "sparsification"
     paper = "Chen et al., AdaComp: Adaptive Residual Gradient Compression for Data-Parallel Distributed Training, AAAI'18"
@@ -355,18 +412,28 @@ class AdaComp(Codec):
         m = idx.numel()
         local = torch.remainder(idx, size)
         values = g.index_select(0, idx)
-        scale = (values.abs().sum() / max(m, 1)).reshape(1)
+        # summed in fp64: an fp32 sum of values near the fp32 maximum would overflow
+        scale = (values.abs().sum(dtype=torch.float64) / max(m, 1)).float().reshape(1)
         nonneg = values >= 0
-        if self.self_adjust:
+        width = element_size(self._index_dtype)
+        dense = (nb + m) * width + packed_bytes(m, 1) + 4 > raw_bytes(n, x.dtype)
+        if self.self_adjust or dense:
             sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * scale)
+        if self.self_adjust:
             old = prev if prev is not None and prev.shape == g.shape else torch.zeros_like(g)
-            self._residuals[meta.name] = torch.where(torch.isfinite(g.sum()), g - sent, old.to(g.device))
+            self._residuals[meta.name] = torch.where(all_finite(g), g - sent, old.to(g.device))
+        if dense:  # the same values, densely in the input dtype, as bytes: see _decode
+            empty = idx.new_empty(0, dtype=self._index_dtype)
+            raw = saturate(sent, x.dtype).view(torch.uint8)
+            return [empty, empty.clone(), raw, scale.new_empty(0)]
         counts = sel.sum(dim=1).to(self._index_dtype)
         return [counts, local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         counts, local, signs, scale = tensors
         n = meta.numel
+        if counts.numel() == 0:  # the dense form: no bin counts, the values' bytes in place of signs
+            return signs.view(meta.dtype).float()
         size, nb = self._bins(n)
         m = local.numel()
         bins = torch.repeat_interleave(torch.arange(nb, device=local.device), counts.long(), output_size=m)
@@ -376,5 +443,5 @@ class AdaComp(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         width = 1 if self.bin_size <= 255 else 2
-        return (self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4
+        return min((self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4, raw_bytes(numel, dtype))
 

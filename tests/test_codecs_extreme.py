@@ -1,0 +1,300 @@
+"""Codecs on extreme finite input: rank-deficient matrices, values near the dtype's maximum,
+empty payloads and payloads that must not outgrow the raw tensor (single process).
+
+tests/test_codecs_fuzz.py searches the same ground at random; these are the fixed cases.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradzip
+from gradzip.codecs import Payload
+from gradzip.codecs.base import Meta, raw_bytes
+from gradzip.codecs.lowrank import orthogonalize
+from gradzip.collectives import get as collective
+from gradzip.collectives.base import nonfinite_flag
+
+from .tensors import randn as _randn
+
+NAMES = gradzip.codecs.names()
+FLT_MAX = torch.finfo(torch.float32).max
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _round_trip(c, x, name="t", step=0):
+    return c.decode(c.encode(x, name=name, step=step))
+
+
+def _power_round(c, m, name):
+    """One PowerSGD step through both rounds, as a one-rank all-reduce would run it."""
+    p = c.encode(m, name=name)
+    reduced = [p.tensors[0].clone()]
+    while True:
+        nxt = c.next_round(p, reduced)
+        if nxt is None:
+            break
+        p, reduced = nxt, [t.clone() for t in nxt.tensors]
+    return c.decode(Payload(reduced, p.ctx))
+
+
+# ================================================================================ PowerSGD
+@pytest.mark.parametrize("value", [1.0, -3.5, 1e-20, 2e19])
+def test_powersgd_constant_matrix_comes_back(value):
+    """A constant matrix has rank 1 < r: the power step must reproduce it, not double it."""
+    m = torch.full((64, 32), value)
+    for c in (gradzip.codec("powersgd", rank=2), gradzip.codec("powersgd", rank=4)):
+        for y in (_round_trip(c, m, name="w"), _power_round(c, m, "w"), _power_round(c, m, "w")):
+            assert torch.isfinite(y).all()
+            assert ((y - m).double().norm() / m.double().norm()).item() < 1e-5
+
+
+def test_powersgd_rank_deficient_and_zero():
+    g = torch.Generator().manual_seed(0)
+    rank1 = torch.randn(50, 1, generator=g) @ torch.randn(1, 20, generator=g)
+    for m in (rank1, torch.zeros(50, 20)):
+        c = gradzip.codec("powersgd", rank=3)
+        for _ in range(3):  # the first step, then warm starts from a rank-deficient Q
+            y = _power_round(c, m, "w")
+            assert torch.isfinite(y).all()
+            torch.testing.assert_close(y, m, rtol=0, atol=1e-5 * (1 + m.abs().max().item()))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_powersgd_is_a_projection(seed):
+    """P Pᵀ M with orthonormal P: the error is never larger than M itself."""
+    m = _randn((40, 30), seed=seed)
+    c = gradzip.codec("powersgd", rank=2)
+    for _ in range(3):
+        y = _power_round(c, m, "w")
+        assert (y - m).norm() <= m.norm() * (1 + 1e-6)
+
+
+def test_orthogonalize_is_orthonormal_deterministic_and_keeps_nan():
+    p = torch.ones(64, 2)  # rank 1: Gram-Schmidt with an eps made a second column of noise
+    q = orthogonalize(p.clone())
+    torch.testing.assert_close(q.T @ q, torch.eye(2), rtol=0, atol=1e-6)
+    assert torch.equal(q, orthogonalize(p.clone()))
+    z = orthogonalize(torch.zeros(5, 3))
+    assert torch.isfinite(z).all()
+    torch.testing.assert_close(z.T @ z, torch.eye(3), rtol=0, atol=1e-6)
+    bad = torch.ones(6, 2)
+    bad[2, 1] = float("nan")
+    assert torch.isnan(orthogonalize(bad)).all()
+
+
+def test_powersgd_warm_start_survives_large_finite_steps():
+    """The warm-start Q is kept for finite (if huge) steps and stays orthonormal in use."""
+    m = _randn((40, 30), seed=3) * 1e30
+    c = gradzip.codec("powersgd", rank=2)
+    for _ in range(3):
+        y = _power_round(c, m, "w")
+        assert torch.isfinite(y).all() and torch.isfinite(c._q["w"]).all()
+    assert (y - m).norm() <= m.norm()
+
+
+def test_powersgd_non_finite_step_is_nan_and_keeps_warm_start():
+    c = gradzip.codec("powersgd", rank=2)
+    _power_round(c, _randn((40, 30)), "w")
+    q = c._q["w"].clone()
+    bad = _randn((40, 30), seed=1)
+    bad[3, 4] = float("inf")
+    assert not torch.isfinite(_power_round(c, bad, "w")).all()
+    assert torch.isfinite(c._q["w"]).all() and c._q["w"].shape == q.shape
+
+
+# ======================================================================= non-finite checks
+def test_nonfinite_flag_does_not_overflow():
+    assert not nonfinite_flag(torch.full((15,), 1e38))
+    assert not nonfinite_flag(torch.tensor([FLT_MAX, -FLT_MAX] * 8))
+    assert not nonfinite_flag(torch.full((40,), FP16_MAX, dtype=torch.float16))
+    assert nonfinite_flag(torch.tensor([1.0, float("nan")]))
+    assert nonfinite_flag(torch.tensor([-float("inf"), 1.0], dtype=torch.bfloat16))
+    assert not nonfinite_flag(torch.empty(0))
+    flag = nonfinite_flag(torch.ones(3))
+    assert flag.dim() == 0 and flag.dtype == torch.bool
+
+
+def test_allgather_of_huge_finite_values_is_finite():
+    x = torch.full((15,), 1e38)
+    for name in ("none", "topk", "signsgd"):
+        res = collective("allgather")().run(gradzip.codec(name), x, "w", 0, need_own=False)
+        assert not bool(res.nonfinite) and torch.isfinite(res.avg).all()
+
+
+def test_signum_momentum_and_adaq_residual_take_huge_finite_steps():
+    x = torch.full((20,), 1e38)
+    s = gradzip.codec("signum", momentum=0.5)
+    s.encode(x, name="w")
+    assert torch.equal(s._momentum["w"], x * 0.5)  # updated: the step is finite
+    g = _randn((120,), seed=2) * 1e37
+    g[::5] = 1e38  # an fp32 sum of these overflows; the residual must still be updated
+    a = gradzip.codec("adaq")
+    sent = a.decode(a.encode(g, name="w"))
+    assert torch.equal(a._residuals["w"], g - sent) and (a._residuals["w"] != 0).any()
+
+
+# ====================================================================== near the maximum
+def test_qsgd_norm_does_not_overflow():
+    for kernels in ("native", "torch"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("GRADZIP_KERNELS", kernels)
+            c = gradzip.codec("qsgd")
+            y = _round_trip(c, torch.tensor([2e19]))
+            torch.testing.assert_close(y, torch.tensor([2e19]), rtol=1e-6, atol=0)
+            big = torch.tensor([3e38, -3e38, 1.0, 2e38] * 3)  # the norm itself exceeds fp32
+            assert torch.isfinite(_round_trip(c, big)).all()
+            tiny = torch.tensor([1e-45, 0.0, -1e-44, 3e-45] * 5)  # subnormal norm: s / norm overflows
+            y = _round_trip(c, tiny)
+            assert torch.isfinite(y).all() and (y[1::4] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", ["stochastic", "nearest"])
+def test_maxmin_range_beyond_fp32(bits, mode):
+    x = torch.tensor([FLT_MAX, -FLT_MAX, 0.0, 1e38, -2e38, 3e38, 5.0, -FLT_MAX])
+    for kernels in ("native", "torch"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("GRADZIP_KERNELS", kernels)
+            c = gradzip.codec("maxmin", bits=bits, bucket_size=8, mode=mode)
+            y = _round_trip(c, x)
+            assert torch.isfinite(y).all()
+            if bits > 1:  # one step is (max - min) / q; with 1 bit the scale saturates at FLT_MAX
+                step = 2 * FLT_MAX / (2**bits - 1)
+                assert ((y.double() - x.double()).abs() <= step * 1.0001).all()
+
+
+@pytest.mark.parametrize("name", ["qsgd", "natural", "bf16", "powersgd", "maxmin", "u8bit", "terngrad", "sketchml"])
+def test_fp16_near_max_stays_finite(name):
+    x = torch.full((64, 32), FP16_MAX, dtype=torch.float16)
+    x[::2] = -60000.0
+    x[:, 3] = 65000.0
+    c = gradzip.codec(name)
+    for _ in range(20):  # stochastic rounding: many chances to round beyond the range
+        y = _round_trip(c, x, name="w")
+        assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    # non-finite input stays non-finite (the saturation is for finite values only)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    if name in ("bf16", "natural"):
+        assert not torch.isfinite(_round_trip(c, bad, name="v")).all()
+
+
+def test_saturating_decode_into_fp16_destination():
+    c = gradzip.codec("natural", seed=1)
+    x = torch.full((4096,), 50000.0, dtype=torch.float16)  # rounds to 2**16 with p = 0.53
+    p = c.encode(x)
+    out = torch.empty(4096, dtype=torch.float16)
+    c.decode_into(p, out)
+    assert torch.isfinite(out).all() and (out == FP16_MAX).any()
+    assert torch.equal(out, c.decode(p))
+
+
+def test_natural_fp32_max_saturates():
+    x = torch.full((1000,), FLT_MAX)
+    y = _round_trip(gradzip.codec("natural"), x)
+    assert torch.isfinite(y).all() and set(y.unique().tolist()) <= {2.0**127, FLT_MAX}
+
+
+@pytest.mark.parametrize("name", ["onebit", "cl_onebit", "efsignsgd", "adaq"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_sums_of_huge_values_do_not_overflow(name, sign):
+    x = torch.full((64,), sign * 1e38)
+    x[::7] = -sign * 3e38
+    y = _round_trip(gradzip.codec(name), x, name="w")
+    assert torch.isfinite(y).all() and y.abs().max() <= 3e38 * (1 + 1e-6)
+
+
+def test_cl_onebit_still_matches_onebit_on_huge_values():
+    x = _randn((3001,), seed=4) * 1e37
+    for opts in ({}, {"bucket_size": 100}):
+        a = gradzip.codec("onebit", **opts).encode(x)
+        b = gradzip.codec("cl_onebit", **opts).encode(x)
+        assert all(torch.equal(s, t) for s, t in zip(a.tensors, b.tensors))
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_randomk_scaled_value_saturates(scale):
+    x = torch.full((8,), FLT_MAX)
+    y = _round_trip(gradzip.codec("randomk", ratio=0.5, scale=scale), x)
+    assert torch.isfinite(y).all()
+
+
+# ========================================================================= empty payloads
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 2, 5)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_aggregate_of_empty_payloads(name, shape, dtype):
+    c = gradzip.codec(name)
+    payloads = [c.encode(torch.empty(shape, dtype=dtype), name="w") for _ in range(3)]
+    assert all(p.nbytes == 0 for p in payloads)
+    meta = Meta(torch.Size(shape), dtype, torch.device("cpu"), "w", 0)
+    for ps in (payloads, [Payload([], meta)]):
+        out = c.aggregate(ps)
+        assert out.shape == shape and out.dtype == dtype
+
+
+# ================================================================ no more bytes than raw
+@pytest.mark.parametrize("name", NAMES)
+def test_wire_bytes_never_above_raw(name):
+    c = gradzip.codec(name)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for n in list(range(1, 70)) + [127, 255, 256, 257, 1000, 4099]:
+            for shape in {(n,), (1, n), (n, 1)} | ({(n // 4, 4)} if n % 4 == 0 else set()):
+                assert c.wire_bytes(n, dtype, shape=shape) <= raw_bytes(n, dtype), (dtype, shape)
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [("threshold", {}), ("threshold", {"threshold": 0.0}), ("graddrop", {"ratio": 1.0}), ("dgc", {"ratio": 1.0}),
+     ("topk", {"ratio": 1.0}), ("topk", {"ratio": 0.7}), ("inceptionn", {}), ("inceptionn", {"error_bound": 1e-30}),
+     ("adaq", {"bin_size": 1}), ("sketchml", {"ratio": 0.9}), ("maxmin", {"bucket_size": 1}),
+     ("onebit", {"bucket_size": 1}), ("u8bit", {"bucket_size": 1}), ("qsgd", {"bucket_size": 1})],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_dense_data_never_above_raw(name, opts, dtype):
+    c = gradzip.codec(name, **opts)
+    for n in (1, 2, 3, 9, 1001):
+        x = _randn((n,), dtype, seed=n) * 100
+        p = c.encode(x, name="w")
+        assert p.nbytes <= raw_bytes(n, dtype) and p.nbytes <= c.wire_bytes(n, dtype)
+        y = c.decode(p)
+        assert y.shape == x.shape and y.dtype == dtype and torch.isfinite(y).all()
+
+
+def test_threshold_dense_form_decodes_the_same_and_mixes_with_sparse():
+    """Each rank picks its own form; the decoder reads it from the payload's lengths."""
+    c = gradzip.codec("threshold", threshold=1.0)
+    dense_x = torch.tensor([4.0, 0.5, 3.0, 2.0, -1.5, 0.0, 7.0, 1.0])  # 6 of 8 pass: dense
+    sparse_x = torch.tensor([0.0, 5.0, 0.2, 0.0, 0.0, 0.0, 0.0, -2.0])
+    pd, ps = c.encode(dense_x, name="w"), c.encode(sparse_x, name="w")
+    assert pd.tensors[1].numel() == 0 and pd.nbytes == 32 and ps.tensors[1].numel() == 2
+    assert [t.dtype for t in pd.tensors] == [t.dtype for t in ps.tensors]  # what the all-gather expects
+    keep = dense_x.abs() >= 1.0
+    assert torch.equal(c.decode(pd), torch.where(keep, dense_x, torch.zeros(8)))
+    want = (torch.where(keep, dense_x, torch.zeros(8)) + torch.where(sparse_x.abs() >= 1, sparse_x, torch.zeros(8))) / 2
+    for pair in ([pd, ps], [ps, pd]):
+        torch.testing.assert_close(c.aggregate([Payload(p.tensors, ps.ctx) for p in pair]), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "name,opts,dense_x,sparse_x",
+    [
+        ("inceptionn", {}, torch.full((64,), 1e9, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)),
+        ("adaq", {"bin_size": 2}, _randn((64,), torch.float16), torch.zeros(64, dtype=torch.float16)),
+        ("sketchml", {"ratio": 0.9}, _randn((64,)), _randn((64,), seed=3)),
+    ],
+)
+def test_dense_forms_keep_tensor_count_and_dtypes(name, opts, dense_x, sparse_x):
+    c = gradzip.codec(name, **opts)
+    pd, ps = c.encode(dense_x, name="w", step=0), c.encode(sparse_x, name="u", step=0)
+    assert pd.nbytes <= raw_bytes(64, dense_x.dtype)
+    assert [t.dtype for t in pd.tensors] == [t.dtype for t in ps.tensors]
+    y = c.decode(pd)
+    assert y.dtype == dense_x.dtype and torch.isfinite(y).all()
+    if name == "inceptionn":  # the dense form holds the raw values
+        assert torch.equal(y, dense_x)
+    out = c.aggregate([pd, Payload(ps.tensors, pd.ctx)])
+    assert out.shape == (64,) and torch.isfinite(out).all()
