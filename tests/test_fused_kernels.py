@@ -1,7 +1,7 @@
 """The fused kernels: the C versions must give the bytes of the torch specification.
 
 Max-min and sign are bit-identical (min/max are exact in any order); QSGD's norm is summed in a
-different order (and in fp64 in C), so its codes may differ where ``v + u`` lands within an ulp
+different order (in fp64 in both), so its codes may differ where ``v + u`` lands within an ulp
 of an integer — a handful at most — while decoding a given payload is bit-identical.
 """
 from __future__ import annotations
@@ -196,3 +196,36 @@ def test_topk_codec_selects_the_same_entries_on_either_kernel(monkeypatch):
         codec = gradzip.codec("topk", ratio=0.05)
         decoded[setting] = codec.decode(codec.encode(x))
     assert torch.equal(decoded["native"], decoded["torch"])
+
+
+def _extreme(n: int, seed: int) -> torch.Tensor:
+    """±fp32 maximum, huge values of both signs, zeros and subnormals: ranges and norms beyond fp32."""
+    fmax = torch.finfo(torch.float32).max
+    pool = torch.tensor([fmax, -fmax, 3e38, -2e38, 1e38, 0.0, 1.0, 1e-45, -3e-44, 2e19])
+    return pool[torch.randint(len(pool), (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("key", [None, 0xDEADBEEF])
+def test_maxmin_native_extremes_bit_identical(bits, key):
+    for n, bucket in [(8, 8), (1000, 64), (4097, 1024)]:
+        x = _extreme(n, seed=n + bits)
+        want = ref.maxmin_encode(x, bits, bucket, key)
+        got = native.maxmin_encode(x, bits, bucket, key)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+        out = native.maxmin_decode(*want, bits, bucket, n)
+        assert torch.equal(out, ref.maxmin_decode(*want, bits, bucket, n)) and torch.isfinite(out).all()
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_native_extremes_match_the_specification(bits):
+    for n, bucket in [(8, 8), (1000, 64), (4097, 512)]:
+        x = _extreme(n, seed=n * bits)
+        want = ref.qsgd_encode(x, bits, bucket, 99)
+        got = native.qsgd_encode(x, bits, bucket, 99)
+        assert torch.isfinite(got[1]).all()
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        out = native.qsgd_decode(*got, bits, bucket, n)
+        assert torch.equal(out, ref.qsgd_decode(*got, bits, bucket, n)) and torch.isfinite(out).all()

@@ -288,3 +288,37 @@ def test_import_does_not_need_triton():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _extreme(n: int, seed: int) -> torch.Tensor:
+    """±fp32 maximum, huge values of both signs, zeros and subnormals: ranges and norms beyond fp32."""
+    fmax = torch.finfo(torch.float32).max
+    pool = torch.tensor([fmax, -fmax, 3e38, -2e38, 1e38, 0.0, 1.0, 1e-45, -3e-44, 2e19])
+    g = torch.Generator().manual_seed(seed)
+    return pool[torch.randint(len(pool), (n,), generator=g)].to(DEVICE)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("key", KEYS)
+def test_maxmin_extremes_bit_identical(bits, key):
+    for n, bucket in [(64, 8), (1000, 64), (9000, 5000)]:
+        x = _extreme(n, seed=n + bits)
+        packed, stats = gpu.maxmin_encode(x, bits, bucket, key)
+        ref_packed, ref_stats = reference.maxmin_encode(x, bits, bucket, key)
+        assert torch.equal(packed, ref_packed) and _same_bits(stats, ref_stats), (n, bucket)
+        out = gpu.maxmin_decode(packed, stats, bits, bucket, n)
+        assert _same_bits(out, reference.maxmin_decode(packed, stats, bits, bucket, n))
+        assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_extremes_match_reference(bits):
+    for n, bucket in [(64, 8), (1000, 64), (9000, 5000)]:
+        x = _extreme(n, seed=n * bits)
+        packed, norms = gpu.qsgd_encode(x, bits, bucket, 7)
+        ref_packed, ref_norms = reference.qsgd_encode(x, bits, bucket, 7)
+        assert torch.isfinite(norms).all()
+        torch.testing.assert_close(norms, ref_norms, rtol=2e-6, atol=0)
+        out = gpu.qsgd_decode(packed, norms, bits, bucket, n)
+        assert _same_bits(out, reference.qsgd_decode(packed, norms, bits, bucket, n))
+        assert torch.isfinite(out).all()
