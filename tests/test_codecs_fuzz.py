@@ -115,7 +115,7 @@ shapes = st.lists(st.integers(0, 11), min_size=1, max_size=3).map(tuple).filter(
 
 
 @pytest.mark.parametrize("name,opts", CONFIGS, ids=CONFIG_IDS)
-@settings(max_examples=18, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.one_of(st.sampled_from([(0,), (1,), (1, 1), (2, 0, 3), (7,), (5, 3), (3, 1, 5)]), shapes),
     dtype=st.sampled_from(DTYPES),
