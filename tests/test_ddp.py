@@ -210,7 +210,7 @@ def _env_and_state(rank: int, world: int) -> dict:
     _train(ddp, opt, rank, 3)
     del os.environ["GRADZIP_CODEC"], os.environ["GRADZIP_RATIO"]
     saved = state.state_dict()
-    fresh = gradzip.register(DDP(Net(), bucket_cap_mb=0.01), "topk", ratio=0.1)
+    fresh = gradzip.register(DDP(Net(), bucket_cap_mb=0.01), "topk", ratio=0.1, min_numel=64)
     fresh.load_state_dict(saved)
     same = all(torch.equal(saved["memory"]["residuals"][k], v) for k, v in fresh.comm.memory.residuals.items())
     out = {

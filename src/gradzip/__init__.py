@@ -10,13 +10,17 @@ from .codecs import Codec, Payload, codec
 from .communicator import Communicator
 from .config import Config
 from .ddp import GradzipState, gradzip_hook, register
+from .errors import CheckpointError, CommunicationError, GradzipError, SettingsMismatchError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "Codec",
+    "CommunicationError",
     "Communicator",
     "Config",
+    "GradzipError",
     "GradzipState",
     "Payload",
     "codec",
@@ -25,4 +29,5 @@ __all__ = [
     "gradzip_hook",
     "memory",
     "register",
+    "SettingsMismatchError",
 ]

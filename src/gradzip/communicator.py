@@ -2,33 +2,75 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from . import collectives as _collectives
+from . import consistency
 from . import memory as _memory
 from .codecs import registry as _registry
-from .codecs.base import Codec
+from .codecs.base import FLOAT_DTYPES, Codec
 from .collectives.base import Collective, world
+from .errors import CheckpointError, CommunicationError
 from .metrics import Metrics
 from .worker import OrderedWorker
 
+STATE_FORMAT = 1
 
-def _dedicated_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+Timeout = Union[timedelta, float, int, None]
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The collective timeout of ``group`` (the default group when None), as it was created.
+
+    ``init_process_group(timeout=...)`` sets it; a group made later without one gets torch's
+    default (30 minutes for gloo), so gradzip must copy it, not assume it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or an older torch without options
+            continue
+    try:
+        from torch.distributed.distributed_c10d import _get_default_timeout
+
+        return _get_default_timeout(dist.get_backend(group))
+    except Exception:
+        return None
+
+
+def _as_timedelta(timeout: Timeout) -> Optional[timedelta]:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+def _dedicated_group(group: Optional[dist.ProcessGroup], timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:
     """A new process group over the same ranks, used only by gradzip's worker thread.
 
     Collectives are matched by issue order within a group; DDP (and the user) issue their own on
-    the default group from other threads, so gradzip's must not share it.
+    the default group from other threads, so gradzip's must not share it. It gets ``timeout``, so
+    a stalled rank makes the others fail when the user's own collectives would, not 30 minutes on.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
     backend = dist.get_backend(group)
     if group is None or group is dist.group.WORLD:
-        return dist.new_group(backend=backend)
+        return dist.new_group(backend=backend, timeout=timeout)
     # a subgroup: only its members call this, so only they may take part in making the new one
-    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend=backend, use_local_synchronization=True)
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(group), backend=backend, timeout=timeout, use_local_synchronization=True,
+    )
 
 
 class Communicator:
@@ -40,6 +82,12 @@ class Communicator:
     8}`` for ``ps``) go to those. An impossible combination raises ``ValueError`` at construction. Every
     call is executed by one ordered worker thread, so calls made in the same order on every rank
     issue their collectives in the same order.
+
+    Reliability: the communicator's own process group takes ``timeout`` (default: the timeout of
+    ``group``, i.e. what ``init_process_group(timeout=...)`` set), so a stalled or dead rank makes
+    every call fail with :class:`~gradzip.errors.CommunicationError` within it. Construction
+    compares the effective settings of every rank (``verify_settings``) and raises
+    :class:`~gradzip.errors.SettingsMismatchError` on every rank if they differ.
     """
 
     def __init__(
@@ -52,13 +100,20 @@ class Communicator:
         memory_options: Optional[Dict[str, Any]] = None,
         collective_options: Optional[Dict[str, Any]] = None,
         dedicated_group: bool = True,
+        timeout: Timeout = None,
+        verify_settings: bool = True,
+        settings_extra: Optional[Mapping[str, Any]] = None,
+        settings_sources: Optional[Mapping[str, str]] = None,
         **codec_options: Any,
     ) -> None:
         self.codec = _registry.codec(codec, **codec_options)
         self.memory = _memory.memory(memory if memory is not None else self.codec.default_memory, **(memory_options or {}))
         self.collective_name = collective or self.codec.collective
-        self.group = _dedicated_group(group) if dedicated_group else group
-        self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {})
+        # check every option before the first collective: a bad one fails here, on its own rank
+        self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
+        self.timeout = _as_timedelta(timeout) or group_timeout(group)
+        self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
+        self.collective.group = self.group
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain_memory = _memory.memory("none")
@@ -66,11 +121,16 @@ class Communicator:
         self._steps: Dict[str, int] = {}
         self._worker: Optional[OrderedWorker] = None
         self._closed = False
+        self._failure: Optional[CommunicationError] = None
+        self._extra = dict(settings_extra or {})
+        self._sources = dict(settings_sources or {})
+        if verify_settings:
+            consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources)
 
-    def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any]) -> Collective:
+    def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         cls = _collectives.get(name)
         try:
-            coll = cls(self.group, **options)
+            coll = cls(group, **options)
         except TypeError:
             params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "group")]
             raise ValueError(
@@ -94,6 +154,25 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator({self.codec!r}, memory={self.memory!r}, collective={self.collective_name!r})"
 
+    def settings(self) -> Dict[str, Any]:
+        """The effective settings every rank must share: what decides the bytes on the wire."""
+        from . import __version__
+
+        out: Dict[str, Any] = {"gradzip": __version__, "codec": self.codec.name}
+        out.update({f"codec.{k}": v for k, v in self.codec.config().items()})
+        out["memory"] = self.memory.name
+        out.update({f"memory.{k}": v for k, v in consistency.init_options(self.memory).items()})
+        out["collective"] = self.collective_name
+        out.update({f"collective.{k}": v for k, v in consistency.init_options(self.collective).items()})
+        if not self.codec.kernels_bit_exact:
+            out["kernels"] = _kernels_in_use(self.group)
+        out.update(self._extra)
+        return out
+
+    def fingerprint(self) -> str:
+        """A hash of :meth:`settings`, carried by state dicts."""
+        return consistency.fingerprint(self.settings())
+
     # ------------------------------------------------------------------ calls
     def allreduce(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Average ``t`` over all ranks through the codec.
@@ -106,6 +185,8 @@ class Communicator:
 
     def allreduce_async(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.futures.Future:
         """Like :meth:`allreduce`, returning a ``torch.futures.Future[Tensor]``."""
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"allreduce takes a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
         _check_out(t, out)
 
         def job() -> torch.Tensor:
@@ -113,15 +194,50 @@ class Communicator:
                 t.record_stream(torch.cuda.current_stream(t.device))
             return self.reduce_now(t, name, out=out)
 
-        return self.submit(job, t.device)
+        return self.submit(job, t.device, what=f"step {self._steps.get(name, 0)} of tensor {name!r}")
 
-    def submit(self, fn, device: torch.device) -> torch.futures.Future:
-        """Run ``fn`` on the ordered communication worker."""
+    def submit(self, fn: Callable[[], Any], device: torch.device, what: str = "") -> torch.futures.Future:
+        """Run ``fn`` on the ordered communication worker; ``what`` names it in errors.
+
+        A failure (a collective that timed out or lost a peer, or anything else) completes the
+        future with :class:`CommunicationError`, and every later job fails at once with it too:
+        its collectives would only wait out the timeout again.
+        """
         if self._closed:
             raise RuntimeError("this Communicator has been closed")
         if self._worker is None:
             self._worker = OrderedWorker(device=device)
-        return self._worker.submit(fn)
+        return self._worker.submit(lambda: self._guarded(fn, what))
+
+    def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
+        if self._failure is not None:
+            raise CommunicationError(
+                f"gradzip (rank {self.rank} of {self.world_size}): {what or 'exchange'} not attempted: "
+                f"an earlier exchange failed ({self._failure.brief})"
+            ) from self._failure
+        start = time.monotonic()
+        try:
+            return fn()
+        except Exception as exc:
+            self._failure = self._failed(what, exc, time.monotonic() - start)
+            raise self._failure from exc
+
+    def _failed(self, what: str, exc: BaseException, seconds: float) -> CommunicationError:
+        limit = self.timeout.total_seconds() if self.timeout is not None else None
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        if len(cause) > 300:
+            cause = cause[:300] + " ..."
+        if limit is not None and seconds >= 0.9 * limit:
+            hint = f"no answer within the process group's timeout of {limit:g} s: another rank has stalled or died"
+        elif not _from_collective(exc):
+            hint = "the error was raised on this rank, not by a collective"
+        else:
+            hint = "another rank may have stalled, died or issued different collectives"
+            hint += f" (timeout {limit:g} s)" if limit is not None else ""
+        brief = f"{what or 'exchange'} failed after {seconds:.1f} s"
+        return CommunicationError(
+            f"gradzip (rank {self.rank} of {self.world_size}): {brief}; {hint}. {type(exc).__name__}: {cause}", brief,
+        )
 
     def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out`` if given."""
@@ -187,12 +303,91 @@ class Communicator:
         return self.metrics.summary(per_tensor)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"codec": self.codec.state_dict(), "memory": self.memory.state_dict(), "steps": dict(self._steps)}
+        """This rank's state, with whose it is: rank, world size and the settings' fingerprint.
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.codec.load_state_dict(state.get("codec", {}))
-        self.memory.load_state_dict(state.get("memory", {}))
+        It holds everything the next step needs to move the same bytes as an uninterrupted run:
+        error-feedback residuals, the codec's per-tensor state, the collective's call counter and
+        the step counters that key all randomness (shared and private).
+        """
+        settings = self.settings()
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "fingerprint": consistency.fingerprint(settings),
+            "settings": settings,
+            "codec": self.codec.state_dict(),
+            "memory": self.memory.state_dict(),
+            "collective": self.collective.state_dict(),
+            "steps": dict(self._steps),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` of this same rank, world size and configuration.
+
+        Anything else raises :class:`~gradzip.errors.CheckpointError` unless ``strict=False``,
+        which loads what still applies and drops, with a warning, what does not: per-rank state
+        (error-feedback residuals, a codec's per-tensor state) is kept
+        only for the same rank of the same world size, because it is this rank's own unsent
+        gradient (loaded on another rank, or summed over a different number of ranks, it would
+        be applied to the wrong replica or the wrong number of times); codec, memory and
+        collective state only where their settings are unchanged. Step counters always carry over.
+        """
+        problems, same_rank, same = self._compare_owner(state)
+        if problems and strict:
+            raise CheckpointError(
+                f"gradzip (rank {self.rank} of {self.world_size}): this state dict does not belong here: "
+                + "; ".join(problems)
+                + ". Load each rank's own state saved with the same settings, or pass strict=False to load "
+                "what still applies (per-rank residuals are then dropped)."
+            )
+        dropped = []
+        if same("codec"):
+            codec_state = dict(state.get("codec", {}))
+            key = self.codec.tensor_state  # per-rank (Signum's momentum, AdaComp's residuals, PowerSGD's Q)
+            if not same_rank and key and codec_state.pop(key, None):
+                dropped.append(f"codec {key}")
+            self.codec.load_state_dict(codec_state)
+        elif state.get("codec"):
+            dropped.append("codec state")
+        if same("memory") and same_rank:
+            self.memory.load_state_dict(state.get("memory", {}))
+        else:  # start from an empty memory, not from whatever this rank held before
+            self.memory.load_state_dict({})
+            if any(state.get("memory", {}).values()):
+                dropped.append("error-feedback memory")
+        if same("collective"):  # a call counter, the same on every rank
+            self.collective.load_state_dict(state.get("collective", {}))
         self._steps = dict(state.get("steps", {}))
+        if problems and dropped:
+            warnings.warn(
+                f"gradzip (rank {self.rank}): loaded a state dict with {'; '.join(problems)}; dropped: "
+                f"{', '.join(dropped)}",
+                stacklevel=2,
+            )
+
+    def _compare_owner(self, state: Mapping[str, Any]):
+        """(problems, same rank and world size, same(prefix) -> settings under prefix unchanged)."""
+        if not isinstance(state, Mapping) or "fingerprint" not in state:
+            return ["it has no owner information (not a gradzip state dict of this version)"], False, lambda p: False
+        problems = []
+        if state.get("world_size") != self.world_size:
+            problems.append(f"it was saved with world size {state.get('world_size')}, this job has {self.world_size}")
+        elif state.get("rank") != self.rank:
+            problems.append(f"it is rank {state.get('rank')}'s state, this is rank {self.rank}")
+        mine = self.settings()
+        theirs = dict(state.get("settings", {}))
+        if state.get("fingerprint") != consistency.fingerprint(mine):
+            lines = consistency.differences([theirs, mine], [{}, self._sources])
+            lines = [line.replace("rank 0", "the checkpoint").replace("rank 1", "this run") for line in lines]
+            problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
+        same_rank = state.get("rank") == self.rank and state.get("world_size") == self.world_size
+
+        def same(prefix: str) -> bool:
+            keys = {k for k in set(mine) | set(theirs) if k == prefix or k.startswith(prefix + ".")}
+            return all(mine.get(k) == theirs.get(k) for k in keys)
+
+        return problems, same_rank, same
 
     def close(self) -> None:
         """Stop the worker thread and release the dedicated process group."""
@@ -204,6 +399,31 @@ class Communicator:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+_TRANSPORT_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "pair", "transport")
+
+
+def _from_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of ``torch.distributed`` (a lost peer, a timeout), not local code."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)
+
+
+def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
+    """Which codec kernels run (the C ones and torch's agree to the bit for most codecs, not all)."""
+    from .kernels import fused, native
+
+    choice = fused.setting()
+    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else "gloo"
+    if backend == "nccl" or choice == "triton":
+        gpu = fused._gpu()
+        ok = gpu is not None and gpu.available() is None
+        return f"{choice}:{'triton' if ok and choice != 'torch' else 'torch'}"
+    ok = native.available() is None
+    return f"{choice}:{'native' if ok and choice in ('auto', 'native') else 'torch'}"
 
 
 def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:

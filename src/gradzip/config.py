@@ -11,6 +11,7 @@ its value read as an int, a float, a bool (true/false) or else a string.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
@@ -48,6 +49,8 @@ class Config:
     compress_1d: bool = False
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
+    # where a setting came from when not from the script: "codec.bits" -> "GRADZIP_BITS=2"
+    sources: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -61,11 +64,13 @@ class Config:
         updates: Dict[str, Any] = {}
         env_options: Dict[str, Any] = {}
         collective_options = dict(self.collective_options)
-        for key, text in environ.items():
+        sources = dict(self.sources)
+        for key, text in sorted(environ.items()):
             if not key.startswith("GRADZIP_") or key == "GRADZIP_":
                 continue
             name = key[len("GRADZIP_"):].lower()
             value = parse_value(text)
+            origin = f"{key}={text}"
             if name in FIELDS:
                 if name in ("codec", "memory", "collective"):
                     updates[name] = text
@@ -73,15 +78,31 @@ class Config:
                     updates[name] = bool(value)
                 else:
                     updates[name] = value
+                sources[name] = origin
             elif name in COLLECTIVE_OPTIONS:
                 collective_options[name] = value
+                sources[f"collective.{name}"] = origin
             elif name in PROCESS_SETTINGS:
-                continue
+                sources[name] = origin
             else:
                 env_options[name] = value
+                sources[f"codec.{name}"] = origin
         switched = "codec" in updates and updates["codec"] != self.codec
         options = {} if switched else dict(self.options)  # another codec: the script's options no longer apply
+        if switched and self.options:
+            dropped = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()) if k not in env_options)
+            if dropped:
+                warnings.warn(
+                    f"{sources['codec']} replaces codec {self.codec!r}: its options ({dropped}) are dropped",
+                    stacklevel=3,
+                )
         if switched and "collective" not in updates:
             updates["collective"] = None  # nor does its collective: the new codec's default is used
         options.update(env_options)
-        return replace(self, options=options, collective_options=collective_options, **updates)
+        return replace(self, options=options, collective_options=collective_options, sources=sources, **updates)
+
+    def environment_note(self) -> str:
+        """``" (set in the environment: GRADZIP_X=..., ...)"``, or "" when nothing came from it."""
+        if not self.sources:
+            return ""
+        return " (set in the environment: " + ", ".join(sorted(set(self.sources.values()))) + ")"

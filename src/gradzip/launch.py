@@ -65,7 +65,7 @@ def _entry(
 
 def spawn_local(
     fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None,
-    deadline_s: Optional[float] = None,
+    deadline_s: Optional[float] = None, missing_ok: bool = False,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
@@ -75,6 +75,8 @@ def spawn_local(
     entered :class:`gradzip.bench.cluster.EmulatedCluster`) rank r runs in namespace r and
     gloo talks over the shaped links. ``timeout_s`` bounds each collective; ``deadline_s``
     bounds the whole job: ranks still running then are killed and ``RuntimeError`` says so.
+    With ``missing_ok`` a rank that exits with status 0 but no result (one that dies on purpose,
+    in a fault test) gives ``None`` instead of an error.
     """
     import torch.multiprocessing as mp
 
@@ -107,6 +109,8 @@ def spawn_local(
                 if os.path.exists(path):
                     with open(path, "rb") as f:
                         records.append(pickle.load(f))
+                elif missing_ok:
+                    records.append({"ok": True, "result": None})
                 else:
                     records.append({"ok": False, "error": f"rank {r} exited without a result"})
             errors = [f"rank {r}:\n{rec['error']}" for r, rec in enumerate(records) if not rec["ok"]]

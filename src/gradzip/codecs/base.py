@@ -17,7 +17,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..kernels import draw_key, private_generator, store_into
+from ..kernels import store_into
+from ..kernels.rng import keyed_generator, private_key
 
 
 @dataclass
@@ -165,7 +166,8 @@ class Codec:
                 raise ValueError(f"codec {self.name!r}: {key} must be {spec.expect}, got {value!r}")
             setattr(self, key, value)
         self._calls: Dict[str, int] = {}
-        self._generators: Dict[torch.device, torch.Generator] = {}
+        self._draws: Dict[str, Tuple[int, int]] = {}  # name -> (step, private draws made at that step)
+        self._encoding: Optional[Meta] = None  # the tensor being encoded: it keys private draws
 
     # ----------------------------------------------------------------- public API
     @property
@@ -188,6 +190,7 @@ class Codec:
             step = self._calls.get(name, 0)
             self._calls[name] = step + 1
         meta = Meta(t.shape, t.dtype, t.device, name, step)
+        self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)
         if self._raw(t.numel(), t.dtype):
@@ -257,6 +260,11 @@ class Codec:
         return raw_bytes(numel, dtype) if self._raw(numel, dtype) else self._wire_bytes(numel, dtype)
 
     def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to continue bit-exactly: call counters and per-tensor state.
+
+        Private randomness needs no saved stream positions: it is keyed by (seed, rank, tensor
+        name, step), so a resumed run draws what the uninterrupted one drew.
+        """
         state: Dict[str, Any] = {"calls": dict(self._calls)}
         if self.tensor_state:
             state[self.tensor_state] = {k: v.cpu() for k, v in getattr(self, f"_{self.tensor_state}").items()}
@@ -289,13 +297,15 @@ class Codec:
         )
 
     def _key(self) -> int:
-        """A fresh 32-bit key for this rank's counter-based stochastic rounding."""
-        return draw_key(self._generator(torch.device("cpu")))
+        """A 32-bit key for this rank's counter-based stochastic rounding of the tensor being encoded."""
+        meta = self._encoding
+        name, step = (meta.name, meta.step) if meta is not None else ("", 0)
+        last_step, used = self._draws.get(name, (step, -1))
+        use = used + 1 if last_step == step else 0  # a second draw at the same step gets another key
+        self._draws[name] = (step, use)
+        return private_key(getattr(self, "seed", 0), name, step, use)
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        """This rank's private generator for stochastic rounding on ``device``."""
-        device = torch.device(device)
-        g = self._generators.get(device)
-        if g is None:
-            g = self._generators[device] = private_generator(getattr(self, "seed", 0), device)
-        return g
+        """This rank's private generator on ``device`` for the tensor being encoded (a fresh one
+        per draw, keyed like :meth:`_key`)."""
+        return keyed_generator(self._key(), torch.device(device))

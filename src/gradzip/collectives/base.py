@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +173,13 @@ class Collective:
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What must survive a restart for the next call to move the same bytes (e.g. PS's call count)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,12 @@ class ParameterServer(Collective):
         self.min_partition = min_partition
         self.calls = 0  # calls so far: the same on every rank
         self.aggregated: List[int] = []  # partitions this rank aggregated in the last call
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"calls": self.calls}  # decides the aggregators, and so who re-encodes what
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.calls = int(state.get("calls", 0))
 
     def supports(self, codec: Codec) -> bool:
         single_round = type(codec).next_round is Codec.next_round

@@ -3,7 +3,10 @@
 Randomness every rank must agree on (random-k indices, PowerSGD's initial Q) comes from a
 generator seeded by (seed, step, tensor name), never from the global RNG, so ranks agree without
 communicating and the user's own random stream is left untouched. Randomness that should differ
-per rank (stochastic rounding) comes from a private generator seeded by (seed, rank).
+per rank (stochastic rounding, DGC's sample) is keyed by (seed, rank, tensor name, step, use):
+a pure function of what is encoded, not of the order of earlier draws, so a run resumed from a
+checkpoint draws exactly what the uninterrupted run drew, even when DDP orders its buckets
+differently in the first iteration after the restart.
 """
 from __future__ import annotations
 
@@ -59,3 +62,16 @@ def counter_uniform(numel: int, key: int, device: torch.device | str = "cpu") ->
 def draw_key(gen: torch.Generator) -> int:
     """A fresh 32-bit key for :func:`counter_uniform` from a (CPU) generator."""
     return int(torch.randint(0, 1 << 32, (), generator=gen, dtype=torch.int64))
+
+
+def private_key(seed: int, name: str, step: int, use: int = 0) -> int:
+    """A 32-bit key for this rank's draws on tensor ``name`` at ``step`` (its ``use``-th draw then)."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return stable_hash("private", seed, rank, name, step, use)
+
+
+def keyed_generator(key: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator whose stream is a pure function of ``key``."""
+    g = torch.Generator(device=device)
+    g.manual_seed((key * 0x9E3779B97F4A7C15) & _MASK)
+    return g

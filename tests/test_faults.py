@@ -1,0 +1,232 @@
+"""Faults as users meet them, on real gloo ranks: a stalled rank, a dead rank, ranks configured
+differently, another rank's checkpoint, and a job killed and restarted by ``torchrun``."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from gradzip.launch import spawn_local
+
+from .dist_utils import run_workers
+
+WORLD = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 96), nn.ReLU(), nn.Linear(96, 10))
+
+
+def _step(ddp: DDP, opt: torch.optim.Optimizer, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+    opt.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+
+
+def _failure(exc: BaseException, start: float) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+
+
+# --------------------------------------------------------------------------- stalled / dead rank
+STALL_S = 20.0
+
+
+def _stalled_rank(rank: int, world: int, fault: str) -> dict:
+    ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets in flight
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        for step in range(6):
+            if step == 2 and rank == 1:
+                if fault == "dead":
+                    os._exit(0)  # gone without a word: its sockets close
+                time.sleep(STALL_S)
+            start = time.monotonic()
+            _step(ddp, opt, rank, step)
+        return {"type": None}
+    except Exception as exc:
+        return _failure(exc, start)
+    finally:
+        if fault == "stall" and rank != 1:
+            time.sleep(0.5)  # let the stalled rank find its peers gone rather than waiting its own timeout
+
+
+@pytest.mark.parametrize("fault", ["stall", "dead"])
+def test_a_stalled_or_dead_rank_makes_every_other_rank_raise_within_the_timeout(fault):
+    timeout = 3.0
+    results = spawn_local(_stalled_rank, WORLD, fault, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=90)
+    healthy = [r for i, r in enumerate(results) if i != 1]
+    for res in healthy:
+        assert res["type"] == "CommunicationError", res
+        assert "step 2" in res["message"] and "bucket" in res["message"], res["message"]
+        # raised within the process group's timeout (plus scheduling slack on a busy machine),
+        # not after the stalled rank woke up
+        assert res["seconds"] < timeout + 6 < STALL_S, res
+        if fault == "stall":
+            assert "timeout of 3 s" in res["message"], res["message"]
+    if fault == "dead":
+        assert results[1] is None
+
+
+# --------------------------------------------------------------------------- mismatched settings
+MISMATCHES = [
+    # (what rank 1 does differently, the field the error must name)
+    ({"codec": "fp16"}, {"codec": "bf16"}, "codec"),
+    ({"codec": "maxmin", "collective": "sra"}, {"codec": "qsgd", "collective": "sra"}, "codec"),
+    ({"codec": "maxmin", "bits": 4}, {"codec": "maxmin", "env": {"GRADZIP_BITS": "2"}}, "codec.bits"),
+    ({"codec": "maxmin", "bucket_size": 512}, {"codec": "maxmin", "bucket_size": 1024}, "codec.bucket_size"),
+    ({"codec": "topk", "ratio": 0.01}, {"codec": "topk", "ratio": 0.02}, "codec.ratio"),
+    ({"codec": "maxmin", "min_numel": 64}, {"codec": "maxmin", "min_numel": 128}, "min_numel"),
+    ({"codec": "powersgd", "rank": 2}, {"codec": "powersgd", "rank": 4}, "codec.rank"),
+    ({"codec": "topk"}, {"codec": "maxmin"}, "codec"),
+    ({"codec": "maxmin", "collective": "sra"}, {"codec": "maxmin", "collective": "allgather"}, "collective"),
+    ({"codec": "topk", "memory": "residual"}, {"codec": "topk", "memory": "none"}, "memory"),
+]
+
+
+def _mismatched(rank: int, world: int) -> list:
+    out = []
+    for common, odd, _ in MISMATCHES:
+        opts = dict(odd if rank == 1 else common)
+        env = opts.pop("env", {})
+        os.environ.update(env)
+        try:
+            ddp = DDP(_model())
+            state = gradzip.register(ddp, **opts)
+            state.close()
+            out.append({"type": None})
+        except Exception as exc:
+            out.append({"type": type(exc).__name__, "message": str(exc), "value_error": isinstance(exc, ValueError)})
+        finally:
+            for key in env:
+                os.environ.pop(key)
+    return out
+
+
+def test_ranks_with_different_settings_all_raise_naming_field_values_ranks_and_variable():
+    results = run_workers(_mismatched, WORLD)
+    for i, (_, odd, field) in enumerate(MISMATCHES):
+        for rank in range(WORLD):
+            res = results[rank][i]
+            assert res["type"] == "SettingsMismatchError" and res["value_error"], (i, rank, res)
+            lines = [line.strip() for line in res["message"].splitlines()]
+            line = next((x for x in lines if x.startswith(f"{field}: ")), None)
+            assert line is not None, (field, res["message"])
+            assert "on ranks 0, 2" in line and "on rank 1" in line, line
+        if "env" in odd:
+            assert "from GRADZIP_BITS=2" in results[0][i]["message"]
+
+
+def test_same_settings_register_without_complaint():
+    assert run_workers(_same_settings, 2) == [True, True]
+
+
+def _same_settings(rank: int, world: int) -> bool:
+    state = gradzip.register(DDP(_model()), "maxmin", bits=4)
+    state.close()
+    return True
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _checkpoints(rank: int, world: int) -> dict:
+    ddp = DDP(_model(), bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, "topk", ratio=0.05, min_numel=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(3):
+        _step(ddp, opt, rank, step)
+    own = state.state_dict()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, own)
+    out = {"own": own, "residuals": sorted(own["memory"]["residuals"])}
+    try:  # the mistake: rank 0's state loaded on every rank
+        state.load_state_dict(everyone[0])
+        out["rank0_state"] = None
+    except Exception as exc:
+        out["rank0_state"] = (type(exc).__name__, str(exc))
+    state.load_state_dict(own)  # its own: fine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(everyone[0], strict=False)
+    out["warned"] = [str(w.message) for w in caught]
+    out["after_lenient"] = {k: len(v) for k, v in state.comm.memory.state_dict().items()}
+    other = gradzip.register(DDP(_model()), "topk", ratio=0.02, min_numel=64)
+    try:
+        other.load_state_dict(own)
+        out["other_config"] = None
+    except Exception as exc:
+        out["other_config"] = (type(exc).__name__, str(exc))
+    state.close()
+    other.close()
+    return out
+
+
+def test_checkpoints_know_whose_they_are():
+    results = run_workers(_checkpoints, 2)
+    for rank, res in enumerate(results):
+        assert res["own"]["rank"] == rank and res["own"]["world_size"] == 2
+        assert res["residuals"], "top-k with error feedback keeps residuals"
+        if rank == 0:
+            assert res["rank0_state"] is None and res["warned"] == []
+            assert res["after_lenient"]["residuals"] > 0  # its own rank: kept
+        else:
+            kind, message = res["rank0_state"]
+            assert kind == "CheckpointError" and "rank 0's state, this is rank 1" in message, message
+            assert res["after_lenient"]["residuals"] == 0  # another rank's residuals: dropped
+            assert any("dropped: " in w and "error-feedback memory" in w for w in res["warned"]), res["warned"]
+        kind, message = res["other_config"]
+        assert kind == "CheckpointError" and "codec.ratio" in message and "0.05" in message, message
+    # the same state in a job of another world size (here: a single process)
+    comm = gradzip.Communicator("topk", ratio=0.05, memory="residual")
+    comm._extra = {"min_numel": 64, "compress_1d": False}
+    with pytest.raises(gradzip.CheckpointError, match="world size 2, this job has 1"):
+        comm.load_state_dict(results[0]["own"])
+    with pytest.raises(gradzip.CheckpointError, match="no owner information"):
+        comm.load_state_dict({"codec": {}, "memory": {}, "steps": {}})
+
+
+# --------------------------------------------------------------------------- kill and resume
+RESUME_JOB = Path(__file__).with_name("resume_job.py")
+
+
+def _torchrun(outdir: Path, kill_at: int, steps: int) -> None:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--monitor-interval", "0.2", str(RESUME_JOB), str(outdir), str(kill_at), str(steps),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADZIP_")}
+    # torchrun shares its rendezvous store with the job by default, and a restarted gloo job may
+    # then read the dead attempt's addresses (pytorch/pytorch#135712): give the job its own store
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_killed_and_restarted_job_ends_where_the_uninterrupted_one_does(tmp_path):
+    steps, kill_at = 8, 4
+    _torchrun(tmp_path / "straight", -1, steps)
+    _torchrun(tmp_path / "killed", kill_at, steps)
+    straight = torch.load(tmp_path / "straight" / "final.pt")
+    killed = torch.load(tmp_path / "killed" / "final.pt")
+    assert killed["restarts"] == 1 and straight["restarts"] == 0
+    assert killed["resumed_from"] == kill_at - 1
+    for name in ("ddp", "maxmin", "topk", "qsgd"):
+        moved = (straight[name] - straight["start"]).abs().max()
+        assert moved > 0, name
+    ddp_gap = (straight["ddp"] - killed["ddp"]).abs().max()
+    for name in ("maxmin", "topk", "qsgd"):  # stochastic rounding + residuals; residuals; stochastic
+        gap = (straight[name] - killed[name]).abs().max()
+        assert gap <= ddp_gap, (name, float(gap), float(ddp_gap))
