@@ -9,8 +9,10 @@ order, while the caller (backward) keeps computing. This is CaSync's pipelining 
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +27,10 @@ class OrderedWorker:
         self._stream = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        # Stop the thread before the interpreter finalises: CPython ends a daemon thread that is
+        # still alive then with pthread_exit, and unwinding through C++ frames (a gloo call)
+        # aborts the process ("terminate called without an active exception").
+        _LIVE.add(self)
 
     def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
         """Queue ``fn``; the returned future completes with its result (or its exception).
@@ -51,10 +57,11 @@ class OrderedWorker:
         self._queue.put((fn, fut, ready))
         return fut
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
+        _LIVE.discard(self)
 
     def _loop(self) -> None:
         if self._device is not None:
@@ -75,3 +82,13 @@ class OrderedWorker:
                     fut.set_result(fn())
             except BaseException as exc:  # hand every failure to the waiting caller
                 fut.set_exception(exc)
+
+
+_LIVE: "weakref.WeakSet[OrderedWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Let every worker finish its queue and stop (a job stuck in a collective gets 10 s)."""
+    for worker in list(_LIVE):
+        worker.close(timeout=10.0)
