@@ -361,8 +361,8 @@ class Communicator:
         self._steps = dict(state.get("steps", {}))
         if problems and dropped:
             warnings.warn(
-                f"gradzip (rank {self.rank}): loaded a state dict with {'; '.join(problems)}; dropped: "
-                f"{', '.join(dropped)}",
+                f"gradzip (rank {self.rank}): loaded a state dict that does not match ({'; '.join(problems)}); "
+                f"dropped: {', '.join(dropped)}",
                 stacklevel=2,
             )
 

@@ -2,8 +2,8 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL`` and ``GRADZIP_COMPRESS_1D`` set the fields of the
-same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D`` and ``GRADZIP_TIMEOUT``
+(seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
 its value read as an int, a float, a bool (true/false) or else a string.
@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
-FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d")
+FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "timeout")
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 
@@ -39,7 +39,9 @@ class Config:
     """What :func:`gradzip.register` builds: codec and its options, memory, collective, filter.
 
     ``min_numel``: tensors with fewer elements are sent uncompressed (fused into one plain
-    all-reduce per bucket); ``compress_1d``: whether 1-D tensors (biases, norms) are compressed.
+    all-reduce per bucket); ``compress_1d``: whether 1-D tensors (biases, norms) are compressed;
+    ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
+    process group it serves).
     """
 
     codec: str = "maxmin"
@@ -47,6 +49,7 @@ class Config:
     collective: Optional[str] = None
     min_numel: int = 1024
     compress_1d: bool = False
+    timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
     # where a setting came from when not from the script: "codec.bits" -> "GRADZIP_BITS=2"
@@ -57,6 +60,10 @@ class Config:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
         if not isinstance(self.compress_1d, bool):
             raise ValueError(f"compress_1d must be True or False, got {self.compress_1d!r}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0
+        ):
+            raise ValueError(f"timeout must be None or a positive number of seconds, got {self.timeout!r}")
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":
         """This config with every ``GRADZIP_*`` variable of ``environ`` applied on top."""

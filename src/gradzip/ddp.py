@@ -163,7 +163,11 @@ def register(
         fields["codec"] = codec
         if codec != cfg.codec:
             fields["options"] = {}
-    for key, value in (("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d)):
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    for key, value in (
+        ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
+        ("timeout", seconds),
+    ):
         if value is not None:
             fields[key] = value
     if collective_options:
@@ -182,7 +186,7 @@ def register(
             group=group if group is not None else getattr(model, "process_group", None),
             memory_options=memory_options,
             collective_options=cfg.collective_options,
-            timeout=timeout,
+            timeout=cfg.timeout,
             settings_extra={"min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d},
             settings_sources=cfg.sources,
             **cfg.options,
