@@ -18,6 +18,7 @@ from gradzip.collectives import get as collective
 from gradzip.collectives.base import nonfinite_flag
 
 from .tensors import randn as _randn
+from .test_codecs import _power_round
 
 NAMES = gradzip.codecs.names()
 FLT_MAX = torch.finfo(torch.float32).max
@@ -26,18 +27,6 @@ FP16_MAX = torch.finfo(torch.float16).max
 
 def _round_trip(c, x, name="t", step=0):
     return c.decode(c.encode(x, name=name, step=step))
-
-
-def _power_round(c, m, name):
-    """One PowerSGD step through both rounds, as a one-rank all-reduce would run it."""
-    p = c.encode(m, name=name)
-    reduced = [p.tensors[0].clone()]
-    while True:
-        nxt = c.next_round(p, reduced)
-        if nxt is None:
-            break
-        p, reduced = nxt, [t.clone() for t in nxt.tensors]
-    return c.decode(Payload(reduced, p.ctx))
 
 
 # ================================================================================ PowerSGD
