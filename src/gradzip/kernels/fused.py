@@ -4,13 +4,17 @@ Three versions produce the same bytes: :mod:`.native` (fused C, CPU), :mod:`.gpu
 CUDA) and :mod:`.reference` (plain torch: the specification, and the fallback for everything
 else — other devices, odd bucket sizes, no compiler, no Triton). ``GRADZIP_KERNELS`` picks one
 by hand: ``auto`` (default), ``native``, ``triton`` or ``torch``; asking for a version that
-cannot run raises an error that says why, rather than silently measuring another.
+cannot run raises an error that says why, rather than silently measuring another. Under ``auto``
+a fallback to torch because a faster version cannot run here warns once per process, and
+:func:`active` says which version runs where.
 """
 from __future__ import annotations
 
 import os
+import threading
+import warnings
 from types import ModuleType
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -18,6 +22,28 @@ from . import native, reference
 
 CHOICES = ("auto", "native", "triton", "torch")
 _TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+class KernelFallbackWarning(RuntimeWarning):
+    """A faster kernel version cannot run here, so the torch version runs (several times slower)."""
+
+
+def _fallback(device: str, why: Optional[str]) -> None:
+    """Warn once per process and device type that the torch kernels replace a faster version."""
+    if device in _warned:
+        return
+    with _warn_lock:
+        if device in _warned:
+            return
+        _warned.add(device)
+    version = "fused C" if device == "cpu" else "Triton"
+    warnings.warn(
+        f"gradzip: the {version} kernels cannot run here ({why}); {device.upper()} tensors use the slower "
+        "torch kernels (GRADZIP_KERNELS=torch chooses them without this warning)",
+        KernelFallbackWarning, stacklevel=3,
+    )
 
 
 def setting() -> str:
@@ -47,15 +73,45 @@ def backend(x: torch.Tensor, bits: int = 8, bucket: int = 8) -> ModuleType:
         if choice == "native":
             why = native.available() or f"bits={bits}, bucket={bucket} (buckets must pack into whole bytes, ≤ {native.MAX_BUCKET})"
             raise RuntimeError(f"GRADZIP_KERNELS=native cannot run here: {why}")
+        if native.available() is not None:
+            _fallback("cpu", native.available())
     if x.device.type == "cuda" and choice in ("auto", "triton"):
         gpu = _gpu()
         if gpu is not None and gpu.available() is None and gpu.supports(x, bits, bucket):
             return gpu
         if choice == "triton":
             raise RuntimeError(f"GRADZIP_KERNELS=triton cannot run here: {gpu.available() if gpu else 'no Triton kernels'}")
+        if gpu is None or gpu.available() is not None:
+            _fallback("cuda", gpu.available() if gpu else "no Triton kernels")
     if choice != "auto" and x.device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"GRADZIP_KERNELS={choice} has no kernels for {x.device.type} tensors")
     return reference
+
+
+def active() -> Dict[str, Optional[str]]:
+    """Which version runs for CPU and for CUDA tensors, and why not the faster one.
+
+    ``{"setting": "auto", "cpu": "native", "cpu_why": None, "cuda": "torch", "cuda_why": "..."}``:
+    ``*_why`` is None when the fastest version for that device runs. A version forced by
+    ``GRADZIP_KERNELS`` that cannot run shows as ``"unavailable"`` (using it raises).
+    Odd inputs (bucket sizes that do not pack into whole bytes) use torch on any device.
+    """
+    choice = setting()
+    out: Dict[str, Optional[str]] = {"setting": choice}
+    if choice in ("auto", "native"):
+        why = native.available()
+        out["cpu"] = "native" if why is None else ("torch" if choice == "auto" else "unavailable")
+        out["cpu_why"] = why
+    else:
+        out["cpu"], out["cpu_why"] = "torch", f"GRADZIP_KERNELS={choice}"
+    if choice in ("auto", "triton"):
+        gpu = _gpu()
+        why = gpu.available() if gpu is not None else "no Triton kernels"
+        out["cuda"] = "triton" if why is None else ("torch" if choice == "auto" else "unavailable")
+        out["cuda_why"] = why
+    else:
+        out["cuda"], out["cuda_why"] = "torch", f"GRADZIP_KERNELS={choice}"
+    return out
 
 
 def name(x: torch.Tensor, bits: int = 8, bucket: int = 8) -> str:
@@ -108,9 +164,13 @@ def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     choice = setting()
     if x.device.type == "cpu" and choice in ("auto", "native") and native.supports(x) and x.dtype in _TOPK_DTYPES:
         return native.topk(x, k)
+    if x.device.type == "cpu" and choice == "auto" and native.available() is not None:
+        _fallback("cpu", native.available())
     if x.device.type == "cuda" and choice in ("auto", "triton"):
         gpu = _gpu()
         if gpu is not None and gpu.available() is None and gpu.supports_topk(x):
             return gpu.topk(x, k)
+        if choice == "auto" and (gpu is None or gpu.available() is not None):
+            _fallback("cuda", gpu.available() if gpu else "no Triton kernels")
     _, idx = torch.topk(x.abs(), k, sorted=False)
     return x[idx], idx
