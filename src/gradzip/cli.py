@@ -1,4 +1,5 @@
-"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce`` and ``gradzip bench codecs``.
+"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce`` and ``gradzip bench codecs``,
+``gradzip run`` (torchrun with gradzip on every DDP model) and ``gradzip doctor``.
 
 Heavy modules (the demo, the benchmark, rich) are imported by the subcommand that needs them, so
 ``gradzip --help`` stays quick and a missing optional extra only breaks the command that uses it.
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", default="demo-results", help="directory for results.json and demo.png (default %(default)s)")
 
+    run = sub.add_parser(
+        "run", add_help=False, help="launch like torchrun; every DDP model the script builds is compressed",
+        description="gradzip run [torchrun options] [--codec C --bits B --option k=v] script.py [script args]",
+    )
+    run.add_argument("args", nargs=argparse.REMAINDER, help="torchrun options, gradzip options, script and its arguments")
+    sub.add_parser("doctor", help="what gradzip will use here: torch build, backends, kernels, compiler, Triton, cluster")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     ar = bench_sub.add_parser("allreduce", help="time one all-reduce of a large fp32 tensor, plain vs compressed")
@@ -153,7 +161,16 @@ def _plot(draw: Callable[[Dict[str, Any], str], None], report: Dict[str, Any], a
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's options and the script's own: parsed by gradzip.run alone
+        from . import run
+
+        return run.main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.main()
     if args.command == "demo":
         from . import demo
 
