@@ -29,7 +29,7 @@ def test_active_names_the_version_that_runs_on_cpu():
 
 
 def test_doctor_reports_the_key_facts_and_exits_0():
-    proc = _run(["-m", "gradzip", "doctor"])
+    proc = _run(["-m", "gradzip", "doctor"], COLUMNS="200")  # one table row a line
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for needle in (torch.__version__, "gloo", "nccl", "CPU tensors", "CUDA tensors", "C compiler", "native build",

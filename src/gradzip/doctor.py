@@ -61,7 +61,7 @@ def _gradzip() -> Section:
     return "gradzip", [
         ("version", f"{gradzip.__version__} ({os.path.dirname(gradzip.__file__)})", "info"),
         ("GRADZIP_* set", ", ".join(settings) or "none", "info"),
-        ("codecs", ", ".join(gradzip.codecs.names()), "info"),
+        ("codecs", f"{len(gradzip.codecs.names())} registered (gradzip.codecs.names())", "info"),
     ]
 
 
@@ -155,7 +155,7 @@ def render(sections: List[Section], console: Optional[object] = None) -> None:
     except ImportError:
         print(plain(sections))
         return
-    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    console = console or Console()  # a pipe gets 80 columns, or $COLUMNS
     colour = {"ok": "green", "no": "red", "info": "dim"}
     table = Table(title="gradzip doctor", show_header=False)
     table.add_column("section", style="bold", no_wrap=True)
