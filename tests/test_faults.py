@@ -131,6 +131,27 @@ def test_ranks_with_different_settings_all_raise_naming_field_values_ranks_and_v
             assert "from GRADZIP_BITS=2" in results[0][i]["message"]
 
 
+def _one_rank_invalid(rank: int, world: int) -> dict:
+    if rank == 1:
+        os.environ["GRADZIP_RATIO"] = "0.01"  # left over from a top-k run, on one host only
+    start = time.monotonic()
+    try:
+        gradzip.register(DDP(_model()), "maxmin", bits=4)
+        return {"type": None}
+    except Exception as exc:
+        return _failure(exc, start)
+
+
+def test_an_invalid_option_on_one_rank_is_reported_on_every_rank_at_once():
+    results = spawn_local(_one_rank_invalid, WORLD, all_ranks=True, timeout_s=60)
+    assert results[1]["type"] == "ValueError" and "GRADZIP_RATIO=0.01" in results[1]["message"], results[1]
+    for rank in (0, 2):
+        res = results[rank]
+        assert res["type"] == "SettingsMismatchError", res
+        assert "unknown option(s) ratio" in res["message"] and "on rank 1" in res["message"], res["message"]
+        assert res["seconds"] < 30, res  # told at once, not after the 60 s timeout
+
+
 def test_same_settings_register_without_complaint():
     assert run_workers(_same_settings, 2) == [True, True]
 

@@ -106,12 +106,19 @@ class Communicator:
         settings_sources: Optional[Mapping[str, str]] = None,
         **codec_options: Any,
     ) -> None:
-        self.codec = _registry.codec(codec, **codec_options)
-        self.memory = _memory.memory(memory if memory is not None else self.codec.default_memory, **(memory_options or {}))
-        self.collective_name = collective or self.codec.collective
-        # check every option before the first collective: a bad one fails here, on its own rank
-        self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
         self.timeout = _as_timedelta(timeout) or group_timeout(group)
+        try:  # every option is checked before the first collective
+            self.codec = _registry.codec(codec, **codec_options)
+            memory = memory if memory is not None else self.codec.default_memory
+            self.memory = _memory.memory(memory, **(memory_options or {}))
+            self.collective_name = collective or self.codec.collective
+            self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
+        except ValueError as exc:
+            # the other ranks are about to meet this one in collectives: tell them why it is not
+            # coming, or they would wait out the timeout and fail without a reason
+            if verify_settings and dedicated_group:
+                _report_failed_construction(group, self.timeout, exc, settings_sources)
+            raise
         self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
         self.collective.group = self.group
         self._plain_codec = _registry.codec("none")
@@ -399,6 +406,22 @@ class Communicator:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _report_failed_construction(
+    group: Optional[dist.ProcessGroup], timeout: Optional[timedelta], exc: Exception,
+    sources: Optional[Mapping[str, str]],
+) -> None:
+    """Take part in the group creation and settings exchange with an error in place of settings."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    own = _dedicated_group(group, timeout)
+    try:
+        consistency.verify_same_on_all_ranks({"error": f"{type(exc).__name__}: {exc}"}, own, sources)
+    except consistency.SettingsMismatchError:
+        pass  # this rank raises its own, more precise error
+    finally:
+        dist.destroy_process_group(own)
 
 
 _TRANSPORT_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "pair", "transport")
