@@ -55,7 +55,8 @@ def test_falling_back_to_torch_kernels_warns_once_with_the_reason(tmp_path):
     code = (
         "import torch, gradzip\n"
         "from gradzip import kernels\n"
-        "for name, opts in [('maxmin', {'bits': 4}), ('qsgd', {'bits': 4}), ('signsgd', {}), ('topk', {'ratio': 0.1})]:\n"
+        "codecs = [('maxmin', {'bits': 4}), ('qsgd', {'bits': 4}), ('signsgd', {}), ('topk', {'ratio': 0.1})]\n"
+        "for name, opts in codecs:\n"
         "    c = gradzip.codec(name, **opts)\n"
         "    for _ in range(3):\n"
         "        c.decode(c.encode(torch.randn(4096), name='w'))\n"

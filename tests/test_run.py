@@ -25,7 +25,7 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _launch(launcher: List[str], out: Path, *script_args: str, **env: str) -> Tuple[subprocess.CompletedProcess, List[dict]]:
+def _launch(launcher: List[str], out: Path, *script_args: str, **env: str) -> Tuple[subprocess.CompletedProcess, list]:
     out.mkdir()
     proc = subprocess.run(
         [*launcher, "--nproc-per-node", "2", SCRIPT, str(out), *script_args],

@@ -48,9 +48,11 @@ def _torch() -> Section:
         rows.append(("GPUs", "none visible", "info"))
     rows.append(("torch.distributed", "available" if dist.is_available() else "not built in", _ok(dist.is_available())))
     if dist.is_available():
-        for name, check in (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available), ("mpi", dist.is_mpi_available)):
+        backends = (("gloo", dist.is_gloo_available), ("nccl", dist.is_nccl_available), ("mpi", dist.is_mpi_available))
+        for name, check in backends:
             found = bool(check())
-            rows.append((f"backend {name}", "available" if found else "not available", _ok(found) if name == "gloo" else "info"))
+            status = _ok(found) if name == "gloo" else "info"  # gloo is what CPU training and the tests use
+            rows.append((f"backend {name}", "available" if found else "not available", status))
     return "torch", rows
 
 
@@ -84,7 +86,8 @@ def _kernels() -> Section:
         rows.append((f"{device.upper()} tensors", value, status))
     cc = native._compiler()
     version = _first_line([cc, "--version"]) if cc else ""
-    rows.append(("C compiler", f"{shutil.which(cc)} ({version})" if cc else "none found (set CC, or install gcc)", _ok(bool(cc))))
+    found = f"{shutil.which(cc)} ({version})" if cc else "none found (set CC, or install gcc)"
+    rows.append(("C compiler", found, _ok(bool(cc))))
     why = native.available()
     rows.append(("native build", "works" if why is None else why, _ok(why is None)))
     cache = os.environ.get("GRADZIP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gradzip")
@@ -106,7 +109,7 @@ def _triton() -> Section:
     why = gpu.available() if gpu is not None else "gradzip's Triton kernels failed to import"
     return "triton", [
         ("triton", f"{triton.__version__} importable", "ok"),
-        ("Triton kernels", "can run" if why is None else why, _ok(why is None) if torch.cuda.is_available() else "info"),
+        ("Triton kernels", why or "can run", _ok(why is None) if torch.cuda.is_available() else "info"),
     ]
 
 
