@@ -65,8 +65,49 @@ def _positive(text: str) -> int:
     return value
 
 
+def _model_list(text: str) -> List[str]:
+    """``"resnet50,gpt2"`` → ``["resnet50", "gpt2"]``, each checked against the benchmark's models."""
+    from .bench.models import MODELS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in MODELS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown model(s) {', '.join(bad) or '(none given)'}; choose from: {', '.join(MODELS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _method_list(text: str) -> List[str]:
+    """Demo config names or codec specs separated by commas, each checked (see ``bench.models.resolve``)."""
+    from .bench.models import resolve
+
+    configs = [c.strip() for c in text.split(",") if c.strip()]
+    for config in configs:
+        try:
+            resolve(config)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return configs
+
+
+def _link_rate(text: str) -> Optional[str]:
+    """A link rate for the emulated cluster (``100mbit``, ``1gbit``), or None for ``loopback``."""
+    from .bench.cluster import parse_rate
+
+    if text.strip().lower() in ("loopback", "none"):
+        return None
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or loopback") from None
+    return text.strip().lower()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from .demo import DEFAULT_CONFIGS, DEFAULTS
+    from .codecs import names as codec_names
+    from .demo import COMMAND_DEFAULTS as DEFAULTS
+    from .demo import CONFIGS, DEFAULT_CONFIGS
 
     parser = argparse.ArgumentParser(prog="gradzip", description="Gradient compression for data-parallel PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,12 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model, split and shuffle seed")
     demo.add_argument("--width", type=_positive, default=DEFAULTS["width"], help="hidden width of the MLP (default %(default)s)")
     demo.add_argument(
-        "--rate", default=None,
-        help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2)",
+        "--rate", default=DEFAULTS["rate"],
+        help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2; "
+        "default %(default)s); 'loopback' for none. Without root or iproute2 the demo runs on loopback and "
+        "estimates the wire time at 1 Gbit/s",
     )
     demo.add_argument(
         "--configs", type=_config_list, default=DEFAULT_CONFIGS,
-        help=f"comma-separated configs (default {','.join(DEFAULT_CONFIGS)})",
+        help=f"comma-separated configs (default {','.join(DEFAULT_CONFIGS)}); all: {','.join(CONFIGS)}",
     )
     demo.add_argument("--out", default="demo-results", help="directory for results.json and demo.png (default %(default)s)")
 
@@ -122,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         "default: plain loopback",
     )
     cb = bench_sub.add_parser("codecs", help="bits per element and encode+decode speed of each codec (one process)")
-    cb.add_argument("--codecs", type=_codec_list, default=[], help="codec specs (default: every registered codec)")
+    cb.add_argument(
+        "--codecs", type=_codec_list, default=[],
+        help="comma-separated codec specs name[:key=value...], e.g. maxmin:bits=2,topk:ratio=0.01,fp16 "
+        f"(default: every registered codec: {','.join(codec_names())})",
+    )
     cb.add_argument("--numel", type=_positive, default=1 << 20, help="elements (default %(default)s)")
     cb.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
     cb.add_argument("--threads", type=_positive, default=1, help="torch threads (default %(default)s)")
@@ -131,19 +178,62 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", dest="plot_path",
         help="draw GB/s per codec against memory-copy speed to this PNG (default with --json: next to it, same name)",
     )
+    mb = bench_sub.add_parser(
+        "models", help="DDP steps over the gradient sets of real models (ResNet-50, BERT, GPT-2, ViT), per method",
+        description="DDP steps over modules with the exact parameter shapes of real models (forward nearly free, "
+        "so a step is the gradient exchange), or a real ResNet-18 forward/backward: fp32 DDP, PyTorch's "
+        "fp16_compress_hook and gradzip maxmin4 (plus --configs), with wire and codec limits.",
+        epilog="examples:\n"
+        "  gradzip bench models                                  # all four models, 4 ranks, 1 Gbit/s\n"
+        "  gradzip bench models --models resnet50 --rate 100mbit --steps 3\n"
+        "  gradzip bench models --models resnet18-real,gpt2 --configs maxmin2,topk,maxmin:bits=8:memory=residual\n"
+        "  gradzip bench models --models resnet50 --rate loopback --json out/models.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from .bench.models import DEFAULT_MODELS, MODELS
+
+    mb.add_argument(
+        "--models", type=_model_list, default=DEFAULT_MODELS,
+        help=f"comma-separated models (default {','.join(DEFAULT_MODELS)}); all: {','.join(MODELS)}",
+    )
+    mb.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    mb.add_argument(
+        "--rate", type=_link_rate, default="1gbit",
+        help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2; "
+        "default %(default)s); 'loopback' for none. Without root or iproute2 it says so and runs on loopback",
+    )
+    mb.add_argument("--steps", type=_positive, default=5, help="timed steps per method after the warm-up (default %(default)s)")
+    mb.add_argument(
+        "--warmup", type=_positive, default=2,
+        help="untimed steps first; DDP rebuilds its buckets after the first (default %(default)s)",
+    )
+    mb.add_argument(
+        "--configs", type=_method_list, default=[],
+        help="extra methods besides fp32, torch-fp16 and maxmin4: demo config names (maxmin2, topk, powersgd, "
+        "fp16, ...) or codec specs as in bench allreduce (maxmin:bits=8:memory=residual)",
+    )
+    mb.add_argument(
+        "--json", dest="json_path", default=os.path.join("bench-results", "models.json"),
+        help="write the results to this JSON file (default %(default)s)",
+    )
+    mb.add_argument(
+        "--plot", dest="plot_path",
+        help="draw time per step per model and method to this PNG (default: next to the JSON, same name)",
+    )
     return parser
 
 
 def _console():
-    from rich.console import Console
+    from .bench.tables import console
 
-    return Console(width=None if sys.stdout.isatty() else 160)  # pipes and logs get the whole table
+    return console()  # rich's (pipes and logs get the whole table), or plain text without rich
 
 
 def _plot(draw: Callable[[Dict[str, Any], str], None], report: Dict[str, Any], args: argparse.Namespace, console: Any) -> None:
     """Draw ``report`` to ``--plot``, or next to ``--json`` when only that was given.
 
-    A missing matplotlib fails an explicit ``--plot`` and only skips the implicit one.
+    A missing matplotlib fails an explicit ``--plot`` and only skips the implicit one, each with a
+    line naming the extra to install.
     """
     path = args.plot_path
     if path is None and args.json_path:
@@ -153,9 +243,10 @@ def _plot(draw: Callable[[Dict[str, Any], str], None], report: Dict[str, Any], a
     try:
         draw(report, path)
     except ImportError as exc:
+        why = f"no plot: {(exc.name or 'matplotlib').split('.')[0]} is not installed (pip install gradzip[bench])"
         if args.plot_path:
-            raise
-        console.print(f"no plot ({exc}); install the 'bench' extra for one")
+            raise SystemExit(f"gradzip: {why}")
+        print(why)
         return
     console.print(f"plot: {path}")
 
@@ -174,14 +265,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         from . import demo
 
-        report = demo.run_demo(
-            args.configs, out=args.out, workers=args.workers, epochs=args.epochs,
-            batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed,
-            width=args.width, rate=args.rate,
-        )
+        try:
+            report = demo.run_demo(
+                args.configs, out=args.out, workers=args.workers, epochs=args.epochs,
+                batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                width=args.width, rate=args.rate, echo=lambda line: print(line, flush=True),
+            )
+        except ImportError as exc:  # the data set needs scikit-learn (the 'demo' extra)
+            raise SystemExit(f"gradzip demo: {exc}")
         console = _console()
+        print("\n".join([""] + report["headline"] + [""]), flush=True)
         console.print(demo.table(report))
-        console.print(f"total wall time {report['total_wall_s']:.1f} s; results and plot in {args.out}/")
+        if report.get("plot_skipped"):
+            print(report["plot_skipped"])
+        print(f"total wall time {report['total_wall_s']:.1f} s; results in {args.out}/", flush=True)
         return 0 if all(r.get("identical", True) for r in report["results"]) else 1  # failed baselines are rows
     if args.command == "bench" and args.bench == "allreduce":
         from .bench import micro, plots
@@ -201,6 +298,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console = _console()
         console.print(codec_bench.table(report))
         _plot(plots.codecs, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "models":
+        from .bench import models, plots
+
+        if os.path.dirname(args.json_path):
+            os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
+        report = models.run_models(
+            args.models, args.configs, args.workers, args.rate, args.steps, args.warmup, json_path=args.json_path,
+        )
+        console = _console()
+        console.print(models.table(report))
+        if report["fallback"]:
+            console.print(report["fallback"])
+        console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
+        _plot(plots.models, report, args, console)
         return 0
     raise AssertionError(args)  # argparse rejects everything else
 

@@ -87,19 +87,16 @@ def run(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threa
 
 
 def table(report: Dict[str, Any]):
-    """The report as a ``rich`` table."""
-    from rich import box
-    from rich.table import Table
+    """The report as a ``rich`` table (plain text without rich)."""
+    from .tables import table as new_table
 
-    t = Table(
+    t = new_table(
         title=f"codecs on {report['numel']:,} fp32 values, {report['threads']} thread(s), median of {report['repeats']}",
         caption=(
             f"memory copy of the same tensor into a preallocated one: {report['copy_ms']:.2f} ms; decode writes into a "
             "preallocated tensor too, as the collectives do; vs copy = copy time / (encode + decode); "
             f"enc+new dec: decode into a fresh tensor (page faults included); kernels: {report.get('kernels', '-')}"
         ),
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1, 0, 0),
     )
     cols = ("codec", "family", "bits/elem", "ratio", "enc ms", "dec ms", "GB/s", "vs copy", "enc+new dec ms")
     for col in cols:

@@ -244,12 +244,11 @@ def _mib(size_mb: float) -> str:
 
 
 def table(report: Dict[str, Any]):
-    """The report as a ``rich`` table, one section per size."""
-    from rich import box
-    from rich.table import Table
+    """The report as a ``rich`` table (plain text without rich), one section per size."""
+    from .tables import table as new_table
 
     sizes = ", ".join(_mib(s) for s in report["sizes_mb"])
-    t = Table(
+    t = new_table(
         title=f"all-reduce of {sizes} MiB fp32 over {report['workers']} gloo ranks (median of {report['repeats']}); "
         f"{report['network']}",
         caption="time: median; speedup: vs fp32 of the same size; error: ‖result − exact mean‖ / ‖exact mean‖; "
@@ -257,8 +256,6 @@ def table(report: Dict[str, Any]):
         "wire limit: bytes each rank's link carries / link rate (2(W−1)/W payloads; all-gather: W−1); "
         f"codec limit: encode+decode CPU time, max(busiest rank, all ranks / {report['cores']} cores); "
         "× limit: time / the larger limit",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1, 0, 0),
     )
     cols = (
         "size MiB", "method", "collective", "time s", "speedup", "MB/rank", "ratio", "bus GB/s",
