@@ -1,4 +1,5 @@
-"""Benchmarks: ``gradzip bench allreduce`` (:mod:`.micro`) and ``gradzip bench codecs`` (:mod:`.codecs`)."""
+"""Benchmarks: ``gradzip bench allreduce`` (:mod:`.micro`), ``gradzip bench codecs`` (:mod:`.codecs`)
+and ``gradzip bench models`` (:mod:`.models`)."""
 from __future__ import annotations
 
 import json

@@ -101,3 +101,60 @@ def codecs(report: Dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def models(report: Dict[str, Any], path: str) -> None:
+    """Time per step per method, one panel per model, each bar against its own limits.
+
+    A bar is the median step (whisker: min–max); on it a dashed tick marks the method's wire
+    limit and a dotted one its codec limit, so the distance to the physical floor shows; the grey
+    line is the model's forward+backward without communication. Labels give the speed-up over
+    fp32 DDP.
+    """
+    plt = _pyplot()
+    from matplotlib.lines import Line2D
+
+    entries = report["models"]
+    cols = min(2, len(entries))
+    rows = -(-len(entries) // cols)
+    n_methods = max(len(m["rows"]) for m in entries)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, (0.45 * n_methods + 1.6) * rows), squeeze=False)
+    for ax, model in zip(axes.flat, entries):
+        rs = model["rows"]
+        ys = range(len(rs))
+        med = [r["median_s"] for r in rs]
+        err = [[r["median_s"] - r["min_s"] for r in rs], [r["max_s"] - r["median_s"] for r in rs]]
+        colors = [f"C{i}" for i in ys]
+        ax.barh(list(ys), med, xerr=err, color=colors, alpha=0.8, capsize=3)
+        for y, r in zip(ys, rs):
+            if r.get("wire_limit_s"):
+                ax.plot([r["wire_limit_s"]] * 2, [y - 0.4, y + 0.4], color="black", linestyle="--", linewidth=1.2)
+            if r.get("codec_limit_s"):
+                ax.plot([r["codec_limit_s"]] * 2, [y - 0.4, y + 0.4], color="tab:red", linestyle=":", linewidth=1.5)
+            note = f"{r['median_s']:.2f} s" + (f", {r['vs_fp32']:.2f}× fp32" if r.get("vs_fp32") else "")
+            ax.annotate(note, (r["max_s"], y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.axvline(model["compute_s"], color="grey", linewidth=1)
+        ax.set_yticks(list(ys), [_label(r["method"]) for r in rs])
+        ax.invert_yaxis()  # fp32 on top, as in the table
+        ax.set_xlim(0, max(r["max_s"] for r in rs) * 1.45)  # room for the labels
+        kind = "real forward/backward" if model.get("real_compute") else "gradient set only"
+        ax.set_title(f"{model['title']}: {model['tensors']} tensors, {model['numel'] / 1e6:.1f} M values, "
+                     f"{model.get('buckets', '?')} buckets ({kind})", fontsize=9)
+        ax.set_xlabel("seconds per step (median; whisker: min–max)")
+        ax.grid(alpha=0.3, axis="x")
+    for ax in list(axes.flat)[len(entries):]:
+        ax.axis("off")
+    handles = [
+        Line2D([], [], color="black", linestyle="--", label="wire limit"),
+        Line2D([], [], color="tab:red", linestyle=":", label="codec limit"),
+        Line2D([], [], color="grey", label="forward+backward, no communication"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(
+        f"DDP step per model and method, {report['workers']} gloo ranks, {report['network']}, "
+        f"median of {report['steps']}",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
