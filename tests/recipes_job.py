@@ -37,9 +37,17 @@ def accelerate_job(outdir: str) -> None:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = mlp()
+    try:  # the model before prepare(): refused, it is no DDP model
+        gradzip.recipes.register_accelerate(accelerator, model, "maxmin")
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(data(), batch_size=16)  # 8 batches per rank: 4 optimizer steps
     model, opt, loader = accelerator.prepare(model, opt, loader)
+    compiled = torch.nn.Module()
+    compiled._orig_mod = model  # how torch.compile holds the model it compiled
+    found = gradzip.recipes.find_ddp(compiled) is model
     state = gradzip.recipes.register_accelerate(accelerator, model, "maxmin", bits=4, min_numel=256)
     for x, y in loader:
         with accelerator.accumulate(model):
@@ -47,7 +55,7 @@ def accelerate_job(outdir: str) -> None:
             opt.step()
             opt.zero_grad()
     save(outdir, accelerator.process_index, accelerator.num_processes, state, accelerator.unwrap_model(model),
-         distributed_type=str(accelerator.distributed_type))
+         distributed_type=str(accelerator.distributed_type), refused=refused, found=found)
 
 
 class _Classifier(torch.nn.Module):
