@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import subprocess
 import sys
@@ -476,6 +477,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         if state is not None:
             row["measured_wire_bytes"] = measured_wire
             row["collective"] = state.comm.collective_name
+            row["compressed_tensors"] = sum(1 for p in module.parameters() if state.should_compress(p))
         else:
             row["collective"] = "torch"
         return row
@@ -501,11 +503,25 @@ def _compute_only(spec: ModelSpec, rank: int, world: int, steps: int, warmup: in
         gc.collect()
 
 
+def _round_trip_s(repeats: int = 20) -> float:
+    """Median time of an all-reduce of one value: what every extra collective round costs at least."""
+    one = torch.zeros(1)
+    times = torch.zeros(repeats, dtype=torch.float64)
+    dist.all_reduce(one)
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        dist.all_reduce(one)
+        times[i] = time.perf_counter() - t0
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return statistics.median(times.tolist())
+
+
 def bench_worker(
     rank: int, world: int, specs: Sequence[ModelSpec], methods: Sequence[Dict[str, Any]], steps: int, warmup: int, probe: int,
-) -> List[Dict[str, Any]]:
+) -> Dict[str, Any]:
     """One rank: every model, every method in turn (same order on every rank)."""
     out = []
+    latency = _round_trip_s()
     for spec in specs:
         shapes = spec.shapes()
         model = {
@@ -524,7 +540,7 @@ def bench_worker(
                       file=sys.stderr, flush=True)
         model["buckets"] = len(rows[0]["bucket_bytes"])  # fp32 DDP's, the same for every method
         out.append(model)
-    return out
+    return {"models": out, "round_trip_s": latency}
 
 
 # ------------------------------------------------------------------------------ the parent
@@ -551,6 +567,13 @@ def _finish(model: Dict[str, Any], world: int, link_bps: Optional[float], cores:
         r["vs_limit"] = m / limit if limit else None
 
 
+def _loadavg() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def run_models(
     models: Sequence[Union[str, ModelSpec]] = DEFAULT_MODELS, configs: Sequence[str] = (), workers: int = 4,
     rate: Optional[str] = "1gbit", steps: int = 5, warmup: int = 2, probe: int = 1, json_path: Optional[str] = None,
@@ -575,6 +598,7 @@ def run_models(
         "methods": [m["method"] for m in methods], "fallback": None,
     }
     t0 = time.perf_counter()
+    load_start = _loadavg()
     with contextlib.ExitStack() as stack:
         emu = None
         if rate:
@@ -593,11 +617,24 @@ def run_models(
                 report["network"] = emu.describe()
         results = spawn_local(bench_worker, workers, specs, methods, steps, warmup, probe, cluster=emu, timeout_s=timeout_s)
     link_bps = cluster.parse_rate(rate) if rate and report["fallback"] is None else None
-    for model in results:
+    for model in results["models"]:
         _finish(model, workers, link_bps, cores)
-    report["models"] = results
+    report["round_trip_s"] = results["round_trip_s"]  # a one-value all-reduce: the floor of every round
+    report["models"] = results["models"]
     report["wall_s"] = time.perf_counter() - t0
+    report["loadavg"] = [load_start, _loadavg()]  # the machine's 1-minute load at start and end: it may be shared
     return write_json(report, json_path)
+
+
+def _context(report: Dict[str, Any]) -> str:
+    """The run's one-value all-reduce time and the machine's load (it may be shared)."""
+    out = ""
+    if report.get("round_trip_s") is not None:
+        out += f"; one-value all-reduce: {report['round_trip_s'] * 1e3:.2f} ms"
+    load = report.get("loadavg") or [None, None]
+    if None not in load:
+        out += f"; machine load (1 min) {load[0]:.1f} at start, {load[1]:.1f} at end on {report['cores']} cores"
+    return out
 
 
 def _mb(n: float) -> str:
@@ -605,19 +642,17 @@ def _mb(n: float) -> str:
 
 
 def table(report: Dict[str, Any]):
-    """The report as a ``rich`` table, one section per model."""
-    from rich import box
-    from rich.table import Table
+    """The report as a ``rich`` table (plain text without rich), one section per model."""
+    from .tables import table as new_table
 
-    t = Table(
+    t = new_table(
         title=f"DDP steps over real models' gradient sets, {report['workers']} gloo ranks, median of {report['steps']} "
         f"after {report['warmup']} warm-up; {report['network']}",
         caption="s/step: median (min–max) of the slowest rank; vs fp32 / vs fp16: speed-up over fp32 DDP and over "
         "PyTorch's fp16_compress_hook; MB/rank: payload bytes each rank contributes per step; "
         "wire limit: bytes each rank's link carries (2(W−1)/W payloads; all-gather W−1) / link rate; "
         f"codec limit: encode+decode CPU time, max(busiest rank, all ranks / {report['cores']} cores); "
-        "× limit: time / the larger limit; no DDP: forward+backward alone on every rank at once",
-        box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+        "× limit: time / the larger limit; no DDP: forward+backward alone on every rank at once" + _context(report),
     )
     cols = ("model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire limit s", "codec limit s", "× limit")
     for col in cols:
