@@ -83,8 +83,10 @@ def trainer_job(outdir: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     callback = gradzip.recipes.register_trainer(trainer, "maxmin", bits=4, min_numel=256)
     trainer.train()
+    first = callback.state
+    trainer.train()  # again, on the same DDP model: the hook and its state stay
     save(outdir, args.process_index, args.world_size, callback.state, model,
-         wrapped=type(trainer.model_wrapped).__name__)
+         wrapped=type(trainer.model_wrapped).__name__, same_state=callback.state is first)
 
 
 def ray_job(outdir: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -28,15 +29,28 @@ def test_options_split_between_gradzip_and_ddp():
     from gradzip.lightning import GradzipDDPStrategy
 
     s = GradzipDDPStrategy("topk", ratio=0.01, memory="residual", min_numel=64, find_unused_parameters=True,
-                           static_graph=False, start_method="spawn", gradzip_options={"timeout": 30})
+                           static_graph=False, start_method="spawn", timeout=timedelta(seconds=77),
+                           gradzip_options={"timeout": 30})
     assert isinstance(s, lightning.pytorch.strategies.DDPStrategy)
     assert s._gradzip_codec == "topk"
     assert s._gradzip_options == {"ratio": 0.01, "memory": "residual", "min_numel": 64, "timeout": 30}
     assert s._ddp_kwargs == {"find_unused_parameters": True, "static_graph": False}
-    assert s._start_method == "spawn"
+    assert s._start_method == "spawn" and s._timeout == timedelta(seconds=77)  # the process group's
     assert s.gradzip is None
-    with pytest.raises(ValueError, match="ddp_comm_hook"):
+    try:
+        import pytorch_lightning
+    except ImportError:
+        pass
+    else:  # the same strategy for pytorch_lightning's Trainer, which accepts only its own classes
+        from gradzip.lightning import GradzipPLDDPStrategy
+
+        pl_strategy = GradzipPLDDPStrategy("maxmin", bits=2)
+        assert isinstance(pl_strategy, pytorch_lightning.strategies.DDPStrategy)
+        assert pl_strategy._gradzip_options == {"bits": 2}
+    with pytest.raises(ValueError, match="pass no ddp_comm_hook"):
         GradzipDDPStrategy("maxmin", ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(ValueError, match="pass no ddp_comm_state"):
+        GradzipDDPStrategy("maxmin", ddp_comm_state=object())
 
 
 def test_two_process_cpu_fit_compresses_and_keeps_replicas_identical(tmp_path):

@@ -65,12 +65,14 @@ def test_accelerate_two_processes(tmp_path):
 
 @pytest.mark.skipif(not _installed("transformers"), reason="transformers is not installed (pip install gradzip[hf])")
 def test_hf_trainer_callback_two_processes(tmp_path):
-    """``torchrun`` and ``Trainer(use_cpu=True)``: the callback finds ``trainer.model_wrapped``."""
+    """``torchrun`` and ``Trainer(use_cpu=True)``: the callback finds ``trainer.model_wrapped``;
+    ``train()`` twice (5 steps each) keeps the one registration."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            JOB, "trainer", str(tmp_path)]
     ranks = _run(cmd, tmp_path)
-    assert ranks[0]["wrapped"] == "DistributedDataParallel"
-    _check(ranks, steps=5)
+    for r in ranks:
+        assert r["wrapped"] == "DistributedDataParallel" and r["same_state"]
+    _check(ranks, steps=10)
 
 
 @pytest.mark.skipif(not _installed("ray"), reason="ray is not installed (pip install gradzip[ray])")

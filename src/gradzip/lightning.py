@@ -31,9 +31,11 @@ def _build(package: str, name: str) -> type:
         """``codec`` and the options of :func:`gradzip.register` (``bits``, ``memory``,
         ``collective``, ``min_numel``, ``timeout``, ...); the keywords DDPStrategy knows
         (``find_unused_parameters``, ``static_graph``, ``start_method``, ...) go to it.
-        ``gradzip_options`` passes a register option whose name DDPStrategy also takes."""
-        if kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError(f"{name} registers gradzip's hook itself: pass no ddp_comm_hook")
+        ``timeout`` is DDPStrategy's, the process group's, which gradzip inherits; a timeout for
+        gradzip alone is ``gradzip_options={"timeout": 60}``."""
+        given = [k for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper") if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(f"{name} registers gradzip's hook itself: pass no {', '.join(given)}")
         ddp_keys = set(_ddp_keywords(base))
         options = {k: kwargs.pop(k) for k in list(kwargs) if k not in ddp_keys and not _is_ddp_option(k)}
         options.update(gradzip_options or {})
@@ -42,10 +44,12 @@ def _build(package: str, name: str) -> type:
         self._gradzip_options = options
         self.gradzip = None
 
-    def _register_ddp_hooks(self) -> None:
-        # Lightning's version registers a hook on CUDA only; gradzip's works on every device
+    def configure_ddp(self) -> None:
+        """Wrap in DDP as Lightning does (it registers no hook: none was given), then register
+        gradzip on the DDP model, on every device."""
         from . import ddp
 
+        base.configure_ddp(self)
         if self.gradzip is not None:  # a second fit() wraps a new DDP model
             self.gradzip.close()
         self.gradzip = ddp.register(self.model, self._gradzip_codec, **self._gradzip_options)
@@ -59,7 +63,7 @@ def _build(package: str, name: str) -> type:
 
     cls = type(name, (base,), {
         "__init__": __init__,
-        "_register_ddp_hooks": _register_ddp_hooks,
+        "configure_ddp": configure_ddp,
         "teardown": teardown,
         "__module__": __name__,
         "__qualname__": name,
