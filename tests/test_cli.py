@@ -36,9 +36,9 @@ def test_demo_without_a_cluster_says_so_first_and_estimates_the_wire(tmp_path, c
     first = printed.splitlines()[:4]
     assert "loopback (no emulated cluster: network namespaces and tc need root)" in first[0]
     assert "cannot show a gain" in first[1]
-    assert "1 Gbit/s link" in first[2] and "2(W−1)/W" in first[2]  # the formula of the estimate
+    assert "100 Mbit/s link" in first[2] and "2(W−1)/W" in first[2]  # the formula of the estimate
     report = json.loads((out / "results.json").read_text())
-    assert report["emulated"] is False and report["link_rate"] == "1gbit"
+    assert report["emulated"] is False and report["link_rate"] == "100mbit"
     rows = {r["config"]: r for r in report["results"]}
     assert list(rows) == ["fp32", "maxmin4"]
     for r in rows.values():
@@ -46,7 +46,7 @@ def test_demo_without_a_cluster_says_so_first_and_estimates_the_wire(tmp_path, c
         assert r["identical"] is True
         assert r["wire_bytes"] > 0 and len(r["loss_per_step"]) == r["steps"] > 0
         # two ranks: a ring all-reduce and SRA both send 2(W−1)/W = 1 payload per rank and step
-        assert r["link_s"] == pytest.approx(r["wire_bytes"] * 8 / 1e9)
+        assert r["link_s"] == pytest.approx(r["wire_bytes"] * 8 / 1e8)
     assert rows["maxmin4"]["wire_bytes"] < rows["fp32"]["wire_bytes"]
     assert report["headline"][0].startswith("maxmin 4-bit: ") and "fewer bytes than fp32" in report["headline"][0]
     assert report["headline"][0] in printed and "wire s" in printed

@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--rate", default=DEFAULTS["rate"],
         help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2; "
-        "default %(default)s); 'loopback' for none. Without root or iproute2 the demo runs on loopback and "
-        "estimates the wire time at 1 Gbit/s",
+        f"default %(default)s); 'loopback' for none. Without root or iproute2 the demo runs on loopback and "
+        f"estimates each config's wire time at {DEFAULTS['rate']}",
     )
     demo.add_argument(
         "--configs", type=_config_list, default=DEFAULT_CONFIGS,
