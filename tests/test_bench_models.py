@@ -122,6 +122,7 @@ def _is_png(path) -> bool:
 
 def _check_model(model, methods, ranks, steps):
     assert model["compute_s"] > 0 and model["tensors"] > 0 and model["buckets"] >= 1
+    assert model["compute_cpu_limit_s"] > 0 and len(model["compute_cpu_s"]) == ranks
     rows = {r["method"]: r for r in model["rows"]}
     assert list(rows) == methods
     for r in rows.values():
@@ -129,7 +130,8 @@ def _check_model(model, methods, ranks, steps):
         assert r["steps_per_s"] == pytest.approx(1 / r["median_s"])
         assert r["wire_bytes"] > 0 and r["traffic_bytes"] > 0
         assert r["wire_limit_s"] is None  # loopback: no link rate
-        assert len(r["codec_cpu_s"]) == ranks
+        assert len(r["codec_cpu_s"]) == ranks and len(r["cpu_s"]) == ranks
+        assert r["cpu_limit_s"] > 0  # every step does some CPU work, fp32 included
     assert rows["fp32"]["vs_fp32"] == 1.0 and rows["torch-fp16"]["vs_fp16"] == 1.0
     assert rows["fp32"]["wire_bytes"] == model["raw_bytes"] == 2 * rows["torch-fp16"]["wire_bytes"]
     assert rows["maxmin4"]["wire_bytes"] < rows["torch-fp16"]["wire_bytes"] / 3
@@ -161,6 +163,9 @@ def test_cli_end_to_end_on_loopback(tmp_path, monkeypatch, capsys):
     assert model["model"] == "tiny-bert" and model["real_compute"] is False
     _check_model(model, report["methods"], ranks=2, steps=2)
     assert _is_png(tmp_path / "out" / "models.png")  # next to the JSON, same name
+    assert report["round_trip_s"] > 0
+    md = M.markdown(report).splitlines()
+    assert len(md) == 2 + 1 + len(report["methods"]) and md[0].count("|") == md[-1].count("|")
 
 
 @pytest.mark.timeout(120)

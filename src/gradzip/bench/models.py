@@ -374,17 +374,21 @@ def _build(spec: ModelSpec, rank: int, world: int) -> Tuple[nn.Module, Callable[
     return module, lambda m: F.cross_entropy(m(images), labels)
 
 
-def _timed_steps(step: Callable[[], None], module: nn.Module, steps: int) -> List[float]:
-    """``steps`` steps, each behind a barrier with fresh gradients; the slowest rank's time per step."""
+def _timed_steps(step: Callable[[], None], module: nn.Module, steps: int) -> Tuple[List[float], float]:
+    """``steps`` steps, each behind a barrier with fresh gradients: the slowest rank's time per
+    step, and this rank's median CPU seconds per step (every thread of the process: DDP, gloo,
+    gradzip's worker), the work that the ranks' shared cores must do whoever else is waiting."""
     times = torch.zeros(steps, dtype=torch.float64)
+    cpu = []
     for i in range(steps):
         module.zero_grad(set_to_none=True)  # as optimizers do by default: gradients are new each step
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         step()
         times[i] = time.perf_counter() - t0
+        cpu.append(time.process_time() - c0)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return times.tolist()
+    return times.tolist(), statistics.median(cpu)
 
 
 def _per_rank(value: float, world: int) -> List[float]:
@@ -452,7 +456,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         _timed_steps(step, module, warmup)  # DDP rebuilds its buckets after the first step
         if state is not None:
             state.comm.metrics.reset()
-        times = _timed_steps(step, module, steps)
+        times, cpu_step = _timed_steps(step, module, steps)
         measured_wire = state.stats()["wire_bytes"] / steps if state is not None else None
         payload, traffic = _wire(method, module, state, world)
         cpu = 0.0
@@ -470,7 +474,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         logged = ddp._get_ddp_logging_data()
         buckets = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or "")
         row = {
-            "method": method["method"], "label": method["label"], "times_s": times,
+            "method": method["method"], "label": method["label"], "times_s": times, "cpu_s": _per_rank(cpu_step, world),
             "wire_bytes": payload, "traffic_bytes": traffic, "codec_cpu_s": _per_rank(cpu, world),
             "bucket_bytes": [int(b) for b in buckets.split(",") if b.strip()],  # DDP's buckets after the rebuild
         }
@@ -488,7 +492,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         gc.collect()
 
 
-def _compute_only(spec: ModelSpec, rank: int, world: int, steps: int, warmup: int) -> List[float]:
+def _compute_only(spec: ModelSpec, rank: int, world: int, steps: int, warmup: int) -> Tuple[List[float], List[float]]:
     """Forward+backward without DDP or any communication, all ranks at once (they share the cores)."""
     module, loss_of = _build(spec, rank, world)
 
@@ -497,7 +501,8 @@ def _compute_only(spec: ModelSpec, rank: int, world: int, steps: int, warmup: in
 
     try:
         _timed_steps(step, module, warmup)
-        return _timed_steps(step, module, steps)
+        times, cpu = _timed_steps(step, module, steps)
+        return times, _per_rank(cpu, world)
     finally:
         del module
         gc.collect()
@@ -527,8 +532,8 @@ def bench_worker(
         model = {
             "model": spec.name, "title": spec.title, "source": spec.source, "real_compute": spec.module is not None,
             "tensors": len(shapes), "numel": numel(shapes), "raw_bytes": 4 * numel(shapes),
-            "compute_times_s": _compute_only(spec, rank, world, steps, warmup),
         }
+        model["compute_times_s"], model["compute_cpu_s"] = _compute_only(spec, rank, world, steps, warmup)
         if spec.module is not None:
             model["input"] = list(spec.image)
         model["rows"] = rows = []
@@ -550,6 +555,7 @@ def _finish(model: Dict[str, Any], world: int, link_bps: Optional[float], cores:
     from .micro import codec_limit
 
     model["compute_s"] = statistics.median(model["compute_times_s"])
+    model["compute_cpu_limit_s"] = codec_limit(model["compute_cpu_s"], cores)
     rows = model["rows"]
     med = {r["method"]: statistics.median(r["times_s"]) for r in rows}
     for r in rows:
@@ -562,6 +568,9 @@ def _finish(model: Dict[str, Any], world: int, link_bps: Optional[float], cores:
         )
         r["wire_limit_s"] = r["traffic_bytes"] * 8 / link_bps if link_bps else None
         r["codec_limit_s"] = codec_limit(r["codec_cpu_s"], cores)
+        # all the step's CPU work on the shared cores: not a limit of the method alone, but where
+        # it exceeds the wire limit the step is CPU-bound on this machine
+        r["cpu_limit_s"] = codec_limit(r["cpu_s"], cores)
         limit = max(r["wire_limit_s"] or 0.0, r["codec_limit_s"])
         r["limit_s"] = limit or None
         r["vs_limit"] = m / limit if limit else None
@@ -641,6 +650,47 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f}" if n >= 1e7 else f"{n / 1e6:.2f}"
 
 
+COLUMNS = (
+    "model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire limit s", "codec limit s",
+    "× limit", "CPU floor s",
+)
+
+
+def _cells(report: Dict[str, Any], none: str = "-") -> List[List[str]]:
+    """Every row of the table as text: per model a compute-only row, then one per method."""
+    def num(x: Optional[float], fmt: str) -> str:
+        return none if not x else format(x, fmt)
+
+    out = []
+    for model in report["models"]:
+        comp = model["compute_times_s"]
+        out.append([
+            f"{model['model']} ({model['tensors']} tensors, {model['numel'] / 1e6:.1f} M, {model.get('buckets', '?')} buckets)",
+            "no DDP (compute only)", f"{model['compute_s']:.3f}", f"{min(comp):.3f}–{max(comp):.3f}",
+            *[none] * 7, num(model.get("compute_cpu_limit_s"), ".3f"),
+        ])
+        for r in model["rows"]:
+            out.append([
+                "", r["method"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}–{r['max_s']:.3f}", f"{r['steps_per_s']:.2f}",
+                num(r["vs_fp32"], ".2f") + ("×" if r["vs_fp32"] else ""),
+                num(r["vs_fp16"], ".2f") + ("×" if r["vs_fp16"] else ""),
+                _mb(r["wire_bytes"]), num(r["wire_limit_s"], ".3f"), num(r["codec_limit_s"], ".3f"),
+                num(r["vs_limit"], ".2f"), num(r.get("cpu_limit_s"), ".3f"),
+            ])
+    return out
+
+
+CAPTION = (
+    "s/step: median (min–max) of the slowest rank; vs fp32 / vs fp16: speed-up over fp32 DDP and over "
+    "PyTorch's fp16_compress_hook; MB/rank: payload bytes each rank contributes per step; "
+    "wire limit: bytes each rank's link carries (2(W−1)/W payloads; all-gather W−1) / link rate; "
+    "codec limit: encode+decode CPU time, max(busiest rank, all ranks / {cores} cores); "
+    "× limit: time / the larger of the two; CPU floor: all the step's CPU time (every thread: DDP, gloo, "
+    "gradzip) the same way, the time the shared cores need for it; no DDP: forward+backward alone on every "
+    "rank at once"
+)
+
+
 def table(report: Dict[str, Any]):
     """The report as a ``rich`` table (plain text without rich), one section per model."""
     from .tables import table as new_table
@@ -648,52 +698,20 @@ def table(report: Dict[str, Any]):
     t = new_table(
         title=f"DDP steps over real models' gradient sets, {report['workers']} gloo ranks, median of {report['steps']} "
         f"after {report['warmup']} warm-up; {report['network']}",
-        caption="s/step: median (min–max) of the slowest rank; vs fp32 / vs fp16: speed-up over fp32 DDP and over "
-        "PyTorch's fp16_compress_hook; MB/rank: payload bytes each rank contributes per step; "
-        "wire limit: bytes each rank's link carries (2(W−1)/W payloads; all-gather W−1) / link rate; "
-        f"codec limit: encode+decode CPU time, max(busiest rank, all ranks / {report['cores']} cores); "
-        "× limit: time / the larger limit; no DDP: forward+backward alone on every rank at once" + _context(report),
+        caption=CAPTION.format(cores=report["cores"]) + _context(report),
     )
-    cols = ("model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire limit s", "codec limit s", "× limit")
-    for col in cols:
+    for col in COLUMNS:
         t.add_column(col, justify="left" if col in ("model", "method") else "right", no_wrap=True)
-    for i, model in enumerate(report["models"]):
-        head = f"{model['model']} ({model['tensors']} tensors, {model['numel'] / 1e6:.1f} M)"
-        t.add_row(head, "no DDP (compute only)", f"{model['compute_s']:.3f}", f"{min(model['compute_times_s']):.3f}–{max(model['compute_times_s']):.3f}",
-                  *["-"] * 7)
-        for j, r in enumerate(model["rows"]):
-            t.add_row(
-                "", r["method"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}–{r['max_s']:.3f}", f"{r['steps_per_s']:.2f}",
-                "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}×",
-                "-" if r["vs_fp16"] is None else f"{r['vs_fp16']:.2f}×",
-                _mb(r["wire_bytes"]),
-                "-" if r["wire_limit_s"] is None else f"{r['wire_limit_s']:.3f}",
-                "-" if not r["codec_limit_s"] else f"{r['codec_limit_s']:.3f}",
-                "-" if r["vs_limit"] is None else f"{r['vs_limit']:.2f}",
-                end_section=j + 1 == len(model["rows"]) and i + 1 < len(report["models"]),
-            )
+    cells = _cells(report)
+    for i, row in enumerate(cells):
+        t.add_row(*row, end_section=i + 1 < len(cells) and cells[i + 1][0] != "")
     return t
 
 
 def markdown(report: Dict[str, Any]) -> str:
     """The same table in Markdown, for the docs."""
-    lines = [
-        "| model | method | s/step (median) | min–max | steps/s | vs fp32 | vs fp16 | MB/rank | wire limit s | codec limit s | × limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for model in report["models"]:
-        lines.append(
-            f"| {model['model']} | no DDP (compute only) | {model['compute_s']:.3f} | "
-            f"{min(model['compute_times_s']):.3f}–{max(model['compute_times_s']):.3f} | | | | | | | |"
-        )
-        for r in model["rows"]:
-            lines.append("| " + " | ".join([
-                "", f"`{r['method']}`", f"{r['median_s']:.3f}", f"{r['min_s']:.3f}–{r['max_s']:.3f}", f"{r['steps_per_s']:.2f}",
-                "—" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}×",
-                "—" if r["vs_fp16"] is None else f"{r['vs_fp16']:.2f}×",
-                _mb(r["wire_bytes"]),
-                "—" if r["wire_limit_s"] is None else f"{r['wire_limit_s']:.3f}",
-                "—" if not r["codec_limit_s"] else f"{r['codec_limit_s']:.3f}",
-                "—" if r["vs_limit"] is None else f"{r['vs_limit']:.2f}",
-            ]) + " |")
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in _cells(report, none="—"):
+        row = [row[0], row[1] if row[1].startswith("no DDP") else f"`{row[1]}`", *row[2:]]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
