@@ -28,6 +28,8 @@ def allreduce(report: Dict[str, Any], path: str) -> None:
 
     Each method's wire limit (when the link rate is known) is a dashed line of its colour and its
     codec limit a dotted one, so the plot shows which limit a method runs into as sizes grow.
+    Every method has its own marker; fp32, the baseline, is drawn last as a thick translucent black
+    line, so a method that measures the same stays visible under it.
     """
     plt = _pyplot()
     from matplotlib.ticker import NullLocator
@@ -36,10 +38,14 @@ def allreduce(report: Dict[str, Any], path: str) -> None:
     for r in report["rows"]:
         methods.setdefault(r["method"], []).append(r)
     fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(13, 5))
-    for method, rows in methods.items():
+    markers = iter("osD^vP<>X" * 4)
+    for method, rows in sorted(methods.items(), key=lambda m: m[0] == "fp32"):  # the baseline last, on top
         rows = sorted(rows, key=lambda r: r["size_mb"])
         sizes = [r["size_mb"] for r in rows]
-        (line,) = ax_time.plot(sizes, [r["median_s"] for r in rows], marker="o", label=_label(method))
+        style = (dict(color="black", linewidth=3, alpha=0.45, marker="*", markersize=9, zorder=10)
+                 if method == "fp32" else dict(marker=next(markers), zorder=3))
+        (line,) = ax_time.plot(sizes, [r["median_s"] for r in rows], label=_label(method), **style)
+        style.pop("color", None)
         color = line.get_color()
         wire = [(r["size_mb"], r["wire_limit_s"]) for r in rows if r.get("wire_limit_s")]
         if wire:
@@ -47,7 +53,7 @@ def allreduce(report: Dict[str, Any], path: str) -> None:
         codec = [(r["size_mb"], r["codec_limit_s"]) for r in rows if r.get("codec_limit_s")]
         if codec:
             ax_time.plot(*zip(*codec), linestyle=":", color=color, linewidth=1)
-        ax_bw.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", color=color, label=_label(method))
+        ax_bw.plot(sizes, [r["busbw_gbps"] for r in rows], color=color, label=_label(method), **style)
     ax_time.set(xscale="log", yscale="log", xlabel="tensor size (MiB)", ylabel="time per all-reduce (s, median)",
                 title="Time (dashed: wire limit, dotted: codec limit)")
     ax_bw.set(xscale="log", xlabel="tensor size (MiB)", ylabel="bus bandwidth (GB/s, uncompressed bytes)",
