@@ -108,7 +108,8 @@ def ray_job(outdir: str) -> None:
         ctx = ray.train.get_context()
         save(config["outdir"], ctx.get_world_rank(), ctx.get_world_size(), state, model.module)
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # logical CPUs: one per worker and, in Ray Train's older engine, one for the trainer actor
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
         TorchTrainer(
             loop, train_loop_config={"outdir": outdir},

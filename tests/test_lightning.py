@@ -2,7 +2,6 @@
 ``ddp_comm_hook`` is never registered."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -10,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from gradzip.launch import free_port
+from tests.jobs import run_job
 
 lightning = pytest.importorskip("lightning", reason="lightning is not installed (pip install gradzip[lightning])")
 
@@ -56,14 +58,9 @@ def test_options_split_between_gradzip_and_ddp():
 def test_two_process_cpu_fit_compresses_and_keeps_replicas_identical(tmp_path):
     """``python lightning_job.py``: Lightning's default launcher re-executes the script for rank 1.
     The script asks for 4 bits and ``GRADZIP_BITS=2`` overrides it, as with plain register()."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADZIP_")}
-    env.update(GRADZIP_BITS="2", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     steps = 5
-    run = subprocess.run(
-        [sys.executable, str(JOB), str(tmp_path), str(steps)], env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = run_job([sys.executable, str(JOB), str(tmp_path), str(steps)], tmp_path,
+                    GRADZIP_BITS="2", MASTER_PORT=str(free_port()))
     for r in ranks:
         s = r["stats"]
         assert r["world_size"] == 2

@@ -6,8 +6,6 @@ launch it, and every rank writes its gradzip statistics and final parameters.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import List
@@ -18,20 +16,13 @@ from torch import nn
 
 import gradzip.recipes
 from gradzip.launch import free_port
+from tests.jobs import run_job
 
 JOB = str(Path(__file__).with_name("recipes_job.py"))
 
 
 def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
-
-
-def _run(cmd: List[str], tmp_path: Path, **extra_env: str) -> List[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADZIP_")}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in sys.path if p), HF_HOME=str(tmp_path / "hf"), **extra_env)
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
 
 def _check(ranks: List[dict], steps: int) -> None:
@@ -46,7 +37,9 @@ def _check(ranks: List[dict], steps: int) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(not _installed("accelerate"), reason="accelerate is not installed (pip install gradzip[accelerate])")
+@pytest.mark.skipif(
+    not _installed("accelerate"), reason="accelerate is not installed (pip install gradzip[accelerate])"
+)
 def test_accelerate_two_processes(tmp_path):
     """``accelerate launch`` (torchrun underneath), ``Accelerator(cpu=True)`` and gradient
     accumulation of 2 over 8 batches: 4 exchanges, the other backwards stay local (no_sync).
@@ -54,7 +47,7 @@ def test_accelerate_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), JOB, "accelerate", str(tmp_path)]
-    ranks = _run(cmd, tmp_path)
+    ranks = run_job(cmd, tmp_path)
     for r in ranks:
         assert r["distributed_type"] == "DistributedType.MULTI_CPU"
         assert r["found"]  # through a torch.compile wrapper
@@ -69,7 +62,7 @@ def test_hf_trainer_callback_two_processes(tmp_path):
     ``train()`` twice (5 steps each) keeps the one registration."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            JOB, "trainer", str(tmp_path)]
-    ranks = _run(cmd, tmp_path)
+    ranks = run_job(cmd, tmp_path)
     for r in ranks:
         assert r["wrapped"] == "DistributedDataParallel" and r["same_state"]
     _check(ranks, steps=10)
@@ -78,7 +71,7 @@ def test_hf_trainer_callback_two_processes(tmp_path):
 @pytest.mark.skipif(not _installed("ray"), reason="ray is not installed (pip install gradzip[ray])")
 def test_ray_train_two_workers(tmp_path):
     """A local Ray cluster of 2 CPUs, ``TorchTrainer`` with 2 workers and ``prepare_model``."""
-    ranks = _run([sys.executable, JOB, "ray", str(tmp_path)], tmp_path, RAY_USAGE_STATS_ENABLED="0")
+    ranks = run_job([sys.executable, JOB, "ray", str(tmp_path)], tmp_path, RAY_USAGE_STATS_ENABLED="0")
     _check(ranks, steps=5)
 
 

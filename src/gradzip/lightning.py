@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Optional
 
-__all__ = ["GradzipDDPStrategy", "GradzipPLDDPStrategy"]
+__all__ = ["GradzipDDPStrategy", "GradzipPLDDPStrategy"]  # noqa: F822 (built on first use)
 
 _BUILT: Dict[str, type] = {}
 

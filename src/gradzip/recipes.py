@@ -14,7 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .ddp import GradzipState, register
 
-__all__ = ["GradzipCallback", "find_ddp", "register_accelerate", "register_prepared", "register_trainer"]
+__all__ = [  # noqa: F822 (GradzipCallback is built on first use)
+    "GradzipCallback", "find_ddp", "register_accelerate", "register_prepared", "register_trainer",
+]
 
 
 def find_ddp(model: Any) -> Optional[DistributedDataParallel]:
@@ -50,7 +52,9 @@ def register_prepared(model: Any, codec: Optional[str] = None, **options: Any) -
     return None
 
 
-def register_accelerate(accelerator: Any, model: Any, codec: Optional[str] = None, **options: Any) -> Optional[GradzipState]:
+def register_accelerate(
+    accelerator: Any, model: Any, codec: Optional[str] = None, **options: Any
+) -> Optional[GradzipState]:
     """Register gradzip on the model ``accelerator.prepare`` returned; None in one process.
 
     ``model, opt, data = accelerator.prepare(model, opt, data)`` then
