@@ -141,6 +141,9 @@ def test_demo_rejects_unknown_config(capsys):
         cli.main(["demo", "--configs", "fp32,nope"])
     err = capsys.readouterr().err
     assert "nope" in err and "maxmin4" in err  # names the culprit and lists the choices
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--rate", "fast"])
+    assert "'fast'" in capsys.readouterr().err  # checked before any rank starts
 
 
 @pytest.mark.timeout(120)

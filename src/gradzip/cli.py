@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model, split and shuffle seed")
     demo.add_argument("--width", type=_positive, default=DEFAULTS["width"], help="hidden width of the MLP (default %(default)s)")
     demo.add_argument(
-        "--rate", default=DEFAULTS["rate"],
+        "--rate", type=_link_rate, default=DEFAULTS["rate"],
         help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2; "
         f"default %(default)s); 'loopback' for none. Without root or iproute2 the demo runs on loopback and "
         f"estimates each config's wire time at {DEFAULTS['rate']}",
