@@ -6,10 +6,10 @@ rank 0 here and re-executes this script for the other rank.
 import os
 import sys
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
 from gradzip.lightning import GradzipDDPStrategy
 
 
