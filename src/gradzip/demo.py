@@ -463,7 +463,8 @@ def run_demo(
             plot(results, report["plot"], title=f"{report['network']}; " + " ".join(report["headline"][:1]))
         except ImportError as exc:
             report["plot"] = None
-            report["plot_skipped"] = f"no plot: {(exc.name or 'matplotlib').split('.')[0]} is not installed (pip install gradzip[demo])"
+            missing = (exc.name or "matplotlib").split(".")[0]
+            report["plot_skipped"] = f"no plot: {missing} is not installed (pip install gradzip[demo])"
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(report, f, indent=1)
     return report
