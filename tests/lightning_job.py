@@ -32,7 +32,7 @@ def main(outdir: str, steps: int) -> None:
     data = TensorDataset(torch.randn(256, 32), torch.randint(0, 4, (256,)))
     strategy = GradzipDDPStrategy("maxmin", bits=4, min_numel=256, memory="residual")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, accumulate_grad_batches=2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     model = Tiny()

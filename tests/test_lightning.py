@@ -57,7 +57,8 @@ def test_options_split_between_gradzip_and_ddp():
 
 def test_two_process_cpu_fit_compresses_and_keeps_replicas_identical(tmp_path):
     """``python lightning_job.py``: Lightning's default launcher re-executes the script for rank 1.
-    The script asks for 4 bits and ``GRADZIP_BITS=2`` overrides it, as with plain register()."""
+    The script asks for 4 bits and ``GRADZIP_BITS=2`` overrides it, as with plain register().
+    Gradients accumulate over 2 batches: one exchange per optimizer step (no_sync in between)."""
     steps = 5
     ranks = run_job([sys.executable, str(JOB), str(tmp_path), str(steps)], tmp_path,
                     GRADZIP_BITS="2", MASTER_PORT=str(free_port()))
