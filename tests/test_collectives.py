@@ -241,7 +241,8 @@ def test_single_process_communicator_round_trips():
     y = comm.allreduce(x, name="w")
     assert y.shape == x.shape and y.dtype == x.dtype
     assert (y - x).abs().max() <= (x.max() - x.min()) / 255 * 2 + 1e-6
-    assert math.isclose(comm.stats()["ratio"], 4 * x.numel() / comm.codec.wire_bytes(x.numel()) / 2, rel_tol=1e-9)
+    # the ratio counts one encoding of the tensor (sra's first round), rounded to 2 decimals
+    assert comm.stats()["ratio"] == round(4 * x.numel() / comm.codec.wire_bytes(x.numel()), 2)
     comm.close()
 
 

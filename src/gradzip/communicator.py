@@ -15,9 +15,11 @@ from . import consistency
 from . import memory as _memory
 from .codecs import registry as _registry
 from .codecs.base import FLOAT_DTYPES, Codec
+from .collectives import base as _collective_base
 from .collectives.base import Collective, world
+from .collectives.ps import num_partitions, partition_bounds
 from .errors import CheckpointError, CommunicationError
-from .metrics import Metrics
+from .metrics import Metrics, traffic_factor
 from .worker import OrderedWorker
 
 STATE_FORMAT = 1
@@ -248,6 +250,12 @@ class Communicator:
 
     def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out`` if given."""
+        avg, record = self._reduce(t, name, compress, out)
+        self.metrics.record(name, t.numel() * t.element_size(), **record)
+        return avg
+
+    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]):
+        """:meth:`reduce_now` without recording: (the average, the metrics of this call)."""
         _check_out(t, out)
         if compress:
             codec, coll, mem = self.codec, self.collective, self.memory
@@ -255,10 +263,8 @@ class Communicator:
             codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        raw = t.numel() * t.element_size()
         if t.numel() == 0:
-            self.metrics.record(name, raw, 0, 0.0, 0.0, compress)
-            return t.clone() if out is None else out
+            return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
         inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
         # the collective writes straight into ``out`` when it can; not while the memory still has
         # to read an input that aliases it
@@ -269,15 +275,13 @@ class Communicator:
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
-        self.metrics.record(
-            name, raw, res.wire_bytes, res.encode_s, res.decode_s, compress,
-            encode_cpu_s=res.encode_cpu_s, decode_cpu_s=res.decode_cpu_s,
-        )
+        wire = _compressed_bytes(coll, codec, res.wire_bytes, inp, self.world_size)
+        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), compress, codec)
         if out is None:
-            return avg.view(t.shape).to(t.dtype)
+            return avg.view(t.shape).to(t.dtype), record
         if dest is None:
             out.copy_(avg.view(t.shape))
-        return out
+        return out, record
 
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
@@ -285,14 +289,17 @@ class Communicator:
         """Reduce several tensors: the uncompressed ones fused into one plain all-reduce.
 
         With ``inplace`` the averages are written into ``tensors`` themselves (as DDP's bucket
-        views want them), and those are returned.
+        views want them), and those are returned. The metrics of the fused all-reduce are
+        recorded per parameter name (each with its share), so they do not depend on how the
+        parameters were grouped into buckets.
         """
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         plain = [i for i, c in enumerate(compress) if not c]
         if plain:
             dtype = tensors[plain[0]].dtype
             flat = torch.cat([tensors[i].reshape(-1).to(dtype) for i in plain])
-            avg = self.reduce_now(flat, f"uncompressed:{names[plain[0]]}", compress=False)
+            avg, record = self._reduce(flat, f"uncompressed:{names[plain[0]]}", False, None)
+            self.metrics.record_group([(names[i], tensors[i].numel() * flat.element_size()) for i in plain], **record)
             offset = 0
             for i in plain:
                 n = tensors[i].numel()
@@ -307,7 +314,10 @@ class Communicator:
 
     # ------------------------------------------------------------------ state
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
-        return self.metrics.summary(per_tensor)
+        """This rank's metrics (see :mod:`gradzip.metrics` for what each figure means)."""
+        out = self.metrics.summary(per_tensor)
+        out["world_size"] = self.world_size
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's state, with whose it is: rank, world size and the settings' fingerprint.
@@ -447,6 +457,42 @@ def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
         return f"{choice}:{'triton' if ok and choice != 'torch' else 'torch'}"
     ok = native.available() is None
     return f"{choice}:{'native' if ok and choice in ('auto', 'native') else 'torch'}"
+
+
+def _compressed_bytes(coll: Collective, codec: Codec, result_wire: int, x: torch.Tensor, world_size: int) -> int:
+    """The compressed size of ``x`` as :mod:`gradzip.metrics` defines it, from a result's wire bytes.
+
+    ``Result.wire_bytes`` counts what a collective encoded, once per payload. ``sra`` and ``ps``
+    encode twice: the first round (the W chunks, or the partitions: one encoding of the whole
+    tensor) and this rank's share re-encoded. The first round is the tensor's compressed size.
+    """
+    if coll.name == "sra":  # W chunk payloads of equal size plus one re-encoded chunk, per segment
+        return result_wire * world_size // (world_size + 1)
+    if coll.name == "ps":
+        mine = list(getattr(coll, "aggregated", []))
+        if not mine:
+            return result_wire
+        n = x.numel()
+        parts = num_partitions(n, coll.partitions, world_size, coll.min_partition)
+        if codec.summable or codec.fixed_size:  # a merged partition has its partition's size
+            bounds = partition_bounds(n, parts)
+            merged = sum(codec.wire_bytes(bounds[p][1] - bounds[p][0], x.dtype) for p in mine)
+        else:  # data-dependent sizes: the merged partitions taken as large as the others
+            merged = result_wire * len(mine) // (parts + len(mine))
+        return max(result_wire - merged, 0)
+    return result_wire
+
+
+def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec) -> Dict[str, Any]:
+    """The keyword arguments of :meth:`Metrics.record` for one call (``res``: its Result, or None)."""
+    if res is None:
+        return dict(wire=0, encode_s=0.0, decode_s=0.0, compressed=compress, sent=0.0, codec=codec.name)
+    measured = _collective_base._measure_cpu or res.encode_cpu_s or res.decode_cpu_s
+    return dict(
+        wire=wire, encode_s=res.encode_s, decode_s=res.decode_s, compressed=compress,
+        encode_cpu_s=res.encode_cpu_s if measured else None, decode_cpu_s=res.decode_cpu_s if measured else None,
+        sent=factor * wire, codec=codec.name,
+    )
 
 
 def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:

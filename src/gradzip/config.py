@@ -54,6 +54,8 @@ class Config:
     collective_options: Dict[str, Any] = field(default_factory=dict)
     # where a setting came from when not from the script: "codec.bits" -> "GRADZIP_BITS=2"
     sources: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # settings the script chose: "codec.bits" -> "argument" (register's keywords) or "config"
+    given: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
@@ -95,6 +97,7 @@ class Config:
                 env_options[name] = value
                 sources[f"codec.{name}"] = origin
         switched = "codec" in updates and updates["codec"] != self.codec
+        self._warn_conflicts(updates, env_options, collective_options, sources, switched)
         options = {} if switched else dict(self.options)  # another codec: the script's options no longer apply
         if switched and self.options:
             dropped = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options.items()) if k not in env_options)
@@ -108,8 +111,45 @@ class Config:
         options.update(env_options)
         return replace(self, options=options, collective_options=collective_options, sources=sources, **updates)
 
+    def origin(self, key: str) -> str:
+        """Where setting ``key`` (``"codec"``, ``"codec.bits"``, ``"min_numel"``, ...) came from:
+        ``"environment GRADZIP_X=..."``, ``"argument"``, ``"config"`` or ``"default"``."""
+        if key in self.sources:
+            return f"environment {self.sources[key]}"
+        if key in self.given:
+            return self.given[key]
+        if key.startswith("codec.") and key[len("codec."):] in self.options:
+            return "config"
+        if key.startswith("collective.") and key[len("collective."):] in self.collective_options:
+            return "config"
+        default = _DEFAULTS.get(key, _MISSING)
+        if key in FIELDS and default is not _MISSING and getattr(self, key) != default:
+            return "config"
+        return "default"
+
+    def _warn_conflicts(self, updates, env_options, collective_options, sources, switched) -> None:
+        """Warn where a ``GRADZIP_*`` variable overrides a different value the script chose."""
+        clashes = []
+        for name, value in updates.items():
+            mine = getattr(self, name)
+            if name != "codec" and value != mine and self.origin(name) != "default":
+                clashes.append((sources[name], f"{name}={mine!r}"))
+        if not switched:  # after a codec switch the options are dropped (warned about below)
+            for name, value in env_options.items():
+                if name in self.options and self.options[name] != value:
+                    clashes.append((sources[f"codec.{name}"], f"{name}={self.options[name]!r}"))
+        for name, value in collective_options.items():
+            if name in self.collective_options and self.collective_options[name] != value:
+                clashes.append((sources[f"collective.{name}"], f"{name}={self.collective_options[name]!r}"))
+        for origin, chosen in clashes:
+            warnings.warn(f"{origin} overrides {chosen} set by the script", stacklevel=4)
+
     def environment_note(self) -> str:
         """``" (set in the environment: GRADZIP_X=..., ...)"``, or "" when nothing came from it."""
         if not self.sources:
             return ""
         return " (set in the environment: " + ", ".join(sorted(set(self.sources.values()))) + ")"
+
+
+_MISSING = object()
+_DEFAULTS = {name: getattr(Config, name) for name in FIELDS}

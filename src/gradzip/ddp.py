@@ -5,6 +5,9 @@ parameters' gradients (named, so state survives DDP's bucket rebuild), sends the
 ones uncompressed in one fused all-reduce and every other one through the codec, writes the
 averages back into the bucket and returns a future that the ordered worker completes.
 """
+import logging
+import os
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Union
 
@@ -16,6 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .communicator import Communicator
 from .config import Config
 from .errors import SettingsMismatchError
+from .metrics import CSVLogger, format_table, scalars, summary_table
+
+logger = logging.getLogger("gradzip")
 
 
 class GradzipState:
@@ -33,6 +39,8 @@ class GradzipState:
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
+        self._csv: Dict[str, CSVLogger] = {}
+        self._csv_writers: Dict[int, List[str]] = {}
 
     def should_compress(self, grad: torch.Tensor) -> bool:
         if grad.numel() < self.config.min_numel:
@@ -40,10 +48,70 @@ class GradzipState:
         return self.config.compress_1d or grad.dim() > 1
 
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
-        """Bytes on the wire vs raw, compression ratio, encode/decode seconds (this rank)."""
-        out = self.comm.stats(per_tensor)
-        out.update(codec=self.comm.codec.name, memory=self.comm.memory.name, collective=self.comm.collective_name)
+        """This rank's metrics since registration (or the last ``comm.metrics.reset()``), rounded.
+
+        ``codec``, ``memory``, ``collective``, ``world_size``; ``steps`` (backward passes through
+        the hook); ``params_compressed``/``params_uncompressed`` (parameters, by whether the codec
+        compressed them); ``raw_bytes`` (the gradients in their dtype), ``wire_bytes`` (their
+        compressed size), ``ratio`` = raw_bytes / wire_bytes (independent of the world size),
+        ``sent_bytes`` (what this rank sent: 2(W−1)/W × wire_bytes, (W−1)× for allgather);
+        ``encode_s``/``decode_s`` (wall seconds); ``encode_cpu_s``/``decode_cpu_s`` only when CPU
+        time was measured. ``per_tensor``: the same per parameter. See :mod:`gradzip.metrics`.
+        """
+        stats = self.comm.stats(per_tensor)
+        out: Dict[str, Any] = {
+            "codec": self.comm.codec.name, "memory": self.comm.memory.name, "collective": self.comm.collective_name,
+            "world_size": stats.pop("world_size"),
+        }
+        out.update(stats)
+        if self.step:
+            out["steps"] = self.step
         return out
+
+    def summary(self, per_layer: bool = False) -> str:
+        """A readable table of :meth:`stats`: totals per codec (the codec's parameters and the
+        uncompressed ones) and, with ``per_layer``, one row per parameter; ``print`` it."""
+        s = self.stats()
+        options = ", ".join(f"{k}={v}" for k, v in self.comm.codec.config().items())
+        title = (
+            f"gradzip: {s['codec']}({options}), memory={s['memory']}, collective={s['collective']}; "
+            f"rank {self.comm.rank} of {s['world_size']}, {s['steps']} steps; ratio = raw / wire bytes"
+        )
+        return summary_table(self.comm.metrics, title, per_layer=per_layer, steps=s["steps"])
+
+    def log_to(self, writer: Any = None, step: Optional[int] = None) -> Dict[str, float]:
+        """Write the numeric fields of :meth:`stats` at ``step`` (default: the steps so far).
+
+        ``writer``: anything with ``add_scalar(tag, value, step)`` (a TensorBoard
+        ``SummaryWriter``; tags ``gradzip/<field>``), a :class:`~gradzip.metrics.CSVLogger` or a
+        CSV path (one row per call, a header first), a ``csv.writer`` (a header row the first time
+        it is seen), or None / a ``logging.Logger`` (one INFO line; default the "gradzip"
+        logger). Returns the values written.
+        """
+        stats = self.stats()
+        step = stats["steps"] if step is None else step
+        values = scalars(stats)
+        if writer is None or isinstance(writer, logging.Logger):
+            (writer or logger).info("%s", _log_line(step, values))
+        elif hasattr(writer, "add_scalar"):
+            for key, value in values.items():
+                writer.add_scalar(f"gradzip/{key}", float(value), step)
+        elif isinstance(writer, CSVLogger):
+            writer.log(step, values)
+        elif isinstance(writer, (str, os.PathLike)):
+            path = os.fspath(writer)
+            self._csv.setdefault(path, CSVLogger(path)).log(step, values)
+        elif hasattr(writer, "writerow"):
+            if id(writer) not in self._csv_writers:
+                self._csv_writers[id(writer)] = list(values)
+                writer.writerow(["step"] + list(values))
+            writer.writerow([step] + [values.get(k, "") for k in self._csv_writers[id(writer)]])
+        else:
+            raise TypeError(
+                f"log_to() takes a writer with add_scalar (TensorBoard), a CSV path, a CSVLogger, a csv.writer "
+                f"or a logging.Logger, got {type(writer).__name__}"
+            )
+        return values
 
     def state_dict(self) -> Dict[str, Any]:
         """Per-rank state (error-feedback residuals, codec state, step counters), marked with
@@ -102,6 +170,27 @@ class GradzipState:
         if self._errors:
             first, self._errors = self._errors[0], []
             raise first
+
+
+def _log_line(step: int, v: Dict[str, float]) -> str:
+    return (
+        f"gradzip step {step}: ratio {v['ratio']:.2f}x, wire {v['wire_bytes'] / 1e6:.3f} MB of "
+        f"{v['raw_bytes'] / 1e6:.3f} MB raw, sent {v['sent_bytes'] / 1e6:.3f} MB, "
+        f"encode {v['encode_s'] * 1e3:.1f} ms, decode {v['decode_s'] * 1e3:.1f} ms, "
+        f"{int(v['params_compressed'])} parameters compressed, {int(v['params_uncompressed'])} not"
+    )
+
+
+def settings_report(comm: Communicator, cfg: Config) -> str:
+    """The effective settings and where each came from (argument, config, environment, default)."""
+    settings = dict(comm.settings())
+    version = settings.pop("gradzip", "")
+    rows = [[key, repr(value), cfg.origin(key)] for key, value in settings.items()]
+    if comm.timeout is not None:
+        origin = cfg.origin("timeout") if cfg.timeout is not None else "the process group's"
+        rows.append(["timeout", f"{comm.timeout.total_seconds():g} s", origin])
+    head = f"gradzip {version} on {comm.world_size} rank(s): effective settings"
+    return head + "\n" + format_table(["setting", "value", "from"], rows, left=3)
 
 
 def _bucket_label(index: int, names: List[str]) -> str:
@@ -177,7 +266,14 @@ def register(
         merged.update(codec_options)
         fields["options"] = merged
         cfg = Config(**{**cfg.__dict__, **fields})
-    cfg = cfg.with_env()
+    given = dict(cfg.given)
+    for key in fields:
+        if key not in ("options", "collective_options"):
+            given[key] = "argument"
+    given.update({f"codec.{k}": "argument" for k in codec_options})
+    given.update({f"collective.{k}": "argument" for k in collective_options or {}})
+    given.update({f"memory.{k}": "argument" for k in memory_options or {}})
+    cfg = replace(cfg, given=given).with_env()
     try:
         comm = Communicator(
             cfg.codec,
@@ -199,4 +295,6 @@ def register(
     names = {id(p): n for n, p in model.module.named_parameters()}
     state = GradzipState(comm, names, cfg)
     model.register_comm_hook(state, gradzip_hook)
+    if comm.rank == 0:
+        logger.info("%s", settings_report(comm, cfg))
     return state
