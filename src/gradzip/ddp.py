@@ -51,7 +51,7 @@ class GradzipState:
         """This rank's metrics since registration (or the last ``comm.metrics.reset()``), rounded.
 
         ``codec``, ``memory``, ``collective``, ``world_size``; ``steps`` (backward passes through
-        the hook); ``params_compressed``/``params_uncompressed`` (parameters, by whether the codec
+        the hook since the metrics were last reset); ``params_compressed``/``params_uncompressed`` (parameters, by whether the codec
         compressed them); ``raw_bytes`` (the gradients in their dtype), ``wire_bytes`` (their
         compressed size), ``ratio`` = raw_bytes / wire_bytes (independent of the world size),
         ``sent_bytes`` (what this rank sent: 2(W−1)/W × wire_bytes, (W−1)× for allgather);
@@ -64,8 +64,6 @@ class GradzipState:
             "world_size": stats.pop("world_size"),
         }
         out.update(stats)
-        if self.step:
-            out["steps"] = self.step
         return out
 
     def summary(self, per_layer: bool = False) -> str:
