@@ -122,7 +122,7 @@ def _is_png(path) -> bool:
 
 def _check_model(model, methods, ranks, steps):
     assert model["compute_s"] > 0 and model["tensors"] > 0 and model["buckets"] >= 1
-    assert model["compute_cpu_limit_s"] > 0 and len(model["compute_cpu_s"]) == ranks
+    assert model["compute_cpu_time_s"] > 0 and len(model["compute_cpu_s"]) == ranks
     rows = {r["method"]: r for r in model["rows"]}
     assert list(rows) == methods
     for r in rows.values():
@@ -131,7 +131,7 @@ def _check_model(model, methods, ranks, steps):
         assert r["wire_bytes"] > 0 and r["traffic_bytes"] > 0
         assert r["wire_limit_s"] is None  # loopback: no link rate
         assert len(r["codec_cpu_s"]) == ranks and len(r["cpu_s"]) == ranks
-        assert r["cpu_limit_s"] > 0  # every step does some CPU work, fp32 included
+        assert r["cpu_time_s"] > 0  # every step does some CPU work, fp32 included
     assert rows["fp32"]["vs_fp32"] == 1.0 and rows["torch-fp16"]["vs_fp16"] == 1.0
     assert rows["fp32"]["wire_bytes"] == model["raw_bytes"] == 2 * rows["torch-fp16"]["wire_bytes"]
     assert rows["maxmin4"]["wire_bytes"] < rows["torch-fp16"]["wire_bytes"] / 3
@@ -139,8 +139,8 @@ def _check_model(model, methods, ranks, steps):
     for method in methods[1:]:
         r = rows[method]
         assert r["codec_limit_s"] > 0 and r["vs_limit"] == pytest.approx(r["median_s"] / r["codec_limit_s"])
-    measured = rows["maxmin4"]["measured_wire_bytes"]  # SRA sends the whole payload and one re-encoded chunk
-    assert rows["maxmin4"]["wire_bytes"] < measured < 2 * rows["maxmin4"]["wire_bytes"]
+    measured = rows["maxmin4"]["measured_wire_bytes"]  # gradzip's own count, per step
+    assert 0.5 * rows["maxmin4"]["wire_bytes"] < measured < 2 * rows["maxmin4"]["wire_bytes"]
     return rows
 
 

@@ -555,7 +555,7 @@ def _finish(model: Dict[str, Any], world: int, link_bps: Optional[float], cores:
     from .micro import codec_limit
 
     model["compute_s"] = statistics.median(model["compute_times_s"])
-    model["compute_cpu_limit_s"] = codec_limit(model["compute_cpu_s"], cores)
+    model["compute_cpu_time_s"] = codec_limit(model["compute_cpu_s"], cores)
     rows = model["rows"]
     med = {r["method"]: statistics.median(r["times_s"]) for r in rows}
     for r in rows:
@@ -568,9 +568,9 @@ def _finish(model: Dict[str, Any], world: int, link_bps: Optional[float], cores:
         )
         r["wire_limit_s"] = r["traffic_bytes"] * 8 / link_bps if link_bps else None
         r["codec_limit_s"] = codec_limit(r["codec_cpu_s"], cores)
-        # all the step's CPU work on the shared cores: not a limit of the method alone, but where
-        # it exceeds the wire limit the step is CPU-bound on this machine
-        r["cpu_limit_s"] = codec_limit(r["cpu_s"], cores)
+        # all the step's CPU work on the shared cores, waiting on sockets included: not a limit of
+        # the method alone, but where it approaches the step's time the step is CPU-bound here
+        r["cpu_time_s"] = codec_limit(r["cpu_s"], cores)
         limit = max(r["wire_limit_s"] or 0.0, r["codec_limit_s"])
         r["limit_s"] = limit or None
         r["vs_limit"] = m / limit if limit else None
@@ -651,32 +651,43 @@ def _mb(n: float) -> str:
 
 
 COLUMNS = (
-    "model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire limit s", "codec limit s",
-    "× limit", "CPU floor s",
+    "model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire lim s", "codec lim s",
+    "× limit", "CPU s",
 )
 
 
-def _cells(report: Dict[str, Any], none: str = "-") -> List[List[str]]:
-    """Every row of the table as text: per model a compute-only row, then one per method."""
+def _cells(report: Dict[str, Any], none: str = "-", one_cell: bool = False) -> List[List[str]]:
+    """Every row of the table as text: per model a compute-only row, then one per method.
+
+    The model's name and size go down its first column, a line per row (``one_cell``: all in the
+    first), so the table stays narrow enough for a terminal.
+    """
     def num(x: Optional[float], fmt: str) -> str:
         return none if not x else format(x, fmt)
 
     out = []
     for model in report["models"]:
+        about = [f"{model['tensors']} tensors", f"{model['numel'] / 1e6:.1f} M values", f"{model.get('buckets', '?')} buckets"]
+        n_rows = 1 + len(model["rows"])
+        if one_cell:
+            names = [f"{model['model']} ({', '.join(about)})"] + [""] * (n_rows - 1)
+        else:
+            names = ([model["model"]] + about)[:n_rows - 1]
+            names.append(", ".join(([model["model"]] + about)[n_rows - 1:]))
         comp = model["compute_times_s"]
-        out.append([
-            f"{model['model']} ({model['tensors']} tensors, {model['numel'] / 1e6:.1f} M, {model.get('buckets', '?')} buckets)",
-            "no DDP (compute only)", f"{model['compute_s']:.3f}", f"{min(comp):.3f}–{max(comp):.3f}",
-            *[none] * 7, num(model.get("compute_cpu_limit_s"), ".3f"),
-        ])
+        rows = [[
+            "compute only (no DDP)", f"{model['compute_s']:.3f}", f"{min(comp):.3f}–{max(comp):.3f}",
+            *[none] * 7, num(model.get("compute_cpu_time_s"), ".3f"),
+        ]]
         for r in model["rows"]:
-            out.append([
-                "", r["method"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}–{r['max_s']:.3f}", f"{r['steps_per_s']:.2f}",
+            rows.append([
+                r["method"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}–{r['max_s']:.3f}", f"{r['steps_per_s']:.2f}",
                 num(r["vs_fp32"], ".2f") + ("×" if r["vs_fp32"] else ""),
                 num(r["vs_fp16"], ".2f") + ("×" if r["vs_fp16"] else ""),
                 _mb(r["wire_bytes"]), num(r["wire_limit_s"], ".3f"), num(r["codec_limit_s"], ".3f"),
-                num(r["vs_limit"], ".2f"), num(r.get("cpu_limit_s"), ".3f"),
+                num(r["vs_limit"], ".2f"), num(r.get("cpu_time_s"), ".3f"),
             ])
+        out += [[name] + row for name, row in zip(names, rows)]
     return out
 
 
@@ -685,9 +696,9 @@ CAPTION = (
     "PyTorch's fp16_compress_hook; MB/rank: payload bytes each rank contributes per step; "
     "wire limit: bytes each rank's link carries (2(W−1)/W payloads; all-gather W−1) / link rate; "
     "codec limit: encode+decode CPU time, max(busiest rank, all ranks / {cores} cores); "
-    "× limit: time / the larger of the two; CPU floor: all the step's CPU time (every thread: DDP, gloo, "
-    "gradzip) the same way, the time the shared cores need for it; no DDP: forward+backward alone on every "
-    "rank at once"
+    "× limit: time / the larger of the two; CPU s: the step's whole CPU time (every thread: DDP, gloo, gradzip, "
+    "the network stack's share) taken the same way, the time the shared cores were busy with it; compute only: "
+    "forward+backward without DDP, on every rank at once"
 )
 
 
@@ -704,14 +715,14 @@ def table(report: Dict[str, Any]):
         t.add_column(col, justify="left" if col in ("model", "method") else "right", no_wrap=True)
     cells = _cells(report)
     for i, row in enumerate(cells):
-        t.add_row(*row, end_section=i + 1 < len(cells) and cells[i + 1][0] != "")
+        t.add_row(*row, end_section=i + 1 < len(cells) and cells[i + 1][1].startswith("compute only"))
     return t
 
 
 def markdown(report: Dict[str, Any]) -> str:
     """The same table in Markdown, for the docs."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in _cells(report, none="—"):
-        row = [row[0], row[1] if row[1].startswith("no DDP") else f"`{row[1]}`", *row[2:]]
+    for row in _cells(report, none="—", one_cell=True):
+        row = [row[0], row[1] if row[1].startswith("compute only") else f"`{row[1]}`", *row[2:]]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
