@@ -107,6 +107,8 @@ def active() -> Dict[str, Optional[str]]:
     if choice in ("auto", "triton"):
         gpu = _gpu()
         why = gpu.available() if gpu is not None else "no Triton kernels"
+        if why is None and not torch.cuda.is_available():  # (the interpreter runs them on CPU tensors only)
+            why = "no CUDA device"
         out["cuda"] = "triton" if why is None else ("torch" if choice == "auto" else "unavailable")
         out["cuda_why"] = why
     else:
