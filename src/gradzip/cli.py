@@ -12,17 +12,22 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 
+def _names(text: str, valid: Sequence[str], what: str) -> List[str]:
+    """``"a,b"`` → ``["a", "b"]`` (repeats dropped), each checked against ``valid``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what}(s) {', '.join(bad) or '(none given)'}; choose from: {', '.join(valid)}"
+        )
+    return list(dict.fromkeys(names))
+
+
 def _config_list(text: str) -> List[str]:
     """``"fp32,maxmin4"`` → ``["fp32", "maxmin4"]``, each checked against the demo's configs."""
     from .demo import CONFIGS
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in CONFIGS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown config(s) {', '.join(bad) or '(none given)'}; choose from: {', '.join(CONFIGS)}"
-        )
-    return names
+    return _names(text, list(CONFIGS), "config")
 
 
 def _codec_list(text: str) -> List[str]:
@@ -69,13 +74,7 @@ def _model_list(text: str) -> List[str]:
     """``"resnet50,gpt2"`` → ``["resnet50", "gpt2"]``, each checked against the benchmark's models."""
     from .bench.models import MODELS
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in MODELS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown model(s) {', '.join(bad) or '(none given)'}; choose from: {', '.join(MODELS)}"
-        )
-    return list(dict.fromkeys(names))
+    return _names(text, list(MODELS), "model")
 
 
 def _method_list(text: str) -> List[str]:
