@@ -17,7 +17,6 @@ from .codecs import registry as _registry
 from .codecs.base import FLOAT_DTYPES, Codec
 from .collectives import base as _collective_base
 from .collectives.base import Collective, world
-from .collectives.ps import num_partitions, partition_bounds
 from .errors import CheckpointError, CommunicationError
 from .metrics import Metrics, traffic_factor
 from .worker import OrderedWorker
@@ -275,7 +274,7 @@ class Communicator:
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
-        wire = _compressed_bytes(coll, codec, res.wire_bytes, inp, self.world_size)
+        wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
         record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), compress, codec)
         if out is None:
             return avg.view(t.shape).to(t.dtype), record
@@ -395,8 +394,7 @@ class Communicator:
         mine = self.settings()
         theirs = dict(state.get("settings", {}))
         if state.get("fingerprint") != consistency.fingerprint(mine):
-            lines = consistency.differences([theirs, mine], [{}, self._sources])
-            lines = [line.replace("rank 0", "the checkpoint").replace("rank 1", "this run") for line in lines]
+            lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"])
             problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
         same_rank = state.get("rank") == self.rank and state.get("world_size") == self.world_size
 
@@ -457,30 +455,6 @@ def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
         return f"{choice}:{'triton' if ok and choice != 'torch' else 'torch'}"
     ok = native.available() is None
     return f"{choice}:{'native' if ok and choice in ('auto', 'native') else 'torch'}"
-
-
-def _compressed_bytes(coll: Collective, codec: Codec, result_wire: int, x: torch.Tensor, world_size: int) -> int:
-    """The compressed size of ``x`` as :mod:`gradzip.metrics` defines it, from a result's wire bytes.
-
-    ``Result.wire_bytes`` counts what a collective encoded, once per payload. ``sra`` and ``ps``
-    encode twice: the first round (the W chunks, or the partitions: one encoding of the whole
-    tensor) and this rank's share re-encoded. The first round is the tensor's compressed size.
-    """
-    if coll.name == "sra":  # W chunk payloads of equal size plus one re-encoded chunk, per segment
-        return result_wire * world_size // (world_size + 1)
-    if coll.name == "ps":
-        mine = list(getattr(coll, "aggregated", []))
-        if not mine:
-            return result_wire
-        n = x.numel()
-        parts = num_partitions(n, coll.partitions, world_size, coll.min_partition)
-        if codec.summable or codec.fixed_size:  # a merged partition has its partition's size
-            bounds = partition_bounds(n, parts)
-            merged = sum(codec.wire_bytes(bounds[p][1] - bounds[p][0], x.dtype) for p in mine)
-        else:  # data-dependent sizes: the merged partitions taken as large as the others
-            merged = result_wire * len(mine) // (parts + len(mine))
-        return max(result_wire - merged, 0)
-    return result_wire
 
 
 def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec) -> Dict[str, Any]:

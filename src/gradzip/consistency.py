@@ -39,14 +39,22 @@ def fingerprint(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def describe(key: str, value: Any, ranks: List[int], source: Optional[str]) -> str:
-    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+def describe(value: Any, who: str, source: Optional[str]) -> str:
     origin = f" (from {source})" if source else ""
     return f"{value!r} on {who}{origin}"
 
 
-def differences(all_settings: List[Settings], all_sources: List[Mapping[str, str]]) -> List[str]:
-    """One line per setting that is not the same on every rank (empty when they all agree)."""
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def differences(
+    all_settings: List[Settings], all_sources: List[Mapping[str, str]], labels: Optional[List[str]] = None,
+) -> List[str]:
+    """One line per setting that is not the same on every rank (empty when they all agree).
+
+    ``labels`` names the parties (default: their ranks), e.g. ``["the checkpoint", "this run"]``.
+    """
     lines = []
     keys = sorted(set().union(*all_settings))
     for key in keys:
@@ -59,7 +67,8 @@ def differences(all_settings: List[Settings], all_sources: List[Mapping[str, str
         for ranks in groups.values():
             value = all_settings[ranks[0]].get(key, "<unset>")
             sources = sorted({all_sources[r].get(key, "") for r in ranks} - {""})
-            parts.append(describe(key, value, ranks, ", ".join(sources) or None))
+            who = " and ".join(labels[r] for r in ranks) if labels else _ranks(ranks)
+            parts.append(describe(value, who, ", ".join(sources) or None))
         lines.append(f"{key}: " + "; ".join(parts))
     return lines
 

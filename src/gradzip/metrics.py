@@ -9,9 +9,8 @@ Every figure is this rank's, summed over the calls (steps) it made:
     cuts it (``allreduce``: the payload, every round of a multi-round codec; ``allgather``: the
     payload; ``sra``: the W chunk payloads of the first round; ``ps``: the partition payloads of
     the first round), without the 8-byte alignment and the one-byte non-finite flag. An
-    uncompressed gradient counts its raw size. (A codec whose payload size depends on the data,
-    on ``ps``: its first round is estimated from the total, taking the partitions it merged and
-    re-encoded as large as the ones it sent.)
+    uncompressed gradient counts its raw size. Each collective reports this count itself
+    (``Result.payload_bytes``), exact also for payloads whose size depends on the data.
 ``ratio``
     ``raw_bytes / wire_bytes``. It does not depend on the world size W: every collective sends
     ``f(W)`` times these bytes, compressed or not, so the ratio equals the bytes a rank would

@@ -44,6 +44,9 @@ class Result:
     decode_s: float = 0.0
     encode_cpu_s: float = 0.0  # CPU time of the calling thread (see Timer)
     decode_cpu_s: float = 0.0
+    # one encoding of the tensor as this collective cuts it (its first round); None: ``wire_bytes``.
+    # sra and ps also put this rank's re-encoded share on the wire, which ``wire_bytes`` counts.
+    payload_bytes: Optional[int] = None
 
 
 _measure_cpu = False

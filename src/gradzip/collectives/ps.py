@@ -194,10 +194,9 @@ class ParameterServer(Collective):
         if need_own:
             scale = float(w) if summable else 1.0
             own = torch.cat([own_payload(codec, e, timer, scale) for e in encoded])
-        wire = sum(e.nbytes for e in encoded) + sum(
-            t.numel() * t.element_size() for p in mine for t in merged_tensors[p]
-        )
-        return Result(avg, own, torch.stack(flags2).any(), wire, *timer.times())
+        first_round = sum(e.nbytes for e in encoded)
+        wire = first_round + sum(t.numel() * t.element_size() for p in mine for t in merged_tensors[p])
+        return Result(avg, own, torch.stack(flags2).any(), wire, *timer.times(), payload_bytes=first_round)
 
     # ------------------------------------------------------------ variable-size payloads
     def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:

@@ -79,14 +79,16 @@ class ScatterReduceAllGather(Collective):
         # every rank's decoded chunks land straight in their place in the result
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
         own = torch.empty(n, dtype=x.dtype, device=x.device) if need_own else None
-        flags, wire = [], 0
+        flags, wire, first_round = [], 0, 0
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
             flags.append(self._gather(codec, p1, p2, avg[a:b], w, timer))
-            wire += sum(p.nbytes for p in p1["encoded"]) + p2["second"].nbytes
+            first = sum(p.nbytes for p in p1["encoded"])
+            first_round += first
+            wire += first + p2["second"].nbytes
             if own is not None:
                 for payload, dst in zip(p1["encoded"], _chunks(own[a:b], w)):
                     timer.decode(codec.decode_into, payload, dst)
-        return Result(avg, own, torch.stack(flags).any(), wire, *timer.times())
+        return Result(avg, own, torch.stack(flags).any(), wire, *timer.times(), payload_bytes=first_round)
 
     def _scatter(self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer) -> dict:
         n = x.numel()
