@@ -30,19 +30,27 @@ def _config_list(text: str) -> List[str]:
     return _names(text, list(CONFIGS), "config")
 
 
+def _checked(text: str, check: Callable[[str], Any]) -> List[str]:
+    """The comma-separated items of ``text``; ``check`` raises ``ValueError`` for a bad one."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    for item in items:
+        try:
+            check(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
+
+
 def _codec_list(text: str) -> List[str]:
     """Codec specs ``name[:key=value...]`` separated by commas, each checked by building it."""
     from .bench.micro import parse_spec
     from .codecs import codec
 
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    for spec in specs:
-        try:
-            name, opts = parse_spec(spec)
-            codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return specs
+    def build(spec: str) -> None:
+        name, opts = parse_spec(spec)
+        codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
+
+    return _checked(text, build)
 
 
 def _size_mb(text: str) -> float:
@@ -81,13 +89,7 @@ def _method_list(text: str) -> List[str]:
     """Demo config names or codec specs separated by commas, each checked (see ``bench.models.resolve``)."""
     from .bench.models import resolve
 
-    configs = [c.strip() for c in text.split(",") if c.strip()]
-    for config in configs:
-        try:
-            resolve(config)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return configs
+    return _checked(text, resolve)
 
 
 def _link_rate(text: str) -> Optional[str]:
