@@ -4,6 +4,7 @@
 """
 from . import (  # noqa: F401  (registers the codecs)
     compll_catalog,  # noqa: E402,F401  (codecs written with gradzip.compll; after the rest)
+    floatx,
     lowrank,
     quantize,
     sign,

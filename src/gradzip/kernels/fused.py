@@ -176,3 +176,31 @@ def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
             _fallback("cuda", gpu.available() if gpu else "no Triton kernels")
     _, idx = torch.topk(x.abs(), k, sorted=False)
     return x[idx], idx
+
+
+# ------------------------------------------------------- FP8 and microscaling (MX) formats
+MX_MAX_BLOCK = native.MAX_BUCKET  # the largest MX block the codecs accept
+
+
+def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes and per-block fp32 scales (see :func:`.reference.fp8_encode`)."""
+    return backend(x, 8, block).fp8_encode(x, fmt, block)
+
+
+def fp8_decode(codes, scales, fmt: str, block: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = backend(codes, 8, block)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.fp8_decode(codes, scales, fmt, block, numel, o, a))
+
+
+def _mx_bits(elem: str) -> int:
+    return 4 if elem == "e2m1" else 8
+
+
+def mx_encode(x: torch.Tensor, elem: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes and E8M0 scale codes (see :func:`.reference.mx_encode`)."""
+    return backend(x, _mx_bits(elem), block).mx_encode(x, elem, block)
+
+
+def mx_decode(codes, scales, elem: str, block: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = backend(codes, _mx_bits(elem), block)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.mx_decode(codes, scales, elem, block, numel, o, a))

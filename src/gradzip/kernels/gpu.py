@@ -421,12 +421,168 @@ def _topk_write_kernel(x_ptr, numel, state_ptr, offsets_ptr, values_ptr, indices
     tl.store(indices_ptr + pos, offs, mask=keep)
     tl.store(values_ptr + pos, tl.load(x_ptr + offs, mask=keep), mask=keep)
 
+# ------------------------------------------------------- FP8 and microscaling (MX) formats
+# A format is (MBITS mantissa bits, exponent bias EBIAS, sign at bit SIGN_AT, largest finite
+# value TOP): e4m3 (3, 7, 7, 448), e5m2 (2, 15, 7, 57344), e2m1 (1, 1, 3, 6). The conversions are
+# the integer arithmetic of native.c on the fp32 bits (round to nearest even, as torch's float8
+# casts); block maxima are maxima of the magnitude bits.
+
+
+def _to_mini(v, MBITS: tl.constexpr, EBIAS: tl.constexpr, SIGN_AT: tl.constexpr):
+    """Codes (int32) of the fp32 ``v`` (``|v| <= TOP``): below the smallest normal, adding
+    ``2**(SHIFT + 1 - EBIAS)`` (whose ulp is the subnormal step) rounds in the FPU; above it the
+    bits are rebiased and rounded with half an ulp minus one plus the lowest kept bit."""
+    SHIFT: tl.constexpr = 23 - MBITS
+    DENORM: tl.constexpr = (127 - EBIAS + SHIFT + 1) << 23
+    DENORM_F: tl.constexpr = 2.0 ** (SHIFT + 1 - EBIAS)
+    BIAS: tl.constexpr = ((1 << (SHIFT - 1)) - 1) - ((127 - EBIAS) << 23)
+    u = v.to(tl.int32, bitcast=True)
+    a = u & 0x7FFFFFFF
+    sub = (a.to(tl.float32, bitcast=True) + DENORM_F).to(tl.int32, bitcast=True) - DENORM
+    nor = (a + BIAS + ((a >> SHIFT) & 1)) >> SHIFT
+    mag = tl.where(a < ((128 - EBIAS) << 23), sub, nor) & ((1 << SIGN_AT) - 1)
+    return mag | (((u >> 31) & 1) << SIGN_AT)
+
+
+def _from_mini(c, MBITS: tl.constexpr, EBIAS: tl.constexpr, SIGN_AT: tl.constexpr, SPECIAL: tl.constexpr):
+    """fp32 values of the int32 codes ``c``, exactly: a normal code's bits rebiased, a subnormal
+    code's mantissa times ``2**(1 - EBIAS - MBITS)``. SPECIAL: 1 e4m3fn (0x7F NaN), 2 e5m2
+    (0x7C inf, above NaN), 0 none."""
+    STEP: tl.constexpr = 2.0 ** (1 - EBIAS - MBITS)
+    mag = c & ((1 << SIGN_AT) - 1)
+    normal = (mag << (23 - MBITS)) + ((127 - EBIAS) << 23)
+    sub = ((mag & ((1 << MBITS) - 1)).to(tl.float32) * STEP).to(tl.int32, bitcast=True)
+    bits = tl.where((mag >> MBITS) != 0, normal, sub)
+    if SPECIAL == 1:
+        bits = tl.where(mag == 0x7F, 0x7FC00000, bits)
+    if SPECIAL == 2:
+        bits = tl.where(mag == 0x7C, 0x7F800000, tl.where(mag > 0x7C, 0x7FC00000, bits))
+    return (bits | (((c >> SIGN_AT) & 1) << 31)).to(tl.float32, bitcast=True)
+
+
+def _clamp_to(v, top):
+    """``v`` clamped to ``±top`` (NaN stays NaN), as native.c's clamp_to."""
+    return tl.where(v < -top, -top, tl.where(v > top, top, v))
+
+
+def _block_max_bits(x_ptr, row, bucket, num_buckets, numel, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+    """Largest magnitude bits (int32) of each of the ROWS blocks (0 for rows past the last)."""
+    if CHUNKED:
+        m = tl.zeros((ROWS,), tl.int32)
+        for c in tl.range(0, bucket, BLOCK):
+            offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+            x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+            m = tl.maximum(m, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+    else:
+        offs, valid = _tile(row, 0, bucket, num_buckets, numel, BLOCK)
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        m = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    return m
+
+
+def _store_codes(codes_ptr, codes, row, c, bucket, num_buckets, numel, PACK4: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Store a tile's codes: one per byte, or two per byte (value i in the low nibble when i is
+    even; blocks start on even values), ``ceil(numel / 2)`` bytes in all."""
+    offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+    if PACK4:
+        H: tl.constexpr = BLOCK // 2
+        pairs = tl.reshape(tl.where(valid, codes, 0), (ROWS, H, 2))
+        byte = tl.sum(pairs << (tl.arange(0, 2) * 4)[None, None, :], axis=2)
+        j2 = tl.arange(0, H) * 2
+        first = (row * bucket + c)[:, None] + j2[None, :]
+        ok = (row < num_buckets)[:, None] & (j2 < bucket - c)[None, :] & (first < numel)
+        tl.store(codes_ptr + first // 2, byte.to(tl.uint8), mask=ok)
+    else:
+        tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=valid)
+
+
+def _fp8_encode_kernel(
+    x_ptr, codes_ptr, scales_ptr, numel, bucket, num_buckets,
+    MBITS: tl.constexpr, EBIAS: tl.constexpr, TOP: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+):
+    """ROWS blocks: ``s = max(amax / TOP, 2**-126)``, codes of ``x * (1 / s)`` clamped to ``±TOP``."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m = _block_max_bits(x_ptr, row, bucket, num_buckets, numel, ROWS, BLOCK, CHUNKED)
+    s = tl.div_rn(m.to(tl.float32, bitcast=True), TOP)
+    s = tl.where(s < 1.1754943508222875e-38, 1.1754943508222875e-38, s)  # NaN stays NaN
+    inv = tl.div_rn(tl.full((ROWS,), 1.0, tl.float32), s)
+    for c in tl.range(0, bucket, BLOCK):
+        offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        codes = _to_mini(_clamp_to(x * inv[:, None], TOP), MBITS, EBIAS, 7)
+        _store_codes(codes_ptr, codes, row, c, bucket, num_buckets, numel, False, ROWS, BLOCK)
+    tl.store(scales_ptr + row, s, mask=row < num_buckets)
+
+
+def _fp8_decode_kernel(
+    codes_ptr, scales_ptr, out_ptr, numel, bucket, num_buckets,
+    MBITS: tl.constexpr, EBIAS: tl.constexpr, SPECIAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """ROWS blocks: ``value(code) * s``, clamped to the fp32 range where ``s`` is finite."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    s = tl.load(scales_ptr + row, mask=row < num_buckets, other=0.0)
+    top = tl.where(tl.abs(s) < float("inf"), 3.4028234663852886e38, float("inf"))[:, None]
+    for c in tl.range(0, bucket, BLOCK):
+        offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+        code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
+        val = _clamp_to(_from_mini(code, MBITS, EBIAS, 7, SPECIAL) * s[:, None], top)
+        if ACCUMULATE:
+            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+        tl.store(out_ptr + offs, val, mask=valid)
+
+
+def _mx_encode_kernel(
+    x_ptr, codes_ptr, scales_ptr, numel, bucket, num_buckets,
+    MBITS: tl.constexpr, EBIAS: tl.constexpr, SIGN_AT: tl.constexpr, EMAX: tl.constexpr, TOP: tl.constexpr,
+    PACK4: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+):
+    """ROWS blocks: E8M0 code ``clamp(field(amax) - EMAX, 0, 254)`` (255 for NaN/inf), codes of
+    ``x * 2**(127 - code)`` (exact) clamped to ``±TOP``."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    field = (_block_max_bits(x_ptr, row, bucket, num_buckets, numel, ROWS, BLOCK, CHUNKED) >> 23) & 0xFF
+    code = tl.where(field == 255, 255, tl.minimum(tl.maximum(field - EMAX, 0), 254))
+    # 2**(127 - code), built from bits (2**-127 is subnormal); 1 for a NaN block
+    mult = tl.where(code == 254, 0x00400000, (254 - code) << 23).to(tl.float32, bitcast=True)
+    mult = tl.where(code == 255, 1.0, mult)
+    for c in tl.range(0, bucket, BLOCK):
+        offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+        x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+        codes = _to_mini(_clamp_to(x * mult[:, None], TOP), MBITS, EBIAS, SIGN_AT)
+        _store_codes(codes_ptr, codes, row, c, bucket, num_buckets, numel, PACK4, ROWS, BLOCK)
+    tl.store(scales_ptr + row, code.to(tl.uint8), mask=row < num_buckets)
+
+
+def _mx_decode_kernel(
+    codes_ptr, scales_ptr, out_ptr, numel, bucket, num_buckets,
+    MBITS: tl.constexpr, EBIAS: tl.constexpr, SIGN_AT: tl.constexpr, SPECIAL: tl.constexpr, PACK4: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """ROWS blocks: ``value(element) * 2**(code - 127)`` (exact; 255 is NaN)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    code = tl.load(scales_ptr + row, mask=row < num_buckets, other=0).to(tl.int32)
+    scale = tl.where(code == 0, 0x00400000, code << 23)
+    scale = tl.where(code == 255, 0x7FC00000, scale).to(tl.float32, bitcast=True)
+    for c in tl.range(0, bucket, BLOCK):
+        offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
+        if PACK4:
+            elem = _unpack_load(codes_ptr, offs, valid, 4)
+        else:
+            elem = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
+        val = _from_mini(elem, MBITS, EBIAS, SIGN_AT, SPECIAL) * scale[:, None]
+        if ACCUMULATE:
+            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+        tl.store(out_ptr + offs, val, mask=valid)
+
 
 _JIT = (
     "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
     "_sign_encode_kernel", "_sign_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
+    "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
+    "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
 )
 
 
@@ -728,3 +884,99 @@ def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     _launch(_topk_offsets_kernel, (1,), device, counts, offsets, state, blocks, SCAN=1024)
     _launch(_topk_write_kernel, (blocks,), device, x, n, state, offsets, values, indices, BLOCK=TOPK_BLOCK, num_warps=_WARPS)
     return values, indices
+
+
+# ------------------------------------------------------- FP8 and microscaling (MX) formats
+# (mantissa bits, exponent bias, sign bit, largest finite value, special codes)
+_FORMATS = {
+    "e4m3": (3, 7, 7, 448.0, 1),
+    "e5m2": (2, 15, 7, 57344.0, 2),
+    "e2m1": (1, 1, 3, 6.0, 0),
+}
+_MX_EMAX = {"e4m3": 8, "e2m1": 2}
+
+
+def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes (one byte per value) and per-block fp32 scales (see ``reference.fp8_encode``)."""
+    _require()
+    _check(8, block)
+    mbits, ebias, _, top, _ = _FORMATS[fmt]
+    x = _flat(x)
+    n = x.numel()
+    num_buckets = -(-n // block)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_buckets, dtype=torch.float32, device=x.device)
+    if n:
+        rows, width, chunked, warps = _geometry(block)
+        _launch(
+            _fp8_encode_kernel, (-(-num_buckets // rows),), x.device, x, codes, scales, n, block, num_buckets,
+            MBITS=mbits, EBIAS=ebias, TOP=top, ROWS=rows, BLOCK=width, CHUNKED=chunked, num_warps=warps,
+        )
+    return codes, scales
+
+
+def fp8_decode(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``value(code) * s`` per value, into ``out`` when given (added when ``accumulate``)."""
+    _require()
+    _check(8, block)
+    mbits, ebias, _, _, special = _FORMATS[fmt]
+    codes, scales = codes.reshape(-1).contiguous(), scales.reshape(-1).to(torch.float32).contiguous()
+    out = _output(out, numel, codes.device, accumulate)
+    if numel:
+        rows, width, _, warps = _geometry(block)
+        num_buckets = -(-numel // block)
+        _launch(
+            _fp8_decode_kernel, (-(-num_buckets // rows),), codes.device, codes, scales, out, numel, block, num_buckets,
+            MBITS=mbits, EBIAS=ebias, SPECIAL=special, ROWS=rows, BLOCK=width, ACCUMULATE=accumulate, num_warps=warps,
+        )
+    return out
+
+
+def _check_mx(block: int) -> None:
+    if block % 32 or not 0 < block <= MAX_BUCKET:
+        raise ValueError(f"MX blocks are multiples of 32 values up to {MAX_BUCKET}, got {block}")
+
+
+def mx_encode(x: torch.Tensor, elem: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes (e4m3 one per byte, e2m1 two per byte) and E8M0 scale codes."""
+    _require()
+    _check_mx(block)
+    mbits, ebias, sign_at, top, _ = _FORMATS[elem]
+    x = _flat(x)
+    n = x.numel()
+    num_buckets = -(-n // block)
+    pack4 = elem == "e2m1"
+    codes = torch.empty((n + 1) // 2 if pack4 else n, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(num_buckets, dtype=torch.uint8, device=x.device)
+    if n:
+        rows, width, chunked, warps = _geometry(block)
+        _launch(
+            _mx_encode_kernel, (-(-num_buckets // rows),), x.device, x, codes, scales, n, block, num_buckets,
+            MBITS=mbits, EBIAS=ebias, SIGN_AT=sign_at, EMAX=_MX_EMAX[elem], TOP=top, PACK4=pack4,
+            ROWS=rows, BLOCK=width, CHUNKED=chunked, num_warps=warps,
+        )
+    return codes, scales
+
+
+def mx_decode(
+    codes: torch.Tensor, scales: torch.Tensor, elem: str, block: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``value(element) * 2**(scale - 127)`` per value, into ``out`` when given."""
+    _require()
+    _check_mx(block)
+    mbits, ebias, sign_at, _, special = _FORMATS[elem]
+    codes, scales = codes.reshape(-1).contiguous(), scales.reshape(-1).contiguous()
+    out = _output(out, numel, codes.device, accumulate)
+    if numel:
+        rows, width, _, warps = _geometry(block)
+        num_buckets = -(-numel // block)
+        _launch(
+            _mx_decode_kernel, (-(-num_buckets // rows),), codes.device, codes, scales, out, numel, block, num_buckets,
+            MBITS=mbits, EBIAS=ebias, SIGN_AT=sign_at, SPECIAL=special, PACK4=elem == "e2m1",
+            ROWS=rows, BLOCK=width, ACCUMULATE=accumulate, num_warps=warps,
+        )
+    return out

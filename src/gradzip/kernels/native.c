@@ -318,3 +318,295 @@ void gz_topk(const float *x, int64_t n, int64_t k, int64_t *idx, int64_t *hist) 
         if (key > threshold || (key == threshold && ties-- > 0)) idx[out++] = i;
     }
 }
+
+/* ---------------------------------------------------------------- FP8 and microscaling (MX)
+ * The bytes of reference.fp8_encode / mx_encode, block by block. Elements are converted with
+ * integer arithmetic on the fp32 bits, rounding to nearest even exactly as torch's float8 casts
+ * do: below the format's smallest normal, adding 2**k (whose fp32 ulp is the format's subnormal
+ * step) rounds in the FPU; above it, the bits are rebiased and rounded by adding half an ulp
+ * minus one plus the lowest kept mantissa bit. Block maxima are taken on the magnitude bits (for
+ * non-negative floats, integer order is value order). A format is (MBITS mantissa bits, exponent
+ * bias EBIAS, sign at bit SIGN_AT, largest finite value TOP): e4m3 (3, 7, 7, 448), e5m2
+ * (2, 15, 7, 57344), e2m1 (1, 1, 3, 6). With AVX-512 the rows run 16 values at a time with
+ * masked tails (the same operations, so the same bits); the portable loops are the other path
+ * (built with -DGZ_PORTABLE to test them on a machine with AVX-512). */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(GZ_PORTABLE)
+#include <immintrin.h>
+#define GZ_AVX512 1
+#endif
+
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* code of v (|v| <= TOP; NaN gives an unspecified code) */
+INLINE uint32_t to_mini(float v, const int mbits, const int ebias, const int sign_at) {
+    const uint32_t u = f2u(v), a = u & 0x7FFFFFFFu;
+    const int shift = 23 - mbits;
+    const uint32_t denorm = (uint32_t)(127 - ebias + shift + 1) << 23;
+    const uint32_t sub = f2u(u2f(a) + u2f(denorm)) - denorm;
+    const uint32_t nor = (a - ((uint32_t)(127 - ebias) << 23) + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u)) >> shift;
+    const uint32_t mag = a < ((uint32_t)(128 - ebias) << 23) ? sub : nor;
+    return (mag & ((1u << sign_at) - 1u)) | ((u >> 31) << sign_at);
+}
+
+/* fp32 value of a code, exactly and without subnormal arithmetic (slow on some CPUs): a normal
+ * code's bits rebiased, a subnormal code's mantissa times the format's subnormal step
+ * 2**(1 - EBIAS - MBITS). SPECIAL: 1 for e4m3fn (magnitude 0x7F is NaN), 2 for e5m2 (0x7C is
+ * inf, above it NaN), 0 for none (e2m1). */
+INLINE float from_mini(uint32_t c, const int mbits, const int ebias, const int sign_at, const int special) {
+    const uint32_t mag = c & ((1u << sign_at) - 1u);
+    const uint32_t normal = (mag << (23 - mbits)) + ((uint32_t)(127 - ebias) << 23);
+    const float sub = (float)(int32_t)(mag & ((1u << mbits) - 1u)) * u2f((uint32_t)(128 - ebias - mbits) << 23);
+    uint32_t bits = (mag >> mbits) ? normal : f2u(sub);
+    if (special == 1) bits = mag == 0x7Fu ? 0x7FC00000u : bits;
+    if (special == 2) bits = mag >= 0x7Cu ? (mag == 0x7Cu ? 0x7F800000u : 0x7FC00000u) : bits;
+    return u2f(bits | (((c >> sign_at) & 1u) << 31));
+}
+
+INLINE float clamp_to(float v, const float top) {
+    v = v > top ? top : v; /* NaN stays NaN */
+    return v < -top ? -top : v;
+}
+
+#ifdef GZ_AVX512
+static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
+
+#define SET1(v) _mm512_set1_epi32((int)(v))
+
+INLINE __m512i v_to_mini(__m512 v, const int mbits, const int ebias, const int sign_at) {
+    const int shift = 23 - mbits;
+    const uint32_t denorm = (uint32_t)(127 - ebias + shift + 1) << 23;
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i a = _mm512_and_si512(u, SET1(0x7FFFFFFFu));
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(SET1(denorm)))), SET1(denorm));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, shift), SET1(1));
+    const uint32_t bias = ((1u << (shift - 1)) - 1u) - ((uint32_t)(127 - ebias) << 23);
+    const __m512i nor = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, SET1(bias)), odd), shift);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(a, SET1((uint32_t)(128 - ebias) << 23));
+    const __m512i mag = _mm512_and_si512(_mm512_mask_blend_epi32(small, nor, sub), SET1((1u << sign_at) - 1u));
+    return _mm512_or_si512(mag, _mm512_slli_epi32(_mm512_srli_epi32(u, 31), sign_at));
+}
+
+INLINE __m512 v_from_mini(__m512i c, const int mbits, const int ebias, const int sign_at, const int special) {
+    const __m512i mag = _mm512_and_si512(c, SET1((1u << sign_at) - 1u));
+    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - mbits), SET1((uint32_t)(127 - ebias) << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(mag, SET1((1u << mbits) - 1u))),
+                                     _mm512_castsi512_ps(SET1((uint32_t)(128 - ebias - mbits) << 23)));
+    const __mmask16 is_normal = _mm512_test_epi32_mask(mag, SET1(((1u << sign_at) - 1u) & ~((1u << mbits) - 1u)));
+    __m512i bits = _mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(sub), normal);
+    if (special == 1) bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, SET1(0x7F)), bits, SET1(0x7FC00000u));
+    if (special == 2) {
+        bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(mag, SET1(0x7C)), bits, SET1(0x7F800000u));
+        bits = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(mag, SET1(0x7C)), bits, SET1(0x7FC00000u));
+    }
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, SET1(1u << sign_at)), 31 - sign_at);
+    return _mm512_castsi512_ps(_mm512_or_si512(bits, sign));
+}
+
+#endif
+
+static inline uint32_t max_magnitude(const float *x, int64_t len) {
+#ifdef GZ_AVX512
+    __m512i m = _mm512_setzero_si512();
+    for (int64_t i = 0; i < len; i += 16) {
+        const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(tail_mask(len - i), x + i));
+        m = _mm512_max_epu32(m, _mm512_and_si512(u, SET1(0x7FFFFFFFu)));
+    }
+    return (uint32_t)_mm512_reduce_max_epu32(m);
+#else
+    uint32_t m = 0;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < len; i++) {
+        const uint32_t a = f2u(x[i]) & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+#endif
+}
+
+/* codes of clamp_to(x[i] * mult, top) for one block: one per byte (PACK4 0) or two per byte,
+ * value i in the low nibble when i is even (PACK4 1; the block starts on a whole byte) */
+INLINE void encode_row(const float *x, int64_t len, float mult, uint8_t *out, const int mbits, const int ebias,
+                       const int sign_at, const float top, const int pack4) {
+#ifdef GZ_AVX512
+    const __m512 vm = _mm512_set1_ps(mult), vt = _mm512_set1_ps(top), vnt = _mm512_set1_ps(-top);
+    for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 k = tail_mask(len - i);
+        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vm);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vt, _CMP_GT_OQ), v, vt);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vnt, _CMP_LT_OQ), v, vnt);
+        const __m512i c = v_to_mini(v, mbits, ebias, sign_at);
+        if (pack4) {
+            /* lanes 2j and 2j+1 as one 64-bit lane: c[2j] | c[2j+1] << 4 in its low byte */
+            const __m512i pair = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+            const int64_t bytes = len - i >= 16 ? 8 : (len - i + 1) / 2;
+            _mm512_mask_cvtepi64_storeu_epi8(out + i / 2, (__mmask8)((1u << bytes) - 1u), pair);
+        } else {
+            _mm512_mask_cvtepi32_storeu_epi8(out + i, k, c);
+        }
+    }
+#else
+    if (!pack4) {
+#pragma omp simd
+        for (int64_t i = 0; i < len; i++) out[i] = (uint8_t)to_mini(clamp_to(x[i] * mult, top), mbits, ebias, sign_at);
+    } else {
+        for (int64_t j = 0; j < len / 2; j++) {
+            const uint32_t lo = to_mini(clamp_to(x[2 * j] * mult, top), mbits, ebias, sign_at);
+            const uint32_t hi = to_mini(clamp_to(x[2 * j + 1] * mult, top), mbits, ebias, sign_at);
+            out[j] = (uint8_t)(lo | (hi << 4));
+        }
+        if (len & 1) out[len / 2] = (uint8_t)to_mini(clamp_to(x[len - 1] * mult, top), mbits, ebias, sign_at);
+    }
+#endif
+}
+
+/* out[i] (= or +=) clamp_to(value(code i) * scale, top) for one block (codes packed as above) */
+INLINE void decode_row(const uint8_t *codes, int64_t len, float scale, float top, float *out, int accumulate,
+                       const int mbits, const int ebias, const int sign_at, const int special, const int pack4) {
+#ifdef GZ_AVX512
+    const __m512 vs = _mm512_set1_ps(scale), vt = _mm512_set1_ps(top), vnt = _mm512_set1_ps(-top);
+    for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 k = tail_mask(len - i);
+        __m512i c;
+        if (pack4) {
+            const int64_t bytes = len - i >= 16 ? 8 : (len - i + 1) / 2;
+            const __m512i b = _mm512_cvtepu8_epi64(_mm_maskz_loadu_epi8((__mmask16)((1u << bytes) - 1u), codes + i / 2));
+            c = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi64(15)), _mm512_slli_epi64(_mm512_srli_epi64(b, 4), 32));
+        } else {
+            c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
+        }
+        __m512 v = _mm512_mul_ps(v_from_mini(c, mbits, ebias, sign_at, special), vs);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vt, _CMP_GT_OQ), v, vt);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vnt, _CMP_LT_OQ), v, vnt);
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, out + i), v);
+        _mm512_mask_storeu_ps(out + i, k, v);
+    }
+#else
+    if (!pack4) {
+        if (accumulate) {
+#pragma omp simd
+            for (int64_t i = 0; i < len; i++) out[i] += clamp_to(from_mini(codes[i], mbits, ebias, sign_at, special) * scale, top);
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < len; i++) out[i] = clamp_to(from_mini(codes[i], mbits, ebias, sign_at, special) * scale, top);
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            const float v = clamp_to(from_mini((codes[i / 2] >> (4 * (i & 1))) & 15u, mbits, ebias, sign_at, special) * scale, top);
+            out[i] = accumulate ? out[i] + v : v;
+        }
+    }
+#endif
+}
+
+/* fmt 0: e4m3, 1: e5m2. A block's scale is s = max(amax / TOP, 2**-126), its codes those of
+ * x * (1 / s) */
+INLINE void fp8_encode_fmt(const float *x, int64_t n, int64_t block, uint8_t *codes, float *scales, const int mbits,
+                           const int ebias, const float top) {
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t start = b * block;
+        const int64_t len = n - start < block ? n - start : block;
+        float s = u2f(max_magnitude(x + start, len)) / top;
+        s = s < FLT_MIN ? FLT_MIN : s; /* keeps 1 / s finite; NaN stays NaN */
+        encode_row(x + start, len, 1.0f / s, codes + start, mbits, ebias, 7, top, 0);
+        scales[b] = s;
+    }
+}
+
+void gz_fp8_encode(const float *x, int64_t n, int fmt, int64_t block, uint8_t *codes, float *scales) {
+    if (fmt == 0)
+        fp8_encode_fmt(x, n, block, codes, scales, 3, 7, 448.0f);
+    else
+        fp8_encode_fmt(x, n, block, codes, scales, 2, 15, 57344.0f);
+}
+
+/* value * s may round above the largest fp32 (a block whose max is near it): clamped where s is finite */
+INLINE void fp8_decode_fmt(const uint8_t *codes, const float *scales, int64_t n, int64_t block, float *out,
+                           int accumulate, const int mbits, const int ebias, const int special) {
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t start = b * block;
+        const int64_t len = n - start < block ? n - start : block;
+        const float s = scales[b];
+        decode_row(codes + start, len, s, isfinite(s) ? FLT_MAX : INFINITY, out + start, accumulate, mbits, ebias, 7,
+                   special, 0);
+    }
+}
+
+void gz_fp8_decode(const uint8_t *codes, const float *scales, int64_t n, int fmt, int64_t block, float *out,
+                   int accumulate) {
+    if (fmt == 0)
+        fp8_decode_fmt(codes, scales, n, block, out, accumulate, 3, 7, 1);
+    else
+        fp8_decode_fmt(codes, scales, n, block, out, accumulate, 2, 15, 2);
+}
+
+/* fp32 2**e for e in -127..127 (2**-127 is subnormal) */
+static inline float pow2i(int e) { return e < -126 ? u2f(0x00400000u) : u2f((uint32_t)(e + 127) << 23); }
+
+/* E8M0 code of a block whose largest magnitude has the bits m: floor(log2(amax)) - emax + 127,
+ * clamped to 0..254; 255 (NaN) when amax is NaN or inf */
+static inline int mx_scale_code(uint32_t m, int emax) {
+    const int field = (int)(m >> 23);
+    const int code = field - emax < 0 ? 0 : (field - emax > 254 ? 254 : field - emax);
+    return field == 255 ? 255 : code;
+}
+
+/* elem 0: e4m3 elements, one per byte; 1: e2m1, two per byte. Blocks are multiples of 32 values,
+ * so every block starts on a whole byte. */
+INLINE void mx_encode_elem(const float *x, int64_t n, int64_t block, uint8_t *codes, uint8_t *scales, const int elem) {
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t start = b * block;
+        const int64_t len = n - start < block ? n - start : block;
+        const int code = mx_scale_code(max_magnitude(x + start, len), elem == 0 ? 8 : 2);
+        const float mult = code == 255 ? 1.0f : pow2i(127 - code); /* x / 2**shared, exactly */
+        if (elem == 0)
+            encode_row(x + start, len, mult, codes + start, 3, 7, 7, 448.0f, 0);
+        else
+            encode_row(x + start, len, mult, codes + start / 2, 1, 1, 3, 6.0f, 1);
+        scales[b] = (uint8_t)code;
+    }
+}
+
+void gz_mx_encode(const float *x, int64_t n, int elem, int64_t block, uint8_t *codes, uint8_t *scales) {
+    if (elem == 0)
+        mx_encode_elem(x, n, block, codes, scales, 0);
+    else
+        mx_encode_elem(x, n, block, codes, scales, 1);
+}
+
+/* element * 2**(scale - 127), exact (no clamp needed: |element| * 2**shared stays below FLT_MAX) */
+INLINE void mx_decode_elem(const uint8_t *codes, const uint8_t *scales, int64_t n, int64_t block, float *out,
+                           int accumulate, const int elem) {
+    const int64_t nb = (n + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t start = b * block;
+        const int64_t len = n - start < block ? n - start : block;
+        const float sc = scales[b] == 255 ? u2f(0x7FC00000u) : pow2i((int)scales[b] - 127);
+        if (elem == 0)
+            decode_row(codes + start, len, sc, INFINITY, out + start, accumulate, 3, 7, 7, 1, 0);
+        else
+            decode_row(codes + start / 2, len, sc, INFINITY, out + start, accumulate, 1, 1, 3, 0, 1);
+    }
+}
+
+void gz_mx_decode(const uint8_t *codes, const uint8_t *scales, int64_t n, int elem, int64_t block, float *out,
+                  int accumulate) {
+    if (elem == 0)
+        mx_decode_elem(codes, scales, n, block, out, accumulate, 0);
+    else
+        mx_decode_elem(codes, scales, n, block, out, accumulate, 1);
+}

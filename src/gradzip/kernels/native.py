@@ -44,6 +44,10 @@ _SIGNATURES = {
     "gz_sign_encode": [_f32p, _i64, _u8p],
     "gz_sign_decode": [_u8p, _i64, _f32p, _f32p, _int],
     "gz_topk": [_f32p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p],
+    "gz_fp8_encode": [_f32p, _i64, _int, _i64, _u8p, _f32p],
+    "gz_fp8_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
+    "gz_mx_encode": [_f32p, _i64, _int, _i64, _u8p, _u8p],
+    "gz_mx_decode": [_u8p, _u8p, _i64, _int, _i64, _f32p, _int],
 }
 
 
@@ -224,3 +228,48 @@ def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     hist = torch.empty(65536, dtype=torch.int64)
     _kernels().gz_topk(xf.data_ptr(), xf.numel(), k, idx.data_ptr(), hist.data_ptr())
     return flat[idx], idx
+
+
+# ------------------------------------------------------- FP8 and microscaling (MX) formats
+_FP8 = {"e4m3": 0, "e5m2": 1}
+_MX = {"e4m3": 0, "e2m1": 1}
+
+
+def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    x = _f32(x)
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.uint8)
+    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    _kernels().gz_fp8_encode(x.data_ptr(), n, _FP8[fmt], block, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def fp8_decode(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    codes, scales, out = codes.contiguous(), scales.to(torch.float32).contiguous(), _out(out, numel)
+    _kernels().gz_fp8_decode(codes.data_ptr(), scales.data_ptr(), numel, _FP8[fmt], block, out.data_ptr(), int(accumulate))
+    return out
+
+
+def mx_encode(x: torch.Tensor, elem: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    if block % 32:
+        raise ValueError(f"MX blocks are multiples of 32 values, got {block}")
+    x = _f32(x)
+    n = x.numel()
+    codes = torch.empty(n if elem == "e4m3" else (n + 1) // 2, dtype=torch.uint8)
+    scales = torch.empty(-(-n // block), dtype=torch.uint8)
+    _kernels().gz_mx_encode(x.data_ptr(), n, _MX[elem], block, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def mx_decode(
+    codes: torch.Tensor, scales: torch.Tensor, elem: str, block: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    if block % 32:
+        raise ValueError(f"MX blocks are multiples of 32 values, got {block}")
+    codes, scales, out = codes.contiguous(), scales.contiguous(), _out(out, numel)
+    _kernels().gz_mx_decode(codes.data_ptr(), scales.data_ptr(), numel, _MX[elem], block, out.data_ptr(), int(accumulate))
+    return out

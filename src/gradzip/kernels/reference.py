@@ -136,3 +136,145 @@ def sign_decode(
     """fp32 ``±1`` per bit (times the one-element ``scale`` when given), into ``out`` if given."""
     signs = unpack_bits(packed, 1, numel).float().mul_(2).sub_(1)
     return store(signs if scale is None else signs.mul_(scale), out, accumulate)
+
+
+# ============================================================== FP8 and microscaling (MX)
+# Element formats: (torch dtype or None, largest finite magnitude, exponent bias, mantissa bits).
+# e4m3 is the "fn" variant (no infinities, NaN at 0x7F/0xFF); e5m2 is IEEE-like (inf at 0x7C);
+# e2m1 (FP4) has the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and no special values.
+FLOAT_ELEMENTS = {
+    "e4m3": (torch.float8_e4m3fn, 448.0, 7, 3),
+    "e5m2": (torch.float8_e5m2, 57344.0, 15, 2),
+    "e2m1": (None, 6.0, 1, 1),
+}
+MX_EMAX = {"e4m3": 8, "e2m1": 2}  # exponent of the element format's largest power of two
+FLT_MIN = torch.finfo(torch.float32).tiny  # 2**-126: the fp8 codec's smallest block scale
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (sign in bit 3) of ``v`` with ``|v| <= 6``, rounded to nearest, ties to even.
+
+    The codes 0..7 are the magnitudes in increasing order, and an even code has an even mantissa
+    bit, so a tie goes to the even code: 0.25 → 0, 0.75 → 1, 1.25 → 1, 1.75 → 2, 2.5 → 2,
+    3.5 → 4, 5 → 4. (NaN gives an unspecified code.)
+    """
+    a = v.abs()
+    code = (a > 0.25).to(torch.uint8)
+    for bound, strict in ((0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True)):
+        code += (a > bound) if strict else (a >= bound)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def element_codes(v: torch.Tensor, elem: str) -> torch.Tensor:
+    """Codes (uint8) of the fp32 ``v``, already within ``±max`` of ``elem``: round to nearest even."""
+    dtype = FLOAT_ELEMENTS[elem][0]
+    if dtype is None:
+        return _e2m1_codes(v)
+    return v.to(dtype).view(torch.uint8)
+
+
+def element_values(elem: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of every code of ``elem`` (256 for fp8, 16 for e2m1), NaN and ±inf included."""
+    dtype = FLOAT_ELEMENTS[elem][0]
+    if dtype is None:
+        mags = torch.tensor(_E2M1_VALUES, dtype=torch.float32)
+        return torch.cat([mags, -mags]).to(device)
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte, value ``i`` in the low nibble when ``i`` is even: ``ceil(n / 2)`` bytes."""
+    return pack_bits(codes, 4)[: (codes.numel() + 1) // 2]
+
+
+def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes (one byte per value) and per-block fp32 scales of the flat ``x``.
+
+    A block's scale is ``s = max(amax / M, 2**-126)`` (``amax`` its largest ``|x|``, ``M`` the
+    format's largest finite value: 448 for e4m3, 57344 for e5m2), so its largest value maps to
+    ``M``; the floor keeps ``1 / s`` finite (an all-zero block gets ``2**-126``, and every code 0).
+    A value's code is ``x · (1 / s)`` clamped to ``±M`` and cast to the format, rounding to
+    nearest even (fp32 arithmetic, ``1 / s`` rounded once).
+    """
+    _, fmax, _, _ = FLOAT_ELEMENTS[fmt]
+    n = x.numel()
+    buckets = bucket_view(x.float(), block)
+    amax = buckets.abs().amax(dim=1)
+    scale = (amax / fmax).clamp_(min=FLT_MIN)
+    inv = torch.reciprocal(scale)
+    v = (buckets * inv[:, None]).clamp_(-fmax, fmax)
+    return element_codes(v, fmt).reshape(-1)[:n], scale
+
+
+def fp8_decode(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``value(code) · s`` for the first ``numel`` values (into ``out`` if given); clamped to
+    the fp32 range where ``s`` is finite (``M · s`` may round just above a block's ``amax``)."""
+    table = element_values(fmt, codes.device)
+    vals = bucket_view(table[codes.reshape(-1)[:numel].long()], block)
+    s = scales[: vals.shape[0], None]
+    vals = vals * s
+    vals = torch.where(torch.isfinite(s), vals.clamp(-FLT_MAX, FLT_MAX), vals)
+    return store(vals.reshape(-1)[:numel], out, accumulate)
+
+
+def mx_scale_codes(amax: torch.Tensor, elem: str) -> torch.Tensor:
+    """E8M0 shared-scale codes (int32) of blocks whose largest ``|x|`` is ``amax`` (OCP MX v1.0).
+
+    The shared exponent is ``floor(log2(amax)) - emax`` (emax 8 for e4m3, 2 for e2m1), stored with
+    bias 127 and clamped to 0..254; ``floor(log2(amax))`` is read off the fp32 exponent field, so a
+    zero or subnormal ``amax`` counts as 2**-127 (code 0). A NaN or infinite ``amax`` gives 255,
+    E8M0's NaN.
+    """
+    field = (amax.view(torch.int32) >> 23) & 0xFF
+    code = (field - MX_EMAX[elem]).clamp_(0, 254)
+    return torch.where(field == 255, 255, code)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**e`` for integer ``e`` in -127..127 (``2**-127`` is subnormal), built from bits."""
+    normal = ((exponent + 127).clamp(min=1) << 23).to(torch.int32).view(torch.float32)
+    return torch.where(exponent < -126, torch.full_like(normal, 2.0**-127), normal)
+
+
+def mx_scales(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 value of E8M0 codes: ``2**(code - 127)``; 255 is NaN."""
+    c = codes.to(torch.int32)
+    return torch.where(c == 255, torch.full(c.shape, float("nan"), device=c.device), _pow2(c - 127))
+
+
+def mx_encode(x: torch.Tensor, elem: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes and E8M0 scale codes (uint8) of the flat ``x`` (OCP MX v1.0).
+
+    Elements are ``x / 2**shared`` (an exact power-of-two scaling) clamped to the element
+    format's largest magnitude (448 or 6) and rounded to nearest even: e4m3 one per byte, e2m1
+    two per byte (value ``i`` in the low nibble when ``i`` is even), ``ceil(n / 2)`` bytes.
+    """
+    _, emax_val, _, _ = FLOAT_ELEMENTS[elem]
+    n = x.numel()
+    buckets = bucket_view(x.float(), block)
+    scode = mx_scale_codes(buckets.abs().amax(dim=1), elem)
+    mult = torch.where(scode == 255, torch.ones((), device=x.device), _pow2(127 - scode.clamp(max=254)))
+    v = (buckets * mult[:, None]).clamp_(-emax_val, emax_val)
+    codes = element_codes(v, elem).reshape(-1)[:n]
+    if elem == "e2m1":
+        codes = _pack_nibbles(codes)
+    return codes, scode.to(torch.uint8)
+
+
+def mx_decode(
+    codes: torch.Tensor, scales: torch.Tensor, elem: str, block: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``value(element) · 2**(scale - 127)`` for the first ``numel`` values, into ``out`` if
+    given. Every product is exact: the elements are multiples of 2**-9 with at most 4 significant
+    bits, so even a subnormal result loses nothing."""
+    if elem == "e2m1":
+        codes = unpack_bits(codes, 4, numel)
+    table = element_values(elem, codes.device)
+    vals = bucket_view(table[codes.reshape(-1)[:numel].long()], block)
+    vals = vals * mx_scales(scales[: vals.shape[0]])[:, None]
+    return store(vals.reshape(-1)[:numel], out, accumulate)
