@@ -1,4 +1,4 @@
-"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce`` and ``gradzip bench codecs``,
+"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce``, ``codecs``, ``models`` and ``accuracy``,
 ``gradzip run`` (torchrun with gradzip on every DDP model) and ``gradzip doctor``.
 
 Heavy modules (the demo, the benchmark, rich) are imported by the subcommand that needs them, so
@@ -76,6 +76,20 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _accuracy_tasks(text: str) -> List[str]:
+    """``"digits,charlm"``, each checked against the accuracy benchmark's tasks."""
+    from .bench.accuracy import TASKS
+
+    return _names(text, list(TASKS), "task")
+
+
+def _accuracy_configs(text: str) -> List[str]:
+    """Demo config names or codec specs separated by commas, each checked (``bench.accuracy.resolve``)."""
+    from .bench.accuracy import resolve
+
+    return list(dict.fromkeys(_checked(text, resolve)))
 
 
 def _model_list(text: str) -> List[str]:
@@ -221,6 +235,57 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", dest="plot_path",
         help="draw time per step per model and method to this PNG (default: next to the JSON, same name)",
     )
+    from .bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
+    from .bench.accuracy import DEFAULT_TASKS, QUICK, TASKS
+
+    acc = bench_sub.add_parser(
+        "accuracy", help="held-out loss at equal steps, bytes and time-to-target per method, on real data, over seeds",
+        description="Train a digits MLP and a character-level transformer LM (pydoc_data.topics) on local gloo ranks, "
+        "once per method and seed from the same initial parameters and batches: held-out loss (mean and min–max over "
+        "seeds), bytes per step, training time, the time to reach fp32's final held-out loss, and whether all "
+        "replicas stayed bit-identical (exit status 1 if not).",
+        epilog="examples:\n"
+        "  gradzip bench accuracy --json docs/bench/accuracy.json             # defaults: both tasks, 3 seeds\n"
+        "  gradzip bench accuracy --quick --rate loopback\n"
+        "  gradzip bench accuracy --tasks charlm --configs fp32,maxmin2,qsgd4,topk:ratio=0.05,powersgd:rank=8\n"
+        "  gradzip bench accuracy --configs fp32,signsgd:opt.lr=0.002:opt.momentum=0 --seeds 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    acc.add_argument(
+        "--tasks", type=_accuracy_tasks, default=DEFAULT_TASKS,
+        help=f"comma-separated tasks (default {','.join(DEFAULT_TASKS)}); all: {','.join(TASKS)}",
+    )
+    acc.add_argument(
+        "--configs", type=_accuracy_configs, default=ACC_CONFIGS,
+        help=f"comma-separated methods (default {','.join(ACC_CONFIGS)}): demo config names (fp32, fp16, maxmin4, "
+        "qsgd4, topk, powersgd, torch-fp16, ...) or codec specs name[:key=value...]; keys of gradzip.register "
+        "(memory, collective, min_numel, ...) go to it, opt.lr / opt.momentum to the optimizer, others to the codec",
+    )
+    acc.add_argument("--seeds", type=_positive, default=None, help="seeds 0..N-1 (default 3; --quick: 2)")
+    acc.add_argument("--steps", type=_positive, default=None, help="training steps of every task (default: per task, "
+                     "digits 120, charlm 150; --quick: 40)")
+    acc.add_argument("--eval-every", type=_positive, default=None, help="held-out evaluation every K steps "
+                     "(default: per task, digits 10, charlm 15; --quick: 10)")
+    acc.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    acc.add_argument(
+        "--rate", type=_link_rate, default="1gbit",
+        help="emulate a cluster with links of this rate (needs root and iproute2; default %(default)s); 'loopback' "
+        "for none. Without root or iproute2 it says so and runs on loopback",
+    )
+    acc.add_argument(
+        "--tolerance", type=float, default=0.0,
+        help="time-to-target aims at the baseline's final held-out loss × (1 + this) (default %(default)s)",
+    )
+    acc.add_argument(
+        "--quick", action="store_true",
+        help=f"a smoke run: {QUICK['steps']} steps, eval every {QUICK['eval_every']}, {QUICK['seeds']} seeds "
+        "(explicit options win)",
+    )
+    acc.add_argument("--json", dest="json_path", help="write the results to this JSON file")
+    acc.add_argument(
+        "--plot", dest="plot_path",
+        help="draw held-out loss against bytes sent and training time to this PNG (default: next to the JSON)",
+    )
     return parser
 
 
@@ -314,6 +379,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             console.print(report["fallback"])
         console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         _plot(plots.models, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "accuracy":
+        from .bench import accuracy
+
+        if args.tolerance < 0:
+            raise SystemExit("gradzip bench accuracy: --tolerance must be at least 0")
+        quick = accuracy.QUICK if args.quick else {}
+        try:
+            report = accuracy.run_accuracy(
+                args.tasks, args.configs, seeds=args.seeds or quick.get("seeds", accuracy.DEFAULTS["seeds"]),
+                steps=args.steps or quick.get("steps"), eval_every=args.eval_every or quick.get("eval_every"),
+                workers=args.workers, rate=args.rate, tolerance=args.tolerance, json_path=args.json_path,
+            )
+        except ImportError as exc:  # the digits data set needs scikit-learn (the 'demo' extra)
+            raise SystemExit(f"gradzip bench accuracy: {exc}")
+        except ValueError as exc:
+            raise SystemExit(f"gradzip bench accuracy: {exc}")
+        console = _console()
+        if report["fallback"]:
+            console.print(report["fallback"])
+        console.print(accuracy.table(report))
+        if args.json_path:
+            console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
+        else:
+            console.print(f"total wall time {report['wall_s']:.0f} s")
+        _plot(accuracy.plot, report, args, console)
+        if not accuracy.all_identical(report):
+            drifted = [
+                f"{t} {r['config']}" for t, res in report["results"].items() for r in res["rows"] if not r["identical"]
+            ]
+            console.print("[red]replicas differ[/red] after training with: " + ", ".join(drifted))
+            return 1
         return 0
     raise AssertionError(args)  # argparse rejects everything else
 
