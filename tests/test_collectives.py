@@ -100,6 +100,10 @@ def _tolerance(name: str, coll: str, owns: torch.Tensor, world: int, ref: torch.
         # the bucket's max is negative (−1 decodes to −0.99297); 2**-20 covers fp32 rounding
         if name == "u8bit":
             return (0.9 / 128 + 2**-20) * ref.abs().max().item() + 1e-6
+        # fp8: half an element step at the top of a block, 2**-4 (e4m3) of its max; MX also
+        # saturates the top of its range, [448, 512) or [6, 8) times the shared scale
+        if name in ("fp8", "mxfp8", "mxfp4"):
+            return {"fp8": 2**-4, "mxfp8": 2**-3, "mxfp4": 2**-2}[name] * ref.abs().max().item() * (1 + 1e-6) + 1e-6
     eps = {"fp16": 2**-10, "bf16": 2**-7}.get(name, 1e-6)
     return 2 * world * eps * scale + 1e-6
 

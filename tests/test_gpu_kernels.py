@@ -322,3 +322,87 @@ def test_qsgd_extremes_match_reference(bits):
         out = gpu.qsgd_decode(packed, norms, bits, bucket, n)
         assert _same_bits(out, reference.qsgd_decode(packed, norms, bits, bucket, n))
         assert torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------- FP8 and microscaling (MX) formats
+def _wide(n: int, seed: int) -> torch.Tensor:
+    """N(0, 1) times log-normal magnitudes (twenty decades), with zeros, -0.0, ties at unit scale
+    and fp32 subnormals mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 5)
+    x[::13] = 0.0
+    x[1::17] = -0.0
+    x[2::19] = 1e-40
+    x[3::7] = torch.tensor([0.75, 1.25, 2.5, 5.0, 3.5, 448.0, 6.0, 57344.0, -1.75, 0.25, 240.0])[
+        torch.randint(11, (x[3::7].numel(),), generator=g)]
+    return x.to(DEVICE)
+
+
+FP8_CASES = [(1, 1), (7, 7), (1000, 128), (1000, 100), (4097, 1024), (9000, 5000)]
+MX_CASES = [(1, 32), (33, 32), (1000, 32), (1001, 96), (4097, 64), (9000, 8192)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_bit_identical(fmt):
+    for n, block in FP8_CASES:
+        x = _wide(n, seed=n + block)
+        codes, scales = gpu.fp8_encode(x, fmt, block)
+        ref_codes, ref_scales = reference.fp8_encode(x, fmt, block)
+        assert torch.equal(codes, ref_codes) and _same_bits(scales, ref_scales), (n, block)
+        out = gpu.fp8_decode(codes, scales, fmt, block, n)
+        assert _same_bits(out, reference.fp8_decode(codes, scales, fmt, block, n)), (n, block)
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e2m1"])
+def test_mx_bit_identical(elem):
+    for n, block in MX_CASES:
+        x = _wide(n, seed=3 * n + block)
+        codes, scales = gpu.mx_encode(x, elem, block)
+        ref_codes, ref_scales = reference.mx_encode(x, elem, block)
+        assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), (n, block)
+        out = gpu.mx_decode(codes, scales, elem, block, n)
+        assert _same_bits(out, reference.mx_decode(codes, scales, elem, block, n)), (n, block)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # 57344 · 7.6e35: clamped
+def test_floatx_every_code_decodes_like_reference():
+    """All 256 fp8 codes (NaN and inf included) and all 16 e2m1 codes under every E8M0 scale."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2).to(DEVICE)
+    scales = torch.tensor([1.0, 2.0**-126, 3.7e-20, 7.6e35]).to(DEVICE)
+    for fmt in ("e4m3", "e5m2"):
+        got = gpu.fp8_decode(codes, scales, fmt, 128, 512)
+        want = reference.fp8_decode(codes, scales, fmt, 128, 512)
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        ok = ~torch.isnan(want)
+        assert _same_bits(got[ok], want[ok])
+    e8m0 = torch.arange(255, dtype=torch.int32).to(torch.uint8).to(DEVICE)  # 255 (NaN): every value NaN
+    packed = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8).repeat(2 * 255)
+    got = gpu.mx_decode(packed.to(DEVICE), e8m0, "e2m1", 32, 255 * 32)
+    assert _same_bits(got, reference.mx_decode(packed.to(DEVICE), e8m0, "e2m1", 32, 255 * 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_floatx_other_dtypes_and_views(dtype):
+    x = _wide(600, seed=5).clamp(-6e4, 6e4).to(dtype)
+    for elem in ("e4m3", "e2m1"):
+        assert all(torch.equal(a, b) for a, b in zip(gpu.mx_encode(x, elem, 32), reference.mx_encode(x, elem, 32)))
+    codes, scales = gpu.fp8_encode(x[::2], "e4m3", 64)
+    ref_codes, ref_scales = reference.fp8_encode(x[::2].contiguous(), "e4m3", 64)
+    assert torch.equal(codes, ref_codes) and _same_bits(scales, ref_scales)
+
+
+def test_floatx_decode_into_out_and_accumulate():
+    n = 1001
+    x = _wide(n, seed=8)
+    base = _randn(n, seed=9)
+    for enc, dec, fmt in ((gpu.fp8_encode, gpu.fp8_decode, "e5m2"), (gpu.mx_encode, gpu.mx_decode, "e2m1")):
+        block = 64
+        payload = enc(x, fmt, block)
+        expected = getattr(reference, dec.__name__)(*payload, fmt, block, n)
+        out = torch.empty(n, device=DEVICE)
+        assert dec(*payload, fmt, block, n, out=out) is out and _same_bits(out, expected)
+        acc = base.clone()
+        dec(*payload, fmt, block, n, out=acc, accumulate=True)
+        assert _same_bits(acc, base + expected)
+    with pytest.raises(ValueError):
+        gpu.mx_encode(x, "e4m3", 48)
