@@ -61,7 +61,10 @@ class FP8(_BlockFloat):
     """
 
     name = "fp8"
-    paper = "Peng et al., FP8-LM: Training FP8 Large Language Models, 2023; Micikevicius et al., FP8 Formats for Deep Learning, 2022"
+    paper = (
+        "Peng et al., FP8-LM: Training FP8 Large Language Models, 2023; "
+        "Micikevicius et al., FP8 Formats for Deep Learning, 2022"
+    )
     options = {
         "format": Option("e4m3", one_of("e4m3", "e5m2"), "'e4m3' or 'e5m2'", "the 8-bit float format"),
         "block_size": Option(128, int_in(1), "a positive integer", "values sharing one fp32 scale"),
@@ -73,7 +76,9 @@ class FP8(_BlockFloat):
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.fp8_decode(*tensors, self.format, self.block_size, meta.numel)
 
-    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    def _decode_into(
+        self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool
+    ) -> torch.Tensor:
         return fused.fp8_decode(*tensors, self.format, self.block_size, out.numel(), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -102,7 +107,9 @@ class _MX(_BlockFloat):
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.mx_decode(*tensors, self.element, self.block_size, meta.numel)
 
-    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    def _decode_into(
+        self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool
+    ) -> torch.Tensor:
         return fused.mx_decode(*tensors, self.element, self.block_size, out.numel(), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -465,7 +465,9 @@ def _clamp_to(v, top):
     return tl.where(v < -top, -top, tl.where(v > top, top, v))
 
 
-def _block_max_bits(x_ptr, row, bucket, num_buckets, numel, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+def _block_max_bits(
+    x_ptr, row, bucket, num_buckets, numel, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+):
     """Largest magnitude bits (int32) of each of the ROWS blocks (0 for rows past the last)."""
     if CHUNKED:
         m = tl.zeros((ROWS,), tl.int32)
@@ -480,7 +482,10 @@ def _block_max_bits(x_ptr, row, bucket, num_buckets, numel, ROWS: tl.constexpr, 
     return m
 
 
-def _store_codes(codes_ptr, codes, row, c, bucket, num_buckets, numel, PACK4: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _store_codes(
+    codes_ptr, codes, row, c, bucket, num_buckets, numel,
+    PACK4: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
     """Store a tile's codes: one per byte, or two per byte (value i in the low nibble when i is
     even; blocks start on even values), ``ceil(numel / 2)`` bytes in all."""
     offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)

@@ -249,7 +249,9 @@ def fp8_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     codes, scales, out = codes.contiguous(), scales.to(torch.float32).contiguous(), _out(out, numel)
-    _kernels().gz_fp8_decode(codes.data_ptr(), scales.data_ptr(), numel, _FP8[fmt], block, out.data_ptr(), int(accumulate))
+    _kernels().gz_fp8_decode(
+        codes.data_ptr(), scales.data_ptr(), numel, _FP8[fmt], block, out.data_ptr(), int(accumulate)
+    )
     return out
 
 
@@ -271,5 +273,7 @@ def mx_decode(
     if block % 32:
         raise ValueError(f"MX blocks are multiples of 32 values, got {block}")
     codes, scales, out = codes.contiguous(), scales.contiguous(), _out(out, numel)
-    _kernels().gz_mx_decode(codes.data_ptr(), scales.data_ptr(), numel, _MX[elem], block, out.data_ptr(), int(accumulate))
+    _kernels().gz_mx_decode(
+        codes.data_ptr(), scales.data_ptr(), numel, _MX[elem], block, out.data_ptr(), int(accumulate)
+    )
     return out

@@ -183,6 +183,14 @@ def element_values(elem: str, device: torch.device | str = "cpu") -> torch.Tenso
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
 
 
+def element_decode(codes: torch.Tensor, elem: str) -> torch.Tensor:
+    """fp32 values of the uint8 ``codes`` (one code per byte): :func:`element_values` per code."""
+    dtype = FLOAT_ELEMENTS[elem][0]
+    if dtype is not None:
+        return codes.view(dtype).float()
+    return torch.index_select(element_values(elem, codes.device), 0, codes.to(torch.int32))
+
+
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte, value ``i`` in the low nibble when ``i`` is even: ``ceil(n / 2)`` bytes."""
     return pack_bits(codes, 4)[: (codes.numel() + 1) // 2]
@@ -213,8 +221,7 @@ def fp8_decode(
 ) -> torch.Tensor:
     """fp32 ``value(code) · s`` for the first ``numel`` values (into ``out`` if given); clamped to
     the fp32 range where ``s`` is finite (``M · s`` may round just above a block's ``amax``)."""
-    table = element_values(fmt, codes.device)
-    vals = bucket_view(table[codes.reshape(-1)[:numel].long()], block)
+    vals = bucket_view(element_decode(codes.reshape(-1)[:numel], fmt), block)
     s = scales[: vals.shape[0], None]
     vals = vals * s
     vals = torch.where(torch.isfinite(s), vals.clamp(-FLT_MAX, FLT_MAX), vals)
@@ -274,7 +281,6 @@ def mx_decode(
     bits, so even a subnormal result loses nothing."""
     if elem == "e2m1":
         codes = unpack_bits(codes, 4, numel)
-    table = element_values(elem, codes.device)
-    vals = bucket_view(table[codes.reshape(-1)[:numel].long()], block)
+    vals = bucket_view(element_decode(codes.reshape(-1)[:numel], elem), block)
     vals = vals * mx_scales(scales[: vals.shape[0]])[:, None]
     return store(vals.reshape(-1)[:numel], out, accumulate)
