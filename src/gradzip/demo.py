@@ -61,6 +61,9 @@ CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "graddrop": ("graddrop", {"ratio": 0.01}),
     "adaq": ("adaq", {}),
     "sketchml": ("sketchml", {}),
+    "fp8": ("fp8", {}),
+    "mxfp8": ("mxfp8", {}),
+    "mxfp4": ("mxfp4", {}),
     "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
     "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hooks, the baselines to beat
     "torch-powersgd": ("torch:powerSGD_hook", {"rank": 2}),
