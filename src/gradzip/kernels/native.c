@@ -394,8 +394,16 @@ INLINE __m512i v_to_mini(__m512 v, const int mbits, const int ebias, const int s
     const uint32_t bias = ((1u << (shift - 1)) - 1u) - ((uint32_t)(127 - ebias) << 23);
     const __m512i nor = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, SET1(bias)), odd), shift);
     const __mmask16 small = _mm512_cmplt_epu32_mask(a, SET1((uint32_t)(128 - ebias) << 23));
-    const __m512i mag = _mm512_and_si512(_mm512_mask_blend_epi32(small, nor, sub), SET1((1u << sign_at) - 1u));
-    return _mm512_or_si512(mag, _mm512_slli_epi32(_mm512_srli_epi32(u, 31), sign_at));
+    /* bits below SIGN_AT from the magnitude, the rest from u >> (31 - SIGN_AT): the sign at
+     * SIGN_AT, zeros above it (one ternary-logic select) */
+    return _mm512_ternarylogic_epi32(SET1((1u << sign_at) - 1u), _mm512_mask_blend_epi32(small, nor, sub),
+                                     _mm512_srli_epi32(u, 31 - sign_at), 0xCA);
+}
+
+/* clamp_to lane by lane: MINPS(a, b) is a < b ? a : b and MAXPS(a, b) a > b ? a : b, so with
+ * the bound first a NaN lane keeps its NaN, as in the scalar version */
+INLINE __m512 v_clamp(__m512 v, __m512 top, __m512 neg_top) {
+    return _mm512_max_ps(neg_top, _mm512_min_ps(top, v));
 }
 
 INLINE __m512 v_from_mini(__m512i c, const int mbits, const int ebias, const int sign_at, const int special) {
@@ -443,9 +451,7 @@ INLINE void encode_row(const float *x, int64_t len, float mult, uint8_t *out, co
     const __m512 vm = _mm512_set1_ps(mult), vt = _mm512_set1_ps(top), vnt = _mm512_set1_ps(-top);
     for (int64_t i = 0; i < len; i += 16) {
         const __mmask16 k = tail_mask(len - i);
-        __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vm);
-        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vt, _CMP_GT_OQ), v, vt);
-        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vnt, _CMP_LT_OQ), v, vnt);
+        const __m512 v = v_clamp(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), vm), vt, vnt);
         const __m512i c = v_to_mini(v, mbits, ebias, sign_at);
         if (pack4) {
             /* lanes 2j and 2j+1 as one 64-bit lane: c[2j] | c[2j+1] << 4 in its low byte */
@@ -486,9 +492,11 @@ INLINE void decode_row(const uint8_t *codes, int64_t len, float scale, float top
         } else {
             c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes + i));
         }
-        __m512 v = _mm512_mul_ps(v_from_mini(c, mbits, ebias, sign_at, special), vs);
-        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vt, _CMP_GT_OQ), v, vt);
-        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, vnt, _CMP_LT_OQ), v, vnt);
+        /* e2m1 has 16 codes: one permute reads them from a register (the values of from_mini) */
+        const __m512 e2m1 = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f);
+        const __m512 value = pack4 ? _mm512_permutexvar_ps(c, e2m1) : v_from_mini(c, mbits, ebias, sign_at, special);
+        __m512 v = v_clamp(_mm512_mul_ps(value, vs), vt, vnt);
         if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, out + i), v);
         _mm512_mask_storeu_ps(out + i, k, v);
     }
@@ -566,9 +574,57 @@ static inline int mx_scale_code(uint32_t m, int emax) {
 
 /* elem 0: e4m3 elements, one per byte; 1: e2m1, two per byte. Blocks are multiples of 32 values,
  * so every block starts on a whole byte. */
+#ifdef GZ_AVX512
+/* Sixteen whole blocks of 32 values (the specification's block) at once: their maxima are
+ * reduced into one vector (four rounds of even/odd lane halves), the sixteen scale codes and
+ * multipliers computed in its lanes, and each block's multiplier broadcast from there. Same
+ * operations as mx_scale_code, pow2i and encode_row, so the same bytes. */
+INLINE void mx_encode_16x32(const float *x, uint8_t *codes, uint8_t *scales, const int elem) {
+    const int mbits = elem == 0 ? 3 : 1, ebias = elem == 0 ? 7 : 1, emax = elem == 0 ? 8 : 2;
+    const int sign_at = elem == 0 ? 7 : 3;
+    const float top = elem == 0 ? 448.0f : 6.0f;
+    const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odds = _mm512_add_epi32(evens, SET1(1));
+    const __m512i magnitude = SET1(0x7FFFFFFFu);
+    __m512i m[16];
+    for (int b = 0; b < 16; b++)
+        m[b] = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 32 * b)), magnitude),
+                                _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + 32 * b + 16)), magnitude));
+    for (int width = 16; width > 1; width /= 2) /* lane groups of block b stay in block order */
+        for (int k = 0; k < width / 2; k++)
+            m[k] = _mm512_max_epu32(_mm512_permutex2var_epi32(m[2 * k], evens, m[2 * k + 1]),
+                                    _mm512_permutex2var_epi32(m[2 * k], odds, m[2 * k + 1]));
+    const __m512i field = _mm512_srli_epi32(m[0], 23);
+    __m512i code = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(field, SET1(emax)), SET1(0)), SET1(254));
+    code = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(field, SET1(255)), code, SET1(255));
+    __m512i mult = _mm512_slli_epi32(_mm512_sub_epi32(SET1(254), code), 23); /* 2**(127 - code) */
+    mult = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(code, SET1(254)), mult, SET1(0x00400000u));
+    mult = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(code, SET1(255)), mult, SET1(0x3F800000u));
+    _mm_storeu_si128((__m128i *)scales, _mm512_cvtepi32_epi8(code));
+    const __m512 vt = _mm512_set1_ps(top), vnt = _mm512_set1_ps(-top);
+    for (int b = 0; b < 16; b++) {
+        const __m512 vm = _mm512_permutexvar_ps(SET1(b), _mm512_castsi512_ps(mult));
+        for (int h = 0; h < 2; h++) {
+            const __m512 v = v_clamp(_mm512_mul_ps(_mm512_loadu_ps(x + 32 * b + 16 * h), vm), vt, vnt);
+            const __m512i c = v_to_mini(v, mbits, ebias, sign_at);
+            if (elem == 0)
+                _mm_storeu_si128((__m128i *)(codes + 32 * b + 16 * h), _mm512_cvtepi32_epi8(c));
+            else
+                _mm_storel_epi64((__m128i *)(codes + 16 * b + 8 * h),
+                                 _mm512_cvtepi64_epi8(_mm512_or_si512(c, _mm512_srli_epi64(c, 28))));
+        }
+    }
+}
+#endif
+
 INLINE void mx_encode_elem(const float *x, int64_t n, int64_t block, uint8_t *codes, uint8_t *scales, const int elem) {
     const int64_t nb = (n + block - 1) / block;
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+#ifdef GZ_AVX512
+    if (block == 32)
+        for (; b + 16 <= n / 32; b += 16) mx_encode_16x32(x + 32 * b, codes + (elem == 0 ? 32 * b : 16 * b), scales + b, elem);
+#endif
+    for (; b < nb; b++) {
         const int64_t start = b * block;
         const int64_t len = n - start < block ? n - start : block;
         const int code = mx_scale_code(max_magnitude(x + start, len), elem == 0 ? 8 : 2);
