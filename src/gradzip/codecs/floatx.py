@@ -46,18 +46,20 @@ class FP8(_BlockFloat):
     al., FP8 Formats for Deep Learning, 2022).
 
     The flat gradient is cut into blocks of ``block_size`` values. A block's scale is
-    ``s = amax / M`` (``amax`` its largest ``|x|``; ``M`` = 448 for ``e4m3``, 57344 for
-    ``e5m2``), so its largest value maps to the format's largest finite value; each value is sent
-    as the 8-bit float nearest ``x / s`` (fp32 ``x · (1 / s)``, ties to even, clamped to ``±M``)
-    and decodes to ``code · s``. The scale is floored at ``2**-126`` so that ``1 / s`` stays
-    finite: an all-zero block decodes to zeros, and a block of fp32 subnormals keeps fp8's
-    relative precision down to ``2**-132``. The error of a value is at most half an fp8 step at
-    its magnitude: ``2**-4 |x|`` (e4m3) or ``2**-3 |x|`` (e5m2) in the normal range, and at most
-    ``2**-10 s`` (e4m3) or ``2**-17 s`` (e5m2) below it.
+    ``s = max(amax / M, 2**-126)`` (fp32; ``amax`` its largest ``|x|``; ``M`` = 448 for ``e4m3``,
+    57344 for ``e5m2``), so its largest value maps to the format's largest finite value; each
+    value is sent as the 8-bit float nearest ``x / s`` (fp32 ``x · (1 / s)``, ties to even,
+    clamped to ``±M``) and decodes to ``code · s`` (clamped to the fp32 range). The floor keeps
+    ``1 / s`` finite: an all-zero block decodes to zeros, and a block of fp32 subnormals keeps
+    fp8's relative precision down to ``2**-132``. Up to fp32 rounding of ``1 / s``, the error of
+    a value is at most half an fp8 step at its magnitude: ``2**-4 |x|`` (e4m3) or ``2**-3 |x|``
+    (e5m2) in the normal range, and ``2**-10 s`` (e4m3) or ``2**-17 s`` (e5m2) below it.
 
     Options: ``format`` (``"e4m3"``, default: more precision; ``"e5m2"``: more range),
-    ``block_size`` (default 128, any positive integer). Wire: 1 byte per value + one fp32 scale
-    per block (8.25 bits per value by default). Collectives: ``sra`` (default) or ``allgather``.
+    ``block_size`` (default 128, any positive integer; blocks above 65536 values run the torch
+    kernels). Wire: 1 byte per value + one fp32 scale per block (8.25 bits per value by default);
+    where that exceeds the raw tensor (blocks of 1 value, or under 4 for 16-bit input) the tensor
+    goes as it is. Collectives: ``sra`` (default) or ``allgather``.
     """
 
     name = "fp8"
