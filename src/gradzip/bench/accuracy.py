@@ -715,7 +715,7 @@ def _cells(report: Dict[str, Any], none: str = "-") -> List[Tuple[str, List[str]
             out.append((task, [
                 r["config"], _f(fl["mean"], ".4f", none),
                 f"{_f(fl['min'], '.4f', none)}–{_f(fl['max'], '.4f', none)}",
-                "" if d is None else (_f(d["mean"], "+.4f", none)),
+                none if d is None else _f(d["mean"], "+.4f", none),
                 metric,
                 _f(b.get("wire_per_step_compressed") and b["wire_per_step_compressed"] / 1e3, ".1f", none),
                 _f(b.get("wire_per_step") and b["wire_per_step"] / 1e3, ".1f", none),
@@ -785,7 +785,7 @@ def plot(report: Dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import FormatStrFormatter, LogLocator
 
     results = report["results"]
     fig, axes = plt.subplots(len(results), 2, figsize=(13, 4.3 * len(results)), squeeze=False)
@@ -818,7 +818,11 @@ def plot(report: Dict[str, Any], path: str) -> None:
             if targets:
                 ax.axhline(statistics.fmean(targets), color="grey", linestyle=":", linewidth=1)
             ax.set_yscale("log")
+            low, high = ax.get_ylim()
             ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+            # label every minor tick only within a decade; over several, 2 and 5 of each
+            minor = LogLocator(subs="all" if high < 10 * low else (2.0, 5.0))
+            ax.yaxis.set_minor_locator(minor)
             ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=8)
