@@ -1,7 +1,7 @@
 """Vectorised building blocks shared by the codecs.
 
 The building blocks are plain torch (no Python loops over elements, no host syncs) so they run on
-CPU and GPU alike. The hot codec kernels (max-min, QSGD, sign packing) live in :mod:`.fused`,
+CPU and GPU alike. The hot codec kernels (max-min, QSGD, sign packing, FP8 and MX casts) live in :mod:`.fused`,
 which runs a fused C version on CPU (:mod:`.native`), a Triton version on CUDA (:mod:`.gpu`) or
 the torch specification (:mod:`.reference`), all producing the same bytes; :func:`active` says
 which one runs on CPU and on CUDA tensors, and why not a faster one.
