@@ -545,7 +545,9 @@ def summarize(
             diffs = [r["final_loss"] - base[r["seed"]]["final_loss"] for r in rs
                      if r["seed"] in base and _finite(r["final_loss"]) and _finite(base[r["seed"]]["final_loss"])]
             b = rs[0]["bytes"]
-            mean_bytes = {k: statistics.fmean(r["bytes"][k] for r in rs) for k in b if _finite(b[k])}
+            # bytes vary by seed only for codecs whose payload depends on the data: their mean; counts as they are
+            averaged = [k for k in b if k.endswith("_step") or k == "ratio"]
+            mean_bytes = {k: statistics.fmean(r["bytes"][k] for r in rs) for k in averaged}
             rows.append({
                 "config": config, "label": rs[0]["label"], "seeds": [r["seed"] for r in rs],
                 "final_loss": _spread([r["final_loss"] for r in rs]),
@@ -553,7 +555,7 @@ def summarize(
                 "delta_vs_baseline": _spread(diffs) if config != baseline else None,
                 "final_accuracy": _optional_spread(rs, "final_accuracy"),
                 "final_bits_per_char": _optional_spread(rs, "final_bits_per_char"),
-                "bytes_per_step": {**mean_bytes, **{k: v for k, v in b.items() if not _finite(v)}},
+                "bytes_per_step": {**b, **mean_bytes},
                 "train_s": _spread([r["train_s"] for r in rs]),
                 "time_to_target_s": _spread(reach), "reached": sum(1 for t in reach if t is not None),
                 "identical": all(r["identical"] for r in rs),
