@@ -144,7 +144,7 @@ def _nonfinite(rank: int, world: int) -> dict:
         if rank == 1:
             bad[3, 5] = float("nan")
         second = comm.allreduce(bad, name="w")
-        after = comm.memory.residuals["w"]
+        after = comm.memory.residuals["w"].clone()  # updated in place at the next step
         third = comm.allreduce(x, name="w")
         out[f"{name}/{coll}"] = {
             "first_finite": bool(torch.isfinite(first).all()),

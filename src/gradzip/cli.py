@@ -43,14 +43,9 @@ def _checked(text: str, check: Callable[[str], Any]) -> List[str]:
 
 def _codec_list(text: str) -> List[str]:
     """Codec specs ``name[:key=value...]`` separated by commas, each checked by building it."""
-    from .bench.micro import parse_spec
-    from .codecs import codec
+    from .bench.micro import check_spec
 
-    def build(spec: str) -> None:
-        name, opts = parse_spec(spec)
-        codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
-
-    return _checked(text, build)
+    return _checked(text, check_spec)
 
 
 def _size_mb(text: str) -> float:

@@ -5,7 +5,7 @@ import inspect
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,9 @@ from .codecs.base import FLOAT_DTYPES, Codec
 from .collectives import base as _collective_base
 from .collectives.base import Collective, world
 from .errors import CheckpointError, CommunicationError
+from .kernels.rng import stable_hash
 from .metrics import Metrics, traffic_factor
+from .pipeline import Pipeline, Stages, drive, lockstep, staged
 from .worker import OrderedWorker
 
 STATE_FORMAT = 1
@@ -101,6 +103,8 @@ class Communicator:
         memory_options: Optional[Dict[str, Any]] = None,
         collective_options: Optional[Dict[str, Any]] = None,
         dedicated_group: bool = True,
+        fusion: bool = True,
+        pipeline: bool = True,
         timeout: Timeout = None,
         verify_settings: bool = True,
         settings_extra: Optional[Mapping[str, Any]] = None,
@@ -126,6 +130,10 @@ class Communicator:
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain_memory = _memory.memory("none")
         self.metrics = Metrics()
+        self.fusion = bool(fusion)
+        self.pipelined = bool(pipeline)
+        self._pipeline = Pipeline(self._failed)
+        self._fused_buffers: Dict[Tuple[str, str], torch.Tensor] = {}
         self._steps: Dict[str, int] = {}
         self._worker: Optional[OrderedWorker] = None
         self._closed = False
@@ -172,6 +180,9 @@ class Communicator:
         out.update({f"memory.{k}": v for k, v in consistency.init_options(self.memory).items()})
         out["collective"] = self.collective_name
         out.update({f"collective.{k}": v for k, v in consistency.init_options(self.collective).items()})
+        if self.codec.fusion_block() > 0:
+            out["fusion"] = self.fusion
+        out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
         if not self.codec.kernels_bit_exact:
             out["kernels"] = _kernels_in_use(self.group)
         out.update(self._extra)
@@ -217,6 +228,36 @@ class Communicator:
             self._worker = OrderedWorker(device=device)
         return self._worker.submit(lambda: self._guarded(fn, what))
 
+    def submit_staged(
+        self, make_stages: Callable[[], Stages], device: torch.device, what: str = "", flush: bool = True,
+    ) -> torch.futures.Future:
+        """Run a job of stages (:meth:`reduce_many_stages`) in the pipeline of the ordered worker.
+
+        The job's first stage runs when it reaches the worker; its later stages run as later
+        jobs arrive (see :mod:`gradzip.pipeline`), and all of them when ``flush`` is set (the
+        last bucket of a backward pass) or pipelining is off. Every rank must submit the same
+        jobs with the same ``flush`` flags. The future completes with the job's return value.
+        """
+        fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+        def arrive() -> None:
+            self._pipeline.arrive(make_stages(), fut, what, flush or not self.pipelined)
+
+        def settle(arrival: torch.futures.Future) -> None:
+            try:
+                arrival.wait()
+            except Exception as exc:  # the job never started (an earlier failure), or a stage failed
+                if not fut.done():
+                    fut.set_exception(exc)
+
+        self.submit(arrive, device, what).add_done_callback(settle)
+        return fut
+
+    def flush(self) -> None:
+        """Finish every pipelined job still in flight (without waiting for a flushing job)."""
+        if self._worker is not None:
+            self._worker.submit(lambda: self._guarded(self._pipeline.drain, "flush")).wait()
+
     def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
         if self._failure is not None:
             raise CommunicationError(
@@ -226,6 +267,9 @@ class Communicator:
         start = time.monotonic()
         try:
             return fn()
+        except CommunicationError as exc:  # a pipelined job's failure, already described
+            self._failure = self._failure or exc
+            raise
         except Exception as exc:
             self._failure = self._failed(what, exc, time.monotonic() - start)
             raise self._failure from exc
@@ -249,12 +293,16 @@ class Communicator:
 
     def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out`` if given."""
-        avg, record = self._reduce(t, name, compress, out)
+        return drive(self._reduce_one(t, name, compress, out))
+
+    def _reduce_one(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
+        """The stages of :meth:`reduce_now`."""
+        avg, record = yield from self._reduce(t, name, compress, out)
         self.metrics.record(name, t.numel() * t.element_size(), **record)
         return avg
 
-    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]):
-        """:meth:`reduce_now` without recording: (the average, the metrics of this call)."""
+    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
+        """The stages of :meth:`reduce_now` without recording; returns (the average, the metrics of this call)."""
         _check_out(t, out)
         if compress:
             codec, coll, mem = self.codec, self.collective, self.memory
@@ -270,7 +318,7 @@ class Communicator:
         dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
         if dest is not None and mem.stateful and _overlaps(dest, inp):
             dest = None
-        res = coll.run(codec, inp, name, step, need_own=mem.stateful, out=dest)
+        res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
@@ -285,31 +333,125 @@ class Communicator:
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
     ) -> List[torch.Tensor]:
-        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce.
+        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce, the
+        compressed ones fused into one encoding where the codec allows (:meth:`_reduce_fused`).
 
         With ``inplace`` the averages are written into ``tensors`` themselves (as DDP's bucket
-        views want them), and those are returned. The metrics of the fused all-reduce are
-        recorded per parameter name (each with its share), so they do not depend on how the
-        parameters were grouped into buckets.
+        views want them), and those are returned. The metrics of a fused call are recorded per
+        parameter name (each with its share), so they do not depend on how the parameters were
+        grouped into buckets.
         """
-        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        return drive(self.reduce_many_stages(tensors, names, compress, inplace))
+
+    def reduce_many_stages(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
+        groups: Optional[Sequence[Sequence[int]]] = None,
+    ) -> Stages:
+        """The stages of :meth:`reduce_many_now` (for :meth:`submit_staged`): the uncompressed
+        all-reduce and the compressed exchanges advance side by side. ``groups``: indices of
+        the compressed tensors that share one encoding (default: all of them, one group)."""
         plain = [i for i, c in enumerate(compress) if not c]
+        if groups is None:
+            groups = [[i for i, c in enumerate(compress) if c]]
+        parts, owners = [], []
         if plain:
-            dtype = tensors[plain[0]].dtype
-            flat = torch.cat([tensors[i].reshape(-1).to(dtype) for i in plain])
-            avg, record = self._reduce(flat, f"uncompressed:{names[plain[0]]}", False, None)
-            self.metrics.record_group([(names[i], tensors[i].numel() * flat.element_size()) for i in plain], **record)
-            offset = 0
-            for i in plain:
-                n = tensors[i].numel()
-                out[i] = avg[offset : offset + n].view(tensors[i].shape).to(tensors[i].dtype)
-                if inplace:
-                    out[i] = tensors[i].copy_(out[i])
-                offset += n
-        for i, c in enumerate(compress):
-            if c:
-                out[i] = self.reduce_now(tensors[i], names[i], out=tensors[i] if inplace else None)
-        return out  # type: ignore[return-value]
+            parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace))
+            owners.append(plain)
+        for group in groups:
+            if self._fusable([tensors[i] for i in group]):
+                parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace))
+                owners.append(list(group))
+            else:
+                for i in group:
+                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None))
+                    owners.append(i)
+        results = yield from lockstep(parts)
+        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        for owner, result in zip(owners, results):
+            if isinstance(owner, list):
+                for i, avg in zip(owner, result):
+                    out[i] = avg
+            else:
+                out[owner] = result
+        return out
+
+    def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool) -> Stages:
+        """One plain all-reduce of the uncompressed gradients of a bucket, concatenated."""
+        dtype = tensors[0].dtype
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None)
+        self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
+        out, offset = [], 0
+        for t in tensors:
+            part = avg[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+            out.append(t.copy_(part) if inplace else part)
+            offset += t.numel()
+        return out
+
+    def _fusable(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`)."""
+        if not self.fusion or len(tensors) < 2 or self.codec.fusion_block() <= 0:
+            return False
+        first = tensors[0]
+        return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+    def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool) -> Stages:
+        """One encode, one exchange and one decode for several gradients (CGX's fused buffers).
+
+        Each error-compensated gradient is copied into a flat buffer at an offset that is a
+        multiple of the codec's block (:meth:`Codec.fusion_block`), the gap after it zeroed, and
+        the collective cuts its chunks on block boundaries too: every block holds values of one
+        gradient only, so the bytes are those of the gradients encoded one by one, less the
+        per-call overhead. The layout is canonical (gradients sorted by name), so it does not
+        depend on the order in which DDP put them into its bucket, and neither does the
+        randomness keyed by the group's name. Residuals stay per parameter name (slices of the
+        buffer), so checkpoints and DDP's bucket rebuild are unaffected. One non-finite flag
+        covers the group: a NaN in one gradient makes every gradient of the group NaN.
+        """
+        codec, coll, mem = self.codec, self.collective, self.memory
+        block = codec.fusion_block()
+        order = sorted(range(len(tensors)), key=lambda i: names[i])
+        spans, total = [], 0
+        for i in order:
+            spans.append((total, tensors[i].numel()))
+            total += -(-tensors[i].numel() // block) * block
+        # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
+        dtype = mem.input_dtype(tensors[order[0]].dtype)
+        key = _group_key([names[i] for i in order])
+        flat = self._fusion_buffer(key, total, dtype, tensors[0].device)
+        inputs = []
+        for i, (start, n) in zip(order, spans):
+            inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
+            end = start + -(-n // block) * block
+            if end > start + n:
+                flat[start + n : end].zero_()
+        step = max(self._steps.get(n, 0) for n in names)
+        for n in names:
+            self._steps[n] = step + 1
+        avg_buf = self._fusion_buffer(key, total, dtype, flat.device, "avg")
+        res = yield from staged(coll.stages(codec, flat, key, step, need_own=mem.stateful, out=avg_buf, align=block))
+        if mem.stateful:
+            own = res.own
+            for x, (start, n), i in zip(inputs, spans, order):
+                mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
+        avg = _poison_if(res.avg, res.nonfinite)
+        results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        for (start, n), i in zip(spans, order):
+            t = tensors[i]
+            part = avg[start : start + n].view(t.shape)
+            results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
+        wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
+        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
+        return results
+
+    def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
+        """A flat buffer of a fused group (its input, its average), kept from step to step: a
+        fresh one would cost a page fault per 4 KiB on every step."""
+        buf = self._fused_buffers.get((key, role))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self._fused_buffers[(key, role)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
 
     # ------------------------------------------------------------------ state
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
@@ -408,6 +550,11 @@ class Communicator:
         """Stop the worker thread and release the dedicated process group."""
         if self._closed:
             return
+        if self._worker is not None and self._failure is None:
+            try:
+                self.flush()
+            except CommunicationError:
+                pass  # already raised to the caller of the failed job
         self._closed = True
         if self._worker is not None:
             self._worker.close()
@@ -467,6 +614,11 @@ def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec
         encode_cpu_s=res.encode_cpu_s if measured else None, decode_cpu_s=res.decode_cpu_s if measured else None,
         sent=factor * wire, codec=codec.name,
     )
+
+
+def _group_key(names: Sequence[str]) -> str:
+    """The name a fused group is encoded under: the same for the same members, on every rank."""
+    return f"fused:{len(names)}:{stable_hash(*names):08x}"
 
 
 def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:

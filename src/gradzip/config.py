@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
-FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "timeout")
+FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "timeout")
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 
@@ -40,6 +40,10 @@ class Config:
 
     ``min_numel``: tensors with fewer elements are sent uncompressed (fused into one plain
     all-reduce per bucket); ``compress_1d``: whether 1-D tensors (biases, norms) are compressed;
+    ``fusion``: whether the compressed gradients of a bucket share one encoding and one exchange
+    (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
+    about ``fusion_mb`` MiB (:mod:`gradzip.plan`);
+    ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.pipeline`);
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -49,6 +53,9 @@ class Config:
     collective: Optional[str] = None
     min_numel: int = 1024
     compress_1d: bool = False
+    fusion: bool = True
+    fusion_mb: float = 8.0
+    pipeline: bool = True
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -60,8 +67,11 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
-        if not isinstance(self.compress_1d, bool):
-            raise ValueError(f"compress_1d must be True or False, got {self.compress_1d!r}")
+        for name in ("compress_1d", "fusion", "pipeline"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
+            raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0
         ):
@@ -83,7 +93,7 @@ class Config:
             if name in FIELDS:
                 if name in ("codec", "memory", "collective"):
                     updates[name] = text
-                elif name == "compress_1d" and value in (0, 1):
+                elif name in ("compress_1d", "fusion", "pipeline") and value in (0, 1):
                     updates[name] = bool(value)
                 else:
                     updates[name] = value

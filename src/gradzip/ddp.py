@@ -7,9 +7,11 @@ averages back into the bucket and returns a future that the ordered worker compl
 """
 import logging
 import os
+import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Generator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,7 @@ from .communicator import Communicator
 from .config import Config
 from .errors import SettingsMismatchError
 from .metrics import CSVLogger, format_table, scalars, summary_table
+from .plan import FusionPlan, GroupCollector
 
 logger = logging.getLogger("gradzip")
 
@@ -31,11 +34,16 @@ class GradzipState:
     optimizer step without gradient accumulation); errors name it.
     """
 
-    def __init__(self, comm: Communicator, param_names: Dict[int, str], config: Config) -> None:
+    def __init__(
+        self, comm: Communicator, param_names: Dict[int, str], config: Config, plan: Optional[FusionPlan] = None,
+    ) -> None:
         self.comm = comm
         self.config = config
         self.param_names = param_names
+        self.plan = plan if plan is not None else FusionPlan([])
+        self.collector = GroupCollector(self.plan)
         self.step = 0
+        self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
@@ -165,6 +173,10 @@ class GradzipState:
         inflight, self._inflight = self._inflight, []
         for f in inflight:
             f.wait()
+        if self.backward_done is not None:
+            # what backward's end waited for gradzip: exchanges not hidden behind the compute
+            self.comm.metrics.record_exposed(time.perf_counter() - self.backward_done)
+            self.backward_done = None
         if self._errors:
             first, self._errors = self._errors[0], []
             raise first
@@ -197,22 +209,88 @@ def _bucket_label(index: int, names: List[str]) -> str:
 
 
 def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average ``bucket`` through gradzip on the ordered worker."""
+    """DDP communication hook: average ``bucket`` through gradzip on the ordered worker.
+
+    The bucket's uncompressed gradients go in one plain all-reduce; its compressed ones join
+    their groups of the plan (:mod:`gradzip.plan`), and every group completed by this bucket is
+    exchanged in the same job. The bucket is done when its job and every group holding one of
+    its gradients are done (a group may complete with a later bucket).
+    """
     buffer = bucket.buffer()
     params = bucket.parameters()
     grads = bucket.gradients()
     names = [state.param_names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
-    compress = [state.should_compress(g) for g in grads]
     what = f"step {state.step}, {_bucket_label(bucket.index(), names)}"
-    if bucket.is_last():
+    last = bucket.is_last()
+    if last:
         state.step += 1
+        state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
 
-    def job() -> torch.Tensor:
-        # the gradients are views into the bucket's buffer: the averages are written into them
-        state.comm.reduce_many_now(grads, names, compress, inplace=True)
+    plain = [i for i, g in enumerate(grads) if not (names[i] in state.plan.group_of and state.should_compress(g))]
+    waits: Dict[int, torch.futures.Future] = {}
+    for i, g in enumerate(grads):
+        if i not in plain:
+            group, fut = state.collector.add(names[i], g)
+            waits[group] = fut
+    ready = state.collector.ready(last)
+    tensors = [grads[i] for i in plain]
+    job_names = [names[i] for i in plain]
+    compress = [False] * len(plain)
+    groups = []
+    for members, member_grads, _ in ready:
+        groups.append(list(range(len(tensors), len(tensors) + len(members))))
+        tensors.extend(member_grads)
+        job_names.extend(members)
+        compress.extend([True] * len(members))
+
+    def job() -> Generator[None, None, torch.Tensor]:
+        # the gradients are views into DDP's bucket buffers: the averages are written into them
+        yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups)
         return buffer
 
-    return state.deliver(state.comm.submit(job, buffer.device, what=what), buffer)
+    # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
+    done = state.comm.submit_staged(job, buffer.device, what=what, flush=last)
+    for _, _, group_future in ready:
+        done.add_done_callback(_settle_with(group_future))
+    return state.deliver(_all_of([done] + list(waits.values()), buffer), buffer)
+
+
+def _settle_with(target: torch.futures.Future):
+    """A callback that completes ``target`` as the future it is added to completed."""
+
+    def settle(f: torch.futures.Future) -> None:
+        try:
+            target.set_result(f.value())
+        except Exception as exc:
+            target.set_exception(exc)
+
+    return settle
+
+
+def _all_of(futures: List[torch.futures.Future], value: torch.Tensor) -> torch.futures.Future:
+    """A future that completes with ``value`` once all ``futures`` have, or with the first failure."""
+    out = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
+    left = [len(futures)]
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+
+    def one_done(f: torch.futures.Future) -> None:
+        try:
+            f.wait()
+        except Exception as exc:
+            errors.append(exc)
+        with lock:
+            left[0] -= 1
+            finished = left[0] == 0
+        if finished:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(value)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
 
 
 def register(
@@ -223,6 +301,9 @@ def register(
     collective: Optional[str] = None,
     min_numel: Optional[int] = None,
     compress_1d: Optional[bool] = None,
+    fusion: Optional[bool] = None,
+    fusion_mb: Optional[float] = None,
+    pipeline: Optional[bool] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -253,7 +334,7 @@ def register(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
-        ("timeout", seconds),
+        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -281,7 +362,9 @@ def register(
             memory_options=memory_options,
             collective_options=cfg.collective_options,
             timeout=cfg.timeout,
-            settings_extra={"min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d},
+            fusion=cfg.fusion,
+            pipeline=cfg.pipeline,
+            settings_extra={"min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb},
             settings_sources=cfg.sources,
             **cfg.options,
         )
@@ -290,8 +373,13 @@ def register(
         if not note or isinstance(exc, SettingsMismatchError):  # that one names its sources itself
             raise
         raise type(exc)(f"{exc}{note}") from exc
-    names = {id(p): n for n, p in model.module.named_parameters()}
-    state = GradzipState(comm, names, cfg)
+    named = list(model.module.named_parameters())
+    names = {id(p): n for n, p in named}
+    probe = GradzipState(comm, names, cfg)  # its filter decides what the plan compresses
+    plan = FusionPlan.build(
+        named, probe.should_compress, comm.fusion and comm.codec.fusion_block() > 0, int(cfg.fusion_mb * 2**20),
+    )
+    state = GradzipState(comm, names, cfg, plan)
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

@@ -26,6 +26,14 @@ class Memory:
     def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return t
 
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`compensate` returns for gradients of ``dtype``."""
+        return dtype
+
+    def compensate_into(self, t: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` written into ``out`` (a slice of a fused buffer), which it returns."""
+        return out.copy_(self.compensate(t, name).reshape(out.shape))
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         """Record what was lost; ``skip`` is a 0-dim bool tensor: when True, keep the old state."""
 
@@ -48,7 +56,8 @@ class ResidualMemory(Memory):
 
     As in GRACE's residual memory (Xu et al., ICDCS'21) and 1-bit SGD (Seide et al., 2014). The
     residual is kept in fp32 whatever the gradient's dtype, so small remainders of fp16/bf16
-    gradients are not rounded away.
+    gradients are not rounded away. A residual is overwritten in place at each step (no fresh
+    tensor, and no page faults, per step); :meth:`state_dict` returns copies.
     """
 
     name = "residual"
@@ -64,6 +73,9 @@ class ResidualMemory(Memory):
     @property
     def stateful(self) -> bool:
         return True
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
 
     def _residual(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
         """The stored residual on ``like``'s device (a restored checkpoint may sit on the CPU)."""
@@ -83,15 +95,36 @@ class ResidualMemory(Memory):
             return x
         return torch.add(x, res, alpha=self.beta)  # a new tensor: the caller's gradient stays as it was
 
+    def compensate_into(self, t: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        res = self._residual(name, t)
+        src = t.reshape(out.shape)
+        if self.gamma != 1.0:
+            return super().compensate_into(t, name, out)
+        if res is None:
+            return out.copy_(src)
+        return torch.add(src, res.reshape(out.shape), alpha=self.beta, out=out)  # one pass, no temporary
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
-        new = compensated.float() - decoded.float()
-        if skip is not None:
-            old = self._residual(name, new)
-            new = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
-        self.residuals[name] = new
+        old = self._residual(name, compensated)
+        if skip is not None and skip.device.type == "cpu":
+            if bool(skip):  # free to read on the CPU: keep the old residual, touch nothing
+                if old is None:
+                    self.residuals[name] = torch.zeros(compensated.shape, dtype=torch.float32, device=compensated.device)
+                return
+            skip = None
+        if skip is None:
+            # written over the previous residual: no fresh tensor (and its page faults) per step
+            dest = old if old is not None and old.dtype == torch.float32 else torch.empty(
+                compensated.shape, dtype=torch.float32, device=compensated.device,
+            )
+            self.residuals[name] = torch.sub(compensated.float(), decoded.reshape(compensated.shape).float(), out=dest)
+            return
+        new = compensated.float() - decoded.reshape(compensated.shape).float()
+        self.residuals[name] = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"residuals": {k: v.cpu() for k, v in self.residuals.items()}}
+        # copies: the residuals are updated in place at the next step
+        return {"residuals": {k: v.detach().to("cpu", copy=True) for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
@@ -158,6 +191,9 @@ class DGCMemory(Memory):
     @property
     def stateful(self) -> bool:
         return True
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
 
     @staticmethod
     def _get(store: Dict[str, torch.Tensor], name: str, like: torch.Tensor) -> Optional[torch.Tensor]:

@@ -82,6 +82,11 @@ class Metrics:
     def __init__(self) -> None:
         self.tensors: Dict[str, TensorStats] = {}
         self.cpu_measured = False
+        self.exposed_s: List[float] = []
+
+    def record_exposed(self, seconds: float) -> None:
+        """One backward pass waited ``seconds`` after its last gradient for the exchanges to end."""
+        self.exposed_s.append(seconds)
 
     def record(
         self, name: str, raw: int, wire: int, encode_s: float, decode_s: float, compressed: bool = True,
@@ -124,6 +129,7 @@ class Metrics:
     def reset(self) -> None:
         self.tensors.clear()
         self.cpu_measured = False
+        self.exposed_s = []
 
     def summary(self, per_tensor: bool = False) -> Dict[str, Any]:
         """Totals (rounded): ``steps`` (the most calls any one parameter had: one per step),
@@ -149,6 +155,8 @@ class Metrics:
             "encode_s": round(sum(s.encode_s for s in stats), 4),
             "decode_s": round(sum(s.decode_s for s in stats), 4),
         }
+        if self.exposed_s:
+            out["exposed_s"] = round(sum(self.exposed_s), 4)
         if self.cpu_measured:
             out["encode_cpu_s"] = round(sum(s.encode_cpu_s for s in stats), 4)
             out["decode_cpu_s"] = round(sum(s.decode_cpu_s for s in stats), 4)

@@ -43,7 +43,8 @@ BASELINE_CODECS = ["maxmin:bits=4"]
 def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     """``"maxmin:bits=2:bucket_size=512"`` → ``("maxmin", {"bits": 2, "bucket_size": 512})``.
 
-    Options are ``Communicator`` keywords: codec options, ``memory`` or ``collective``.
+    Options are ``Communicator`` keywords: codec options, ``memory``, ``collective``,
+    ``fusion`` (and, for DDP, ``min_numel`` and ``compress_1d``).
     """
     name, *pairs = spec.split(":")
     opts = {}
@@ -52,6 +53,17 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
         if not sep or not key:
             raise ValueError(f"bad option {pair!r} in {spec!r}; expected name:key=value[:key=value]")
         opts[key] = parse_value(value)
+    return name, opts
+
+
+# spec keys that are not codec options: the Communicator's and register()'s own keywords
+NOT_CODEC_OPTIONS = ("memory", "collective", "fusion", "fusion_mb", "pipeline", "min_numel", "compress_1d")
+
+
+def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """:func:`parse_spec`, then build the codec: ``ValueError`` for an unknown codec or option."""
+    name, opts = parse_spec(spec)
+    gradzip.codec(name, **{k: v for k, v in opts.items() if k not in NOT_CODEC_OPTIONS})
     return name, opts
 
 
@@ -208,8 +220,7 @@ def run_allreduce(
     sizes = check_sizes(sizes_mb if sizes_mb is not None else [100.0 if size_mb is None else size_mb])
     specs = BASELINE_CODECS + [c for c in codecs if c not in BASELINE_CODECS]
     for spec in specs:  # fail here, not in W processes: unknown codecs and options raise ValueError
-        name, opts = parse_spec(spec)
-        gradzip.codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})
+        check_spec(spec)
     cores = usable_cores()
     report: Dict[str, Any] = {
         "workers": workers, "sizes_mb": sizes, "repeats": repeats, "network": "loopback", "cores": cores,

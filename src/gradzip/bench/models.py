@@ -330,9 +330,8 @@ UNSUPPORTED = {"torch-powersgd": "PyTorch's PowerSGD hook hangs with several DDP
 def resolve(config: str) -> Dict[str, Any]:
     """A method: one of the demo's config names (``maxmin2``, ``torch-fp16``, ...) or a codec
     spec as in ``bench allreduce`` (``maxmin:bits=8:memory=residual``). ``ValueError`` if neither."""
-    from ..codecs import codec as make_codec
     from ..demo import CONFIGS, describe
-    from .micro import parse_spec
+    from .micro import check_spec
 
     if config in UNSUPPORTED:
         raise ValueError(f"{config}: {UNSUPPORTED[config]}")
@@ -344,8 +343,7 @@ def resolve(config: str) -> Dict[str, Any]:
         if name.startswith("torch:"):
             return {"method": config, "label": describe(config), "kind": "torch", "hook": name[len("torch:"):]}
         return {"method": config, "label": "gradzip " + describe(config), "kind": "gradzip", "codec": name, "options": dict(opts)}
-    name, opts = parse_spec(config)
-    make_codec(name, **{k: v for k, v in opts.items() if k not in ("memory", "collective")})  # raises ValueError
+    name, opts = check_spec(config)  # raises ValueError
     return {
         "method": config, "label": "gradzip " + " ".join([name] + [f"{k}={v}" for k, v in opts.items()]),
         "kind": "gradzip", "codec": name, "options": opts,

@@ -246,6 +246,19 @@ class Codec:
         """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
         return None
 
+    def fusion_block(self) -> int:
+        """Values per independent block when several tensors share one encoding; 0: never fuse.
+
+        A codec whose output for a value depends only on the block of ``fusion_block()``
+        values it sits in (elementwise casts: 1; bucketed quantizers: their bucket) encodes a
+        fused buffer of many gradients exactly as it would encode each gradient alone, provided
+        every gradient starts on a block boundary. The fused path pads each gradient to a whole
+        number of blocks and cuts chunks on block boundaries. Codecs whose format is per tensor
+        (a whole-tensor scale, a top-k budget, a low-rank factorisation) return 0 and are sent
+        one tensor at a time.
+        """
+        return 0
+
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
         """Bytes one rank puts on the wire for a tensor of ``numel`` elements (before encoding).
 

@@ -26,6 +26,9 @@ class _Cast(Codec):
     def _wdtype(self, dtype: torch.dtype) -> torch.dtype:
         return self.wire_dtype or dtype
 
+    def fusion_block(self) -> int:
+        return 1
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [saturate(x, self._wdtype(x.dtype))]
 
@@ -109,6 +112,9 @@ class MaxMin(Codec):
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         return fused.maxmin_decode(*tensors, self.bits, self.bucket_size, out.numel(), out, accumulate)
 
+    def fusion_block(self) -> int:
+        return self.bucket_size
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
         return packed_bytes(numel, self.bits) + buckets * 2 * 4
@@ -147,6 +153,9 @@ class QSGD(Codec):
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         return fused.qsgd_decode(*tensors, self.bits, self.bucket_size, out.numel(), out, accumulate)
+
+    def fusion_block(self) -> int:
+        return self.bucket_size
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
@@ -212,6 +221,9 @@ class TernGrad(Codec):
         n = meta.numel
         vals = bucket_view(_ternary(unpack_bits(packed, 2, n)), _whole_or(self.bucket_size, n))
         return (vals * scale[:, None]).reshape(-1)[:n]
+
+    def fusion_block(self) -> int:
+        return self.bucket_size  # 0 (one scale per tensor): not fusable
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 2) + 4 * _num_buckets(self.bucket_size, numel)
@@ -407,6 +419,9 @@ class U8bit(Codec):
         table, _, _ = _u8_tables(codes.device)
         vals = bucket_view(torch.index_select(table, 0, codes.to(torch.int32)), _whole_or(self.bucket_size, n))
         return (vals * scale[:, None]).reshape(-1)[:n]
+
+    def fusion_block(self) -> int:
+        return self.bucket_size  # 0 (one scale per tensor): not fusable
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel + 4 * _num_buckets(self.bucket_size, numel)

@@ -34,6 +34,7 @@ class AllGather(Collective):
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1,
     ) -> Result:
         _, w = world(self.group)
         timer = Timer()

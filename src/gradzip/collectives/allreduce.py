@@ -10,6 +10,7 @@ from ..codecs.base import Codec, Payload
 from .base import (
     Collective,
     Result,
+    Stages,
     Timer,
     nonfinite_flag,
     own_payload,
@@ -32,9 +33,10 @@ class AllReduce(Collective):
     def supports(self, codec: Codec) -> bool:
         return codec.summable and super().supports(codec)
 
-    def run(
+    def stages(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-    ) -> Result:
+        align: int = 1,
+    ) -> Stages:
         _, w = world(self.group)
         timer = Timer()
         flag = nonfinite_flag(x).to(torch.float32).reshape(1)
@@ -49,6 +51,7 @@ class AllReduce(Collective):
             if w > 1:
                 extra = [flag] if first else []
                 works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors + extra]
+                yield  # the sums are on the wire
                 for work in works:
                     work.wait()
             first = False

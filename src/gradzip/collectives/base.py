@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..codecs.base import Codec, Payload, element_size
 from ..kernels import store_into
 from ..naming import Registry
+from ..pipeline import Stages, drive, staged  # noqa: F401  (staged: for collectives built on others)
 
 _ALIGN = 8
 
@@ -186,15 +187,37 @@ class Collective:
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1,
     ) -> Result:
         """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``.
+
+        A collective implements this or :meth:`stages`; the default runs :meth:`stages` through.
 
         With ``out`` (flat, ``x.numel()`` values, ``x``'s dtype) the average is written there and
         ``Result.avg`` is ``out``: no fresh result tensor, whose first touch of every page costs
         more than decoding into it. ``out`` may be ``x`` itself: every collective has finished
         reading ``x`` before it writes ``out``.
+
+        ``align``: a collective that cuts ``x`` into pieces encoded apart (chunks, segments,
+        partitions) starts every piece at a multiple of ``align`` values, so a codec's blocks
+        never straddle two tensors of a fused buffer (see :meth:`Codec.fusion_block`).
         """
-        raise NotImplementedError
+        return drive(self.stages(codec, x, name, step, need_own, out, align))
+
+    def stages(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1,
+    ) -> "Stages":
+        """:meth:`run` cut into stages: a generator that yields each time it has issued
+        asynchronous collectives and would next wait for them, and returns the :class:`Result`.
+
+        A pipeline (:class:`~gradzip.pipeline.Pipeline`) advances the stages of several calls in
+        turn, so one call's payloads are on the wire while another is encoded or decoded. The
+        default is one stage: :meth:`run`.
+        """
+        if type(self).run is Collective.run:
+            raise NotImplementedError(f"collective {self.name!r} implements neither run() nor stages()")
+        return self.run(codec, x, name, step, need_own, out, align)
 
     def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
         """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""

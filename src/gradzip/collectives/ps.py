@@ -42,9 +42,11 @@ def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_p
     return max(1, min(wanted, numel // min_partition))
 
 
-def partition_bounds(numel: int, parts: int) -> List[Tuple[int, int]]:
-    """``(start, end)`` of each partition: contiguous, sizes differing by at most one."""
-    return [(p * numel // parts, (p + 1) * numel // parts) for p in range(parts)]
+def partition_bounds(numel: int, parts: int, align: int = 1) -> List[Tuple[int, int]]:
+    """``(start, end)`` of each partition: contiguous, sizes differing by at most one block of
+    ``align`` values, every start a multiple of ``align`` (the last partitions may be empty)."""
+    blocks = -(-numel // align)
+    return [(min(p * blocks // parts * align, numel), min((p + 1) * blocks // parts * align, numel)) for p in range(parts)]
 
 
 @register_collective
@@ -111,6 +113,7 @@ class ParameterServer(Collective):
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1,
     ) -> Result:
         rank, w = world(self.group)
         timer = Timer()
@@ -128,7 +131,7 @@ class ParameterServer(Collective):
         # phase 1: encode every partition, send it to its aggregator
         encoded = [
             timer.encode(codec.encode, src[a:b], f"{name}#{p}", step)
-            for p, (a, b) in enumerate(partition_bounds(n, parts))
+            for p, (a, b) in enumerate(partition_bounds(n, parts, align))
         ]
         bufs = [to_bytes(e.tensors, flag) for e in encoded]
         own_specs = [spec_of(e.tensors) for e in encoded]

@@ -10,6 +10,7 @@ from ..codecs.base import Codec, Payload, int_in
 from .base import (
     Collective,
     Result,
+    Stages,
     Timer,
     all_gather_flat,
     from_bytes,
@@ -52,49 +53,60 @@ class ScatterReduceAllGather(Collective):
         # would cost a page fault per 4 KiB on every call
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
 
-    def _buffer(self, name: str, role: str, shape: Tuple[int, int], device: torch.device) -> torch.Tensor:
+    def _buffer(
+        self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
+    ) -> torch.Tensor:
         buf = self._buffers.get((name, role))
-        if buf is None or buf.shape != shape or buf.device != device:
-            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=torch.uint8, device=device)
+        if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
+            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
 
-    def run(
+    def stages(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-    ) -> Result:
+        align: int = 1,
+    ) -> Stages:
         rank, w = world(self.group)
         timer = Timer()
         x = x.reshape(-1)
         n = x.numel()
         flag = nonfinite_flag(x)
-        bounds = [(a, min(a + self.segment, n)) for a in range(0, n, self.segment)]
+        seg = max(align, self.segment // align * align)  # segments start on block boundaries
+        bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)]
         tag = (lambda s: name) if len(bounds) == 1 else (lambda s: f"{name}/{s}")
 
         # phase 1, per segment: encode every chunk, send chunk j to rank j (asynchronously)
-        phase1 = [self._scatter(codec, x[a:b], tag(s), step, flag, rank, w, timer) for s, (a, b) in enumerate(bounds)]
+        phase1 = [self._scatter(codec, x[a:b], tag(s), step, flag, rank, w, timer, align) for s, (a, b) in enumerate(bounds)]
+        yield  # the all-to-alls are on the wire
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
         phase2 = [self._reduce(codec, p, tag(s), step, rank, w, timer) for s, p in enumerate(phase1)]
+        yield  # the all-gathers are on the wire
         # every rank's decoded chunks land straight in their place in the result
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
-        own = torch.empty(n, dtype=x.dtype, device=x.device) if need_own else None
+        # read by the caller before its next call: reused like the byte buffers
+        own = self._buffer(name, "own", (n,), x.device, x.dtype) if need_own else None
         flags, wire, first_round = [], 0, 0
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
-            flags.append(self._gather(codec, p1, p2, avg[a:b], w, timer))
+            flags.append(self._gather(codec, p1, p2, avg[a:b], w, timer, align))
             first = sum(p.nbytes for p in p1["encoded"])
             first_round += first
             wire += first + p2["second"].nbytes
             if own is not None:
-                for payload, dst in zip(p1["encoded"], _chunks(own[a:b], w)):
+                for payload, dst in zip(p1["encoded"], _chunks(own[a:b], w, align)):
                     timer.decode(codec.decode_into, payload, dst)
         return Result(avg, own, torch.stack(flags).any(), wire, *timer.times(), payload_bytes=first_round)
 
-    def _scatter(self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer) -> dict:
+    def _scatter(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer, align: int,
+    ) -> dict:
         n = x.numel()
-        chunk = -(-n // w)
-        padded = x if chunk * w == n else torch.cat([x, x.new_zeros(chunk * w - n)])
-        chunks = padded.view(w, chunk)
+        chunk = chunk_length(n, w, align)
+        # every chunk has ``chunk`` values: the short tail ones are padded with zeros (copied
+        # alone, not the whole segment)
+        chunks = [x[j * chunk : (j + 1) * chunk] for j in range(w)]
+        chunks = [c if c.numel() == chunk else torch.cat([c, x.new_zeros(chunk - c.numel())]) for c in chunks]
         encoded = [timer.encode(codec.encode, chunks[j], f"{name}#{j}", step) for j in range(w)]
         shape = (w, spec_bytes(spec_of(encoded[0].tensors)))
         send = self._buffer(name, "send", shape, x.device)
@@ -131,20 +143,25 @@ class ScatterReduceAllGather(Collective):
             gathered[0] = buf
         return {"second": second, "gathered": gathered, "work": work}
 
-    def _gather(self, codec: Codec, p1: dict, p2: dict, out: torch.Tensor, w: int, timer: Timer) -> torch.Tensor:
+    def _gather(self, codec: Codec, p1: dict, p2: dict, out: torch.Tensor, w: int, timer: Timer, align: int) -> torch.Tensor:
         """Decode the all-gathered chunks into ``out`` (this segment of the result); the flag."""
         if p2["work"] is not None:
             p2["work"].wait()
         spec2 = spec_of(p2["second"].tensors)
         flags = []
-        for r, dst in enumerate(_chunks(out, w)):  # every rank decodes the same bytes, same context
+        for r, dst in enumerate(_chunks(out, w, align)):  # every rank decodes the same bytes, same context
             tensors, f = from_bytes(p2["gathered"][r], spec2)
             timer.decode(codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
             flags.append(f)
         return torch.stack(flags).any()
 
 
-def _chunks(segment: torch.Tensor, w: int) -> List[torch.Tensor]:
+def chunk_length(n: int, w: int, align: int = 1) -> int:
+    """Values per rank's chunk of an ``n``-value segment: ``ceil(n / w)``, rounded up to ``align``."""
+    return -(-(-(-n // w)) // align) * align
+
+
+def _chunks(segment: torch.Tensor, w: int, align: int = 1) -> List[torch.Tensor]:
     """The W chunk views of a segment, as ``_scatter`` cut it (the last ones may be short or empty)."""
-    chunk = -(-segment.numel() // w)
+    chunk = chunk_length(segment.numel(), w, align)
     return [segment[r * chunk : (r + 1) * chunk] for r in range(w)]
