@@ -377,7 +377,7 @@ def register(
     names = {id(p): n for n, p in named}
     probe = GradzipState(comm, names, cfg)  # its filter decides what the plan compresses
     plan = FusionPlan.build(
-        named, probe.should_compress, comm.fusion and comm.codec.fusion_block() > 0, int(cfg.fusion_mb * 2**20),
+        named, probe.should_compress, comm.codec.fusion_block() if comm.fusion else 0, int(cfg.fusion_mb * 2**20),
     )
     state = GradzipState(comm, names, cfg, plan)
     model.register_comm_hook(state, gradzip_hook)

@@ -9,6 +9,13 @@ groups once, from the parameters alone: compressible parameters in reverse regis
 is exchanged as soon as its last member's bucket arrives; a bucket is done when every group
 holding one of its gradients is done. The same model and settings give the same groups on
 every rank and in every run, and a resumed run moves exactly the bytes of an uninterrupted one.
+
+Inside a group every gradient starts on a block boundary of the codec (see
+:meth:`~gradzip.codecs.base.Codec.fusion_block`), so its last block is padded with zeros that go
+on the wire. For a gradient of many blocks that costs little; for one of a few blocks (a
+256-value weight under 1024-value max-min buckets is padded fourfold) it would cost more than
+fusing saves, so a gradient whose padding exceeds ``MAX_PADDING`` of its size is exchanged alone,
+with exactly the bytes of its own encoding.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
+
+MAX_PADDING = 1 / 8  # the most padding, relative to its size, a gradient may take on to join a group
 
 
 @dataclass
@@ -33,21 +42,26 @@ class FusionPlan:
         cls,
         params: Sequence[Tuple[str, torch.Tensor]],
         compress: Callable[[torch.Tensor], bool],
-        fusable: bool,
+        block: int,
         group_bytes: int,
     ) -> "FusionPlan":
-        """Group the parameters ``compress`` selects (in reverse order); singletons unless ``fusable``."""
+        """Group the parameters ``compress`` selects (in reverse order) into groups of about
+        ``group_bytes``; singletons where ``block`` is 0 (the codec cannot fuse) or where padding
+        a gradient to whole blocks of ``block`` values would cost more than ``MAX_PADDING``."""
         groups: List[List[str]] = []
         size = 0
+        alone = True  # the last group is a singleton that must stay one
         for name, p in reversed(list(params)):
             if not p.requires_grad or not compress(p):
                 continue
             nbytes = p.numel() * p.element_size()
-            if not fusable or not groups or size + nbytes > group_bytes and size > 0:
+            solo = block <= 0 or padding(p.numel(), block) > MAX_PADDING * p.numel()
+            if solo or alone or size + nbytes > group_bytes and size > 0:
                 groups.append([])
                 size = 0
             groups[-1].append(name)
             size += nbytes
+            alone = solo
         return cls(groups)
 
     def __len__(self) -> int:
@@ -56,6 +70,11 @@ class FusionPlan:
     def describe(self) -> List[Dict[str, object]]:
         """One row per group: its index and members (for logs and ``state.plan()``)."""
         return [{"group": g, "members": list(names)} for g, names in enumerate(self.groups)]
+
+
+def padding(numel: int, block: int) -> int:
+    """Zeros that follow ``numel`` values in a fused buffer to reach the next block boundary."""
+    return -numel % block
 
 
 class GroupCollector:
