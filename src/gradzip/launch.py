@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -59,8 +60,14 @@ def _entry(
         dist.destroy_process_group()
     with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(record, f)
-    if not record["ok"]:
-        raise SystemExit(1)
+    # Leave without interpreter finalisation. A gloo worker thread drops its reference to a
+    # finished collective a moment after the caller's wait() returns; if that releases tensors
+    # owned by Python, it takes the GIL, and a thread that asks for it while Python finalises is
+    # ended by pthread_exit, whose unwinding through C++ aborts the process ("terminate called
+    # without an active exception", seen on a rank whose work had all succeeded).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if record["ok"] else 1)
 
 
 def spawn_local(
