@@ -297,8 +297,11 @@ class Communicator:
 
     def _reduce_one(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
         """The stages of :meth:`reduce_now`."""
+        started = time.perf_counter()
         avg, record = yield from self._reduce(t, name, compress, out)
         self.metrics.record(name, t.numel() * t.element_size(), **record)
+        if compress:
+            self.metrics.record_group_time(group_key([name]), time.perf_counter() - started)
         return avg
 
     def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
@@ -376,7 +379,13 @@ class Communicator:
         return out
 
     def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool) -> Stages:
-        """One plain all-reduce of the uncompressed gradients of a bucket, concatenated."""
+        """One plain all-reduce of the uncompressed gradients of a bucket: in place where they lie
+        back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
+        span = _contiguous_span(tensors) if inplace else None
+        if span is not None:
+            avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span)
+            self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
+            return list(tensors)
         dtype = tensors[0].dtype
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None)
@@ -409,6 +418,7 @@ class Communicator:
         covers the group: a NaN in one gradient makes every gradient of the group NaN.
         """
         codec, coll, mem = self.codec, self.collective, self.memory
+        started = time.perf_counter()
         block = codec.fusion_block()
         order = sorted(range(len(tensors)), key=lambda i: names[i])
         spans, total = [], 0
@@ -417,7 +427,7 @@ class Communicator:
             total += -(-tensors[i].numel() // block) * block
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
-        key = _group_key([names[i] for i in order])
+        key = group_key([names[i] for i in order])
         flat = self._fusion_buffer(key, total, dtype, tensors[0].device)
         inputs = []
         for i, (start, n) in zip(order, spans):
@@ -443,6 +453,7 @@ class Communicator:
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
         record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
         self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
+        self.metrics.record_group_time(key, time.perf_counter() - started)
         return results
 
     def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
@@ -616,7 +627,7 @@ def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec
     )
 
 
-def _group_key(names: Sequence[str]) -> str:
+def group_key(names: Sequence[str]) -> str:
     """The name a fused group is encoded under: the same for the same members, on every rank."""
     return f"fused:{len(names)}:{stable_hash(*names):08x}"
 
@@ -627,6 +638,21 @@ def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
             f"out must match the input: shape {tuple(t.shape)}, {t.dtype} on {t.device}; "
             f"got shape {tuple(out.shape)}, {out.dtype} on {out.device}"
         )
+
+
+def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view over ``tensors`` when they lie back to back, in order, in one storage (the
+    gradients of a DDP bucket are views of its buffer); None otherwise."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in tensors:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.device == first.device):
+            return None
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    n = offset - first.storage_offset()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -15,9 +15,11 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
-FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "timeout")
+FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "timeout")
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
+PLANS = ("off", "auto")
+AUTO = "auto"  # codec="auto": see Config.resolved
 
 
 def parse_value(text: str) -> Any:
@@ -44,6 +46,9 @@ class Config:
     (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
     about ``fusion_mb`` MiB (:mod:`gradzip.plan`);
     ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.pipeline`);
+    ``plan``: ``"auto"`` compresses a group only where the calibrated cost model says it pays
+    (:mod:`gradzip.planner`), ``"off"`` compresses every eligible group; ``codec="auto"`` is
+    ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -56,6 +61,7 @@ class Config:
     fusion: bool = True
     fusion_mb: float = 8.0
     pipeline: bool = True
+    plan: str = "off"
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -72,10 +78,21 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
             raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0
         ):
             raise ValueError(f"timeout must be None or a positive number of seconds, got {self.timeout!r}")
+
+    def resolved(self) -> "Config":
+        """This config with ``codec="auto"`` spelled out: 4-bit ``maxmin`` (options given beside
+        it still apply), residual error feedback unless a memory is named, and ``plan="auto"``."""
+        if self.codec != AUTO:
+            return self
+        return replace(
+            self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual", plan=AUTO,
+        )
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":
         """This config with every ``GRADZIP_*`` variable of ``environ`` applied on top."""

@@ -18,10 +18,11 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from .communicator import Communicator
-from .config import Config
+from .communicator import Communicator, group_key
+from .config import AUTO, Config
 from .errors import SettingsMismatchError
 from .metrics import CSVLogger, format_table, scalars, summary_table
+from . import planner
 from .plan import FusionPlan, GroupCollector
 
 logger = logging.getLogger("gradzip")
@@ -40,8 +41,10 @@ class GradzipState:
         self.comm = comm
         self.config = config
         self.param_names = param_names
-        self.plan = plan if plan is not None else FusionPlan([])
-        self.collector = GroupCollector(self.plan)
+        self.fusion_plan = plan if plan is not None else FusionPlan([])
+        self.collector = GroupCollector(self.fusion_plan)
+        self.decisions: List[planner.Decision] = []  # per group of compressible parameters
+        self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
         self.step = 0
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
@@ -73,6 +76,19 @@ class GradzipState:
         }
         out.update(stats)
         return out
+
+    def plan(self) -> Dict[str, Any]:
+        """The plan: per group of compressible parameters, whether it is compressed, the
+        planner's predictions (plain fp32 all-reduce vs the codec; NaN without ``plan="auto"``)
+        and the median measured time of its compressed exchanges so far (from the first stage
+        to the last; with pipelining, other jobs' stages run in between). ``costs``: the
+        calibrated model (:mod:`gradzip.planner`), None without ``plan="auto"``."""
+        measured = {}
+        for d in self.decisions:
+            times = self.comm.metrics.group_times.get(group_key(sorted(d.members)))
+            if times:
+                measured[d.group] = times
+        return planner.report(self.decisions, measured, self.costs)
 
     def summary(self, per_layer: bool = False) -> str:
         """A readable table of :meth:`stats`: totals per codec (the codec's parameters and the
@@ -226,7 +242,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         state.step += 1
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
 
-    plain = [i for i, g in enumerate(grads) if not (names[i] in state.plan.group_of and state.should_compress(g))]
+    plain = [i for i, g in enumerate(grads) if not (names[i] in state.fusion_plan.group_of and state.should_compress(g))]
     waits: Dict[int, torch.futures.Future] = {}
     for i, g in enumerate(grads):
         if i not in plain:
@@ -304,6 +320,7 @@ def register(
     fusion: Optional[bool] = None,
     fusion_mb: Optional[float] = None,
     pipeline: Optional[bool] = None,
+    plan: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -334,7 +351,7 @@ def register(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
-        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("timeout", seconds),
+        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -352,7 +369,7 @@ def register(
     given.update({f"codec.{k}": "argument" for k in codec_options})
     given.update({f"collective.{k}": "argument" for k in collective_options or {}})
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
-    cfg = replace(cfg, given=given).with_env()
+    cfg = replace(cfg, given=given).with_env().resolved()
     try:
         comm = Communicator(
             cfg.codec,
@@ -364,7 +381,9 @@ def register(
             timeout=cfg.timeout,
             fusion=cfg.fusion,
             pipeline=cfg.pipeline,
-            settings_extra={"min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb},
+            settings_extra={
+                "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
+            },
             settings_sources=cfg.sources,
             **cfg.options,
         )
@@ -379,7 +398,13 @@ def register(
     plan = FusionPlan.build(
         named, probe.should_compress, comm.codec.fusion_block() if comm.fusion else 0, int(cfg.fusion_mb * 2**20),
     )
-    state = GradzipState(comm, names, cfg, plan)
+    costs = planner.calibrate(comm.codec, comm.group) if cfg.plan == AUTO else None
+    decisions = planner.decide(
+        plan.groups, dict(named), comm.codec, comm.collective_name, costs, comm.memory.stateful,
+    )
+    # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
+    state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
+    state.decisions, state.costs = decisions, costs
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

@@ -83,6 +83,12 @@ class Metrics:
         self.tensors: Dict[str, TensorStats] = {}
         self.cpu_measured = False
         self.exposed_s: List[float] = []
+        self.group_times: Dict[str, List[float]] = {}  # fused group -> seconds of each exchange
+
+    def record_group_time(self, key: str, seconds: float) -> None:
+        """One compressed exchange of group ``key`` (``communicator.group_key``) took ``seconds``
+        from its first stage to its last (for ``state.plan()``'s measured column)."""
+        self.group_times.setdefault(key, []).append(seconds)
 
     def record_exposed(self, seconds: float) -> None:
         """One backward pass waited ``seconds`` after its last gradient for the exchanges to end."""
@@ -130,6 +136,7 @@ class Metrics:
         self.tensors.clear()
         self.cpu_measured = False
         self.exposed_s = []
+        self.group_times = {}
 
     def summary(self, per_tensor: bool = False) -> Dict[str, Any]:
         """Totals (rounded): ``steps`` (the most calls any one parameter had: one per step),

@@ -76,7 +76,7 @@ def check_settings(env: Dict[str, str]) -> None:
     from .codecs import codec
     from .config import Config
 
-    cfg = Config().with_env(env)
+    cfg = Config().with_env(env).resolved()
     codec(cfg.codec, **cfg.options)
 
 

@@ -57,13 +57,15 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
 
 
 # spec keys that are not codec options: the Communicator's and register()'s own keywords
-NOT_CODEC_OPTIONS = ("memory", "collective", "fusion", "fusion_mb", "pipeline", "min_numel", "compress_1d")
+NOT_CODEC_OPTIONS = ("memory", "collective", "fusion", "fusion_mb", "pipeline", "plan", "min_numel", "compress_1d")
 
 
 def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     """:func:`parse_spec`, then build the codec: ``ValueError`` for an unknown codec or option."""
     name, opts = parse_spec(spec)
-    gradzip.codec(name, **{k: v for k, v in opts.items() if k not in NOT_CODEC_OPTIONS})
+    resolved = gradzip.Config(codec=name).resolved()  # "auto" is maxmin under the planner
+    options = {**resolved.options, **{k: v for k, v in opts.items() if k not in NOT_CODEC_OPTIONS}}
+    gradzip.codec(resolved.codec, **options)
     return name, opts
 
 

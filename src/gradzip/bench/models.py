@@ -455,7 +455,10 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         if state is not None:
             state.comm.metrics.reset()
         times, cpu_step = _timed_steps(step, module, steps)
-        measured_wire = state.stats()["wire_bytes"] / steps if state is not None else None
+        timed = state.stats() if state is not None else {}
+        measured_wire = timed["wire_bytes"] / steps if state is not None else None
+        # backward's end waiting for gradzip's exchanges, per step (the part not overlapped)
+        exposed = timed["exposed_s"] / steps if "exposed_s" in timed else None
         payload, traffic = _wire(method, module, state, world)
         cpu = 0.0
         if method["kind"] == "torch" and method["hook"] == "fp16_compress_hook":
@@ -480,6 +483,9 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
             row["measured_wire_bytes"] = measured_wire
             row["collective"] = state.comm.collective_name
             row["compressed_tensors"] = sum(1 for p in module.parameters() if state.should_compress(p))
+            row["exposed_s"] = exposed
+            if state.costs is not None:  # planned: decisions, predicted and measured per group
+                row["plan"] = state.plan()
         else:
             row["collective"] = "torch"
         return row

@@ -40,7 +40,11 @@ class AllReduce(Collective):
         _, w = world(self.group)
         timer = Timer()
         flag = nonfinite_flag(x).to(torch.float32).reshape(1)
-        payload = timer.encode(codec.encode, x / w if w > 1 else x, name, step)
+        if w > 1 and out is not None and not need_own and _same_memory(out, x):
+            scaled = x.view(-1).div_(w)  # in place: the caller wants x overwritten with the average
+        else:
+            scaled = x / w if w > 1 else x
+        payload = timer.encode(codec.encode, scaled, name, step)
         wire = 0
         first = True
         while True:
@@ -66,3 +70,11 @@ class AllReduce(Collective):
             avg = timer.decode(codec.decode_into, Payload(reduced, payload.ctx), out)
         own = own_payload(codec, payload, timer, float(w)) if need_own else None
         return Result(avg, own, flag[0] > 0, wire, *timer.times())
+
+
+def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``out`` is ``x``'s own contiguous memory (an in-place call)."""
+    return (
+        out.data_ptr() == x.data_ptr() and out.numel() == x.numel() and out.dtype == x.dtype
+        and out.is_contiguous() and x.is_contiguous()
+    )
