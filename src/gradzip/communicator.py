@@ -569,6 +569,9 @@ class Communicator:
         self._closed = True
         if self._worker is not None:
             self._worker.close()
+        # buffers several times the gradients' size: free them now, not when the state is collected
+        self._fused_buffers.clear()
+        self.collective.release()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None

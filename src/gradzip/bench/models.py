@@ -492,7 +492,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
     finally:
         if state is not None:
             state.close()
-        del ddp, module
+        del ddp, module, state  # before collecting: the next method needs the memory
         gc.collect()
 
 

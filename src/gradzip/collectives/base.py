@@ -185,6 +185,10 @@ class Collective:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass
 
+    def release(self) -> None:
+        """Drop buffers kept from call to call (the communicator is closing)."""
+        getattr(self, "_buffers", {}).clear()
+
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1,
