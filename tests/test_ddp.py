@@ -258,3 +258,48 @@ def test_parameter_server_collective_under_ddp_keeps_replicas_identical():
     for res in run_workers(_ps_training, 3):
         for name, rec in res.items():
             assert rec["identical"] and rec["loss"] == rec["loss"] and rec["collective"] == "ps", (name, rec)
+
+
+def _warmup(rank: int, world: int) -> dict:
+    """topk with warmup=3 beside plain DDP from the same start on the same batches."""
+    models, ddps = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(Net())
+        ddps.append(DDP(models[-1], bucket_cap_mb=0.01))
+    state = gradzip.register(ddps[1], "topk", ratio=0.05, memory="residual", warmup=3, min_numel=64)
+    diffs, residuals, wire = [], [], []
+    for x, y in _batches(rank, 5):
+        grads = []
+        for model, ddp in zip(models, ddps):
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        diffs.append(float((grads[0] - grads[1]).abs().max()))
+        residuals.append(sum(float(v.abs().sum()) for v in state.comm.memory.residuals.values()))
+        wire.append(state.stats()["wire_bytes"])
+        for model in models:  # the same update on both, from each one's own gradients
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    out = {"diffs": diffs, "residuals": residuals, "wire": wire, "identical": _identical(models[1], world)}
+    state.close()
+    return out
+
+
+def test_warmup_sends_the_first_steps_dense_then_compresses_from_an_empty_memory():
+    for res in run_workers(_warmup, 2):
+        diffs, residuals, wire = res["diffs"], res["residuals"], res["wire"]
+        assert max(diffs[:3]) < 1e-6, diffs  # dense: what plain DDP computes
+        assert min(diffs[3:]) > 1e-4, diffs  # then top-k: different gradients
+        assert residuals[:3] == [0.0, 0.0, 0.0] and residuals[3] > 0  # memory starts at the switch
+        dense_step = wire[0]  # the counters are totals: every dense step sends the same bytes
+        assert wire[1] - wire[0] == wire[2] - wire[1] == dense_step > 0, wire
+        assert wire[4] - wire[3] < dense_step / 4, wire  # a top-k step sends far less than a dense one
+        assert res["identical"]
+
+
+def test_warmup_is_validated_and_read_from_the_environment():
+    with pytest.raises(ValueError, match="warmup must be a non-negative number of steps"):
+        gradzip.Config(warmup=-1)
+    assert gradzip.Config().with_env({"GRADZIP_WARMUP": "50"}).warmup == 50

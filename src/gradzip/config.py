@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -15,7 +15,10 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
-FIELDS = ("codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "timeout")
+FIELDS = (
+    "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "warmup",
+    "timeout",
+)
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
@@ -49,6 +52,8 @@ class Config:
     ``plan``: ``"auto"`` compresses a group only where the calibrated cost model says it pays
     (:mod:`gradzip.planner`), ``"off"`` compresses every eligible group; ``codec="auto"`` is
     ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
+    ``warmup``: steps sent dense (plain all-reduce) before compression starts, as DGC and
+    PyTorch's PowerSGD hook begin (default 0);
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -62,6 +67,7 @@ class Config:
     fusion_mb: float = 8.0
     pipeline: bool = True
     plan: str = "off"
+    warmup: int = 0  # steps
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -78,6 +84,8 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
             raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be a non-negative number of steps, got {self.warmup!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (

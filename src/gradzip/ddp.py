@@ -46,6 +46,7 @@ class GradzipState:
         self.decisions: List[planner.Decision] = []  # per group of compressible parameters
         self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
         self.step = 0
+        self.warmup = 0  # steps sent dense before compression starts
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
@@ -237,12 +238,18 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     grads = bucket.gradients()
     names = [state.param_names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
     what = f"step {state.step}, {_bucket_label(bucket.index(), names)}"
+    # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
+    # untouched, so compression starts from an empty residual on every rank alike
+    dense = state.step < state.warmup
     last = bucket.is_last()
     if last:
         state.step += 1
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
 
-    plain = [i for i, g in enumerate(grads) if not (names[i] in state.fusion_plan.group_of and state.should_compress(g))]
+    plain = [
+        i for i, g in enumerate(grads)
+        if dense or not (names[i] in state.fusion_plan.group_of and state.should_compress(g))
+    ]
     waits: Dict[int, torch.futures.Future] = {}
     for i, g in enumerate(grads):
         if i not in plain:
@@ -321,6 +328,7 @@ def register(
     fusion_mb: Optional[float] = None,
     pipeline: Optional[bool] = None,
     plan: Optional[str] = None,
+    warmup: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -351,7 +359,8 @@ def register(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
-        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("timeout", seconds),
+        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("warmup", warmup),
+        ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -383,6 +392,7 @@ def register(
             pipeline=cfg.pipeline,
             settings_extra={
                 "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
+                "warmup": cfg.warmup,
             },
             settings_sources=cfg.sources,
             **cfg.options,
@@ -405,6 +415,7 @@ def register(
     # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
     state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
     state.decisions, state.costs = decisions, costs
+    state.warmup = cfg.warmup
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

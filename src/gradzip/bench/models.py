@@ -656,7 +656,7 @@ def _mb(n: float) -> str:
 
 COLUMNS = (
     "model", "method", "s/step", "min–max", "steps/s", "vs fp32", "vs fp16", "MB/rank", "wire lim s", "codec lim s",
-    "× limit", "CPU s",
+    "× limit", "CPU s", "exposed s",
 )
 
 
@@ -681,7 +681,7 @@ def _cells(report: Dict[str, Any], none: str = "-", one_cell: bool = False) -> L
         comp = model["compute_times_s"]
         rows = [[
             "compute only (no DDP)", f"{model['compute_s']:.3f}", f"{min(comp):.3f}–{max(comp):.3f}",
-            *[none] * 7, num(model.get("compute_cpu_time_s"), ".3f"),
+            *[none] * 7, num(model.get("compute_cpu_time_s"), ".3f"), none,
         ]]
         for r in model["rows"]:
             rows.append([
@@ -690,6 +690,7 @@ def _cells(report: Dict[str, Any], none: str = "-", one_cell: bool = False) -> L
                 num(r["vs_fp16"], ".2f") + ("×" if r["vs_fp16"] else ""),
                 _mb(r["wire_bytes"]), num(r["wire_limit_s"], ".3f"), num(r["codec_limit_s"], ".3f"),
                 num(r["vs_limit"], ".2f"), num(r.get("cpu_time_s"), ".3f"),
+                none if r.get("exposed_s") is None else f"{r['exposed_s']:.3f}",
             ])
         out += [[name] + row for name, row in zip(names, rows)]
     return out
@@ -702,7 +703,8 @@ CAPTION = (
     "codec limit: encode+decode CPU time, max(busiest rank, all ranks / {cores} cores); "
     "× limit: time / the larger of the two; CPU s: the step's whole CPU time (every thread: DDP, gloo, gradzip, "
     "the network stack's share) taken the same way, the time the shared cores were busy with it; compute only: "
-    "forward+backward without DDP, on every rank at once"
+    "forward+backward without DDP, on every rank at once; exposed s: how long backward's end waited for "
+    "gradzip's exchanges per step (rank 0; gradzip's methods only)"
 )
 
 
