@@ -125,6 +125,7 @@ class Communicator:
                 _report_failed_construction(group, self.timeout, exc, settings_sources)
             raise
         self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
+        self._owns_group = dedicated_group and self.group is not None
         self.collective.group = self.group
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
@@ -572,7 +573,7 @@ class Communicator:
         # buffers several times the gradients' size: free them now, not when the state is collected
         self._fused_buffers.clear()
         self.collective.release()
-        if self.group is not None and dist.is_initialized():
+        if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None
 

@@ -1,29 +1,28 @@
 """The planner: whether compressing a group pays on this link and this CPU (HiPress's cost model).
 
-HiPress (Bai et al., SOSP'21) decides offline, per gradient, whether to compress, from an α–β
-model of the network and the codec's measured speed. gradzip calibrates the model online, once,
-at registration, on the process group the gradients will cross:
+HiPress (Bai et al., SOSP'21) decides offline, per gradient, whether to compress, from a cost
+model of the network and the codec. gradzip calibrates its model online, once, at
+registration, on the process group the gradients will cross, and from what will really run:
 
-- **Link.** Plain all-reduces of 16 KiB, 1 MiB and 8 MiB are timed (median of a few) and a line
-  ``t = α + β·bytes`` is fitted: what moving bytes costs here, latency included.
-- **CPU.** Every rank times the codec's encode and decode, and a memory copy, on 1 M values at
-  the same moment as the others, so ranks that share cores measure the sharing too.
-- The slowest rank's figures are used on every rank (one all-reduce with MAX): every rank holds
-  the same floats and so makes the same decisions, without another exchange.
+- A throwaway communicator with the same codec, memory and collective, on the same process
+  group, exchanges 64 Ki, 512 Ki and 2 Mi fp32 values (256 KiB to 8 MiB) both ways: compressed
+  (error feedback, encode, the collective, decode) and plain (gradzip's in-place all-reduce), a
+  few times each, on every rank at once. Ranks that share cores or a link measure the sharing.
+- A line ``t = alpha + beta·values`` is fitted to each way's medians: latency and per-value
+  cost, the wire and the CPU together, as this machine and this link give them. Composing the
+  cost from separately timed parts (an all-reduce, the codec on one core, a memory copy)
+  missed most of the compressed path's CPU work on shared cores, and picked compression on
+  loopback, where it lost.
+- Every rank takes the slowest rank's figures (one all-reduce with MAX), so every rank holds
+  the same floats and makes the same decisions without another exchange.
 
-A group of ``n`` values and payload ``P`` bytes is predicted at
+A group of ``n`` values (a fused group priced at its size padded to codec blocks) is
+compressed only where the compressed line is below the plain one at its size. A 16-bit
+gradient's plain all-reduce moves half the bytes: its plain cost per value is halved.
 
-- plain: ``α + β·bytes(n) + 2·copy·n`` (the flag and averaging passes);
-- compressed: ``rounds·α + β·f·P + encode·e·n + decode·d·n + copy·c·n``, where the collective
-  sets the rounds (SRA and PS: a scatter and a gather; all-gather and all-reduce: one), the
-  traffic ``f`` relative to an all-reduce of ``P`` (all-gather: W/2 times more), how often each
-  value is encoded ``e`` (SRA and PS re-encode the reduced chunk: ``1 + 1/W``) and decoded ``d``
-  (the reduction, the gathered average and, with error feedback, the own payload), and ``c``
-  copies (error feedback reads and writes the residual).
-
-The cheaper one wins, so the plan never predicts a group slower than plain fp32. What it does
-not yet do: choose the collective or the number of partitions per group, and re-calibrate when
-measured times drift from the predictions (``state.plan()`` shows both, to judge by).
+What it does not yet do: choose the collective or the number of partitions per group, model
+the overlap the pipeline gives, and re-calibrate when measured times drift from the
+predictions (``state.plan()`` shows both).
 """
 from __future__ import annotations
 
@@ -37,43 +36,83 @@ import torch.distributed as dist
 
 from .codecs.base import Codec
 
-SIZES = (1 << 14, 1 << 20, 1 << 23)  # bytes of the calibration all-reduces
-SAMPLE = 1 << 20  # values of the codec calibration
+SIZES = (1 << 16, 1 << 19, 1 << 21)  # values of the calibration exchanges
+REPEATS = 3
+
+
+@dataclass
+class Line:
+    """Seconds of one exchange: ``alpha + beta·values``."""
+
+    alpha: float
+    beta: float
+
+    def at(self, values: float) -> float:
+        return self.alpha + self.beta * values
 
 
 @dataclass
 class Costs:
-    """The calibrated model: seconds = alpha + beta·bytes per all-reduce; CPU seconds per value."""
+    """The calibrated model: a line for the plain all-reduce and one for the compressed exchange."""
 
-    alpha: float
-    beta: float
-    encode: float
-    decode: float
-    copy: float
+    plain: Line
+    compressed: Line
     world_size: int
 
-    def plain(self, numel: int, element_size: int = 4) -> float:
-        """Predicted seconds of a plain all-reduce of ``numel`` values."""
-        return self.alpha + self.beta * numel * element_size + 2 * self.copy * numel
+    def plain_s(self, numel: int, element_size: int = 4) -> float:
+        """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes."""
+        return self.plain.at(numel * element_size / 4)
 
-    def compressed(self, numel: int, payload_bytes: int, collective: str, memory: bool) -> float:
-        """Predicted seconds of one compressed exchange of ``numel`` values through ``collective``."""
-        w = self.world_size
-        if w == 1:
-            rounds, traffic = 0, 0.0
-        else:
-            rounds = 1 if collective in ("allgather", "allreduce") else 2
-            traffic = w / 2 if collective == "allgather" else 1.0  # (W−1)·P against 2(W−1)/W·P
-        enc = 1.0 if collective in ("allgather", "allreduce") else 1 + 1 / w
-        dec = (float(w) if collective == "allgather" else 1.0 if collective == "allreduce" else 2.0) + memory
-        cpu = numel * (self.encode * enc + self.decode * dec + self.copy * (3 if memory else 1))
-        return rounds * self.alpha + self.beta * traffic * payload_bytes + cpu
+    def compressed_s(self, numel: int) -> float:
+        """Predicted seconds of one compressed exchange of ``numel`` values (padding included)."""
+        return self.compressed.at(numel)
 
     def as_dict(self) -> Dict[str, float]:
         return {
-            "alpha_s": self.alpha, "beta_s_per_byte": self.beta, "encode_s_per_value": self.encode,
-            "decode_s_per_value": self.decode, "copy_s_per_value": self.copy, "world_size": self.world_size,
+            "plain_alpha_s": self.plain.alpha, "plain_s_per_value": self.plain.beta,
+            "compressed_alpha_s": self.compressed.alpha, "compressed_s_per_value": self.compressed.beta,
+            "world_size": self.world_size,
         }
+
+
+def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
+    """Time ``comm``'s plain and compressed exchanges on its process group; the slowest rank's lines.
+
+    Every rank must call it at the same point (registration): it issues collectives on the group.
+    """
+    from . import consistency
+    from .communicator import Communicator
+
+    probe = Communicator(
+        comm.codec.name, memory=comm.memory.name, collective=comm.collective_name, group=comm.group,
+        memory_options=consistency.init_options(comm.memory),
+        collective_options=consistency.init_options(comm.collective),
+        dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, **comm.codec.config(),
+    )
+    w = probe.world_size
+    plain, packed = [], []
+    try:
+        for n in SIZES:
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            buf = torch.empty(n)
+            for compress, points in ((False, plain), (True, packed)):
+                name = f"planner.{n}.{int(compress)}"
+
+                def once() -> None:
+                    buf.copy_(x)  # the plain exchange averages in place
+                    probe.reduce_now(buf, name, compress=compress, out=buf)
+
+                once()  # first touch of the buffers, connections
+                if w > 1:
+                    dist.barrier(group=comm.group)
+                points.append((n, _median_time(once, repeats)))
+    finally:
+        probe.close()
+    figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64)
+    if w > 1:
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
+    a_p, b_p, a_c, b_c = figures.tolist()
+    return Costs(Line(a_p, b_p), Line(a_c, b_c), world_size=w)
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -85,33 +124,8 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate(codec: Codec, group: Optional[dist.ProcessGroup], repeats: int = 5) -> Costs:
-    """Measure the link and the codec on every rank of ``group``; the slowest rank's figures."""
-    w = dist.get_world_size(group) if dist.is_initialized() else 1
-    points = []
-    for nbytes in SIZES:
-        x = torch.zeros(nbytes // 4)
-        if w > 1:
-            dist.all_reduce(x, group=group)  # warm the connection and the buffers
-            dist.barrier(group=group)
-            points.append((nbytes, _median_time(lambda: dist.all_reduce(x, group=group), repeats)))
-        else:
-            points.append((nbytes, 0.0))
-    alpha, beta = fit(points)
-    sample = torch.randn(SAMPLE, generator=torch.Generator().manual_seed(0))
-    payload = codec.encode(sample, "planner", 0)
-    out = torch.empty_like(sample)
-    encode = _median_time(lambda: codec.encode(sample, "planner", 0), repeats) / SAMPLE
-    decode = _median_time(lambda: codec.decode_into(payload, out), repeats) / SAMPLE
-    copy = _median_time(lambda: out.copy_(sample), repeats) / SAMPLE
-    figures = torch.tensor([alpha, beta, encode, decode, copy], dtype=torch.float64)
-    if w > 1:
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=group)
-    return Costs(*figures.tolist(), world_size=w)
-
-
 def fit(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
-    """Least-squares ``t = alpha + beta·bytes`` through ``(bytes, seconds)`` points, both kept ≥ 0."""
+    """Least-squares ``t = alpha + beta·x`` through ``(x, seconds)`` points, both kept ≥ 0."""
     xs = [float(b) for b, _ in points]
     ys = [float(t) for _, t in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -137,19 +151,18 @@ class Decision:
         return self.compressed_s if self.compress else self.plain_s
 
 
-def payload_bytes(codec: Codec, params: Sequence[torch.Tensor]) -> int:
-    """Bytes of one encoding of a group: one fused buffer (each member padded to whole blocks of
-    :meth:`Codec.fusion_block`), or each member on its own where the codec cannot fuse."""
+def padded_numel(codec: Codec, params: Sequence[torch.Tensor]) -> int:
+    """Values one encoding of a group covers: each member padded to whole blocks of
+    :meth:`Codec.fusion_block` in a fused buffer, or the members as they are where the codec
+    cannot fuse (then each goes on its own)."""
     block = codec.fusion_block()
     if len(params) > 1 and block > 0:
-        padded = sum(-(-p.numel() // block) * block for p in params)
-        return codec.wire_bytes(padded, params[0].dtype)
-    return sum(codec.wire_bytes(p.numel(), p.dtype, tuple(p.shape)) for p in params)
+        return sum(-(-p.numel() // block) * block for p in params)
+    return sum(p.numel() for p in params)
 
 
 def decide(
-    groups: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], codec: Codec, collective: str,
-    costs: Optional[Costs], memory: bool,
+    groups: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], codec: Codec, costs: Optional[Costs],
 ) -> List[Decision]:
     """Compress a group only where its predicted exchange beats the plain all-reduce; every
     group, with NaN predictions, when there is no model (``costs`` None: planning is off)."""
@@ -160,8 +173,8 @@ def decide(
         if costs is None:
             out.append(Decision(g, list(members), n, True, float("nan"), float("nan")))
             continue
-        plain = costs.plain(n, tensors[0].element_size())
-        packed = costs.compressed(n, payload_bytes(codec, tensors), collective, memory)
+        plain = costs.plain_s(n, tensors[0].element_size())
+        packed = costs.compressed_s(padded_numel(codec, tensors))
         out.append(Decision(g, list(members), n, packed < plain, plain, packed))
     return out
 
