@@ -105,7 +105,7 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
                 once()  # first touch of the buffers, connections
                 if w > 1:
                     dist.barrier(group=comm.group)
-                points.append((n, _median_time(once, repeats)))
+                points.append((n, median_seconds(once, repeats)))
     finally:
         probe.close()
     figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64)
@@ -115,7 +115,8 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
     return Costs(Line(a_p, b_p), Line(a_c, b_c), world_size=w)
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

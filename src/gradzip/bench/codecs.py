@@ -10,8 +10,6 @@ time with a freshly allocated result, page faults included, is reported beside i
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -19,18 +17,14 @@ import torch
 import gradzip
 from gradzip.kernels import fused, native
 
+from ..planner import median_seconds
 from . import write_json
 from .micro import parse_spec
 
 
 def _median_time(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, repeats)
 
 
 def _kernels() -> str:
