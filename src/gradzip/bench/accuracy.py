@@ -277,6 +277,7 @@ def resolve(config: str) -> Dict[str, Any]:
     option or value (the codec is built once to check it).
     """
     from ..codecs import codec as make_codec
+    from ..config import Config
     from ..demo import CONFIGS, OPTIMIZER_OVERRIDES, describe
     from .micro import parse_spec
 
@@ -299,7 +300,8 @@ def resolve(config: str) -> Dict[str, Any]:
         raise ValueError(f"empty codec name in {config!r}")
     register_keys, collective_keys = _register_keys(), _collective_keys()
     codec_opts = {k: v for k, v in opts.items() if k not in register_keys and k not in collective_keys}
-    make_codec(name, **codec_opts)  # raises ValueError naming the valid codecs or options
+    resolved = Config(codec=name).resolved()  # "auto": maxmin under the planner
+    make_codec(resolved.codec, **{**resolved.options, **codec_opts})  # ValueError naming the valid codecs or options
     kwargs = {k: v for k, v in opts.items() if k not in collective_keys}  # register passes codec options on
     coll = {k: v for k, v in opts.items() if k in collective_keys}
     if coll:
