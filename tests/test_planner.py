@@ -124,6 +124,7 @@ def test_auto_plans_the_same_on_every_rank_and_keeps_replicas_identical():
         assert [(g["compress"], g["predicted_ms"]) for g in r["plan"]["groups"]] == [
             (g["compress"], g["predicted_ms"]) for g in rows
         ]
+    assert first["predicted_total_ms"] == pytest.approx(sum(g["predicted_ms"] for g in rows), abs=0.01)
     for g in rows:
         if g["compress"]:
             assert g["predicted_compressed_ms"] < g["predicted_plain_ms"]

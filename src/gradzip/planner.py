@@ -5,9 +5,13 @@ model of the network and the codec. gradzip calibrates its model online, once, a
 registration, on the process group the gradients will cross, and from what will really run:
 
 - A throwaway communicator with the same codec, memory and collective, on the same process
-  group, exchanges 64 Ki, 512 Ki and 2 Mi fp32 values (256 KiB to 8 MiB) both ways: compressed
-  (error feedback, encode, the collective, decode) and plain (gradzip's in-place all-reduce), a
-  few times each, on every rank at once. Ranks that share cores or a link measure the sharing.
+  group, exchanges groups of 32 Ki, 256 Ki and 1 Mi fp32 values (128 KiB to 4 MiB) both ways:
+  compressed (error feedback, encode, the collective, decode) and plain (gradzip's in-place
+  all-reduce), a few times each, on every rank at once. Ranks that share cores or a link
+  measure the sharing. Each time, ``GROUPS`` groups go side by side, stage by stage, as the
+  pipeline runs a step's groups, so one group's encode overlaps another's transfer; a group's
+  cost is the total over ``GROUPS``. (Timed one at a time, CPU and wire add up, and on a slow
+  link that undervalued compression.)
 - A line ``t = alpha + beta·values`` is fitted to each way's medians: latency and per-value
   cost, the wire and the CPU together, as this machine and this link give them. Composing the
   cost from separately timed parts (an all-reduce, the codec on one core, a memory copy)
@@ -39,7 +43,8 @@ import torch.distributed as dist
 
 from .codecs.base import Codec
 
-SIZES = (1 << 16, 1 << 19, 1 << 21)  # values of the calibration exchanges
+SIZES = (1 << 15, 1 << 18, 1 << 20)  # values per group of the calibration exchanges
+GROUPS = 4  # groups exchanged side by side per timing
 REPEATS = 3
 MARGIN = 0.25  # compression must save this fraction of the plain all-reduce's predicted time
 
@@ -86,6 +91,7 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
     """
     from . import consistency
     from .communicator import Communicator
+    from .pipeline import drive
 
     probe = Communicator(
         comm.codec.name, memory=comm.memory.name, collective=comm.collective_name, group=comm.group,
@@ -97,19 +103,22 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
     plain, packed = [], []
     try:
         for n in SIZES:
-            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
-            buf = torch.empty(n)
+            x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n))
+            buf = torch.empty(GROUPS * n)  # groups back to back, as gradients in a DDP bucket
+            parts = [buf[i * n : (i + 1) * n] for i in range(GROUPS)]
             for compress, points in ((False, plain), (True, packed)):
-                name = f"planner.{n}.{int(compress)}"
+                names = [f"planner.{n}.{int(compress)}.{i}" for i in range(GROUPS)]
 
                 def once() -> None:
-                    buf.copy_(x)  # the plain exchange averages in place
-                    probe.reduce_now(buf, name, compress=compress, out=buf)
+                    buf.copy_(x)  # the exchanges average in place
+                    drive(probe.reduce_many_stages(
+                        parts, names, [compress] * GROUPS, inplace=True, groups=[[i] for i in range(GROUPS)],
+                    ))
 
                 once()  # first touch of the buffers, connections
                 if w > 1:
                     dist.barrier(group=comm.group)
-                points.append((n, median_seconds(once, repeats)))
+                points.append((n, median_seconds(once, repeats) / GROUPS))
     finally:
         probe.close()
     figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64)
@@ -197,4 +206,6 @@ def report(decisions: Sequence[Decision], measured: Mapping[int, List[float]], c
             "predicted_ms": round(d.predicted_s * 1e3, 3),
             "measured_ms": round(statistics.median(times) * 1e3, 3) if times else None,
         })
-    return {"costs": costs.as_dict() if costs else None, "groups": rows}
+    # groups exchanged side by side, as calibrated: their costs add up to the step's exchange
+    total = sum(d.predicted_s for d in decisions) if costs is not None else float("nan")
+    return {"costs": costs.as_dict() if costs else None, "predicted_total_ms": round(total * 1e3, 3), "groups": rows}
