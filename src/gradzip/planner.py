@@ -110,15 +110,18 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
                 names = [f"planner.{n}.{int(compress)}.{i}" for i in range(GROUPS)]
 
                 def once() -> None:
-                    buf.copy_(x)  # the exchanges average in place
                     drive(probe.reduce_many_stages(
                         parts, names, [compress] * GROUPS, inplace=True, groups=[[i] for i in range(GROUPS)],
                     ))
 
+                def fresh() -> None:
+                    buf.copy_(x)  # the exchanges average in place: the same input every time
+
+                fresh()
                 once()  # first touch of the buffers, connections
                 if w > 1:
                     dist.barrier(group=comm.group)
-                points.append((n, median_seconds(once, repeats) / GROUPS))
+                points.append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
     finally:
         probe.close()
     figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64)
@@ -128,10 +131,12 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
     return Costs(Line(a_p, b_p), Line(a_c, b_c), world_size=w)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    """The median wall time of ``repeats`` calls of ``fn``."""
+def median_seconds(fn, repeats: int, before=None) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` (``before()``, untimed, ahead of each)."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
