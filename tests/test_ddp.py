@@ -282,7 +282,11 @@ def _warmup(rank: int, world: int) -> dict:
             with torch.no_grad():
                 for p in model.parameters():
                     p -= 0.05 * p.grad
-    out = {"diffs": diffs, "residuals": residuals, "wire": wire, "identical": _identical(models[1], world)}
+    stats = state.stats()
+    out = {
+        "diffs": diffs, "residuals": residuals, "wire": wire, "identical": _identical(models[1], world),
+        "compressed_after": (stats["params_compressed"], stats["params_uncompressed"]),
+    }
     state.close()
     return out
 
@@ -297,6 +301,7 @@ def test_warmup_sends_the_first_steps_dense_then_compresses_from_an_empty_memory
         assert wire[1] - wire[0] == wire[2] - wire[1] == dense_step > 0, wire
         assert wire[4] - wire[3] < dense_step / 4, wire  # a top-k step sends far less than a dense one
         assert res["identical"]
+        assert res["compressed_after"] == (3, 3)  # after the switch the weights count as compressed
 
 
 def test_warmup_is_validated_and_read_from_the_environment():

@@ -99,10 +99,13 @@ class Metrics:
         encode_cpu_s: Optional[float] = None, decode_cpu_s: Optional[float] = None,
         sent: Optional[float] = None, codec: str = "",
     ) -> None:
-        """One call on ``name``. ``sent`` defaults to ``wire``; a CPU time of None: not measured."""
+        """One call on ``name``. ``sent`` defaults to ``wire``; a CPU time of None: not measured.
+        The parameter's ``compressed`` and ``codec`` are those of its latest call (a warm-up sends
+        it dense first, the codec afterwards)."""
         s = self.tensors.get(name)
         if s is None:
             s = self.tensors[name] = TensorStats(compressed=compressed, codec=codec)
+        s.compressed, s.codec = compressed, codec
         s.calls += 1
         s.raw_bytes += raw
         s.wire_bytes += wire
