@@ -408,7 +408,8 @@ def register(
     plan = FusionPlan.build(
         named, probe.should_compress, comm.codec.fusion_block() if comm.fusion else 0, int(cfg.fusion_mb * 2**20),
     )
-    costs = planner.calibrate(comm) if cfg.plan == AUTO else None
+    device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
+    costs = planner.calibrate(comm, device) if cfg.plan == AUTO else None
     decisions = planner.decide(plan.groups, dict(named), comm.codec, costs)
     # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
     state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))

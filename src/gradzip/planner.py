@@ -87,11 +87,13 @@ class Costs:
         }
 
 
-def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
-    """Time ``comm``'s plain and compressed exchanges on its process group; the slowest rank's lines.
+def calibrate(comm: Any, device: Optional[torch.device] = None, repeats: int = REPEATS) -> Costs:
+    """Time ``comm``'s plain and compressed exchanges on its process group, with tensors on
+    ``device`` (the gradients' device: CUDA for NCCL); the slowest rank's lines.
 
     Every rank must call it at the same point (registration): it issues collectives on the group.
     """
+    device = torch.device("cpu") if device is None else device
     from . import consistency
     from .communicator import Communicator
     from .pipeline import drive
@@ -106,8 +108,8 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
     plain, packed = [], []
     try:
         for n in SIZES:
-            x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n))
-            buf = torch.empty(GROUPS * n)  # groups back to back, as gradients in a DDP bucket
+            x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
+            buf = torch.empty(GROUPS * n, device=device)  # groups back to back, as in a DDP bucket
             parts = [buf[i * n : (i + 1) * n] for i in range(GROUPS)]
             for compress, points in ((False, plain), (True, packed)):
                 names = [f"planner.{n}.{int(compress)}.{i}" for i in range(GROUPS)]
@@ -116,6 +118,8 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
                     drive(probe.reduce_many_stages(
                         parts, names, [compress] * GROUPS, inplace=True, groups=[[i] for i in range(GROUPS)],
                     ))
+                    if device.type == "cuda":  # host timers: wait for the kernels and collectives
+                        torch.cuda.synchronize(device)
 
                 def fresh() -> None:
                     buf.copy_(x)  # the exchanges average in place: the same input every time
@@ -127,10 +131,10 @@ def calibrate(comm: Any, repeats: int = REPEATS) -> Costs:
                 points.append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
     finally:
         probe.close()
-    figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64)
+    figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64, device=device)
     if w > 1:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
-    a_p, b_p, a_c, b_c = figures.tolist()
+    a_p, b_p, a_c, b_c = figures.cpu().tolist()
     return Costs(Line(a_p, b_p), Line(a_c, b_c), world_size=w)
 
 
