@@ -21,6 +21,7 @@ from .errors import CheckpointError, CommunicationError
 from .kernels.rng import stable_hash
 from .metrics import Metrics, traffic_factor
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
+from .plan import padding
 from .worker import OrderedWorker
 
 STATE_FORMAT = 1
@@ -425,7 +426,7 @@ class Communicator:
         spans, total = [], 0
         for i in order:
             spans.append((total, tensors[i].numel()))
-            total += -(-tensors[i].numel() // block) * block
+            total += tensors[i].numel() + padding(tensors[i].numel(), block)
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
         key = group_key([names[i] for i in order])
@@ -433,9 +434,8 @@ class Communicator:
         inputs = []
         for i, (start, n) in zip(order, spans):
             inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
-            end = start + -(-n // block) * block
-            if end > start + n:
-                flat[start + n : end].zero_()
+            if padding(n, block):
+                flat[start + n : start + n + padding(n, block)].zero_()
         step = max(self._steps.get(n, 0) for n in names)
         for n in names:
             self._steps[n] = step + 1

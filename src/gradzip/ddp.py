@@ -46,7 +46,6 @@ class GradzipState:
         self.decisions: List[planner.Decision] = []  # per group of compressible parameters
         self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
         self.step = 0
-        self.warmup = 0  # steps sent dense before compression starts
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
@@ -240,7 +239,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     what = f"step {state.step}, {_bucket_label(bucket.index(), names)}"
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
     # untouched, so compression starts from an empty residual on every rank alike
-    dense = state.step < state.warmup
+    dense = state.step < state.config.warmup
     last = bucket.is_last()
     if last:
         state.step += 1
@@ -414,7 +413,6 @@ def register(
     # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
     state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
     state.decisions, state.costs = decisions, costs
-    state.warmup = cfg.warmup
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .codecs.base import Codec
+from .plan import padding
 
 SIZES = (1 << 15, 1 << 18, 1 << 20)  # values per group of the calibration exchanges
 GROUPS = 4  # groups exchanged side by side per timing
@@ -183,7 +184,7 @@ def padded_numel(codec: Codec, params: Sequence[torch.Tensor]) -> int:
     cannot fuse (then each goes on its own)."""
     block = codec.fusion_block()
     if len(params) > 1 and block > 0:
-        return sum(-(-p.numel() // block) * block for p in params)
+        return sum(p.numel() + padding(p.numel(), block) for p in params)
     return sum(p.numel() for p in params)
 
 
