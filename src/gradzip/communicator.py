@@ -16,6 +16,7 @@ from . import memory as _memory
 from .codecs import registry as _registry
 from .codecs.base import FLOAT_DTYPES, Codec
 from .collectives import base as _collective_base
+from .adaptive import AdaptiveLevels
 from .collectives.base import Collective, world
 from .errors import CheckpointError, CommunicationError
 from .kernels.rng import stable_hash
@@ -131,6 +132,8 @@ class Communicator:
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain_memory = _memory.memory("none")
+        # per-parameter levels (gradzip.adaptive), set by register(); None: the codec's one level
+        self.levels: Optional[AdaptiveLevels] = None
         self.metrics = Metrics()
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
@@ -310,7 +313,7 @@ class Communicator:
         """The stages of :meth:`reduce_now` without recording; returns (the average, the metrics of this call)."""
         _check_out(t, out)
         if compress:
-            codec, coll, mem = self.codec, self.collective, self.memory
+            codec, coll, mem = self.codec_for(name), self.collective, self.memory
         else:
             codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
         step = self._steps.get(name, 0)
@@ -318,6 +321,8 @@ class Communicator:
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
         inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
+        if compress and self.levels is not None and self.levels.sampling:
+            self.levels.observe(name, inp, step)
         # the collective writes straight into ``out`` when it can; not while the memory still has
         # to read an input that aliases it
         dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
@@ -419,7 +424,7 @@ class Communicator:
         buffer), so checkpoints and DDP's bucket rebuild are unaffected. One non-finite flag
         covers the group: a NaN in one gradient makes every gradient of the group NaN.
         """
-        codec, coll, mem = self.codec, self.collective, self.memory
+        codec, coll, mem = self.codec_for(names[0]), self.collective, self.memory
         started = time.perf_counter()
         block = codec.fusion_block()
         order = sorted(range(len(tensors)), key=lambda i: names[i])
@@ -439,6 +444,9 @@ class Communicator:
         step = max(self._steps.get(n, 0) for n in names)
         for n in names:
             self._steps[n] = step + 1
+        if self.levels is not None and self.levels.sampling:
+            for x, i in zip(inputs, order):
+                self.levels.observe(names[i], x, step)
         avg_buf = self._fusion_buffer(key, total, dtype, flat.device, "avg")
         res = yield from staged(coll.stages(codec, flat, key, step, need_own=mem.stateful, out=avg_buf, align=block))
         if mem.stateful:
@@ -456,6 +464,11 @@ class Communicator:
         self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
         self.metrics.record_group_time(key, time.perf_counter() - started)
         return results
+
+    def codec_for(self, name: str) -> Codec:
+        """The codec that compresses parameter ``name``: the configured one, or the one of its
+        adaptive level (:mod:`gradzip.adaptive`)."""
+        return self.codec if self.levels is None else self.levels.codec_for(name)
 
     def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
         """A flat buffer of a fused group (its input, its average), kept from step to step: a
@@ -490,6 +503,7 @@ class Communicator:
             "memory": self.memory.state_dict(),
             "collective": self.collective.state_dict(),
             "steps": dict(self._steps),
+            "levels": self.levels.state_dict() if self.levels is not None else None,
         }
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
@@ -529,6 +543,13 @@ class Communicator:
         if same("collective"):  # a call counter, the same on every rank
             self.collective.load_state_dict(state.get("collective", {}))
         self._steps = dict(state.get("steps", {}))
+        if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
+            levels = dict(state["levels"])
+            if not same_rank:  # this rank's own partial error sums and codec state
+                levels.pop("errors", None)
+                if levels.pop("codecs", None) and self.codec.tensor_state:
+                    dropped.append(f"codec {self.codec.tensor_state} of adaptive levels")
+            self.levels.load_state_dict(levels)
         if problems and dropped:
             warnings.warn(
                 f"gradzip (rank {self.rank}): loaded a state dict that does not match ({'; '.join(problems)}); "

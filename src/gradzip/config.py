@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -17,11 +17,12 @@ from typing import Any, Dict, Mapping, Optional
 
 FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "warmup",
-    "timeout",
+    "adaptive", "adaptive_every", "timeout",
 )
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
+ADAPTIVE = ("off", "bytes", "error")  # see gradzip.adaptive
 AUTO = "auto"  # codec="auto": see Config.resolved
 
 
@@ -54,6 +55,11 @@ class Config:
     ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
     ``warmup``: steps sent dense (plain all-reduce) before compression starts, as DGC and
     PyTorch's PowerSGD hook begin (default 0);
+    ``adaptive``: per-layer levels (:mod:`gradzip.adaptive`): ``"bytes"`` (or True) sends the
+    fewest bytes with no more compression error than the codec's uniform level, ``"error"`` the
+    least error in no more bytes, ``"off"`` (or False) keeps the uniform level; unset, it is
+    ``"bytes"`` for ``codec="auto"`` and ``"off"`` otherwise. ``adaptive_every``: steps between
+    plans;
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -68,6 +74,8 @@ class Config:
     pipeline: bool = True
     plan: str = "off"
     warmup: int = 0  # steps
+    adaptive: Optional[str] = None  # None: "bytes" under codec="auto", else "off"
+    adaptive_every: int = 100  # steps
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -86,6 +94,12 @@ class Config:
             raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative number of steps, got {self.warmup!r}")
+        if isinstance(self.adaptive, bool):
+            self.adaptive = "bytes" if self.adaptive else "off"
+        if self.adaptive is not None and self.adaptive not in ADAPTIVE:
+            raise ValueError(f"adaptive must be one of {', '.join(ADAPTIVE)} (or True/False), got {self.adaptive!r}")
+        if isinstance(self.adaptive_every, bool) or not isinstance(self.adaptive_every, int) or self.adaptive_every < 2:
+            raise ValueError(f"adaptive_every must be an integer of at least 2 steps, got {self.adaptive_every!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (
@@ -95,11 +109,14 @@ class Config:
 
     def resolved(self) -> "Config":
         """This config with ``codec="auto"`` spelled out: 4-bit ``maxmin`` (options given beside
-        it still apply), residual error feedback unless a memory is named, and ``plan="auto"``."""
+        it still apply), residual error feedback unless a memory is named, ``plan="auto"`` and
+        adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset ``adaptive`` is ``"off"``
+        for every other codec."""
         if self.codec != AUTO:
-            return self
+            return self if self.adaptive is not None else replace(self, adaptive="off")
         return replace(
             self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual", plan=AUTO,
+            adaptive=self.adaptive if self.adaptive is not None else "bytes",
         )
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":

@@ -11,13 +11,14 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, Generator, List, Optional, Union
+from typing import Any, Dict, Generator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from .adaptive import AdaptiveLevels, check as adaptive_check
 from .communicator import Communicator, group_key
 from .config import AUTO, Config
 from .errors import SettingsMismatchError
@@ -45,6 +46,8 @@ class GradzipState:
         self.collector = GroupCollector(self.fusion_plan)
         self.decisions: List[planner.Decision] = []  # per group of compressible parameters
         self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
+        self.levels: Optional[AdaptiveLevels] = None  # per-parameter levels with adaptive on
+        self._compressed: List[Tuple[str, torch.Tensor]] = []  # what the plan compresses, in order
         self.step = 0
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
@@ -88,7 +91,21 @@ class GradzipState:
             times = self.comm.metrics.group_times.get(group_key(sorted(d.members)))
             if times:
                 measured[d.group] = times
-        return planner.report(self.decisions, measured, self.costs)
+        out = planner.report(self.decisions, measured, self.costs)
+        if self.levels is not None:
+            out["levels"] = self.levels.describe()
+        return out
+
+    def regroup(self) -> None:
+        """Rebuild the fused groups so that each holds one adaptive level (after a new plan).
+
+        Every rank calls it at the same step with the same levels, so the groups stay alike."""
+        comm = self.comm
+        self.fusion_plan = FusionPlan.build(
+            self._compressed, lambda p: True, comm.codec.fusion_block() if comm.fusion else 0,
+            int(self.config.fusion_mb * 2**20), level=self.levels.level if self.levels is not None else None,
+        )
+        self.collector = GroupCollector(self.fusion_plan)
 
     def summary(self, per_layer: bool = False) -> str:
         """A readable table of :meth:`stats`: totals per codec (the codec's parameters and the
@@ -147,6 +164,8 @@ class GradzipState:
         for what ``strict=False`` accepts and drops."""
         self.comm.load_state_dict(state, strict=strict)
         self.step = int(state.get("hook_step", 0)) if isinstance(state, dict) else 0
+        if self.levels is not None:
+            self.regroup()  # the groups of the loaded levels
 
     def close(self) -> None:
         self.comm.close()
@@ -240,6 +259,11 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
     # untouched, so compression starts from an empty residual on every rank alike
     dense = state.step < state.config.warmup
+    levels = state.levels
+    replan = False
+    if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
+        levels.sampling = not dense and levels.sample_at(state.step)
+        replan = bucket.is_last() and not dense and levels.plan_after(state.step)
     last = bucket.is_last()
     if last:
         state.step += 1
@@ -274,7 +298,15 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     done = state.comm.submit_staged(job, buffer.device, what=what, flush=last)
     for _, _, group_future in ready:
         done.add_done_callback(_settle_with(group_future))
+    if replan:  # after this step's exchanges, on the ordered worker; backward ends when it is done
+        waits[-1] = state.comm.submit(lambda: _replan(state), buffer.device, what=f"{what}: adaptive plan")
     return state.deliver(_all_of([done] + list(waits.values()), buffer), buffer)
+
+
+def _replan(state: GradzipState) -> None:
+    assert state.levels is not None
+    if state.levels.replan(state.comm.group):
+        state.regroup()
 
 
 def _settle_with(target: torch.futures.Future):
@@ -328,6 +360,8 @@ def register(
     pipeline: Optional[bool] = None,
     plan: Optional[str] = None,
     warmup: Optional[int] = None,
+    adaptive: Union[str, bool, None] = None,
+    adaptive_every: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -359,7 +393,7 @@ def register(
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
         ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("warmup", warmup),
-        ("timeout", seconds),
+        ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -379,6 +413,7 @@ def register(
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
     cfg = replace(cfg, given=given).with_env().resolved()
     try:
+        adaptive_check(cfg.codec, cfg.adaptive)
         comm = Communicator(
             cfg.codec,
             memory=cfg.memory,
@@ -391,7 +426,7 @@ def register(
             pipeline=cfg.pipeline,
             settings_extra={
                 "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
-                "warmup": cfg.warmup,
+                "warmup": cfg.warmup, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
             },
             settings_sources=cfg.sources,
             **cfg.options,
@@ -413,6 +448,13 @@ def register(
     # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
     state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
     state.decisions, state.costs = decisions, costs
+    compressed = {n for d in decisions if d.compress for n in d.members}
+    state._compressed = [(n, p) for n, p in named if n in compressed]
+    if cfg.adaptive != "off":
+        state.levels = comm.levels = AdaptiveLevels(
+            comm.codec, cfg.adaptive, cfg.adaptive_every, [n for n, _ in state._compressed],
+            [tuple(p.shape) for _, p in state._compressed], warmup=cfg.warmup,
+        )
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

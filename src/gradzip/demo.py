@@ -65,6 +65,7 @@ CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "mxfp8": ("mxfp8", {}),
     "mxfp4": ("mxfp4", {}),
     "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
+    "maxmin4-adaptive": ("maxmin", {"bits": 4, "memory": "residual", "adaptive": "bytes"}),  # per-layer bits
     "auto": ("auto", {}),  # maxmin4 where the calibrated cost model says it pays, plain fp32 elsewhere
     "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hooks, the baselines to beat
     "torch-powersgd": ("torch:powerSGD_hook", {"rank": 2}),

@@ -20,7 +20,7 @@ with exactly the bytes of its own encoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,24 +44,29 @@ class FusionPlan:
         compress: Callable[[torch.Tensor], bool],
         block: int,
         group_bytes: int,
+        level: Optional[Callable[[str], Any]] = None,
     ) -> "FusionPlan":
         """Group the parameters ``compress`` selects (in reverse order) into groups of about
         ``group_bytes``; singletons where ``block`` is 0 (the codec cannot fuse) or where padding
-        a gradient to whole blocks of ``block`` values would cost more than ``MAX_PADDING``."""
+        a gradient to whole blocks of ``block`` values would cost more than ``MAX_PADDING``.
+        ``level``: a parameter name's compression level (:mod:`gradzip.adaptive`); a group
+        holds one level only, so each level keeps a group of its own open."""
         groups: List[List[str]] = []
-        size = 0
-        alone = True  # the last group is a singleton that must stay one
+        open_group: Dict[Any, Tuple[int, int]] = {}  # level -> (index of its open group, its bytes)
         for name, p in reversed(list(params)):
             if not p.requires_grad or not compress(p):
                 continue
+            key = level(name) if level is not None else None
             nbytes = p.numel() * p.element_size()
             solo = block <= 0 or padding(p.numel(), block) > MAX_PADDING * p.numel()
-            if solo or alone or size + nbytes > group_bytes and size > 0:
+            current = open_group.get(key)
+            if solo or current is None or current[1] + nbytes > group_bytes and current[1] > 0:
                 groups.append([])
-                size = 0
-            groups[-1].append(name)
-            size += nbytes
-            alone = solo
+                current = (len(groups) - 1, 0)
+            groups[current[0]].append(name)
+            open_group[key] = (current[0], current[1] + nbytes)
+            if solo:  # a singleton stays one
+                del open_group[key]
         return cls(groups)
 
     def __len__(self) -> int:

@@ -57,7 +57,10 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
 
 
 # spec keys that are not codec options: the Communicator's and register()'s own keywords
-NOT_CODEC_OPTIONS = ("memory", "collective", "fusion", "fusion_mb", "pipeline", "plan", "warmup", "min_numel", "compress_1d")
+NOT_CODEC_OPTIONS = (
+    "memory", "collective", "fusion", "fusion_mb", "pipeline", "plan", "warmup", "adaptive", "adaptive_every", "min_numel",
+    "compress_1d",
+)
 
 
 def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
