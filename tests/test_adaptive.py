@@ -84,7 +84,7 @@ def test_uniform_stays_where_nothing_is_better():
 
 def test_schedule_counts_from_the_end_of_warmup():
     codec = gradzip.codec("maxmin", bits=4)
-    levels = adaptive.AdaptiveLevels(codec, "bytes", 10, ["a"], [(64, 64)], warmup=3)
+    levels = adaptive.AdaptiveLevels(adaptive.LevelCodecs(codec), "bytes", 10, ["a"], [(64, 64)], warmup=3)
     assert [s for s in range(30) if levels.sample_at(s)] == [3, 4, 13, 14, 23, 24]
     assert [s for s in range(30) if levels.plan_after(s)] == [4, 14, 24]
     assert levels.levels == [2, 3, 4, 5, 6, 8] and levels.level("a") == 4 and levels.level("other") == 4
@@ -95,7 +95,7 @@ def test_options_are_validated_at_construction():
         gradzip.Config(adaptive="sometimes")
     with pytest.raises(ValueError, match="adaptive_every must be an integer of at least 2"):
         gradzip.Config(adaptive_every=1)
-    with pytest.raises(ValueError, match="chooses levels of dgc, maxmin, powersgd, qsgd, topk; codec 'signsgd' has none"):
+    with pytest.raises(ValueError, match="chooses levels of dgc, maxmin, powersgd, qsgd, randomk, topk; codec 'signsgd' has none"):
         adaptive.check("signsgd", "bytes")
     assert gradzip.Config(adaptive=True).adaptive == "bytes" and gradzip.Config(adaptive=False).adaptive == "off"
     env = gradzip.Config().with_env({"GRADZIP_ADAPTIVE": "error", "GRADZIP_ADAPTIVE_EVERY": "50"})
@@ -189,3 +189,79 @@ def test_ranks_agree_on_levels_and_stay_identical(codec, options, objective):
     assert len(set(lv["per_parameter"].values())) > 1, lv  # not one level for all
     for group in first["groups"]:  # a fused group holds one level
         assert len({lv["per_parameter"][n] for n in group}) == 1
+
+
+def test_ramp_levels_follow_dgc_and_the_schedule_is_even():
+    assert adaptive.ramp_levels("dgc", 0.001) == [0.25, 0.0625, 0.015625, 0.00390625]  # DGC's 75 % ... 99.6 %
+    assert adaptive.ramp_levels("topk", 0.01) == [0.25, 0.0625, 0.015625]
+    assert adaptive.ramp_levels("topk", 0.5) == []  # already denser than the first stage
+    assert adaptive.ramp_levels("powersgd", 4) == [16, 8] and adaptive.ramp_levels("maxmin", 4) == [8, 6]
+    ramp = adaptive.Ramp(gradzip.codec("topk", ratio=0.01), 6, start=2)
+    assert [ramp.level_at(s) for s in range(10)] == [None, None, 0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, None, None]
+    assert ramp.end == 8
+    assert adaptive.Ramp(gradzip.codec("topk", ratio=0.5), 6).end == 0  # nothing to ramp through
+    with pytest.raises(ValueError, match="ramp must be a non-negative number of steps"):
+        gradzip.Config(ramp=-1)
+    with pytest.raises(ValueError, match="a ramp passes through levels of .*codec 'signsgd' has none"):
+        adaptive.check("signsgd", "off", ramp=10)
+    assert gradzip.Config(codec="dgc").resolved().ramp == 100  # on by default where the method has one
+    assert gradzip.Config(codec="topk").resolved().ramp == 0
+    assert gradzip.Config().with_env({"GRADZIP_RAMP": "30"}).ramp == 30
+
+
+def _ramp_training(rank: int, world: int, codec: str, options: dict) -> dict:
+    torch.manual_seed(0)
+    model = Loud()
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kw = dict(memory="residual", warmup=1, ramp=4, min_numel=256, **options)
+    state = gradzip.register(ddp, codec, **kw)
+    g = torch.Generator().manual_seed(10 + rank)
+    wire, saved_at_3 = [], None
+    for step in range(8):
+        if step == 3:
+            saved_at_3 = (state.state_dict(), [p.detach().clone() for p in model.parameters()], opt.state_dict())
+        x = torch.randn(32, 64, generator=g)
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        wire.append(state.stats()["wire_bytes"])
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(final) for _ in range(world)]
+    dist.all_gather(gathered, final)
+    state.close()
+    # resume from step 3, in the middle of the ramp: the same parameters at the end
+    torch.manual_seed(0)
+    model2 = Loud()
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), saved_at_3[1]):
+            p.copy_(q)
+    ddp2 = DDP(model2, bucket_cap_mb=0.02)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    opt2.load_state_dict(saved_at_3[2])
+    state2 = gradzip.register(ddp2, codec, **kw)
+    state2.load_state_dict(saved_at_3[0])
+    g = torch.Generator().manual_seed(10 + rank)
+    for step in range(8):
+        x = torch.randn(32, 64, generator=g)
+        if step < 3:
+            continue
+        opt2.zero_grad()
+        ddp2(x).pow(2).mean().backward()
+        opt2.step()
+    resumed = torch.cat([p.detach().reshape(-1) for p in model2.parameters()])
+    state2.close()
+    steps = [wire[0]] + [b - a for a, b in zip(wire, wire[1:])]
+    return {"steps": steps, "identical": all(torch.equal(gathered[0], t) for t in gathered),
+            "resumed_equal": torch.equal(final, resumed)}
+
+
+@pytest.mark.parametrize("codec,options", [("topk", {"ratio": 0.01}), ("powersgd", {"rank": 2})])
+def test_ramp_sends_fewer_bytes_stage_by_stage_and_resumes_bit_exactly(codec, options):
+    for res in run_workers(_ramp_training, 2, codec, options):
+        s = res["steps"]  # bytes of each step: step 0 dense, 1-4 the ramp's stages, 5-7 the level
+        if codec == "topk":  # 4 steps over 25 %, 6.25 % and 1.56 %, then 1 %
+            assert s[0] > s[1] == s[2] > s[3] > s[4] > s[5] == s[6] == s[7] > 0, s
+        else:  # ranks 8 and 4, then 2
+            assert s[0] > s[1] == s[2] > s[3] == s[4] > s[5] == s[6] == s[7] > 0, s
+        assert res["identical"] and res["resumed_equal"]

@@ -67,7 +67,7 @@ def test_auto_spells_out_its_codec_and_plan_is_validated():
     cfg = Config(codec="auto", options={"bucket_size": 512}).resolved()
     assert (cfg.codec, cfg.options, cfg.memory, cfg.plan) == ("maxmin", {"bits": 4, "bucket_size": 512}, "residual", "auto")
     assert cfg.adaptive == "bytes"  # per-layer levels under the uniform 4-bit error
-    assert Config(codec="topk").resolved() == Config(codec="topk", adaptive="off")
+    assert Config(codec="topk").resolved() == Config(codec="topk", adaptive="off", ramp=0)
     assert Config().with_env({"GRADZIP_PLAN": "auto"}).plan == "auto"
     with pytest.raises(ValueError, match="plan must be one of off, auto"):
         Config(plan="sometimes")

@@ -38,6 +38,7 @@ LEVELS: Dict[str, Tuple[str, Tuple[Any, ...]]] = {
     "maxmin": ("bits", (2, 3, 4, 5, 6, 8)),
     "qsgd": ("bits", (2, 3, 4, 5, 6, 8)),
     "topk": ("ratio", (0.001, 0.003, 0.01, 0.03, 0.1)),
+    "randomk": ("ratio", (0.001, 0.003, 0.01, 0.03, 0.1)),
     "dgc": ("ratio", (0.0003, 0.001, 0.003, 0.01, 0.03)),
     "powersgd": ("rank", (1, 2, 4, 8, 16)),
 }
@@ -45,14 +46,94 @@ OBJECTIVES = ADAPTIVE  # "off", "bytes", "error"
 SAMPLES = 2  # steps whose errors are summed before each plan
 
 
-def check(codec_name: str, objective: str) -> None:
-    """Raise ``ValueError`` when ``objective`` is not one of :data:`OBJECTIVES` or the codec has no levels."""
+def check(codec_name: str, objective: str, ramp: int = 0) -> None:
+    """Raise ``ValueError`` when ``objective`` is not one of :data:`OBJECTIVES`, or when levels
+    are asked of a codec that has none (adaptive levels, or a ramp)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"adaptive must be one of {', '.join(OBJECTIVES)} (or True/False), got {objective!r}")
-    if objective != "off" and codec_name not in LEVELS:
-        raise ValueError(
-            f"adaptive compression chooses levels of {', '.join(sorted(LEVELS))}; codec {codec_name!r} has none"
-        )
+    for asked, what in ((objective != "off", "adaptive compression chooses"), (ramp > 0, "a ramp passes through")):
+        if asked and codec_name not in LEVELS:
+            raise ValueError(f"{what} levels of {', '.join(sorted(LEVELS))}; codec {codec_name!r} has none")
+
+
+class LevelCodecs:
+    """The codec at every level of one configured codec (the configured level is that codec
+    itself), made when first asked for; their state (PowerSGD's Q of another rank) is saved."""
+
+    def __init__(self, codec: Codec) -> None:
+        self.name = codec.name
+        self.option = LEVELS[codec.name][0]
+        self.configured = getattr(codec, self.option)
+        self._base = codec
+        self._codecs: Dict[Any, Codec] = {self.configured: codec}
+
+    def get(self, level: Any) -> Codec:
+        c = self._codecs.get(level)
+        if c is None:
+            c = self._codecs[level] = self.make(level)
+        return c
+
+    def make(self, level: Any) -> Codec:
+        """A fresh codec at ``level`` (no state shared with the exchange's)."""
+        return _registry.codec(self._base.name, **{**self._base.config(), self.option: level})
+
+    def wire_bytes(self, level: Any, shape: Tuple[int, ...]) -> int:
+        return self.get(level).wire_bytes(math.prod(shape), torch.float32, shape)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The state of the codecs of other levels (the configured codec saves its own)."""
+        return {repr(lv): c.state_dict() for lv, c in self._codecs.items() if lv != self.configured}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key, value in state.items():
+            level = _level_of(key)
+            if level is not None and level != self.configured:
+                self.get(level).load_state_dict(value)
+
+
+def _level_of(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return None
+
+
+def ramp_levels(codec_name: str, target: Any) -> List[Any]:
+    """The levels a ramp passes through before ``target``: DGC's densities 25 %, 6.25 %, ...
+    (a quarter each stage) down to the target ratio; ranks 4× and 2× the target; 8 and 6 bits."""
+    option = LEVELS[codec_name][0]
+    if option == "ratio":
+        out, r = [], 0.25
+        while r > target:
+            out.append(r)
+            r /= 4
+        return out
+    if option == "rank":
+        return [target * 4, target * 2]
+    return [b for b in (8, 6) if b > target]
+
+
+class Ramp:
+    """DGC's warm-up schedule: from ``start`` (the first compressed step), ``steps`` steps
+    split evenly over :func:`ramp_levels`; :meth:`level_at` is None outside it."""
+
+    def __init__(self, codec: Codec, steps: int, start: int = 0) -> None:
+        self.stages = ramp_levels(codec.name, getattr(codec, LEVELS[codec.name][0])) if steps > 0 else []
+        self.steps = steps if self.stages else 0
+        self.start = start
+
+    def level_at(self, step: int) -> Any:
+        k = step - self.start
+        if not 0 <= k < self.steps:
+            return None
+        return self.stages[k * len(self.stages) // self.steps]
+
+    @property
+    def end(self) -> int:
+        """The first step at the configured level."""
+        return self.start + self.steps
 
 
 def knapsack(units: torch.Tensor, costs: torch.Tensor, capacity: int) -> Optional[List[int]]:
@@ -140,35 +221,27 @@ class AdaptiveLevels:
     """
 
     def __init__(
-        self, codec: Codec, objective: str, every: int, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
+        self, codecs: LevelCodecs, objective: str, every: int, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
         warmup: int = 0,
     ) -> None:
-        check(codec.name, objective)
         if isinstance(every, bool) or not isinstance(every, int) or every < SAMPLES:
             raise ValueError(f"adaptive_every must be an integer of at least {SAMPLES} steps, got {every!r}")
-        self.option, candidates = LEVELS[codec.name]
-        configured = getattr(codec, self.option)
-        self.levels: List[Any] = sorted(set(candidates) | {configured})
-        self.default = self.levels.index(configured)
+        self.option, candidates = LEVELS[codecs.name]
+        self.levels: List[Any] = sorted(set(candidates) | {codecs.configured})
+        self.default = self.levels.index(codecs.configured)
         self.objective, self.every, self.warmup = objective, every, warmup
         self.names = list(names)
         self.index = {n: i for i, n in enumerate(self.names)}
         self.shapes = [tuple(sh) for sh in shapes]
-        base = codec.config()
-        self._codecs: Dict[Any, Codec] = {configured: codec}
-        for level in self.levels:
-            if level != configured:
-                self._codecs[level] = _registry.codec(codec.name, **{**base, self.option: level})
-        self._base = base  # probes (fresh codecs of these options) measure the errors
+        self._codecs = codecs
         self.choice: List[int] = [self.default] * len(self.names)
         self.errors = torch.zeros(len(self.names), len(self.levels), dtype=torch.float64)
         self.samples = 0
         self.plans = 0
         self.sampling = False
         self.nbytes = torch.tensor(
-            [[self._codecs[lv].wire_bytes(math.prod(sh), torch.float32, sh) for lv in self.levels] for sh in self.shapes],
-            dtype=torch.float64,
-        )
+            [[codecs.wire_bytes(lv, sh) for lv in self.levels] for sh in self.shapes], dtype=torch.float64,
+        ).reshape(len(self.shapes), len(self.levels))
 
     # ------------------------------------------------------------ schedule
     def sample_at(self, step: int) -> bool:
@@ -188,10 +261,7 @@ class AdaptiveLevels:
 
     def codec_for(self, name: str) -> Codec:
         """The codec that exchanges ``name`` at its present level."""
-        return self._codecs[self.level(name)]
-
-    def codecs(self) -> Dict[Any, Codec]:
-        return self._codecs
+        return self._codecs.get(self.level(name))
 
     # ------------------------------------------------------------ measuring
     def observe(self, name: str, x: torch.Tensor, step: int) -> None:
@@ -201,14 +271,10 @@ class AdaptiveLevels:
             return
         flat = x.detach().float()
         for k, level in enumerate(self.levels):
-            probe = _registry.codec(self._base_name, **{**self._base, self.option: level})
+            probe = self._codecs.make(level)
             decoded = probe.decode(probe.encode(flat, name=f"probe:{name}", step=step)).float()
             err = float(torch.sum((decoded - flat) ** 2))
             self.errors[i, k] += err if math.isfinite(err) else 0.0
-
-    @property
-    def _base_name(self) -> str:
-        return self._codecs[self.levels[self.default]].name
 
     def replan(self, group: Optional[dist.ProcessGroup]) -> bool:
         """Sum the sampled errors over ranks, choose levels, take rank 0's choice; True if changed."""
@@ -251,7 +317,6 @@ class AdaptiveLevels:
             "choice": {n: self.levels[k] for n, k in zip(self.names, self.choice)},
             "errors": self.errors.clone(),
             "plans": self.plans,
-            "codecs": {repr(lv): c.state_dict() for lv, c in self._codecs.items() if lv != self.levels[self.default]},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -266,7 +331,3 @@ class AdaptiveLevels:
         else:
             self.errors.zero_()
         self.plans = int(state.get("plans", 0))
-        saved = state.get("codecs", {})
-        for lv, c in self._codecs.items():
-            if repr(lv) in saved:
-                c.load_state_dict(saved[repr(lv)])

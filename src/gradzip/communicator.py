@@ -16,7 +16,7 @@ from . import memory as _memory
 from .codecs import registry as _registry
 from .codecs.base import FLOAT_DTYPES, Codec
 from .collectives import base as _collective_base
-from .adaptive import AdaptiveLevels
+from .adaptive import AdaptiveLevels, LevelCodecs
 from .collectives.base import Collective, world
 from .errors import CheckpointError, CommunicationError
 from .kernels.rng import stable_hash
@@ -132,8 +132,11 @@ class Communicator:
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain_memory = _memory.memory("none")
-        # per-parameter levels (gradzip.adaptive), set by register(); None: the codec's one level
+        # levels other than the codec's own (gradzip.adaptive), set by register(): per parameter
+        # (adaptive), or one for every parameter during a ramp (ramp_level, set step by step)
+        self.level_codecs: Optional[LevelCodecs] = None
         self.levels: Optional[AdaptiveLevels] = None
+        self.ramp_level: Any = None
         self.metrics = Metrics()
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
@@ -466,8 +469,10 @@ class Communicator:
         return results
 
     def codec_for(self, name: str) -> Codec:
-        """The codec that compresses parameter ``name``: the configured one, or the one of its
-        adaptive level (:mod:`gradzip.adaptive`)."""
+        """The codec that compresses parameter ``name``: the one of the ramp's present level, of
+        the parameter's adaptive level (:mod:`gradzip.adaptive`), or the configured one."""
+        if self.ramp_level is not None and self.level_codecs is not None:
+            return self.level_codecs.get(self.ramp_level)
         return self.codec if self.levels is None else self.levels.codec_for(name)
 
     def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
@@ -504,6 +509,7 @@ class Communicator:
             "collective": self.collective.state_dict(),
             "steps": dict(self._steps),
             "levels": self.levels.state_dict() if self.levels is not None else None,
+            "level_codecs": self.level_codecs.state_dict() if self.level_codecs is not None else None,
         }
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
@@ -545,11 +551,15 @@ class Communicator:
         self._steps = dict(state.get("steps", {}))
         if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
             levels = dict(state["levels"])
-            if not same_rank:  # this rank's own partial error sums and codec state
+            if not same_rank:  # this rank's own partial error sums
                 levels.pop("errors", None)
-                if levels.pop("codecs", None) and self.codec.tensor_state:
-                    dropped.append(f"codec {self.codec.tensor_state} of adaptive levels")
             self.levels.load_state_dict(levels)
+        if self.level_codecs is not None and state.get("level_codecs") and same("codec"):
+            key = self.codec.tensor_state  # per-rank, as the configured codec's
+            if same_rank or not key:
+                self.level_codecs.load_state_dict(state["level_codecs"])
+            else:
+                dropped.append(f"codec {key} of other levels")
         if problems and dropped:
             warnings.warn(
                 f"gradzip (rank {self.rank}): loaded a state dict that does not match ({'; '.join(problems)}); "

@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -17,12 +17,15 @@ from typing import Any, Dict, Mapping, Optional
 
 FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "warmup",
-    "adaptive", "adaptive_every", "timeout",
+    "ramp", "adaptive", "adaptive_every", "timeout",
 )
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
 ADAPTIVE = ("off", "bytes", "error")  # see gradzip.adaptive
+# a ramp's default length in steps, where a method needs one: DGC (Lin et al., ICLR'18) begins
+# with exponentially growing sparsity; 0 for every other codec
+DEFAULT_RAMP = {"dgc": 100}
 AUTO = "auto"  # codec="auto": see Config.resolved
 
 
@@ -55,6 +58,9 @@ class Config:
     ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
     ``warmup``: steps sent dense (plain all-reduce) before compression starts, as DGC and
     PyTorch's PowerSGD hook begin (default 0);
+    ``ramp``: steps after the warm-up over which the level goes from dense towards the configured
+    one, as DGC's warm-up does (:class:`gradzip.adaptive.Ramp`; sparsifiers send 25 %, 6.25 %, ...
+    of the values, PowerSGD 4× then 2× the rank); unset, :data:`DEFAULT_RAMP` of the codec;
     ``adaptive``: per-layer levels (:mod:`gradzip.adaptive`): ``"bytes"`` (or True) sends the
     fewest bytes with no more compression error than the codec's uniform level, ``"error"`` the
     least error in no more bytes, ``"off"`` (or False) keeps the uniform level; unset, it is
@@ -74,6 +80,7 @@ class Config:
     pipeline: bool = True
     plan: str = "off"
     warmup: int = 0  # steps
+    ramp: Optional[int] = None  # steps; None: DEFAULT_RAMP of the codec
     adaptive: Optional[str] = None  # None: "bytes" under codec="auto", else "off"
     adaptive_every: int = 100  # steps
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
@@ -94,6 +101,8 @@ class Config:
             raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative number of steps, got {self.warmup!r}")
+        if self.ramp is not None and (isinstance(self.ramp, bool) or not isinstance(self.ramp, int) or self.ramp < 0):
+            raise ValueError(f"ramp must be a non-negative number of steps, got {self.ramp!r}")
         if isinstance(self.adaptive, bool):
             self.adaptive = "bytes" if self.adaptive else "off"
         if self.adaptive is not None and self.adaptive not in ADAPTIVE:
@@ -111,12 +120,17 @@ class Config:
         """This config with ``codec="auto"`` spelled out: 4-bit ``maxmin`` (options given beside
         it still apply), residual error feedback unless a memory is named, ``plan="auto"`` and
         adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset ``adaptive`` is ``"off"``
-        for every other codec."""
+        for every other codec, and an unset ``ramp`` the codec's :data:`DEFAULT_RAMP`."""
         if self.codec != AUTO:
-            return self if self.adaptive is not None else replace(self, adaptive="off")
+            if self.adaptive is not None and self.ramp is not None:
+                return self
+            return replace(
+                self, adaptive=self.adaptive or "off",
+                ramp=self.ramp if self.ramp is not None else DEFAULT_RAMP.get(self.codec, 0),
+            )
         return replace(
             self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual", plan=AUTO,
-            adaptive=self.adaptive if self.adaptive is not None else "bytes",
+            adaptive=self.adaptive if self.adaptive is not None else "bytes", ramp=self.ramp or 0,
         )
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
-from .adaptive import AdaptiveLevels, check as adaptive_check
+from .adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
 from .communicator import Communicator, group_key
 from .config import AUTO, Config
 from .errors import SettingsMismatchError
@@ -47,6 +47,7 @@ class GradzipState:
         self.decisions: List[planner.Decision] = []  # per group of compressible parameters
         self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
         self.levels: Optional[AdaptiveLevels] = None  # per-parameter levels with adaptive on
+        self.ramp: Optional[Ramp] = None  # the levels of the first compressed steps
         self._compressed: List[Tuple[str, torch.Tensor]] = []  # what the plan compresses, in order
         self.step = 0
         self.backward_done: Optional[float] = None
@@ -261,6 +262,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     dense = state.step < state.config.warmup
     levels = state.levels
     replan = False
+    if state.ramp is not None:
+        state.comm.ramp_level = None if dense else state.ramp.level_at(state.step)
     if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
         levels.sampling = not dense and levels.sample_at(state.step)
         replan = bucket.is_last() and not dense and levels.plan_after(state.step)
@@ -360,6 +363,7 @@ def register(
     pipeline: Optional[bool] = None,
     plan: Optional[str] = None,
     warmup: Optional[int] = None,
+    ramp: Optional[int] = None,
     adaptive: Union[str, bool, None] = None,
     adaptive_every: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
@@ -393,7 +397,7 @@ def register(
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
         ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("warmup", warmup),
-        ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
+        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -413,7 +417,7 @@ def register(
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
     cfg = replace(cfg, given=given).with_env().resolved()
     try:
-        adaptive_check(cfg.codec, cfg.adaptive)
+        adaptive_check(cfg.codec, cfg.adaptive, cfg.ramp)
         comm = Communicator(
             cfg.codec,
             memory=cfg.memory,
@@ -426,7 +430,7 @@ def register(
             pipeline=cfg.pipeline,
             settings_extra={
                 "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
-                "warmup": cfg.warmup, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
+                "warmup": cfg.warmup, "ramp": cfg.ramp, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
             },
             settings_sources=cfg.sources,
             **cfg.options,
@@ -450,10 +454,14 @@ def register(
     state.decisions, state.costs = decisions, costs
     compressed = {n for d in decisions if d.compress for n in d.members}
     state._compressed = [(n, p) for n, p in named if n in compressed]
-    if cfg.adaptive != "off":
+    if comm.codec.name in LEVELS and (cfg.adaptive != "off" or cfg.ramp > 0):
+        comm.level_codecs = LevelCodecs(comm.codec)
+    if cfg.ramp > 0:
+        state.ramp = Ramp(comm.codec, cfg.ramp, start=cfg.warmup)
+    if cfg.adaptive != "off":  # levels are measured and planned once the ramp is over
         state.levels = comm.levels = AdaptiveLevels(
-            comm.codec, cfg.adaptive, cfg.adaptive_every, [n for n, _ in state._compressed],
-            [tuple(p.shape) for _, p in state._compressed], warmup=cfg.warmup,
+            comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in state._compressed],
+            [tuple(p.shape) for _, p in state._compressed], warmup=state.ramp.end if state.ramp else cfg.warmup,
         )
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:

@@ -437,6 +437,7 @@ def _train_one(
                 curve.append(point(step, train_s))  # the clock is stopped while evaluating
         check = replicas(model)
         traffic = _bytes(method, model, state, world)
+        levels = _levels(state)
         if state is not None:
             curve[-1]["sent_bytes"] = float(state.stats()["sent_bytes"])  # every bucket of the last step counted
     finally:
@@ -447,8 +448,21 @@ def _train_one(
         "task": task.name, "config": method["config"], "label": method["label"], "seed": seed, "steps": steps,
         "train_s": train_s, "curve": curve, "final_loss": final["loss"], "initial_loss": curve[0]["loss"],
         "final_accuracy": final.get("accuracy"), "final_bits_per_char": final.get("bits_per_char"),
-        "bytes": traffic, "replicas": check, "identical": check["identical"],
+        "bytes": traffic, "replicas": check, "identical": check["identical"], "levels": levels,
     }
+
+
+def _levels(state: Any) -> Optional[Dict[str, Any]]:
+    """Adaptive levels at the end of a run: how many parameters at each, the planned bytes of
+    the compressed parameters and the uniform level's; None without adaptive levels."""
+    if state is None or state.levels is None:
+        return None
+    lv = state.plan()["levels"]
+    counts: Dict[str, int] = {}
+    for level in lv["per_parameter"].values():
+        counts[str(level)] = counts.get(str(level), 0) + 1
+    keep = ("option", "uniform", "plans", "bytes", "uniform_bytes", "error", "uniform_error")
+    return {**{k: lv[k] for k in keep if k in lv}, "count": dict(sorted(counts.items(), key=lambda kv: float(kv[0])))}
 
 
 def accuracy_worker(
