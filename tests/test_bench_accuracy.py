@@ -22,6 +22,9 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
 
+ADAPTIVE = "maxmin:bits=4:memory=residual:adaptive=bytes:adaptive_every=4"
+
+
 def _is_png(path: pathlib.Path) -> bool:
     return path.exists() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -31,22 +34,22 @@ def test_both_tasks_end_to_end_on_two_ranks(tmp_path, capsys):
     path = tmp_path / "acc.json"
     rc = cli.main([
         "bench", "accuracy", "--workers", "2", "--steps", "16", "--eval-every", "8", "--seeds", "1",
-        "--configs", "fp32,maxmin4", "--rate", "loopback", "--json", str(path),
+        "--configs", f"fp32,maxmin4,{ADAPTIVE}", "--rate", "loopback", "--json", str(path),
     ])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "identical" in printed and "charlm" in printed and "digits" in printed
     assert _is_png(tmp_path / "acc.png")  # the plot goes next to the JSON
     report = json.loads(path.read_text())
-    assert report["tasks"] == ["digits", "charlm"] and report["configs"] == ["fp32", "maxmin4"]
+    assert report["tasks"] == ["digits", "charlm"] and report["configs"] == ["fp32", "maxmin4", ADAPTIVE]
     assert report["steps"] == {"digits": 16, "charlm": 16} and report["seeds"] == [0]
     assert report["emulated"] is False and report["network"] == "loopback"
-    assert len(report["runs"]) == 4
+    assert len(report["runs"]) == 6
     for task in ("digits", "charlm"):
         res = report["results"][task]
         assert res["baseline"] == "fp32"
         rows = {r["config"]: r for r in res["rows"]}
-        assert list(rows) == ["fp32", "maxmin4"]
+        assert list(rows) == ["fp32", "maxmin4", ADAPTIVE]
         for r in rows.values():
             # training helped: the held-out loss fell well below where it started
             assert r["final_loss"]["mean"] < 0.8 * r["initial_loss"]["mean"]
@@ -72,6 +75,16 @@ def test_both_tasks_end_to_end_on_two_ranks(tmp_path, capsys):
         assert fp32["reached"] == 1 and fp32["time_to_target_s"]["mean"] <= fp32["train_s"]["mean"] + 1e-9
         assert mm["delta_vs_baseline"]["mean"] == pytest.approx(mm["final_loss"]["mean"] - fp32["final_loss"]["mean"])
         assert abs(mm["delta_vs_baseline"]["mean"]) < 0.1 * fp32["final_loss"]["mean"]
+        # adaptive levels: planned 4 times in 16 steps, the same plan on both ranks (else the replicas
+        # differ, checked above), fewer bytes than uniform 4-bit and no loss of accuracy beyond noise
+        ad = rows[ADAPTIVE]
+        levels = [run["levels"] for run in report["runs"] if run["task"] == task and run["config"] == ADAPTIVE]
+        assert levels[0]["option"] == "bits" and levels[0]["uniform"] == 4 and levels[0]["plans"] == 4
+        assert sum(levels[0]["count"].values()) == ad["bytes_per_step"]["params_compressed"]
+        assert levels[0]["bytes"] <= levels[0]["uniform_bytes"], levels
+        assert levels[0]["error"] <= levels[0]["uniform_error"] * (1 + 1e-9), levels
+        assert ad["bytes_per_step"]["wire_per_step_compressed"] <= mm["bytes_per_step"]["wire_per_step_compressed"]
+        assert abs(ad["final_loss"]["mean"] - mm["final_loss"]["mean"]) < 0.05 * fp32["final_loss"]["mean"]
     digits = {r["config"]: r for r in report["results"]["digits"]["rows"]}
     assert digits["fp32"]["final_accuracy"]["mean"] > 50.0  # 10 classes: chance is 10%
     lm = {r["config"]: r for r in report["results"]["charlm"]["rows"]}
