@@ -76,6 +76,16 @@ def test_choose_moves_bits_from_quiet_layers_to_loud_ones():
     assert float(nbytes[[0, 1], picked].sum()) < float(nbytes[:, 2].sum())
 
 
+def test_a_layer_never_measured_keeps_the_uniform_level():
+    bits = torch.arange(2, 9, dtype=torch.float64)
+    nbytes = torch.stack([1000 * bits / 8] * 3)
+    errors = torch.stack([1000 * 4.0 ** -bits, 1000 * 4.0 ** -bits, torch.zeros(7, dtype=torch.float64)])
+    free = adaptive.choose(errors, nbytes, 2, "bytes")
+    assert free[2] == 0  # no error at any level: the cheapest
+    kept = adaptive.choose(errors, nbytes, 2, "bytes", fixed=torch.tensor([False, False, True]))
+    assert kept[2] == 2  # no gradient while sampling: not evidence of a quiet layer
+
+
 def test_uniform_stays_where_nothing_is_better():
     nbytes = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
     errors = torch.zeros(2, 2)  # no error anywhere: no budget to plan against

@@ -174,9 +174,12 @@ def knapsack(units: torch.Tensor, costs: torch.Tensor, capacity: int) -> Optiona
     return choice
 
 
-def choose(errors: torch.Tensor, nbytes: torch.Tensor, default: int, objective: str) -> List[int]:
+def choose(
+    errors: torch.Tensor, nbytes: torch.Tensor, default: int, objective: str, fixed: Optional[torch.Tensor] = None,
+) -> List[int]:
     """Per layer, the index of its level: the knapsack of ``objective`` against the uniform
     ``default`` level's total, or ``default`` everywhere when that is at least as good.
+    ``fixed``: layers that keep ``default`` (those never measured: no gradient while sampling).
 
     The constrained quantity is discretised into units of 1/``resolution`` of the uniform
     total, rounded up, and the capacity is the uniform choice's own units, so the uniform
@@ -196,6 +199,10 @@ def choose(errors: torch.Tensor, nbytes: torch.Tensor, default: int, objective: 
     resolution = max(1000, 50 * layers)
     units = torch.ceil(weights * (resolution / total) - 1e-9).clamp_(min=0)
     units = torch.where(torch.isfinite(units), units, torch.full_like(units, 10 * resolution)).long()
+    if fixed is not None and bool(fixed.any()):
+        others = torch.ones_like(units, dtype=torch.bool)
+        others[:, default] = False
+        units[fixed.bool().unsqueeze(1) & others] = 10 * resolution  # beyond any capacity
     capacity = int(units[rows, default].sum())
     baseline = float(costs[rows, default].sum())
     for _ in range(4):
@@ -236,6 +243,7 @@ class AdaptiveLevels:
         self._codecs = codecs
         self.choice: List[int] = [self.default] * len(self.names)
         self.errors = torch.zeros(len(self.names), len(self.levels), dtype=torch.float64)
+        self.seen = torch.zeros(len(self.names), dtype=torch.float64)  # measurements per parameter
         self.samples = 0
         self.plans = 0
         self.sampling = False
@@ -270,6 +278,7 @@ class AdaptiveLevels:
         if i is None or x.numel() == 0:
             return
         flat = x.detach().float()
+        self.seen[i] += 1
         for k, level in enumerate(self.levels):
             probe = self._codecs.make(level)
             decoded = probe.decode(probe.encode(flat, name=f"probe:{name}", step=step)).float()
@@ -278,10 +287,13 @@ class AdaptiveLevels:
 
     def replan(self, group: Optional[dist.ProcessGroup]) -> bool:
         """Sum the sampled errors over ranks, choose levels, take rank 0's choice; True if changed."""
-        errors = self.errors.clone()
+        both = torch.cat([self.errors, self.seen.unsqueeze(1)], dim=1)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(errors, group=group)
-        picked = torch.tensor(choose(errors, self.nbytes, self.default, self.objective), dtype=torch.int64)
+            dist.all_reduce(both, group=group)
+        errors, seen = both[:, :-1], both[:, -1]
+        picked = torch.tensor(
+            choose(errors, self.nbytes, self.default, self.objective, fixed=seen == 0), dtype=torch.int64,
+        )
         if dist.is_available() and dist.is_initialized():
             dist.broadcast(picked, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         new = [int(k) for k in picked]
@@ -289,6 +301,7 @@ class AdaptiveLevels:
         self.choice = new
         self.last_errors = errors
         self.errors.zero_()
+        self.seen.zero_()
         self.plans += 1
         return changed
 
@@ -316,6 +329,7 @@ class AdaptiveLevels:
             "levels": list(self.levels),
             "choice": {n: self.levels[k] for n, k in zip(self.names, self.choice)},
             "errors": self.errors.clone(),
+            "seen": self.seen.clone(),
             "plans": self.plans,
         }
 
@@ -326,8 +340,10 @@ class AdaptiveLevels:
             self.levels.index(choice[n]) if choice.get(n) in self.levels else self.default for n in self.names
         ]
         errors = state.get("errors")
-        if isinstance(errors, torch.Tensor) and errors.shape == self.errors.shape:
-            self.errors = errors.clone().double()
+        seen = state.get("seen")
+        if isinstance(errors, torch.Tensor) and errors.shape == self.errors.shape and isinstance(seen, torch.Tensor):
+            self.errors, self.seen = errors.clone().double(), seen.clone().double()
         else:
             self.errors.zero_()
+            self.seen.zero_()
         self.plans = int(state.get("plans", 0))

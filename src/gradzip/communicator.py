@@ -1,7 +1,6 @@
 """The Communicator: codec + memory + collective on one process group, in one ordered worker."""
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from datetime import timedelta
@@ -152,14 +151,7 @@ class Communicator:
             consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources)
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
-        cls = _collectives.get(name)
-        try:
-            coll = cls(group, **options)
-        except TypeError:
-            params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "group")]
-            raise ValueError(
-                f"collective {name!r}: invalid options {sorted(options)}; valid options: {', '.join(params) or '(none)'}"
-            ) from None
+        coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
         if not coll.supports(codec):
             valid = [n for n in _collectives.names() if _collectives.get(n)(None).supports(codec)]
             raise ValueError(
@@ -185,9 +177,9 @@ class Communicator:
         out: Dict[str, Any] = {"gradzip": __version__, "codec": self.codec.name}
         out.update({f"codec.{k}": v for k, v in self.codec.config().items()})
         out["memory"] = self.memory.name
-        out.update({f"memory.{k}": v for k, v in consistency.init_options(self.memory).items()})
+        out.update({f"memory.{k}": v for k, v in self.memory.config().items()})
         out["collective"] = self.collective_name
-        out.update({f"collective.{k}": v for k, v in consistency.init_options(self.collective).items()})
+        out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
         if self.codec.fusion_block() > 0:
             out["fusion"] = self.fusion
         out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
@@ -551,8 +543,9 @@ class Communicator:
         self._steps = dict(state.get("steps", {}))
         if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
             levels = dict(state["levels"])
-            if not same_rank:  # this rank's own partial error sums
+            if not same_rank:  # this rank's own partial sums
                 levels.pop("errors", None)
+                levels.pop("seen", None)
             self.levels.load_state_dict(levels)
         if self.level_codecs is not None and state.get("level_codecs") and same("codec"):
             key = self.codec.tensor_state  # per-rank, as the configured codec's

@@ -13,7 +13,6 @@ configuration is not loaded into another without a word.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch.distributed as dist
@@ -21,16 +20,6 @@ import torch.distributed as dist
 from .errors import SettingsMismatchError
 
 Settings = Dict[str, Any]
-
-
-def init_options(obj: object, skip: tuple = ("self", "group")) -> Dict[str, Any]:
-    """The constructor options of ``obj`` (memories, collectives) with the values it holds."""
-    params = inspect.signature(type(obj).__init__).parameters
-    return {
-        name: getattr(obj, name)
-        for name, p in params.items()
-        if name not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and hasattr(obj, name)
-    }
 
 
 def fingerprint(settings: Mapping[str, Any]) -> str:

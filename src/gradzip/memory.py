@@ -10,18 +10,27 @@ example an fp16 overflow that a GradScaler will skip) never poisons the memory.
 """
 from __future__ import annotations
 
-import inspect
+import math
 from typing import Any, Dict, Optional
 
 import torch
 
 from .naming import Registry
+from .options import Configurable, Option, float_in, optional
 
 
-class Memory:
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class Memory(Configurable):
     """No error feedback: the codec sees the raw gradient."""
 
+    kind = "memory"
     name = "none"
+
+    def __init__(self, **opts: Any) -> None:
+        self.set_options(opts)
 
     def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
         return t
@@ -61,13 +70,14 @@ class ResidualMemory(Memory):
     """
 
     name = "residual"
+    options = {
+        "beta": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the residual"),
+        "gamma": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the gradient"),
+    }
 
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0) -> None:
-        for key, value in (("beta", beta), ("gamma", gamma)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"memory {self.name!r}: {key} must be a number, got {value!r}")
-        self.beta = float(beta)
-        self.gamma = float(gamma)
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)  # beta and gamma, where they are options (1 where they are not)
+        self.beta, self.gamma = float(getattr(self, "beta", 1.0)), float(getattr(self, "gamma", 1.0))
         self.residuals: Dict[str, torch.Tensor] = {}
 
     @property
@@ -138,9 +148,7 @@ class EFSignMemory(ResidualMemory):
     ``beta = gamma = 1``; the learning rate is applied by the optimizer after decoding."""
 
     name = "efsign"
-
-    def __init__(self) -> None:
-        super().__init__(1.0, 1.0)
+    options: Dict[str, Option] = {}
 
 
 class PowerSGDMemory(ResidualMemory):
@@ -148,9 +156,7 @@ class PowerSGDMemory(ResidualMemory):
     ``beta = gamma = 1``, kept for the full matrix."""
 
     name = "powersgd"
-
-    def __init__(self) -> None:
-        super().__init__(1.0, 1.0)
+    options: Dict[str, Option] = {}
 
 
 class DGCMemory(Memory):
@@ -174,16 +180,18 @@ class DGCMemory(Memory):
     """
 
     name = "dgc"
+    options = {
+        "momentum": Option(0.9, float_in(0.0, 1.0, hi_open=True), "a float in [0, 1)", "momentum factor"),
+        "clip_norm": Option(
+            None, optional(float_in(0.0, math.inf, lo_open=True, hi_open=True)), "None or a positive number",
+            "local gradient clipping (L2 norm)",
+        ),
+    }
 
-    def __init__(self, momentum: float = 0.9, clip_norm: Optional[float] = None) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"memory {self.name!r}: momentum must be a float in [0, 1), got {momentum!r}")
-        if clip_norm is not None and (
-            isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not 0.0 < clip_norm < float("inf")
-        ):
-            raise ValueError(f"memory {self.name!r}: clip_norm must be None or a positive number, got {clip_norm!r}")
-        self.momentum = float(momentum)
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        self.momentum = float(self.momentum)
+        self.clip_norm = None if self.clip_norm is None else float(self.clip_norm)
         self.momentums: Dict[str, torch.Tensor] = {}  # u
         self.velocities: Dict[str, torch.Tensor] = {}  # v
         self._pending: Dict[str, torch.Tensor] = {}  # this step's u, until update() decides
@@ -260,10 +268,4 @@ def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
         return kind
     if kind is None:
         kind = "none"
-    cls = _MEMORIES.get(kind)
-    try:
-        return cls(**opts)
-    except TypeError:
-        params = [] if cls.__init__ is object.__init__ else list(inspect.signature(cls.__init__).parameters)[1:]
-        valid = ", ".join(params) or "(none)"
-        raise ValueError(f"memory {kind!r}: invalid options {sorted(opts)}; valid options: {valid}") from None
+    return _MEMORIES.get(kind)(**opts)  # ValueError for an unknown option or a bad value

@@ -95,14 +95,13 @@ def calibrate(comm: Any, device: Optional[torch.device] = None, repeats: int = R
     Every rank must call it at the same point (registration): it issues collectives on the group.
     """
     device = torch.device("cpu") if device is None else device
-    from . import consistency
     from .communicator import Communicator
     from .pipeline import drive
 
     probe = Communicator(
         comm.codec.name, memory=comm.memory.name, collective=comm.collective_name, group=comm.group,
-        memory_options=consistency.init_options(comm.memory),
-        collective_options=consistency.init_options(comm.collective),
+        memory_options=comm.memory.config(),
+        collective_options=comm.collective.config(),
         dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, **comm.codec.config(),
     )
     w = probe.world_size

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernels import store_into
+from ..options import Configurable, Option, float_in, int_in, one_of  # noqa: F401  (re-exported)
 from ..kernels.rng import keyed_generator, private_key
 
 
@@ -47,36 +48,6 @@ class Payload:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-@dataclass(frozen=True)
-class Option:
-    """One constructor option of a codec: its default, a validity check and what it must be."""
-
-    default: Any
-    check: Callable[[Any], bool]
-    expect: str
-    doc: str = ""
-
-
-def int_in(lo: int, hi: Optional[int] = None) -> Callable[[Any], bool]:
-    def check(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= lo and (hi is None or v <= hi)
-
-    return check
-
-
-def float_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[Any], bool]:
-    def check(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            return False
-        return (v > lo if lo_open else v >= lo) and v <= hi
-
-    return check
-
-
-def one_of(*choices: Any) -> Callable[[Any], bool]:
-    return lambda v: v in choices
 
 
 SEED = Option(0, int_in(0), "a non-negative integer", "seed of the codec's random streams")
@@ -127,9 +98,10 @@ def empty_result(meta: "Meta") -> torch.Tensor:
     return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
 
 
-class Codec:
+class Codec(Configurable):
     """Base class of every gradient codec. Subclasses implement ``_encode``/``_decode``."""
 
+    kind: ClassVar[str] = "codec"
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -156,15 +128,7 @@ class Codec:
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
-        unknown = sorted(set(opts) - set(self.options))
-        if unknown:
-            valid = ", ".join(sorted(self.options)) or "(none)"
-            raise ValueError(f"codec {self.name!r}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
-        for key, spec in self.options.items():
-            value = opts.get(key, spec.default)
-            if not spec.check(value):
-                raise ValueError(f"codec {self.name!r}: {key} must be {spec.expect}, got {value!r}")
-            setattr(self, key, value)
+        self.set_options(opts)
         self._calls: Dict[str, int] = {}
         self._draws: Dict[str, Tuple[int, int]] = {}  # name -> (step, private draws made at that step)
         self._encoding: Optional[Meta] = None  # the tensor being encoded: it keys private draws
@@ -174,9 +138,6 @@ class Codec:
     def collective(self) -> str:
         """The collective used when none is asked for."""
         return self.collectives[0]
-
-    def config(self) -> Dict[str, Any]:
-        return {key: getattr(self, key) for key in self.options}
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config().items())

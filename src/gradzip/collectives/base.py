@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..codecs.base import Codec, Payload, element_size
 from ..kernels import store_into
 from ..naming import Registry
+from ..options import Configurable
 from ..pipeline import Stages, drive, staged  # noqa: F401  (staged: for collectives built on others)
 
 _ALIGN = 8
@@ -167,13 +168,15 @@ def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch
 
 
 # ------------------------------------------------------------------------- base class
-class Collective:
+class Collective(Configurable):
     """Moves one tensor's payloads between ranks; subclasses implement :meth:`run`."""
 
+    kind = "collective"
     name: str = ""
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
         self.group = group
+        self.set_options(opts)  # ValueError for an unknown option or a bad value
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives

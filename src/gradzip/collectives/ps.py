@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload, int_in
+from ..codecs.base import Codec, Payload
+from ..options import Option, int_in, optional
 from .base import (
     Collective,
     Result,
@@ -32,7 +33,6 @@ def aggregator(call: int, partition: int, world_size: int) -> int:
     return (call + partition) % world_size
 
 
-_positive = int_in(1)
 
 
 def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_partition: int) -> int:
@@ -88,16 +88,15 @@ class ParameterServer(Collective):
 
     name = "ps"
 
-    def __init__(
-        self, group: Optional[dist.ProcessGroup] = None, partitions: Optional[int] = None, min_partition: int = 4096
-    ) -> None:
-        super().__init__(group)
-        if partitions is not None and not _positive(partitions):
-            raise ValueError(f"collective 'ps': partitions must be a positive integer or None, got {partitions!r}")
-        if not _positive(min_partition):
-            raise ValueError(f"collective 'ps': min_partition must be a positive integer, got {min_partition!r}")
-        self.partitions = partitions
-        self.min_partition = min_partition
+    options = {
+        "partitions": Option(
+            None, optional(int_in(1)), "a positive integer or None", "partitions (None: one per rank, see above)",
+        ),
+        "min_partition": Option(4096, int_in(1), "a positive integer", "fewest values a partition holds"),
+    }
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
+        super().__init__(group, **opts)
         self.calls = 0  # calls so far: the same on every rank
         self.aggregated: List[int] = []  # partitions this rank aggregated in the last call
 

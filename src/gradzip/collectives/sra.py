@@ -1,12 +1,13 @@
 """CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload, int_in
+from ..codecs.base import Codec, Payload
+from ..options import Option, int_in
 from .base import (
     Collective,
     Result,
@@ -23,7 +24,6 @@ from .base import (
     world,
 )
 
-_positive = int_in(1)
 
 
 @register_collective
@@ -44,11 +44,10 @@ class ScatterReduceAllGather(Collective):
 
     name = "sra"
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, segment: int = 1 << 22) -> None:
-        super().__init__(group)
-        if not _positive(segment):
-            raise ValueError(f"collective 'sra': segment must be a positive integer, got {segment!r}")
-        self.segment = segment
+    options = {"segment": Option(1 << 22, int_in(1), "a positive integer", "values per segment of the gather")}
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
+        super().__init__(group, **opts)
         # send/receive buffers per (tensor, segment, role), reused from call to call: fresh ones
         # would cost a page fault per 4 KiB on every call
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
