@@ -130,6 +130,7 @@ class Communicator:
         self.collective.group = self.group
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
+        self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
         self._plain_memory = _memory.memory("none")
         # levels other than the codec's own (gradzip.adaptive), set by register(): per parameter
         # (adaptive), or one for every parameter during a ramp (ramp_level, set step by step)

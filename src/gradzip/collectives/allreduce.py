@@ -29,6 +29,10 @@ class AllReduce(Collective):
     """
 
     name = "allreduce"
+    # whether a one-element non-finite flag goes with the sums; off for gradzip's plain all-reduce
+    # of uncompressed gradients, which has no memory to spare: a NaN or Inf then spreads through
+    # the sum exactly as in DDP's own all-reduce, the same on every rank
+    flagged = True
 
     def supports(self, codec: Codec) -> bool:
         return codec.summable and super().supports(codec)
@@ -39,7 +43,10 @@ class AllReduce(Collective):
     ) -> Stages:
         _, w = world(self.group)
         timer = Timer()
-        flag = nonfinite_flag(x).to(torch.float32).reshape(1)
+        if self.flagged:
+            flag = nonfinite_flag(x).to(torch.float32).reshape(1)
+        else:
+            flag = torch.zeros(1, dtype=torch.float32, device=x.device)
         if w > 1 and out is not None and not need_own and _same_memory(out, x):
             scaled = x.view(-1).div_(w)  # in place: the caller wants x overwritten with the average
         else:
@@ -53,7 +60,7 @@ class AllReduce(Collective):
             if need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
                 tensors = [t.clone() for t in tensors]
             if w > 1:
-                extra = [flag] if first else []
+                extra = [flag] if first and self.flagged else []
                 works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors + extra]
                 yield  # the sums are on the wire
                 for work in works:
