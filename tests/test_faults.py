@@ -44,9 +44,10 @@ def _failure(exc: BaseException, start: float) -> dict:
 STALL_S = 20.0
 
 
-def _stalled_rank(rank: int, world: int, fault: str) -> dict:
+def _stalled_rank(rank: int, world: int, fault: str, dense: bool = False) -> dict:
     ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets in flight
-    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64)
+    # dense: warm-up steps, sent by DDP's own kind of all-reduce, not through the worker
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, warmup=10 if dense else 0)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     start = time.monotonic()
     try:
@@ -65,10 +66,12 @@ def _stalled_rank(rank: int, world: int, fault: str) -> dict:
             time.sleep(0.5)  # let the stalled rank find its peers gone rather than waiting its own timeout
 
 
-@pytest.mark.parametrize("fault", ["stall", "dead"])
-def test_a_stalled_or_dead_rank_makes_every_other_rank_raise_within_the_timeout(fault):
+@pytest.mark.parametrize("fault,dense", [("stall", False), ("dead", False), ("stall", True)])
+def test_a_stalled_or_dead_rank_makes_every_other_rank_raise_within_the_timeout(fault, dense):
     timeout = 3.0
-    results = spawn_local(_stalled_rank, WORLD, fault, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=90)
+    results = spawn_local(
+        _stalled_rank, WORLD, fault, dense, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=90,
+    )
     healthy = [r for i, r in enumerate(results) if i != 1]
     for res in healthy:
         assert res["type"] == "CommunicationError", res

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
 from .communicator import Communicator, group_key
 from .config import AUTO, Config
-from .errors import SettingsMismatchError
-from .metrics import CSVLogger, format_table, scalars, summary_table
+from .errors import CommunicationError, SettingsMismatchError
+from .metrics import CSVLogger, format_table, scalars, summary_table, traffic_factor
 from . import planner
 from .plan import FusionPlan, GroupCollector
 
@@ -271,6 +271,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if last:
         state.step += 1
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
+    if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
+        return state.deliver(_plain_bucket(state, buffer, names, grads, what), buffer)
 
     plain = [
         i for i, g in enumerate(grads)
@@ -304,6 +306,52 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if replan:  # after this step's exchanges, on the ordered worker; backward ends when it is done
         waits[-1] = state.comm.submit(lambda: _replan(state), buffer.device, what=f"{what}: adaptive plan")
     return state.deliver(_all_of([done] + list(waits.values()), buffer), buffer)
+
+
+def _plain_bucket(
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], what: str,
+) -> torch.futures.Future:
+    """A bucket of a step that compresses nothing (warm-up, or a plan left wholly plain): one
+    in-place all-reduce of DDP's buffer, issued right here as DDP's default hook does, with none
+    of the worker's or the codec's steps. Every bucket of such a step comes here, in DDP's bucket
+    order on every rank, and the worker issues nothing meanwhile, so the order of collectives
+    on gradzip's group stays the same on every rank. NaN and Inf spread through the sum as in
+    DDP's own all-reduce."""
+    comm = state.comm
+    if comm._failure is not None:  # an earlier exchange failed: this one would only time out again
+        failed = torch.futures.Future()
+        failed.set_exception(CommunicationError(
+            f"gradzip (rank {comm.rank} of {comm.world_size}): {what} not attempted: an earlier exchange failed "
+            f"({comm._failure.brief})"
+        ))
+        return failed
+    w = comm.world_size
+    nbytes = buffer.numel() * buffer.element_size()
+    comm.metrics.record_group(
+        [(n, g.numel() * g.element_size()) for n, g in zip(names, grads)], wire=nbytes, encode_s=0.0, decode_s=0.0,
+        compressed=False, sent=traffic_factor("allreduce", w) * nbytes, codec="none",
+    )
+    if w == 1:
+        done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        done.set_result(buffer)
+        return done
+    started = time.monotonic()
+    fut = dist.all_reduce(buffer.div_(w), group=comm.group, async_op=True).get_future()
+    out = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+
+    def finish(f: torch.futures.Future) -> None:
+        try:
+            f.wait()
+        except Exception as exc:  # raised as it is (Future.then would wrap it in a RuntimeError)
+            if comm._failure is None:
+                comm._failure = comm._failed(what, exc, time.monotonic() - started)
+                comm._failure.__cause__ = exc
+            out.set_exception(comm._failure)
+            return
+        out.set_result(buffer)
+
+    fut.add_done_callback(finish)
+    return out
 
 
 def _replan(state: GradzipState) -> None:
@@ -458,7 +506,7 @@ def register(
         comm.level_codecs = LevelCodecs(comm.codec)
     if cfg.ramp > 0:
         state.ramp = Ramp(comm.codec, cfg.ramp, start=cfg.warmup)
-    if cfg.adaptive != "off":  # levels are measured and planned once the ramp is over
+    if cfg.adaptive != "off" and state._compressed:  # measured and planned once the ramp is over
         state.levels = comm.levels = AdaptiveLevels(
             comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in state._compressed],
             [tuple(p.shape) for _, p in state._compressed], warmup=state.ramp.end if state.ramp else cfg.warmup,
