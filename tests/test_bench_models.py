@@ -178,6 +178,17 @@ def test_real_forward_backward_with_an_extra_config(tmp_path):
     assert rows["topk:ratio=0.05"]["collective"] == "allgather"
 
 
+@pytest.mark.timeout(120)
+def test_a_method_that_compresses_nothing_is_measured_too():
+    # in warm-up every bucket goes by a plain all-reduce issued from the hook: no codec time at all
+    config = "maxmin:bits=4:warmup=100"
+    report = M.run_models([_tiny_resnet()], configs=[config], workers=2, rate=None, steps=1, warmup=1)
+    (model,) = report["models"]
+    dense = {r["method"]: r for r in model["rows"]}[config]
+    assert dense["codec_cpu_s"] == [0.0, 0.0]
+    assert dense["measured_wire_bytes"] == pytest.approx(model["raw_bytes"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--models", "resnet50,nope"], "nope"),
     (["--configs", "torch-powersgd"], "hangs"),

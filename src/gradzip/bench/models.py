@@ -469,7 +469,8 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
                 state.comm.metrics.reset()
                 _timed_steps(step, module, probe)
                 stats = state.stats()
-                cpu = (stats["encode_cpu_s"] + stats["decode_cpu_s"]) / probe
+                # absent when no exchange went through the codec (a plan left wholly plain)
+                cpu = (stats.get("encode_cpu_s", 0.0) + stats.get("decode_cpu_s", 0.0)) / probe
             finally:
                 measure_cpu_time(False)
         logged = ddp._get_ddp_logging_data()
