@@ -279,24 +279,31 @@ class AdaptiveLevels:
             return
         flat = x.detach().float()
         self.seen[i] += 1
-        for k, level in enumerate(self.levels):
+        sums = []
+        for level in self.levels:
             probe = self._codecs.make(level)
             decoded = probe.decode(probe.encode(flat, name=f"probe:{name}", step=step)).float()
-            err = float(torch.sum((decoded - flat) ** 2))
-            self.errors[i, k] += err if math.isfinite(err) else 0.0
+            sums.append(torch.sum((decoded - flat) ** 2))
+        errs = torch.stack(sums).double().cpu()  # one host sync per parameter, on sampled steps only
+        self.errors[i] += torch.where(torch.isfinite(errs), errs, torch.zeros_like(errs))
 
-    def replan(self, group: Optional[dist.ProcessGroup]) -> bool:
-        """Sum the sampled errors over ranks, choose levels, take rank 0's choice; True if changed."""
-        both = torch.cat([self.errors, self.seen.unsqueeze(1)], dim=1)
-        if dist.is_available() and dist.is_initialized():
+    def replan(self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> bool:
+        """Sum the sampled errors over ranks, choose levels, take rank 0's choice; True if changed.
+
+        ``device``: where the group's collectives run (CUDA for NCCL; default CPU)."""
+        device = torch.device("cpu") if device is None else device
+        both = torch.cat([self.errors, self.seen.unsqueeze(1)], dim=1).to(device)
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
             dist.all_reduce(both, group=group)
+        both = both.cpu()
         errors, seen = both[:, :-1], both[:, -1]
         picked = torch.tensor(
             choose(errors, self.nbytes, self.default, self.objective, fixed=seen == 0), dtype=torch.int64,
-        )
-        if dist.is_available() and dist.is_initialized():
+        ).to(device)
+        if distributed:
             dist.broadcast(picked, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        new = [int(k) for k in picked]
+        new = [int(k) for k in picked.cpu()]
         changed = new != self.choice
         self.choice = new
         self.last_errors = errors

@@ -304,7 +304,9 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     for _, _, group_future in ready:
         done.add_done_callback(_settle_with(group_future))
     if replan:  # after this step's exchanges, on the ordered worker; backward ends when it is done
-        waits[-1] = state.comm.submit(lambda: _replan(state), buffer.device, what=f"{what}: adaptive plan")
+        waits[-1] = state.comm.submit(
+            lambda: _replan(state, buffer.device), buffer.device, what=f"{what}: adaptive plan",
+        )
     return state.deliver(_all_of([done] + list(waits.values()), buffer), buffer)
 
 
@@ -354,9 +356,9 @@ def _plain_bucket(
     return out
 
 
-def _replan(state: GradzipState) -> None:
+def _replan(state: GradzipState, device: torch.device) -> None:
     assert state.levels is not None
-    if state.levels.replan(state.comm.group):
+    if state.levels.replan(state.comm.group, device):
         state.regroup()
 
 
