@@ -1,6 +1,6 @@
 """The accuracy benchmark: a run end to end on 2 ranks, and its pieces on synthetic data.
 
-The end-to-end run is small (both tasks, fp32 and maxmin4, one seed, 16 steps) but its
+The end-to-end run is small (the two default tasks, fp32 and maxmin4, one seed, 16 steps) but its
 assertions can fail: the held-out loss must fall from its initial value, the replicas must stay
 bit-identical, and the bytes must add up. The helpers that decide time-to-target and flag
 replicas that drifted apart are checked on curves and tensors made up for the purpose.
@@ -242,3 +242,14 @@ def test_tasks_hold_out_fixed_data_and_models_carry_no_buffers():
     assert torch.equal(x, x2)  # the same batches for every config
     assert not torch.equal(x, lm.batch_of(data, step=3, seed=2, rank=1, world=4)[0])
     assert torch.equal(lm.model(0, data).head.weight, model.head.weight)  # same init for a seed
+
+
+def test_the_wide_digits_task_is_communication_bound_by_size_alone():
+    wide, narrow = A.TASKS["digits-wide"](), A.TASKS["digits"]()
+    assert wide.name == "digits-wide" and wide.steps == narrow.steps and wide.batch == narrow.batch
+    n_wide = sum(p.numel() for p in wide.model(0, {}).parameters())
+    n_narrow = sum(p.numel() for p in narrow.model(0, {}).parameters())
+    assert n_wide > 4_000_000 and n_wide > 10 * n_narrow  # 17 MB of fp32 gradients a step
+    assert "64-2048-2048-10" in wide.about({"x_tr": torch.zeros(3, 64), "x_te": torch.zeros(2, 64)})["model"]
+    with pytest.raises(ValueError, match="choose from: digits, charlm, digits-wide"):
+        A.run_accuracy(tasks=["digits-huge"])
