@@ -282,8 +282,11 @@ class AdaptiveLevels:
         sums = []
         for level in self.levels:
             probe = self._codecs.make(level)
-            decoded = probe.decode(probe.encode(flat, name=f"probe:{name}", step=step)).float()
-            sums.append(torch.sum((decoded - flat) ** 2))
+            decoded = probe.decode(probe.encode(flat, name=f"probe:{name}", step=step)).float().reshape(-1)
+            if decoded.data_ptr() == flat.data_ptr():  # sent raw: the input itself, no error
+                decoded = decoded.clone()
+            diff = decoded.sub_(flat.reshape(-1))  # in place: no further tensor of the gradient's size
+            sums.append(torch.dot(diff, diff))
         errs = torch.stack(sums).double().cpu()  # one host sync per parameter, on sampled steps only
         self.errors[i] += torch.where(torch.isfinite(errs), errs, torch.zeros_like(errs))
 
