@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import gradzip
 from gradzip import cli
 from gradzip.bench import models as M
 from gradzip.launch import spawn_local
@@ -211,3 +212,10 @@ def test_cli_parses_models_configs_and_loopback():
     assert args.configs == ["maxmin2", "maxmin:bits=8"]
     defaults = cli.build_parser().parse_args(["bench", "models"])
     assert defaults.models == M.DEFAULT_MODELS and defaults.rate == "1gbit" and defaults.workers == 4
+
+
+def test_collective_options_in_a_spec_go_to_the_collective():
+    method = M.resolve("maxmin:bits=4:collective=ps:partitions=8")
+    assert method["options"] == {"bits": 4, "collective": "ps", "collective_options": {"partitions": 8}}
+    with pytest.raises(ValueError, match="collective 'ps': partitions must be a positive integer"):
+        gradzip.Communicator("maxmin", **method["options"] | {"collective_options": {"partitions": 0}})

@@ -63,11 +63,25 @@ NOT_CODEC_OPTIONS = (
 )
 
 
+def collective_options(opts: Dict[str, Any]) -> Dict[str, Any]:
+    """``opts`` with the collective's options (``partitions``, ``min_partition``) moved into
+    ``collective_options``, as :class:`~gradzip.Communicator` and ``register`` take them."""
+    from ..config import COLLECTIVE_OPTIONS
+
+    out = {k: v for k, v in opts.items() if k not in COLLECTIVE_OPTIONS}
+    coll = {k: v for k, v in opts.items() if k in COLLECTIVE_OPTIONS}
+    if coll:
+        out["collective_options"] = coll
+    return out
+
+
 def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     """:func:`parse_spec`, then build the codec: ``ValueError`` for an unknown codec or option."""
     name, opts = parse_spec(spec)
     resolved = gradzip.Config(codec=name).resolved()  # "auto" is maxmin under the planner
-    options = {**resolved.options, **{k: v for k, v in opts.items() if k not in NOT_CODEC_OPTIONS}}
+    codec_opts = collective_options(opts)
+    codec_opts.pop("collective_options", None)
+    options = {**resolved.options, **{k: v for k, v in codec_opts.items() if k not in NOT_CODEC_OPTIONS}}
     gradzip.codec(resolved.codec, **options)
     return name, opts
 
@@ -182,7 +196,7 @@ def _bench_size(rank: int, world: int, size_mb: float, repeats: int, specs: List
 
     for spec in specs:
         name, opts = parse_spec(spec)
-        comm = gradzip.Communicator(name, **opts)
+        comm = gradzip.Communicator(name, **collective_options(opts))
         try:
             times, out, cpu = _timed(partial(comm.allreduce, grad, name="grad", out=buf), repeats, partial(_codec_cpu_s, comm))  # into the same buffer as fp32
             err = (torch.linalg.vector_norm(out - exact) / torch.linalg.vector_norm(exact)).item()

@@ -331,7 +331,7 @@ def resolve(config: str) -> Dict[str, Any]:
     """A method: one of the demo's config names (``maxmin2``, ``torch-fp16``, ...) or a codec
     spec as in ``bench allreduce`` (``maxmin:bits=8:memory=residual``). ``ValueError`` if neither."""
     from ..demo import CONFIGS, describe
-    from .micro import check_spec
+    from .micro import check_spec, collective_options
 
     if config in UNSUPPORTED:
         raise ValueError(f"{config}: {UNSUPPORTED[config]}")
@@ -346,7 +346,7 @@ def resolve(config: str) -> Dict[str, Any]:
     name, opts = check_spec(config)  # raises ValueError
     return {
         "method": config, "label": "gradzip " + " ".join([name] + [f"{k}={v}" for k, v in opts.items()]),
-        "kind": "gradzip", "codec": name, "options": opts,
+        "kind": "gradzip", "codec": name, "options": collective_options(opts),
     }
 
 
