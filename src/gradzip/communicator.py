@@ -260,11 +260,9 @@ class Communicator:
             self._worker.submit(lambda: self._guarded(self._pipeline.drain, "flush")).wait()
 
     def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
-        if self._failure is not None:
-            raise CommunicationError(
-                f"gradzip (rank {self.rank} of {self.world_size}): {what or 'exchange'} not attempted: "
-                f"an earlier exchange failed ({self._failure.brief})"
-            ) from self._failure
+        earlier = self.earlier_failure(what)
+        if earlier is not None:
+            raise earlier
         start = time.monotonic()
         try:
             return fn()
@@ -272,8 +270,29 @@ class Communicator:
             self._failure = self._failure or exc
             raise
         except Exception as exc:
-            self._failure = self._failed(what, exc, time.monotonic() - start)
-            raise self._failure from exc
+            raise self.record_failure(what, exc, time.monotonic() - start) from exc
+
+    def earlier_failure(self, what: str) -> Optional[CommunicationError]:
+        """The error for ``what`` when an earlier exchange has failed (it would only time out
+        again), else None."""
+        if self._failure is None:
+            return None
+        err = CommunicationError(
+            f"gradzip (rank {self.rank} of {self.world_size}): {what or 'exchange'} not attempted: "
+            f"an earlier exchange failed ({self._failure.brief})"
+        )
+        err.__cause__ = self._failure
+        return err
+
+    def record_failure(self, what: str, exc: BaseException, seconds: float) -> CommunicationError:
+        """Describe the failure of ``what`` (after ``seconds``) and remember it: every later
+        exchange then fails at once. Returns the error to raise: the first one recorded, when
+        exchanges in flight together fail together."""
+        if self._failure is None:
+            err = self._failed(what, exc, seconds)
+            err.__cause__ = exc
+            self._failure = err
+        return self._failure
 
     def _failed(self, what: str, exc: BaseException, seconds: float) -> CommunicationError:
         limit = self.timeout.total_seconds() if self.timeout is not None else None

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
 from .communicator import Communicator, group_key
 from .config import AUTO, Config
-from .errors import CommunicationError, SettingsMismatchError
+from .errors import SettingsMismatchError
 from .metrics import CSVLogger, format_table, scalars, summary_table, traffic_factor
 from . import planner
 from .plan import FusionPlan, GroupCollector
@@ -260,14 +260,14 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
     # untouched, so compression starts from an empty residual on every rank alike
     dense = state.step < state.config.warmup
+    last = bucket.is_last()
     levels = state.levels
     replan = False
     if state.ramp is not None:
         state.comm.ramp_level = None if dense else state.ramp.level_at(state.step)
     if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
         levels.sampling = not dense and levels.sample_at(state.step)
-        replan = bucket.is_last() and not dense and levels.plan_after(state.step)
-    last = bucket.is_last()
+        replan = last and not dense and levels.plan_after(state.step)
     if last:
         state.step += 1
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
@@ -320,12 +320,10 @@ def _plain_bucket(
     on gradzip's group stays the same on every rank. NaN and Inf spread through the sum as in
     DDP's own all-reduce."""
     comm = state.comm
-    if comm._failure is not None:  # an earlier exchange failed: this one would only time out again
+    earlier = comm.earlier_failure(what)
+    if earlier is not None:
         failed = torch.futures.Future()
-        failed.set_exception(CommunicationError(
-            f"gradzip (rank {comm.rank} of {comm.world_size}): {what} not attempted: an earlier exchange failed "
-            f"({comm._failure.brief})"
-        ))
+        failed.set_exception(earlier)
         return failed
     w = comm.world_size
     nbytes = buffer.numel() * buffer.element_size()
@@ -345,10 +343,7 @@ def _plain_bucket(
         try:
             f.wait()
         except Exception as exc:  # raised as it is (Future.then would wrap it in a RuntimeError)
-            if comm._failure is None:
-                comm._failure = comm._failed(what, exc, time.monotonic() - started)
-                comm._failure.__cause__ = exc
-            out.set_exception(comm._failure)
+            out.set_exception(comm.record_failure(what, exc, time.monotonic() - started))
             return
         out.set_result(buffer)
 
