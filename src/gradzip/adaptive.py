@@ -82,22 +82,12 @@ class LevelCodecs:
 
     def state_dict(self) -> Dict[str, Any]:
         """The state of the codecs of other levels (the configured codec saves its own)."""
-        return {repr(lv): c.state_dict() for lv, c in self._codecs.items() if lv != self.configured}
+        return {lv: c.state_dict() for lv, c in self._codecs.items() if lv != self.configured}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for key, value in state.items():
-            level = _level_of(key)
-            if level is not None and level != self.configured:
+    def load_state_dict(self, state: Mapping[Any, Any]) -> None:
+        for level, value in state.items():
+            if level != self.configured:
                 self.get(level).load_state_dict(value)
-
-
-def _level_of(text: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return None
 
 
 def ramp_levels(codec_name: str, target: Any) -> List[Any]:
@@ -243,6 +233,7 @@ class AdaptiveLevels:
         self._codecs = codecs
         self.choice: List[int] = [self.default] * len(self.names)
         self.errors = torch.zeros(len(self.names), len(self.levels), dtype=torch.float64)
+        self.last_errors: Optional[torch.Tensor] = None  # the summed errors of the latest plan
         self.seen = torch.zeros(len(self.names), dtype=torch.float64)  # measurements per parameter
         self.samples = 0
         self.plans = 0
@@ -320,7 +311,7 @@ class AdaptiveLevels:
         """The per-parameter levels, the plan's totals and the uniform level's, for ``state.plan()``."""
         rows = torch.arange(len(self.names))
         chosen = torch.tensor(self.choice, dtype=torch.int64)
-        errors = getattr(self, "last_errors", None)
+        errors = self.last_errors
         out: Dict[str, Any] = {
             "option": self.option, "objective": self.objective, "every": self.every, "plans": self.plans,
             "uniform": self.levels[self.default],

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, Generator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -101,12 +101,18 @@ class GradzipState:
         """Rebuild the fused groups so that each holds one adaptive level (after a new plan).
 
         Every rank calls it at the same step with the same levels, so the groups stay alike."""
-        comm = self.comm
-        self.fusion_plan = FusionPlan.build(
-            self._compressed, lambda p: True, comm.codec.fusion_block() if comm.fusion else 0,
-            int(self.config.fusion_mb * 2**20), level=self.levels.level if self.levels is not None else None,
+        self.fusion_plan = self.build_plan(
+            self._compressed, lambda p: True, level=self.levels.level if self.levels is not None else None,
         )
         self.collector = GroupCollector(self.fusion_plan)
+
+    def build_plan(
+        self, params: Sequence[Tuple[str, torch.Tensor]], compress: Callable[[torch.Tensor], bool],
+        level: Optional[Callable[[str], Any]] = None,
+    ) -> FusionPlan:
+        """:meth:`FusionPlan.build` with this state's codec block and group size."""
+        block = self.comm.codec.fusion_block() if self.comm.fusion else 0
+        return FusionPlan.build(params, compress, block, int(self.config.fusion_mb * 2**20), level=level)
 
     def summary(self, per_layer: bool = False) -> str:
         """A readable table of :meth:`stats`: totals per codec (the codec's parameters and the
@@ -488,9 +494,7 @@ def register(
     named = list(model.module.named_parameters())
     names = {id(p): n for n, p in named}
     probe = GradzipState(comm, names, cfg)  # its filter decides what the plan compresses
-    plan = FusionPlan.build(
-        named, probe.should_compress, comm.codec.fusion_block() if comm.fusion else 0, int(cfg.fusion_mb * 2**20),
-    )
+    plan = probe.build_plan(named, probe.should_compress)
     device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
     costs = planner.calibrate(comm, device) if cfg.plan == AUTO else None
     decisions = planner.decide(plan.groups, dict(named), comm.codec, costs)
