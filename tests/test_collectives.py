@@ -550,3 +550,65 @@ def test_out_must_match_the_input():
             comm.allreduce(torch.zeros(8), out=torch.zeros(8, dtype=torch.float16))
     finally:
         comm.close()
+
+
+# ------------------------------------------------------------------ a collective is only its exchange
+class _GatherAll(collectives.Collective):
+    """A collective written as a user would write one: only its exchange (an all-gather)."""
+
+    name = "gather-all"
+
+    def exchange(self, call):
+        from gradzip.codecs.base import Payload
+        from gradzip.collectives.base import Exchanged, from_bytes, spec_of, to_bytes
+
+        payload = call.encode(call.x)
+        call.keep_own(payload)
+        gathered = self._all_gather_bytes(to_bytes(payload.tensors, call.flag), call.world_size)
+        parts, flags = [], []
+        for r in range(call.world_size):
+            tensors, flag = from_bytes(gathered[r], spec_of(payload.tensors))
+            parts.append(Payload(tensors, payload.ctx))
+            flags.append(flag)
+        avg = call.decode(call.codec.aggregate, parts).reshape(-1)
+        return Exchanged(avg, torch.stack(flags).any(), payload.nbytes)
+
+
+def _exchange_only(rank: int, world: int) -> dict:
+    codec = gradzip.codec("maxmin", bits=4, mode="nearest")  # the same bytes call after call
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(rank))
+    mine = _GatherAll(None).run(codec, x, "w", 5, need_own=True)
+    theirs = collectives.get("allgather")(None).run(codec, x, "w", 5, need_own=True)
+    out = torch.full((x.numel(),), -1.0)
+    into = _GatherAll(None).run(codec, x, "w", 5, need_own=False, out=out)
+    bad = x.clone()
+    bad[0, 0] = float("nan") if rank == 1 else 0.0
+    flagged = _GatherAll(None).run(codec, bad, "w", 5, need_own=False)
+    return {
+        "same_avg": torch.equal(mine.avg, theirs.avg), "same_own": torch.equal(mine.own, theirs.own),
+        "own_shape": tuple(mine.own.shape), "timed": mine.encode_s > 0 and mine.decode_s > 0,
+        "into_out": into.avg is out and torch.equal(out, mine.avg), "no_own": into.own is None,
+        "nonfinite": bool(flagged.nonfinite), "finite": bool(mine.nonfinite),
+    }
+
+
+def test_a_collective_that_implements_only_its_exchange_gets_flag_timer_own_and_out_from_the_base():
+    for r in run_workers(_exchange_only, 2):
+        assert r["same_avg"] and r["same_own"] and r["own_shape"] == (2100,)
+        assert r["timed"] and r["into_out"] and r["no_own"]
+        assert r["nonfinite"] and not r["finite"]
+
+
+class _ForgetsOwn(_GatherAll):
+    def exchange(self, call):
+        got = super().exchange(call)
+        call.own.clear()
+        call.keep_own(call.encode(call.flat[:10], "part"))  # only 10 of the values
+        return got
+
+
+def test_an_exchange_that_keeps_own_payloads_for_part_of_the_input_fails_loudly():
+    x = torch.randn(100)
+    with pytest.raises(RuntimeError, match="own payloads for 10 of 100 values"):
+        _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=True)
+    assert _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=False).own is None

@@ -114,6 +114,9 @@ def test_auto_plans_the_same_on_every_rank_and_keeps_replicas_identical():
     first = results[0]["plan"]
     costs = first["costs"]
     assert costs is not None and costs["world_size"] == 2
+    routes = costs.pop("routes")  # the collective was not chosen: the planner times the others too
+    assert sorted(routes) == ["allgather", "ps", "ps:partitions=4"]
+    assert all(v >= 0 and math.isfinite(v) for line in routes.values() for v in line.values())
     assert all(v >= 0 and math.isfinite(v) for v in costs.values())
     assert costs["plain_s_per_value"] > 0 and costs["compressed_s_per_value"] > 0  # measured, not assumed
     rows = first["groups"]
@@ -122,8 +125,8 @@ def test_auto_plans_the_same_on_every_rank_and_keeps_replicas_identical():
         assert r["identical"] and r["finite"] and r["steps"] == 4
         assert r["settings"] == ("maxmin", 4, "residual")
         # decisions and predictions agree on every rank: they come from the same calibrated floats
-        assert [(g["compress"], g["predicted_ms"]) for g in r["plan"]["groups"]] == [
-            (g["compress"], g["predicted_ms"]) for g in rows
+        assert [(g["compress"], g["route"], g["predicted_ms"]) for g in r["plan"]["groups"]] == [
+            (g["compress"], g["route"], g["predicted_ms"]) for g in rows
         ]
     assert first["predicted_total_ms"] == pytest.approx(sum(g["predicted_ms"] for g in rows), abs=0.01)
     for g in rows:
@@ -168,3 +171,51 @@ def test_plain_gradients_back_to_back_are_averaged_in_place_as_ddp_sums_them():
     for res in run_workers(_plain_in_place, 2):
         assert res["same_objects"] and res["nan_where_sent"] and res["untouched"]
         assert res["clean_err"] < 1e-6
+
+
+def test_each_group_takes_its_cheapest_route_and_ties_keep_the_configured_collective():
+    params = _params(big=8 << 20, small=4096)
+    costs = planner.Costs(
+        planner.Line(5e-5, 4.8e-8), planner.Line(1.5e-4, 1.2e-8), world_size=4,
+        # one round and no re-encode: cheaper for small groups, dearer per value for large ones
+        routes={"allgather": planner.Line(5e-5, 2.0e-8), "ps": planner.Line(1.5e-4, 1.2e-8)},
+    )
+    big, small = planner.decide([["big"], ["small"]], params, MAXMIN4, costs)
+    assert big.route is None and big.compressed_s == pytest.approx(costs.compressed.at(8 << 20))  # tie with ps
+    assert small.route == "allgather" and small.compressed_s == pytest.approx(costs.routes["allgather"].at(4096))
+    assert costs.as_dict()["routes"]["allgather"] == {"alpha_s": 5e-5, "s_per_value": 2.0e-8}
+
+
+def test_route_labels_name_the_collective_and_its_changed_options():
+    from gradzip.communicator import parse_route, route_label
+
+    assert route_label("ps", {"partitions": 8}) == "ps:partitions=8" and route_label("sra") == "sra"
+    assert parse_route("ps:min_partition=64:partitions=None") == ("ps", {"min_partition": 64, "partitions": None})
+    assert parse_route(route_label("ps", {"partitions": 8, "min_partition": 2})) == ("ps", {"partitions": 8, "min_partition": 2})
+
+
+def _routed(rank: int, world: int) -> dict:
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(rank))
+    routed = gradzip.Communicator("maxmin", bits=4, memory="residual")  # sra for the rest
+    routed.routes = {"w": "ps:partitions=4"}
+    alone = gradzip.Communicator("maxmin", bits=4, memory="residual", collective="ps", collective_options={"partitions": 4})
+    a = [routed.allreduce(x, name="w") for _ in range(2)]
+    b = [alone.allreduce(x, name="w") for _ in range(2)]
+    other = routed.allreduce(x, name="v")  # no route: the configured collective
+    coll = routed.collective_for("w")
+    out = {
+        "same": all(torch.equal(p, q) for p, q in zip(a, b)), "kind": (coll.name, coll.partitions),
+        "default": routed.collective_for("v") is routed.collective, "finite": bool(torch.isfinite(other).all()),
+        "calls": routed.state_dict()["route_collectives"], "residuals": torch.equal(
+            routed.memory.residuals["w"], alone.memory.residuals["w"]),
+    }
+    routed.close()
+    alone.close()
+    return out
+
+
+def test_a_routed_parameter_is_exchanged_by_its_route_exactly_as_by_that_collective_alone():
+    for r in run_workers(_routed, 2):
+        assert r["same"] and r["residuals"] and r["kind"] == ("ps", 4)
+        assert r["default"] and r["finite"]
+        assert r["calls"] == {"ps:partitions=4": {"calls": 2}}  # its call counter is saved

@@ -137,12 +137,19 @@ class Communicator:
         self.level_codecs: Optional[LevelCodecs] = None
         self.levels: Optional[AdaptiveLevels] = None
         self.ramp_level: Any = None
+        # exchanges other than the configured collective, chosen per parameter by the planner
+        # (gradzip.planner): a parameter's name -> a route (see route_label), and the collectives
+        self.routes: Dict[str, str] = {}
+        self._route_collectives: Dict[str, Collective] = {}
         self.metrics = Metrics()
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
         self._pipeline = Pipeline(self._failed)
         self._fused_buffers: Dict[Tuple[str, str], torch.Tensor] = {}
-        self._steps: Dict[str, int] = {}
+        # the one step counter: it keys every exchange's shared and private randomness (with the
+        # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
+        self.step = 0
+        self._named: set = set()  # names exchanged at this step without an explicit step
         self._worker: Optional[OrderedWorker] = None
         self._closed = False
         self._failure: Optional[CommunicationError] = None
@@ -158,6 +165,17 @@ class Communicator:
             raise ValueError(
                 f"codec {codec.name!r} cannot use collective {name!r}; valid collectives for it: {', '.join(valid)}"
             )
+        return coll
+
+    def collective_for(self, name: str) -> Collective:
+        """The collective that exchanges parameter ``name``: its planned route, else the configured one."""
+        label = self.routes.get(name)
+        if label is None:
+            return self.collective
+        coll = self._route_collectives.get(label)
+        if coll is None:
+            coll_name, options = parse_route(label)
+            coll = self._route_collectives[label] = self._make_collective(coll_name, self.codec, options, self.group)
         return coll
 
     @property
@@ -212,9 +230,10 @@ class Communicator:
         def job() -> torch.Tensor:
             if t.is_cuda:  # read on the worker's stream: keep the caller's memory until then
                 t.record_stream(torch.cuda.current_stream(t.device))
-            return self.reduce_now(t, name, out=out)
+            return self.reduce_now(t, name, out=out, step=step)
 
-        return self.submit(job, t.device, what=f"step {self._steps.get(name, 0)} of tensor {name!r}")
+        step = self._step_of([name])  # taken on the caller's thread, in the caller's order
+        return self.submit(job, t.device, what=f"step {step} of tensor {name!r}")
 
     def submit(self, fn: Callable[[], Any], device: torch.device, what: str = "") -> torch.futures.Future:
         """Run ``fn`` on the ordered communication worker; ``what`` names it in errors.
@@ -311,28 +330,48 @@ class Communicator:
             f"gradzip (rank {self.rank} of {self.world_size}): {brief}; {hint}. {type(exc).__name__}: {cause}", brief,
         )
 
-    def reduce_now(self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out`` if given."""
-        return drive(self._reduce_one(t, name, compress, out))
+    def reduce_now(
+        self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None,
+        step: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out``
+        if given. ``step``: the step it belongs to (default: see :meth:`next_step`)."""
+        return drive(self._reduce_one(t, name, compress, out, self._step_of([name]) if step is None else step))
 
-    def _reduce_one(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
+    def next_step(self) -> int:
+        """End the current step: later exchanges belong to the next one. The step so ended.
+
+        The DDP hook calls it when a backward pass hands over its last bucket. Callers that give
+        no step of their own need not: exchanging a name a second time in one step starts the
+        next step, so a loop that exchanges its tensors once per iteration counts iterations.
+        """
+        ended, self.step = self.step, self.step + 1
+        self._named.clear()
+        return ended
+
+    def _step_of(self, names: Sequence[str]) -> int:
+        """The step of an exchange of ``names`` called without one (see :meth:`next_step`)."""
+        if any(n in self._named for n in names):
+            self.next_step()
+        self._named.update(names)
+        return self.step
+
+    def _reduce_one(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor], step: int) -> Stages:
         """The stages of :meth:`reduce_now`."""
         started = time.perf_counter()
-        avg, record = yield from self._reduce(t, name, compress, out)
+        avg, record = yield from self._reduce(t, name, compress, out, step)
         self.metrics.record(name, t.numel() * t.element_size(), **record)
         if compress:
             self.metrics.record_group_time(group_key([name]), time.perf_counter() - started)
         return avg
 
-    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor]) -> Stages:
+    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor], step: int) -> Stages:
         """The stages of :meth:`reduce_now` without recording; returns (the average, the metrics of this call)."""
         _check_out(t, out)
         if compress:
-            codec, coll, mem = self.codec_for(name), self.collective, self.memory
+            codec, coll, mem = self.codec_for(name), self.collective_for(name), self.memory
         else:
             codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
         inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
@@ -357,6 +396,7 @@ class Communicator:
 
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
+        step: Optional[int] = None,
     ) -> List[torch.Tensor]:
         """Reduce several tensors: the uncompressed ones fused into one plain all-reduce, the
         compressed ones fused into one encoding where the codec allows (:meth:`_reduce_fused`).
@@ -366,29 +406,33 @@ class Communicator:
         parameter name (each with its share), so they do not depend on how the parameters were
         grouped into buckets.
         """
-        return drive(self.reduce_many_stages(tensors, names, compress, inplace))
+        return drive(self.reduce_many_stages(tensors, names, compress, inplace, step=step))
 
     def reduce_many_stages(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
-        groups: Optional[Sequence[Sequence[int]]] = None,
+        groups: Optional[Sequence[Sequence[int]]] = None, step: Optional[int] = None,
     ) -> Stages:
         """The stages of :meth:`reduce_many_now` (for :meth:`submit_staged`): the uncompressed
         all-reduce and the compressed exchanges advance side by side. ``groups``: indices of
-        the compressed tensors that share one encoding (default: all of them, one group)."""
+        the compressed tensors that share one encoding (default: all of them, one group).
+        ``step``: give it when the stages run on another thread (default: see :meth:`next_step`,
+        counted when the stages start)."""
+        if step is None:
+            step = self._step_of(names)
         plain = [i for i, c in enumerate(compress) if not c]
         if groups is None:
             groups = [[i for i, c in enumerate(compress) if c]]
         parts, owners = [], []
         if plain:
-            parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace))
+            parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace, step))
             owners.append(plain)
         for group in groups:
             if self._fusable([tensors[i] for i in group]):
-                parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace))
+                parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace, step))
                 owners.append(list(group))
             else:
                 for i in group:
-                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None))
+                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
                     owners.append(i)
         results = yield from lockstep(parts)
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
@@ -400,17 +444,17 @@ class Communicator:
                 out[owner] = result
         return out
 
-    def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool) -> Stages:
+    def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
         """One plain all-reduce of the uncompressed gradients of a bucket: in place where they lie
         back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
         span = _contiguous_span(tensors) if inplace else None
         if span is not None:
-            avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span)
+            avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span, step)
             self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
             return list(tensors)
         dtype = tensors[0].dtype
         flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-        avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None)
+        avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
         self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
         out, offset = [], 0
         for t in tensors:
@@ -426,7 +470,7 @@ class Communicator:
         first = tensors[0]
         return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
 
-    def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool) -> Stages:
+    def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
         """One encode, one exchange and one decode for several gradients (CGX's fused buffers).
 
         Each error-compensated gradient is copied into a flat buffer at an offset that is a
@@ -439,7 +483,7 @@ class Communicator:
         buffer), so checkpoints and DDP's bucket rebuild are unaffected. One non-finite flag
         covers the group: a NaN in one gradient makes every gradient of the group NaN.
         """
-        codec, coll, mem = self.codec_for(names[0]), self.collective, self.memory
+        codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
         block = codec.fusion_block()
         order = sorted(range(len(tensors)), key=lambda i: names[i])
@@ -456,9 +500,6 @@ class Communicator:
             inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
             if padding(n, block):
                 flat[start + n : start + n + padding(n, block)].zero_()
-        step = max(self._steps.get(n, 0) for n in names)
-        for n in names:
-            self._steps[n] = step + 1
         if self.levels is not None and self.levels.sampling:
             for x, i in zip(inputs, order):
                 self.levels.observe(names[i], x, step)
@@ -507,7 +548,7 @@ class Communicator:
 
         It holds everything the next step needs to move the same bytes as an uninterrupted run:
         error-feedback residuals, the codec's per-tensor state, the collective's call counter and
-        the step counters that key all randomness (shared and private).
+        the step counter that keys all randomness (shared and private).
         """
         settings = self.settings()
         return {
@@ -519,7 +560,9 @@ class Communicator:
             "codec": self.codec.state_dict(),
             "memory": self.memory.state_dict(),
             "collective": self.collective.state_dict(),
-            "steps": dict(self._steps),
+            "route_collectives": {label: c.state_dict() for label, c in self._route_collectives.items()},
+            # the next step to run: a step that has begun (standalone calls) counts as done
+            "step": self.step + 1 if self._named else self.step,
             "levels": self.levels.state_dict() if self.levels is not None else None,
             "level_codecs": self.level_codecs.state_dict() if self.level_codecs is not None else None,
         }
@@ -533,7 +576,7 @@ class Communicator:
         only for the same rank of the same world size, because it is this rank's own unsent
         gradient (loaded on another rank, or summed over a different number of ranks, it would
         be applied to the wrong replica or the wrong number of times); codec, memory and
-        collective state only where their settings are unchanged. Step counters always carry over.
+        collective state only where their settings are unchanged. The step counter always carries over.
         """
         problems, same_rank, same = self._compare_owner(state)
         if problems and strict:
@@ -560,7 +603,11 @@ class Communicator:
                 dropped.append("error-feedback memory")
         if same("collective"):  # a call counter, the same on every rank
             self.collective.load_state_dict(state.get("collective", {}))
-        self._steps = dict(state.get("steps", {}))
+            for label, coll_state in (state.get("route_collectives") or {}).items():
+                if label in self.routes.values():  # the planner chose it again
+                    self.collective_for(next(n for n, r in self.routes.items() if r == label)).load_state_dict(coll_state)
+        self.step = int(state.get("step", 0))
+        self._named.clear()
         if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
             levels = dict(state["levels"])
             if not same_rank:  # this rank's own partial sums
@@ -617,6 +664,8 @@ class Communicator:
         # buffers several times the gradients' size: free them now, not when the state is collected
         self._fused_buffers.clear()
         self.collective.release()
+        for coll in self._route_collectives.values():
+            coll.release()
         if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None
@@ -713,3 +762,19 @@ def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     if avg.device.type == "cpu":  # reading the flag is free here; skip a pass over the result
         return avg.fill_(float("nan")) if bool(nonfinite) else avg
     return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators
+
+
+def route_label(collective: str, options: Optional[Mapping[str, Any]] = None) -> str:
+    """A route's name: the collective, then its options (``ps:partitions=8``)."""
+    return collective + "".join(f":{k}={v}" for k, v in sorted((options or {}).items()))
+
+
+def parse_route(label: str) -> Tuple[str, Dict[str, Any]]:
+    """Inverse of :func:`route_label` (option values are integers or None)."""
+    name, *pairs = label.split(":")
+    options: Dict[str, Any] = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        options[key] = None if value == "None" else int(value)
+    return name, options
+

@@ -33,7 +33,9 @@ class GradzipState:
     """The hook's state: the communicator, the parameter names and the compression filter.
 
     ``step`` counts the backward passes whose gradients went through the hook (one per
-    optimizer step without gradient accumulation); errors name it.
+    optimizer step without gradient accumulation); errors name it. It is the communicator's
+    step counter (:attr:`Communicator.step`), the one that keys every exchange's randomness,
+    decides the warm-up, the ramp and the adaptive schedule, and is saved in the state dict.
     """
 
     def __init__(
@@ -49,13 +51,16 @@ class GradzipState:
         self.levels: Optional[AdaptiveLevels] = None  # per-parameter levels with adaptive on
         self.ramp: Optional[Ramp] = None  # the levels of the first compressed steps
         self._compressed: List[Tuple[str, torch.Tensor]] = []  # what the plan compresses, in order
-        self.step = 0
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
         self._csv: Dict[str, CSVLogger] = {}
         self._csv_writers: Dict[int, List[str]] = {}
+
+    @property
+    def step(self) -> int:
+        return self.comm.step
 
     def should_compress(self, grad: torch.Tensor) -> bool:
         if grad.numel() < self.config.min_numel:
@@ -98,11 +103,14 @@ class GradzipState:
         return out
 
     def regroup(self) -> None:
-        """Rebuild the fused groups so that each holds one adaptive level (after a new plan).
+        """Rebuild the fused groups so that each holds one adaptive level and one route (after
+        a new adaptive plan).
 
         Every rank calls it at the same step with the same levels, so the groups stay alike."""
+        levels, routes = self.levels, self.comm.routes
         self.fusion_plan = self.build_plan(
-            self._compressed, lambda p: True, level=self.levels.level if self.levels is not None else None,
+            self._compressed, lambda p: True,
+            level=lambda name: (levels.level(name) if levels is not None else None, routes.get(name)),
         )
         self.collector = GroupCollector(self.fusion_plan)
 
@@ -162,15 +170,12 @@ class GradzipState:
     def state_dict(self) -> Dict[str, Any]:
         """Per-rank state (error-feedback residuals, codec state, step counters), marked with
         this rank, the world size and the settings' fingerprint."""
-        state = self.comm.state_dict()
-        state["hook_step"] = self.step
-        return state
+        return self.comm.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         """Restore this rank's own :meth:`state_dict`; see :meth:`Communicator.load_state_dict`
         for what ``strict=False`` accepts and drops."""
         self.comm.load_state_dict(state, strict=strict)
-        self.step = int(state.get("hook_step", 0)) if isinstance(state, dict) else 0
         if self.levels is not None:
             self.regroup()  # the groups of the loaded levels
 
@@ -262,20 +267,21 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     params = bucket.parameters()
     grads = bucket.gradients()
     names = [state.param_names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
-    what = f"step {state.step}, {_bucket_label(bucket.index(), names)}"
+    step = state.step  # this backward pass's, taken here: the jobs run later, on the worker
+    what = f"step {step}, {_bucket_label(bucket.index(), names)}"
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
     # untouched, so compression starts from an empty residual on every rank alike
-    dense = state.step < state.config.warmup
+    dense = step < state.config.warmup
     last = bucket.is_last()
     levels = state.levels
     replan = False
     if state.ramp is not None:
-        state.comm.ramp_level = None if dense else state.ramp.level_at(state.step)
+        state.comm.ramp_level = None if dense else state.ramp.level_at(step)
     if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
-        levels.sampling = not dense and levels.sample_at(state.step)
-        replan = last and not dense and levels.plan_after(state.step)
+        levels.sampling = not dense and levels.sample_at(step)
+        replan = last and not dense and levels.plan_after(step)
     if last:
-        state.step += 1
+        state.comm.next_step()
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
     if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
         return state.deliver(_plain_bucket(state, buffer, names, grads, what), buffer)
@@ -302,7 +308,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
 
     def job() -> Generator[None, None, torch.Tensor]:
         # the gradients are views into DDP's bucket buffers: the averages are written into them
-        yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups)
+        yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups, step=step)
         return buffer
 
     # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
@@ -496,8 +502,12 @@ def register(
     probe = GradzipState(comm, names, cfg)  # its filter decides what the plan compresses
     plan = probe.build_plan(named, probe.should_compress)
     device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
-    costs = planner.calibrate(comm, device) if cfg.plan == AUTO else None
+    # the planner chooses the collective too, unless the user named one or gave it options
+    free = cfg.origin("collective") == "default" and not cfg.collective_options
+    routes = planner.candidate_routes(comm) if cfg.plan == AUTO and free else []
+    costs = planner.calibrate(comm, device, routes=routes) if cfg.plan == AUTO else None
     decisions = planner.decide(plan.groups, dict(named), comm.codec, costs)
+    comm.routes = {n: d.route for d in decisions if d.compress and d.route is not None for n in d.members}
     # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
     state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
     state.decisions, state.costs = decisions, costs

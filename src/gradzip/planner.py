@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -69,33 +69,78 @@ class Line:
 
 @dataclass
 class Costs:
-    """The calibrated model: a line for the plain all-reduce and one for the compressed exchange."""
+    """The calibrated model: a line for the plain all-reduce, one for the compressed exchange
+    through the configured collective, and one per other route the planner may choose
+    (``routes``: a route's label, see :func:`~gradzip.communicator.route_label`, to its line)."""
 
     plain: Line
     compressed: Line
     world_size: int
+    routes: Dict[str, Line] = field(default_factory=dict)
 
     def plain_s(self, numel: int, element_size: int = 4) -> float:
         """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes."""
         return self.plain.at(numel * element_size / 4)
 
-    def compressed_s(self, numel: int) -> float:
-        """Predicted seconds of one compressed exchange of ``numel`` values (padding included)."""
-        return self.compressed.at(numel)
+    def compressed_s(self, numel: int, route: Optional[str] = None) -> float:
+        """Predicted seconds of one compressed exchange of ``numel`` values (padding included),
+        through ``route`` (default the configured collective)."""
+        return (self.compressed if route is None else self.routes[route]).at(numel)
 
-    def as_dict(self) -> Dict[str, float]:
-        return {
+    def cheapest(self, numel: int) -> Tuple[Optional[str], float]:
+        """The cheapest way to exchange ``numel`` compressed values: (route or None for the
+        configured collective, predicted seconds). Ties go to the configured collective, then
+        to the routes in their order."""
+        best: Tuple[Optional[str], float] = (None, self.compressed.at(numel))
+        for route, line in self.routes.items():
+            if line.at(numel) < best[1]:
+                best = (route, line.at(numel))
+        return best
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
             "plain_alpha_s": self.plain.alpha, "plain_s_per_value": self.plain.beta,
             "compressed_alpha_s": self.compressed.alpha, "compressed_s_per_value": self.compressed.beta,
             "world_size": self.world_size,
         }
+        if self.routes:
+            out["routes"] = {r: {"alpha_s": line.alpha, "s_per_value": line.beta} for r, line in self.routes.items()}
+        return out
 
 
-def calibrate(comm: Any, device: Optional[torch.device] = None, repeats: int = REPEATS) -> Costs:
+def candidate_routes(comm: Any) -> List[str]:
+    """The routes other than ``comm``'s configured collective that could exchange its codec's
+    payloads: every collective that supports the codec, and ``ps`` with one and with two
+    partitions per rank. (Multi-round codecs such as PowerSGD have ``allreduce`` only.)"""
+    from . import collectives
+    from .communicator import route_label
+
+    own = route_label(comm.collective_name, _changed(comm.collective))
+    out = []
+    for name in collectives.names():
+        if not collectives.get(name)(None).supports(comm.codec):
+            continue
+        for options in [{}] if name != "ps" else [{}, {"partitions": 2 * comm.world_size}]:
+            label = route_label(name, options)
+            if label != own and label not in out:
+                out.append(label)
+    return out
+
+
+def _changed(coll: Any) -> Dict[str, Any]:
+    """A collective's options that differ from their defaults."""
+    return {k: v for k, v in coll.config().items() if v != type(coll).options[k].default}
+
+
+def calibrate(
+    comm: Any, device: Optional[torch.device] = None, repeats: int = REPEATS, routes: Sequence[str] = (),
+) -> Costs:
     """Time ``comm``'s plain and compressed exchanges on its process group, with tensors on
-    ``device`` (the gradients' device: CUDA for NCCL); the slowest rank's lines.
+    ``device`` (the gradients' device: CUDA for NCCL); the slowest rank's lines. ``routes``:
+    other collectives to time the compressed exchange through (:func:`candidate_routes`).
 
-    Every rank must call it at the same point (registration): it issues collectives on the group.
+    Every rank must call it at the same point (registration) with the same routes: it issues
+    collectives on the group.
     """
     device = torch.device("cpu") if device is None else device
     from .communicator import Communicator
@@ -108,14 +153,18 @@ def calibrate(comm: Any, device: Optional[torch.device] = None, repeats: int = R
         dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, **comm.codec.config(),
     )
     w = probe.world_size
-    plain, packed = [], []
+    ways: List[Tuple[str, bool, Optional[str]]] = [("plain", False, None), ("compressed", True, None)]
+    ways += [(f"route{i}", True, route) for i, route in enumerate(routes)]
+    points: Dict[str, List[Tuple[float, float]]] = {way: [] for way, _, _ in ways}
     try:
         for n in SIZES:
             x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
             buf = torch.empty(GROUPS * n, device=device)  # groups back to back, as in a DDP bucket
             parts = [buf[i * n : (i + 1) * n] for i in range(GROUPS)]
-            for compress, points in ((False, plain), (True, packed)):
-                names = [f"planner.{n}.{int(compress)}.{i}" for i in range(GROUPS)]
+            for way, compress, route in ways:
+                names = [f"planner.{n}.{way}.{i}" for i in range(GROUPS)]
+                if route is not None:
+                    probe.routes.update({name: route for name in names})
 
                 def once() -> None:
                     drive(probe.reduce_many_stages(
@@ -131,14 +180,15 @@ def calibrate(comm: Any, device: Optional[torch.device] = None, repeats: int = R
                 once()  # first touch of the buffers, connections
                 if w > 1:
                     dist.barrier(group=comm.group)
-                points.append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
+                points[way].append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
     finally:
         probe.close()
-    figures = torch.tensor([*fit(plain), *fit(packed)], dtype=torch.float64, device=device)
+    figures = torch.tensor([v for way, _, _ in ways for v in fit(points[way])], dtype=torch.float64, device=device)
     if w > 1:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
-    a_p, b_p, a_c, b_c = figures.cpu().tolist()
-    return Costs(Line(a_p, b_p), Line(a_c, b_c), world_size=w)
+    values = figures.cpu().tolist()
+    lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(ways))]
+    return Costs(lines[0], lines[1], world_size=w, routes=dict(zip(routes, lines[2:])))
 
 
 def median_seconds(fn, repeats: int, before=None) -> float:
@@ -166,7 +216,8 @@ def fit(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
 
 @dataclass
 class Decision:
-    """One group's choice: ``compress`` or not, with both predictions in seconds (NaN: not planned)."""
+    """One group's choice: ``compress`` or not, with both predictions in seconds (NaN: not
+    planned), and the route of its compressed exchange (None: the configured collective)."""
 
     group: int
     members: List[str]
@@ -174,6 +225,7 @@ class Decision:
     compress: bool
     plain_s: float
     compressed_s: float
+    route: Optional[str] = None
 
     @property
     def predicted_s(self) -> float:
@@ -193,9 +245,9 @@ def padded_numel(codec: Codec, params: Sequence[torch.Tensor]) -> int:
 def decide(
     groups: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], codec: Codec, costs: Optional[Costs],
 ) -> List[Decision]:
-    """Compress a group only where its predicted exchange beats the plain all-reduce by
-    ``MARGIN``; every group, with NaN predictions, when there is no model (``costs`` None:
-    planning is off)."""
+    """Compress a group only where its cheapest compressed exchange (over the configured
+    collective and ``costs.routes``) beats the plain all-reduce by ``MARGIN``; every group,
+    with NaN predictions, when there is no model (``costs`` None: planning is off)."""
     out = []
     for g, members in enumerate(groups):
         tensors = [params[m] for m in members]
@@ -204,8 +256,8 @@ def decide(
             out.append(Decision(g, list(members), n, True, float("nan"), float("nan")))
             continue
         plain = costs.plain_s(n, tensors[0].element_size())
-        packed = costs.compressed_s(padded_numel(codec, tensors))
-        out.append(Decision(g, list(members), n, packed < (1 - MARGIN) * plain, plain, packed))
+        route, packed = costs.cheapest(padded_numel(codec, tensors))
+        out.append(Decision(g, list(members), n, packed < (1 - MARGIN) * plain, plain, packed, route))
     return out
 
 
@@ -216,7 +268,7 @@ def report(decisions: Sequence[Decision], measured: Mapping[int, List[float]], c
         times = measured.get(d.group, [])
         rows.append({
             "group": d.group, "params": len(d.members), "first": d.members[0] if d.members else "",
-            "mb": round(d.numel * 4 / 2**20, 3), "compress": d.compress,
+            "mb": round(d.numel * 4 / 2**20, 3), "compress": d.compress, "route": d.route,
             "predicted_plain_ms": round(d.plain_s * 1e3, 3), "predicted_compressed_ms": round(d.compressed_s * 1e3, 3),
             "predicted_ms": round(d.predicted_s * 1e3, 3),
             "measured_ms": round(statistics.median(times) * 1e3, 3) if times else None,

@@ -1,24 +1,18 @@
 """All-gather of arbitrary payloads, fixed or variable in size, aggregated by the codec."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ..codecs.base import Codec, Payload
+from ..codecs.base import Payload
 from .base import (
+    Call,
     Collective,
-    Result,
-    Timer,
+    Exchanged,
     all_gather_flat,
-    deliver,
     from_bytes,
-    nonfinite_flag,
-    own_payload,
     register_collective,
     spec_of,
     to_bytes,
-    world,
 )
 
 
@@ -32,18 +26,13 @@ class AllGather(Collective):
 
     name = "allgather"
 
-    def run(
-        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-        align: int = 1,
-    ) -> Result:
-        _, w = world(self.group)
-        timer = Timer()
-        flag = nonfinite_flag(x)
-        payload = timer.encode(codec.encode, x, name, step)
-        spec = spec_of(payload.tensors)
-        buf = to_bytes(payload.tensors, flag)
-        if codec.fixed_size:
-            specs = [spec] * w
+    def exchange(self, call: Call) -> Exchanged:
+        w = call.world_size
+        payload = call.encode(call.x)
+        call.keep_own(payload)
+        buf = to_bytes(payload.tensors, call.flag)
+        if call.codec.fixed_size:
+            specs = [spec_of(payload.tensors)] * w
             gathered = self._all_gather_bytes(buf, w)
         else:
             specs, gathered = self._gather_variable(payload, buf, w)
@@ -52,9 +41,8 @@ class AllGather(Collective):
             tensors, f = from_bytes(gathered[r], specs[r])
             payloads.append(Payload(tensors, payload.ctx))
             flags.append(f)
-        avg = deliver(timer.decode(codec.aggregate, payloads).reshape(-1), out)
-        own = own_payload(codec, payload, timer) if need_own else None
-        return Result(avg, own, torch.stack(flags).any(), payload.nbytes, *timer.times())
+        avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
+        return Exchanged(avg, torch.stack(flags).any(), payload.nbytes)
 
     def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
         sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)

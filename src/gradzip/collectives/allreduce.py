@@ -1,22 +1,13 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import (
-    Collective,
-    Result,
-    Stages,
-    Timer,
-    nonfinite_flag,
-    own_payload,
-    register_collective,
-    world,
-)
+from .base import Call, Collective, Exchanged, Stages, register_collective
 
 
 @register_collective
@@ -26,38 +17,30 @@ class AllReduce(Collective):
     The input is divided by the world size before encoding, so sums stay in range (fp16) and
     decoding the sum gives the average directly. The non-finite flag is summed as a one-element
     tensor of its own next to the first round, so the payload is never copied to make room.
+    Unflagged (``flagged = False``: gradzip's plain all-reduce of uncompressed gradients, which
+    has no memory to spare) a NaN or Inf spreads through the sum exactly as in DDP's own
+    all-reduce, the same on every rank.
     """
 
     name = "allreduce"
-    # whether a one-element non-finite flag goes with the sums; off for gradzip's plain all-reduce
-    # of uncompressed gradients, which has no memory to spare: a NaN or Inf then spreads through
-    # the sum exactly as in DDP's own all-reduce, the same on every rank
-    flagged = True
 
     def supports(self, codec: Codec) -> bool:
         return codec.summable and super().supports(codec)
 
-    def stages(
-        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-        align: int = 1,
-    ) -> Stages:
-        _, w = world(self.group)
-        timer = Timer()
-        if self.flagged:
-            flag = nonfinite_flag(x).to(torch.float32).reshape(1)
-        else:
-            flag = torch.zeros(1, dtype=torch.float32, device=x.device)
-        if w > 1 and out is not None and not need_own and _same_memory(out, x):
+    def exchange(self, call: Call) -> Stages:
+        x, w, out = call.x, call.world_size, call.out
+        flag = call.flag.to(torch.float32).reshape(1)
+        if w > 1 and out is not None and not call.need_own and _same_memory(out, x):
             scaled = x.view(-1).div_(w)  # in place: the caller wants x overwritten with the average
         else:
             scaled = x / w if w > 1 else x
-        payload = timer.encode(codec.encode, scaled, name, step)
+        payload = call.encode(scaled)
         wire = 0
         first = True
         while True:
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
-            if need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
+            if call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
                 tensors = [t.clone() for t in tensors]
             if w > 1:
                 extra = [flag] if first and self.flagged else []
@@ -67,16 +50,16 @@ class AllReduce(Collective):
                     work.wait()
             first = False
             reduced = [r.view(t.shape) for r, t in zip(tensors, payload.tensors)]
-            nxt = timer.encode(codec.next_round, payload, reduced)
+            nxt = call.timer.encode(call.codec.next_round, payload, reduced)
             if nxt is None:
                 break
             payload = nxt
+        call.keep_own(payload, scale=float(w))  # the last round's own payload, before the sum
         if out is None:
-            avg = timer.decode(codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
+            avg = call.decode(call.codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
         else:
-            avg = timer.decode(codec.decode_into, Payload(reduced, payload.ctx), out)
-        own = own_payload(codec, payload, timer, float(w)) if need_own else None
-        return Result(avg, own, flag[0] > 0, wire, *timer.times())
+            avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), out)
+        return Exchanged(avg, flag[0] > 0, wire)
 
 
 def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:

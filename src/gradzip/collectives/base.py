@@ -1,8 +1,12 @@
-"""What every collective shares: the result record, wire (de)serialisation and the registry.
+"""What every collective shares: the frame of a call, the result record, wire (de)serialisation
+and the registry.
 
-A collective takes one flat tensor (the error-compensated gradient of one parameter), encodes it
-with a codec, moves the payloads with ``torch.distributed`` and returns the average over ranks,
-identical to the bit on every rank because every rank decodes the same bytes the same way.
+A collective takes one tensor (the error-compensated gradient of a parameter, or a fused group
+of them), encodes it with a codec, moves the payloads with ``torch.distributed`` and returns the
+average over ranks, identical to the bit on every rank because every rank decodes the same bytes
+the same way. A collective implements only that exchange (:meth:`Collective.exchange`); the
+base class frames every call with what they all share (:class:`Call`): the non-finite flag of
+the input, the timer, this rank's own decoded payloads for error feedback and the result.
 
 Every message also carries a one-byte "non-finite input" flag, so every rank learns in the same
 round whether any rank's input held NaN or Inf, without a host sync. (The all-reduce sums a
@@ -11,8 +15,8 @@ one-element flag tensor issued next to the payload, an extra tiny collective in 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -21,7 +25,7 @@ from ..codecs.base import Codec, Payload, element_size
 from ..kernels import store_into
 from ..naming import Registry
 from ..options import Configurable
-from ..pipeline import Stages, drive, staged  # noqa: F401  (staged: for collectives built on others)
+from ..pipeline import Stages, drive, staged
 
 _ALIGN = 8
 
@@ -167,16 +171,78 @@ def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch
     return out, buf[offset] != 0
 
 
-# ------------------------------------------------------------------------- base class
+# ------------------------------------------------------------------------- one call
+@dataclass
+class Exchanged:
+    """What a collective's exchange hands back: the average and what came with it."""
+
+    avg: torch.Tensor  # the average over ranks, flat (``Call.out`` where the exchange wrote there)
+    nonfinite: torch.Tensor  # 0-dim bool: the OR of every rank's non-finite flag
+    wire_bytes: int  # payload bytes this rank put on the wire
+    payload_bytes: Optional[int] = None  # see Result.payload_bytes
+
+
+@dataclass
+class Call:
+    """One call of a collective as its exchange sees it.
+
+    :meth:`Collective.stages` builds it around every call and does the steps every collective
+    shares: the input's non-finite flag, the timer of encode and decode, decoding this rank's own
+    payloads for error feedback, writing the average to ``out`` and the :class:`Result`. The
+    exchange encodes through :meth:`encode` (timed, with the call's step), decodes through
+    :meth:`decode`, and names the payloads that are this rank's own with :meth:`keep_own`.
+    """
+
+    codec: Codec
+    x: torch.Tensor  # the input, in the caller's shape (PowerSGD reads it as a matrix)
+    name: str
+    step: int
+    need_own: bool  # the caller wants this rank's decoded payloads (keep them intact)
+    out: Optional[torch.Tensor]
+    align: int
+    rank: int
+    world_size: int
+    flag: torch.Tensor  # 0-dim bool: this rank's input holds NaN/Inf (all False when unflagged)
+    timer: Timer
+    own: List[Tuple[Payload, int, Optional[int], float]] = field(default_factory=list)  # see keep_own
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.x.reshape(-1)
+
+    def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None) -> Payload:
+        """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
+        the call's step, timed as encoding."""
+        return self.timer.encode((codec or self.codec).encode, x, self.name if name is None else name, self.step)
+
+    def decode(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` timed as decoding (``codec.decode_into``, ``codec.aggregate``, a sum)."""
+        return self.timer.decode(fn, *args)
+
+    def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
+        """``payload`` is this rank's encoding of the input's values ``start`` to ``end`` (a chunk,
+        a partition, the whole; ``end`` defaults to as many values as the payload holds, a padded
+        chunk's padding cut at the end of the input); decoded times ``scale`` it is this rank's
+        share of the average."""
+        if self.need_own:
+            self.own.append((payload, start, end, scale))
+
+
 class Collective(Configurable):
-    """Moves one tensor's payloads between ranks; subclasses implement :meth:`run`."""
+    """Moves one tensor's payloads between ranks; a subclass implements only :meth:`exchange`."""
 
     kind = "collective"
     name: str = ""
+    # whether every call computes its input's non-finite flag for the exchange to carry; off for
+    # gradzip's plain all-reduce of uncompressed gradients (see AllReduce)
+    flagged = True
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
         self.group = group
         self.set_options(opts)  # ValueError for an unknown option or a bad value
+        # buffers per (tensor, role), reused from call to call: fresh ones would cost a page
+        # fault per 4 KiB on every call
+        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
@@ -190,15 +256,22 @@ class Collective(Configurable):
 
     def release(self) -> None:
         """Drop buffers kept from call to call (the communicator is closing)."""
-        getattr(self, "_buffers", {}).clear()
+        self._buffers.clear()
+
+    def _buffer(
+        self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
+    ) -> torch.Tensor:
+        """A buffer kept for tensor ``name`` and ``role`` (send, receive, own, ...) from call to call."""
+        buf = self._buffers.get((name, role))
+        if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
+            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1,
     ) -> Result:
         """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``.
-
-        A collective implements this or :meth:`stages`; the default runs :meth:`stages` through.
 
         With ``out`` (flat, ``x.numel()`` values, ``x``'s dtype) the average is written there and
         ``Result.avg`` is ``out``: no fresh result tensor, whose first touch of every page costs
@@ -214,17 +287,48 @@ class Collective(Configurable):
     def stages(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1,
-    ) -> "Stages":
+    ) -> Stages:
         """:meth:`run` cut into stages: a generator that yields each time it has issued
         asynchronous collectives and would next wait for them, and returns the :class:`Result`.
 
         A pipeline (:class:`~gradzip.pipeline.Pipeline`) advances the stages of several calls in
         turn, so one call's payloads are on the wire while another is encoded or decoded. The
-        default is one stage: :meth:`run`.
+        stages are those of :meth:`exchange`, framed by the steps every collective shares.
         """
-        if type(self).run is Collective.run:
-            raise NotImplementedError(f"collective {self.name!r} implements neither run() nor stages()")
-        return self.run(codec, x, name, step, need_own, out, align)
+        rank, w = world(self.group)
+        flag = nonfinite_flag(x) if self.flagged else torch.zeros((), dtype=torch.bool, device=x.device)
+        call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer())
+        got = yield from staged(self.exchange(call))
+        avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
+        own = self._decode_own(call) if need_own else None
+        return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
+
+    def exchange(self, call: Call) -> Union[Stages, Exchanged]:
+        """Encode ``call.x``, move the payloads and decode the average: a generator of stages
+        (yield after issuing asynchronous collectives, before waiting for them) returning
+        :class:`Exchanged`, or a plain function returning it.
+
+        Every rank must issue the same collectives in the same order, carry ``call.flag`` in what
+        it sends (the wire format of :func:`to_bytes` has a byte for it) and decode the same
+        bytes the same way, so the average is identical on every rank.
+        """
+        raise NotImplementedError(f"collective {self.name!r} does not implement exchange()")
+
+    def _decode_own(self, call: Call) -> torch.Tensor:
+        """This rank's payloads decoded at the input's scale, in one buffer kept from call to
+        call (the caller reads it before its next call with the same name)."""
+        n = call.x.numel()
+        own = self._buffer(call.name, "own", (n,), call.x.device, call.x.dtype)
+        covered = 0
+        for payload, start, end, scale in call.own:
+            dst = own[start : min(start + payload.ctx.numel, n if end is None else end)]
+            call.decode(call.codec.decode_into, payload, dst)
+            if scale != 1.0:
+                dst.mul_(scale)
+            covered += dst.numel()
+        if covered != n:
+            raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
+        return own
 
     def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
         """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""
@@ -249,14 +353,3 @@ def reencoder(codec: Codec) -> Codec:
     if not codec.tensor_state:
         return codec
     return type(codec)(**codec.config())
-
-
-def deliver(avg: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """``avg``, or ``out`` holding it when the caller gave a destination."""
-    return store_into(avg, out, accumulate=False)
-
-
-def own_payload(codec: Codec, payload: Payload, timer: Timer, scale: float = 1.0) -> torch.Tensor:
-    """This rank's payload decoded, at the scale of the input (for error feedback)."""
-    own = timer.decode(codec.decode, payload).reshape(-1)
-    return own * scale if scale != 1.0 else own

@@ -10,15 +10,12 @@ import torch.distributed as dist
 from ..codecs.base import Codec, Payload
 from ..options import Option, int_in, optional
 from .base import (
+    Call,
     Collective,
-    Result,
+    Exchanged,
     Spec,
-    Timer,
     all_gather_flat,
-    deliver,
     from_bytes,
-    nonfinite_flag,
-    own_payload,
     reencoder,
     register_collective,
     spec_bytes,
@@ -31,8 +28,6 @@ from .base import (
 def aggregator(call: int, partition: int, world_size: int) -> int:
     """The rank that aggregates ``partition`` in the ``call``-th call: ``(call + partition) mod W``."""
     return (call + partition) % world_size
-
-
 
 
 def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_partition: int) -> int:
@@ -110,29 +105,24 @@ class ParameterServer(Collective):
         single_round = type(codec).next_round is Codec.next_round
         return single_round and (codec.summable or codec.reencodable)
 
-    def run(
-        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-        align: int = 1,
-    ) -> Result:
-        rank, w = world(self.group)
-        timer = Timer()
-        x = x.reshape(-1)
+    def exchange(self, call: Call) -> Exchanged:
+        codec, rank, w = call.codec, call.rank, call.world_size
+        x = call.flat
         n = x.numel()
         parts = num_partitions(n, self.partitions, w, self.min_partition)
-        call, self.calls = self.calls, self.calls + 1
-        owner = [aggregator(call, p, w) for p in range(parts)]
+        calls, self.calls = self.calls, self.calls + 1
+        owner = [aggregator(calls, p, w) for p in range(parts)]
         mine = [p for p in range(parts) if owner[p] == rank]
         self.aggregated = mine
         summable = codec.summable
-        flag = nonfinite_flag(x)
         src = x / w if summable and w > 1 else x  # summed payloads then decode to the mean
 
         # phase 1: encode every partition, send it to its aggregator
-        encoded = [
-            timer.encode(codec.encode, src[a:b], f"{name}#{p}", step)
-            for p, (a, b) in enumerate(partition_bounds(n, parts, align))
-        ]
-        bufs = [to_bytes(e.tensors, flag) for e in encoded]
+        bounds = partition_bounds(n, parts, call.align)
+        encoded = [call.encode(src[a:b], f"{call.name}#{p}") for p, (a, b) in enumerate(bounds)]
+        for (a, b), e in zip(bounds, encoded):
+            call.keep_own(e, a, b, scale=float(w) if summable else 1.0)
+        bufs = [to_bytes(e.tensors, call.flag) for e in encoded]
         own_specs = [spec_of(e.tensors) for e in encoded]
         if codec.fixed_size:
             specs = [own_specs] * w
@@ -161,11 +151,11 @@ class ParameterServer(Collective):
         for p in mine:
             flags = torch.stack([f for _, f in received[p]]).any()
             if summable:
-                merged = timer.decode(_sum_payloads, [t for t, _ in received[p]])
+                merged = call.decode(_sum_payloads, [t for t, _ in received[p]])
             else:
                 payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
-                mean = timer.decode(codec.aggregate, payloads).reshape(-1)
-                merged = timer.encode(reencoder(codec).encode, mean, f"{name}#{p}", step).tensors
+                mean = call.decode(codec.aggregate, payloads).reshape(-1)
+                merged = call.encode(mean, f"{call.name}#{p}", codec=reencoder(codec)).tensors
             merged_tensors[p] = merged
             merged_bufs[p] = to_bytes(merged, flags)
 
@@ -189,16 +179,12 @@ class ParameterServer(Collective):
             d = owner[p]
             tensors, f = from_bytes(gathered[d, offsets[d] : offsets[d] + sizes2[p]], specs2[p])
             offsets[d] += sizes2[p]
-            outs.append(timer.decode(codec.decode, Payload(tensors, encoded[p].ctx)).reshape(-1))
+            outs.append(call.decode(codec.decode, Payload(tensors, encoded[p].ctx)).reshape(-1))
             flags2.append(f)
-        avg = deliver(torch.cat(outs) if parts > 1 else outs[0], out)
-        own = None
-        if need_own:
-            scale = float(w) if summable else 1.0
-            own = torch.cat([own_payload(codec, e, timer, scale) for e in encoded])
+        avg = torch.cat(outs) if parts > 1 else outs[0]
         first_round = sum(e.nbytes for e in encoded)
         wire = first_round + sum(t.numel() * t.element_size() for p in mine for t in merged_tensors[p])
-        return Result(avg, own, torch.stack(flags2).any(), wire, *timer.times(), payload_bytes=first_round)
+        return Exchanged(avg, torch.stack(flags2).any(), wire, payload_bytes=first_round)
 
     # ------------------------------------------------------------ variable-size payloads
     def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:

@@ -1,7 +1,7 @@
 """CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -9,21 +9,18 @@ import torch.distributed as dist
 from ..codecs.base import Codec, Payload
 from ..options import Option, int_in
 from .base import (
+    Call,
     Collective,
-    Result,
+    Exchanged,
     Stages,
-    Timer,
     all_gather_flat,
     from_bytes,
-    nonfinite_flag,
     reencoder,
     register_collective,
     spec_bytes,
     spec_of,
     to_bytes,
-    world,
 )
-
 
 
 @register_collective
@@ -46,71 +43,47 @@ class ScatterReduceAllGather(Collective):
 
     options = {"segment": Option(1 << 22, int_in(1), "a positive integer", "values per segment of the gather")}
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
-        super().__init__(group, **opts)
-        # send/receive buffers per (tensor, segment, role), reused from call to call: fresh ones
-        # would cost a page fault per 4 KiB on every call
-        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
-
-    def _buffer(
-        self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
-    ) -> torch.Tensor:
-        buf = self._buffers.get((name, role))
-        if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
-            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
-        return buf
-
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
 
-    def stages(
-        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
-        align: int = 1,
-    ) -> Stages:
-        rank, w = world(self.group)
-        timer = Timer()
-        x = x.reshape(-1)
-        n = x.numel()
-        flag = nonfinite_flag(x)
+    def exchange(self, call: Call) -> Stages:
+        x = call.flat
+        n, align = x.numel(), call.align
         seg = max(align, self.segment // align * align)  # segments start on block boundaries
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)]
-        tag = (lambda s: name) if len(bounds) == 1 else (lambda s: f"{name}/{s}")
+        tag = (lambda s: call.name) if len(bounds) == 1 else (lambda s: f"{call.name}/{s}")
 
         # phase 1, per segment: encode every chunk, send chunk j to rank j (asynchronously)
-        phase1 = [self._scatter(codec, x[a:b], tag(s), step, flag, rank, w, timer, align) for s, (a, b) in enumerate(bounds)]
+        phase1 = [self._scatter(call, x[a:b], a, tag(s)) for s, (a, b) in enumerate(bounds)]
         yield  # the all-to-alls are on the wire
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
-        phase2 = [self._reduce(codec, p, tag(s), step, rank, w, timer) for s, p in enumerate(phase1)]
+        phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
         yield  # the all-gathers are on the wire
         # every rank's decoded chunks land straight in their place in the result
-        avg = torch.empty(n, dtype=x.dtype, device=x.device) if out is None else out
-        # read by the caller before its next call: reused like the byte buffers
-        own = self._buffer(name, "own", (n,), x.device, x.dtype) if need_own else None
+        avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
         flags, wire, first_round = [], 0, 0
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
-            flags.append(self._gather(codec, p1, p2, avg[a:b], w, timer, align))
+            flags.append(self._gather(call, p1, p2, avg[a:b]))
             first = sum(p.nbytes for p in p1["encoded"])
             first_round += first
             wire += first + p2["second"].nbytes
-            if own is not None:
-                for payload, dst in zip(p1["encoded"], _chunks(own[a:b], w, align)):
-                    timer.decode(codec.decode_into, payload, dst)
-        return Result(avg, own, torch.stack(flags).any(), wire, *timer.times(), payload_bytes=first_round)
+        return Exchanged(avg, torch.stack(flags).any(), wire, payload_bytes=first_round)
 
-    def _scatter(
-        self, codec: Codec, x: torch.Tensor, name: str, step: int, flag, rank: int, w: int, timer: Timer, align: int,
-    ) -> dict:
+    def _scatter(self, call: Call, x: torch.Tensor, start: int, name: str) -> dict:
+        w = call.world_size
         n = x.numel()
-        chunk = chunk_length(n, w, align)
+        chunk = chunk_length(n, w, call.align)
         # every chunk has ``chunk`` values: the short tail ones are padded with zeros (copied
         # alone, not the whole segment)
         chunks = [x[j * chunk : (j + 1) * chunk] for j in range(w)]
         chunks = [c if c.numel() == chunk else torch.cat([c, x.new_zeros(chunk - c.numel())]) for c in chunks]
-        encoded = [timer.encode(codec.encode, chunks[j], f"{name}#{j}", step) for j in range(w)]
+        encoded = [call.encode(chunks[j], f"{name}#{j}") for j in range(w)]
+        for j, payload in enumerate(encoded):
+            call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own  # the padding is not this segment's
         shape = (w, spec_bytes(spec_of(encoded[0].tensors)))
         send = self._buffer(name, "send", shape, x.device)
         for j, p in enumerate(encoded):
-            to_bytes(p.tensors, flag, out=send[j])
+            to_bytes(p.tensors, call.flag, out=send[j])
         recv = self._buffer(name, "recv", shape, x.device)
         work = None
         if w > 1:
@@ -119,7 +92,8 @@ class ScatterReduceAllGather(Collective):
             recv.copy_(send)
         return {"encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work}
 
-    def _reduce(self, codec: Codec, p1: dict, name: str, step: int, rank: int, w: int, timer: Timer) -> dict:
+    def _reduce(self, call: Call, p1: dict, name: str) -> dict:
+        rank, w = call.rank, call.world_size
         if p1["work"] is not None:
             p1["work"].wait()
         mine = p1["encoded"][rank].ctx
@@ -129,9 +103,9 @@ class ScatterReduceAllGather(Collective):
             tensors, f = from_bytes(p1["recv"][r], p1["spec"])
             parts.append(Payload(tensors, mine))
             flags.append(f)
-        reduced = timer.decode(codec.aggregate, parts).reshape(-1)
+        reduced = call.decode(call.codec.aggregate, parts).reshape(-1)
         # re-encode under the chunk's own name, with a codec whose state it cannot touch
-        second = timer.encode(reencoder(codec).encode, reduced, f"{name}#{rank}", step)
+        second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec))
         shape = (w, spec_bytes(spec_of(second.tensors)))
         gathered = self._buffer(name, "gathered", shape, reduced.device)
         buf = to_bytes(second.tensors, torch.stack(flags).any(), out=self._buffer(name, "mine", (1, shape[1]), reduced.device)[0])
@@ -142,15 +116,15 @@ class ScatterReduceAllGather(Collective):
             gathered[0] = buf
         return {"second": second, "gathered": gathered, "work": work}
 
-    def _gather(self, codec: Codec, p1: dict, p2: dict, out: torch.Tensor, w: int, timer: Timer, align: int) -> torch.Tensor:
+    def _gather(self, call: Call, p1: dict, p2: dict, out: torch.Tensor) -> torch.Tensor:
         """Decode the all-gathered chunks into ``out`` (this segment of the result); the flag."""
         if p2["work"] is not None:
             p2["work"].wait()
         spec2 = spec_of(p2["second"].tensors)
         flags = []
-        for r, dst in enumerate(_chunks(out, w, align)):  # every rank decodes the same bytes, same context
+        for r, dst in enumerate(_chunks(out, call.world_size, call.align)):  # the same bytes, same context
             tensors, f = from_bytes(p2["gathered"][r], spec2)
-            timer.decode(codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
+            call.decode(call.codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
             flags.append(f)
         return torch.stack(flags).any()
 
