@@ -334,6 +334,12 @@ class AdaptiveLevels:
             "plans": self.plans,
         }
 
+    def carry_over(self, old: "AdaptiveLevels") -> None:
+        """Take ``old``'s levels for the parameters both hold, and its count of plans (a new set
+        of compressed parameters); the errors measured so far start again."""
+        self.choice = [old.choice[old.index[n]] if n in old.index else self.default for n in self.names]
+        self.plans, self.samples = old.plans, old.samples
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; names or levels it does not know keep the uniform level."""
         choice = state.get("choice", {})

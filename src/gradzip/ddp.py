@@ -51,6 +51,14 @@ class GradzipState:
         self.levels: Optional[AdaptiveLevels] = None  # per-parameter levels with adaptive on
         self.ramp: Optional[Ramp] = None  # the levels of the first compressed steps
         self._compressed: List[Tuple[str, torch.Tensor]] = []  # what the plan compresses, in order
+        # what the planner decides from (set by register): the groups of compressible parameters,
+        # the parameters by name in registration order, the routes it may choose, their device
+        self.candidates: List[List[str]] = []
+        self.params: Dict[str, torch.Tensor] = {}
+        self.route_candidates: List[str] = []
+        self.device: Optional[torch.device] = None
+        self.drift: Optional[planner.DriftWatch] = None  # with plan="auto": when to calibrate again
+        self._flush: set = set()  # parameters no longer compressed whose remainder is still owed
         self.backward_done: Optional[float] = None
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
@@ -91,16 +99,59 @@ class GradzipState:
         planner's predictions (plain fp32 all-reduce vs the codec; NaN without ``plan="auto"``)
         and the median measured time of its compressed exchanges so far (from the first stage
         to the last; with pipelining, other jobs' stages run in between). ``costs``: the
-        calibrated model (:mod:`gradzip.planner`), None without ``plan="auto"``."""
+        calibrated model (:mod:`gradzip.planner`), None without ``plan="auto"``; each group's
+        ``route``: the collective the planner chose for it (None: the configured one); ``drift``:
+        the watch of measured against predicted times and how often it re-calibrated."""
         measured = {}
         for d in self.decisions:
             times = self.comm.metrics.group_times.get(group_key(sorted(d.members)))
             if times:
                 measured[d.group] = times
         out = planner.report(self.decisions, measured, self.costs)
+        if self.drift is not None:
+            out["drift"] = self.drift.as_dict()
         if self.levels is not None:
             out["levels"] = self.levels.describe()
         return out
+
+    def replan(self, costs: Optional[planner.Costs] = None) -> None:
+        """Decide every group again (compress or not, and its route) and apply the plan.
+
+        Without ``costs`` the cost model is calibrated anew on the process group: a collective
+        call, so every rank must call it at the same point, between steps (the drift watch does
+        so on the ordered worker). A parameter that stops being compressed owes the other ranks
+        its error-feedback remainder: it is added to its next gradient (sent plain), so nothing
+        is lost."""
+        if costs is None:
+            costs = planner.calibrate(self.comm, self.device, routes=self.route_candidates)
+        self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
+
+    def apply(self, decisions: List[planner.Decision], costs: Optional[planner.Costs]) -> None:
+        """Use ``decisions`` (made from ``costs``): the compressed set, routes, levels and groups."""
+        before = {n for n, _ in self._compressed}
+        self.decisions, self.costs = decisions, costs
+        compressed = {n for d in decisions if d.compress for n in d.members}
+        self._compressed = [(n, p) for n, p in self.params.items() if n in compressed]
+        self.comm.routes = {n: d.route for d in decisions if d.compress and d.route is not None for n in d.members}
+        self._flush = (self._flush | (before - compressed)) - compressed
+        cfg = self.config
+        if cfg.adaptive != "off" and self._compressed:  # measured and planned once the ramp is over
+            old = self.levels
+            self.levels = self.comm.levels = AdaptiveLevels(
+                self.comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in self._compressed],
+                [tuple(p.shape) for _, p in self._compressed], warmup=self.ramp.end if self.ramp else cfg.warmup,
+            )
+            if old is not None:
+                self.levels.carry_over(old)
+        else:
+            self.levels = self.comm.levels = None
+        if self.levels is not None and self.levels.plans:
+            self.regroup()  # the levels chosen so far, one a group
+        else:
+            self.fusion_plan = FusionPlan([d.members for d in decisions if d.compress])
+            self.collector = GroupCollector(self.fusion_plan)
+        if self.drift is not None:
+            self.drift.reset()
 
     def regroup(self) -> None:
         """Rebuild the fused groups so that each holds one adaptive level and one route (after
@@ -274,22 +325,41 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     dense = step < state.config.warmup
     last = bucket.is_last()
     levels = state.levels
-    replan = False
     if state.ramp is not None:
         state.comm.ramp_level = None if dense else state.ramp.level_at(step)
     if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
         levels.sampling = not dense and levels.sample_at(step)
-        replan = last and not dense and levels.plan_after(step)
+    # after this step's exchanges, on the ordered worker (backward ends when they are done):
+    # the adaptive plan, and the check of measured against predicted times
+    after: List[Tuple[str, Callable[[], None]]] = []
+    if last and not dense and levels is not None and levels.plan_after(step):
+        after.append(("adaptive plan", lambda: _replan(state, buffer.device)))
+    if last and state.drift is not None and state.drift.due(step):
+        after.append(("drift check", lambda: _check_drift(state)))
     if last:
         state.comm.next_step()
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
-    if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
-        return state.deliver(_plain_bucket(state, buffer, names, grads, what), buffer)
-
     plain = [
         i for i, g in enumerate(grads)
         if dense or not (names[i] in state.fusion_plan.group_of and state.should_compress(g))
     ]
+    if state._flush:  # no longer compressed: what their memory still owes goes with this sum
+        _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
+    if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
+        waits = [_plain_bucket(state, buffer, names, grads, what, step)]
+    else:
+        waits = _bucket_job(state, buffer, names, grads, plain, last, step, what)
+    for label, fn in after:
+        waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
+    return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
+
+
+def _bucket_job(
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], plain: List[int],
+    last: bool, step: int, what: str,
+) -> List[torch.futures.Future]:
+    """Submit a bucket's job to the pipeline: its plain gradients in one all-reduce and every
+    group it completes; the futures the bucket waits on (the job, and its gradients' groups)."""
     waits: Dict[int, torch.futures.Future] = {}
     for i, g in enumerate(grads):
         if i not in plain:
@@ -305,25 +375,48 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         tensors.extend(member_grads)
         job_names.extend(members)
         compress.extend([True] * len(members))
+    predicted = _predicted_s(state, tensors[: len(plain)], ready)
 
     def job() -> Generator[None, None, torch.Tensor]:
         # the gradients are views into DDP's bucket buffers: the averages are written into them
+        started = time.perf_counter()
         yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups, step=step)
+        if state.drift is not None:
+            state.drift.add(predicted, time.perf_counter() - started, step)
         return buffer
 
     # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
     done = state.comm.submit_staged(job, buffer.device, what=what, flush=last)
     for _, _, group_future in ready:
         done.add_done_callback(_settle_with(group_future))
-    if replan:  # after this step's exchanges, on the ordered worker; backward ends when it is done
-        waits[-1] = state.comm.submit(
-            lambda: _replan(state, buffer.device), buffer.device, what=f"{what}: adaptive plan",
-        )
-    return state.deliver(_all_of([done] + list(waits.values()), buffer), buffer)
+    return [done] + list(waits.values())
+
+
+def _predicted_s(state: GradzipState, plain: Sequence[torch.Tensor], ready: Sequence[Any]) -> float:
+    """The planner's seconds for a job: its plain all-reduce and the groups it exchanges."""
+    costs = state.costs
+    if costs is None or state.drift is None:
+        return float("nan")
+    total = costs.plain_s(sum(t.numel() for t in plain), plain[0].element_size()) if plain else 0.0
+    for members, member_grads, _ in ready:
+        numel = planner.padded_numel(state.comm.codec, member_grads)
+        total += costs.compressed_s(numel, state.comm.routes.get(members[0]))
+    return total
+
+
+def _settle_debts(state: GradzipState, names: List[str], grads: List[torch.Tensor]) -> None:
+    """Add to these plain gradients what their parameters' memory still owes (they were
+    compressed under an earlier plan): every rank adds its own remainder before the sum."""
+    for name, g in zip(names, grads):
+        if name in state._flush:
+            state._flush.discard(name)
+            owed = state.comm.memory.release(name)
+            if owed is not None:
+                g.add_(owed.to(device=g.device, dtype=g.dtype).view(g.shape))
 
 
 def _plain_bucket(
-    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], what: str,
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], what: str, step: int,
 ) -> torch.futures.Future:
     """A bucket of a step that compresses nothing (warm-up, or a plan left wholly plain): one
     in-place all-reduce of DDP's buffer, issued right here as DDP's default hook does, with none
@@ -348,6 +441,7 @@ def _plain_bucket(
         done.set_result(buffer)
         return done
     started = time.monotonic()
+    predicted = state.costs.plain_s(buffer.numel(), buffer.element_size()) if state.costs is not None else 0.0
     fut = dist.all_reduce(buffer.div_(w), group=comm.group, async_op=True).get_future()
     out = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
@@ -357,6 +451,8 @@ def _plain_bucket(
         except Exception as exc:  # raised as it is (Future.then would wrap it in a RuntimeError)
             out.set_exception(comm.record_failure(what, exc, time.monotonic() - started))
             return
+        if state.drift is not None:
+            state.drift.add(predicted, time.monotonic() - started, step)
         out.set_result(buffer)
 
     fut.add_done_callback(finish)
@@ -367,6 +463,16 @@ def _replan(state: GradzipState, device: torch.device) -> None:
     assert state.levels is not None
     if state.levels.replan(state.comm.group, device):
         state.regroup()
+        if state.drift is not None:
+            state.drift.reset()  # other levels move other bytes: a new baseline
+
+
+def _check_drift(state: GradzipState) -> None:
+    """Compare measured with predicted times (a collective); calibrate and plan again on drift."""
+    assert state.drift is not None
+    if state.drift.check(state.comm.group, state.device):
+        logger.info("gradzip: exchange times drifted from the planner's model; calibrating again")
+        state.replan()
 
 
 def _settle_with(target: torch.futures.Future):
@@ -498,30 +604,22 @@ def register(
             raise
         raise type(exc)(f"{exc}{note}") from exc
     named = list(model.module.named_parameters())
-    names = {id(p): n for n, p in named}
-    probe = GradzipState(comm, names, cfg)  # its filter decides what the plan compresses
-    plan = probe.build_plan(named, probe.should_compress)
-    device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
-    # the planner chooses the collective too, unless the user named one or gave it options
-    free = cfg.origin("collective") == "default" and not cfg.collective_options
-    routes = planner.candidate_routes(comm) if cfg.plan == AUTO and free else []
-    costs = planner.calibrate(comm, device, routes=routes) if cfg.plan == AUTO else None
-    decisions = planner.decide(plan.groups, dict(named), comm.codec, costs)
-    comm.routes = {n: d.route for d in decisions if d.compress and d.route is not None for n in d.members}
-    # the groups the planner leaves uncompressed go with their bucket's plain all-reduce
-    state = GradzipState(comm, names, cfg, FusionPlan([d.members for d in decisions if d.compress]))
-    state.decisions, state.costs = decisions, costs
-    compressed = {n for d in decisions if d.compress for n in d.members}
-    state._compressed = [(n, p) for n, p in named if n in compressed]
+    state = GradzipState(comm, {id(p): n for n, p in named}, cfg)
+    plan = state.build_plan(named, state.should_compress)  # the filter decides what may be compressed
+    state.candidates, state.params = plan.groups, dict(named)
+    state.device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
     if comm.codec.name in LEVELS and (cfg.adaptive != "off" or cfg.ramp > 0):
         comm.level_codecs = LevelCodecs(comm.codec)
     if cfg.ramp > 0:
         state.ramp = Ramp(comm.codec, cfg.ramp, start=cfg.warmup)
-    if cfg.adaptive != "off" and state._compressed:  # measured and planned once the ramp is over
-        state.levels = comm.levels = AdaptiveLevels(
-            comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in state._compressed],
-            [tuple(p.shape) for _, p in state._compressed], warmup=state.ramp.end if state.ramp else cfg.warmup,
-        )
+    if cfg.plan == AUTO:
+        # the planner chooses the collective too, unless the user named one or gave it options
+        if cfg.origin("collective") == "default" and not cfg.collective_options:
+            state.route_candidates = planner.candidate_routes(comm)
+        state.replan()  # calibrate; groups it leaves uncompressed go with their bucket's plain all-reduce
+        state.drift = planner.DriftWatch(start=(state.ramp.end if state.ramp else cfg.warmup) + 1)
+    else:
+        state.apply(planner.decide(plan.groups, state.params, comm.codec, None), None)
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

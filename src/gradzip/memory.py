@@ -50,6 +50,12 @@ class Memory(Configurable):
     def stateful(self) -> bool:
         return False
 
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        """Remove and return what parameter ``name`` still owes the other ranks (its unsent
+        remainder, fp32, in the gradient's shape), or None: the parameter is sent uncompressed
+        from now on, and adding this to its next gradient loses nothing."""
+        return None
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
@@ -131,6 +137,10 @@ class ResidualMemory(Memory):
             return
         new = compensated.float() - decoded.reshape(compensated.shape).float()
         self.residuals[name] = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
+
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        res = self.residuals.pop(name, None)
+        return None if res is None else res * self.beta  # as compensate() would add it
 
     def state_dict(self) -> Dict[str, Any]:
         # copies: the residuals are updated in place at the next step
@@ -237,6 +247,10 @@ class DGCMemory(Memory):
             v_new = torch.where(skip, v_old if v_old is not None else torch.zeros_like(v), v_new)
         self.momentums[name] = u_new
         self.velocities[name] = v_new
+
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        self.momentums.pop(name, None)  # momentum correction ends with compression
+        return self.velocities.pop(name, None)  # accumulated, not yet sent
 
     def state_dict(self) -> Dict[str, Any]:
         return {

@@ -33,13 +33,21 @@ for groups of 1–2 Mi values (a ViT-B/16 plan at 0.498 compressed half its grou
 0.71× fp32's speed), and at 10 Gbit/s at 0.40–0.47. A 16-bit
 gradient's plain all-reduce moves half the bytes: its plain cost per value is halved.
 
-What it does not yet do: choose the collective or the number of partitions per group, model
-the overlap the pipeline gives, and re-calibrate when measured times drift from the
-predictions (``state.plan()`` shows both).
+The collective is chosen per group too, when the user named none: the compressed exchange is
+timed through every collective that supports the codec (``candidate_routes``: for 4-bit
+max-min, ``sra``, ``allgather``, and ``ps`` with one and with two partitions per rank), and each
+group takes the cheapest line at its size.
+
+Online, a :class:`DriftWatch` compares measured with predicted times every ``CHECK_EVERY``
+steps; when their ratio moves by more than ``DRIFT`` from its baseline, every rank calibrates
+again at the same step and the plan is made anew (``GradzipState.replan``). The model does not
+price the overlap the pipeline gives; ``state.plan()`` shows predictions and measurements.
 """
 from __future__ import annotations
 
+import math
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -54,6 +62,8 @@ SIZES = (1 << 15, 1 << 18, 1 << 20)  # values per group of the calibration excha
 GROUPS = 4  # groups exchanged side by side per timing
 REPEATS = 3
 MARGIN = 0.6  # compression must save this fraction of the plain all-reduce's predicted time
+CHECK_EVERY = 50  # steps between two checks of measured against predicted times
+DRIFT = 1.5  # the factor by which measured/predicted may move from its baseline before re-calibrating
 
 
 @dataclass
@@ -276,3 +286,72 @@ def report(decisions: Sequence[Decision], measured: Mapping[int, List[float]], c
     # groups exchanged side by side, as calibrated: their costs add up to the step's exchange
     total = sum(d.predicted_s for d in decisions) if costs is not None else float("nan")
     return {"costs": costs.as_dict() if costs else None, "predicted_total_ms": round(total * 1e3, 3), "groups": rows}
+
+
+class DriftWatch:
+    """Measured against predicted exchange times: when the model stops describing the link.
+
+    Each exchange of a step (a bucket's job, or its plain all-reduce) adds its predicted and its
+    measured seconds, from step ``start`` on (the first compressed step is left out: it opens
+    connections and DDP rebuilds its buckets after it). Every ``every`` steps the window's ratio measured/predicted is taken on the
+    slowest rank (one all-reduce with MAX), so every rank holds the same float. The first window
+    after a calibration sets the baseline: measured times include what the pipeline overlaps and
+    what backward hides, which the model does not price, so the ratio is compared with itself,
+    not with 1. When it moves by more than ``limit`` either way (the link got slower or faster,
+    other jobs took the cores), :meth:`check` says so and the planner calibrates again.
+    """
+
+    def __init__(self, every: int = CHECK_EVERY, limit: float = DRIFT, start: int = 0) -> None:
+        self.every, self.limit, self.start = every, limit, start
+        self.baseline: Optional[float] = None
+        self.last_ratio: Optional[float] = None
+        self.recalibrations = 0
+        self._predicted = 0.0
+        self._measured = 0.0
+        self._lock = threading.Lock()  # plain all-reduces report from their completion callbacks
+
+    def add(self, predicted_s: float, measured_s: float, step: int) -> None:
+        """One exchange of ``step``; steps before ``start`` are not counted."""
+        if step >= self.start and predicted_s > 0 and math.isfinite(predicted_s):
+            with self._lock:
+                self._predicted += predicted_s
+                self._measured += measured_s
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`check` runs once ``step``'s exchanges are done."""
+        k = step - self.start
+        return k >= 0 and k % self.every == self.every - 1
+
+    def reset(self) -> None:
+        """Start a new baseline (the plan changed: the next window sets it)."""
+        self.baseline = None
+        with self._lock:
+            self._predicted = self._measured = 0.0
+
+    def check(self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> bool:
+        """Whether the times drifted; a collective: every rank calls it at the same step."""
+        with self._lock:
+            ratio = self._measured / self._predicted if self._predicted > 0 else 0.0
+            self._predicted = self._measured = 0.0
+        figure = torch.tensor([ratio], dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+        ratio = float(figure.item())
+        self.last_ratio = ratio
+        if ratio <= 0:  # nothing measured anywhere
+            return False
+        if self.baseline is None:
+            self.baseline = ratio
+            return False
+        if max(ratio / self.baseline, self.baseline / ratio) <= self.limit:
+            return False
+        self.baseline = None
+        self.recalibrations += 1
+        return True
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "check_every": self.every, "limit": self.limit, "baseline": self.baseline,
+            "last_ratio": self.last_ratio, "recalibrations": self.recalibrations,
+        }
+
