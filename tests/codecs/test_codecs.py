@@ -18,7 +18,7 @@ from gradzip.codecs import Payload
 from gradzip.config import Config
 from gradzip.memory import EFSignMemory, Memory, ResidualMemory, memory
 
-from .tensors import randn as _randn
+from ..tensors import randn as _randn
 
 NAMES = gradzip.codecs.names()
 SHAPES = [(1,), (7,), (1001,), (33, 17), (3, 5, 7), (0,), (0, 4)]

@@ -1,6 +1,6 @@
 """Codec-specific tests of terngrad, natural, u8bit, inceptionn and tbq (single process).
 
-The generic tests of tests/test_codecs.py (round trips, wire bytes, aggregate, state) cover these
+The generic tests of tests/codecs/test_codecs.py (round trips, wire bytes, aggregate, state) cover these
 codecs too; here are each codec's own error bound, unbiasedness, wire size and option checks.
 """
 from __future__ import annotations
@@ -300,7 +300,7 @@ def test_tbq_reencoding_an_average_sends_nothing():
 
 
 # =============================================================================== all five
-# (unbiasedness of terngrad and natural: tests/test_codecs.py::test_stochastic_codecs_unbiased)
+# (unbiasedness of terngrad and natural: tests/codecs/test_codecs.py::test_stochastic_codecs_unbiased)
 
 
 def test_natural_unbiased_across_magnitudes():

@@ -1,6 +1,6 @@
 """Expected behaviour of onebit, signum, threshold, dgc, graddrop, adaq and the DGC memory.
 
-The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/test_codecs.py; these
+The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/codecs/test_codecs.py; these
 tests pin down what each method is meant to compute.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import gradzip
 from gradzip.codecs import Payload
 from gradzip.memory import DGCMemory, memory
 
-from .tensors import randn as _randn
+from ..tensors import randn as _randn
 
 NEW = ["onebit", "signum", "threshold", "dgc", "graddrop", "adaq"]
 

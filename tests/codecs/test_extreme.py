@@ -1,7 +1,7 @@
 """Codecs on extreme finite input: rank-deficient matrices, values near the dtype's maximum,
 empty payloads and payloads that must not outgrow the raw tensor (single process).
 
-tests/test_codecs_fuzz.py searches the same ground at random; these are the fixed cases.
+tests/codecs/test_fuzz.py searches the same ground at random; these are the fixed cases.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gradzip.codecs.lowrank import orthogonalize
 from gradzip.collectives import get as collective
 from gradzip.collectives.base import nonfinite_flag
 
-from .tensors import randn as _randn
+from ..tensors import randn as _randn
 from .test_codecs import _power_round
 
 NAMES = gradzip.codecs.names()

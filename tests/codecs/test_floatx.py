@@ -4,7 +4,7 @@ Rounding is checked against an oracle written here from the format definitions (
 of representable magnitudes, round to nearest with ties to the even code), not against torch's
 own float8 casts; the fused C kernels (AVX-512 and portable loops) must give the bytes of the
 torch specification in ``kernels/reference.py``. The Triton kernels are checked against the
-same specification in ``tests/test_gpu_kernels.py``.
+same specification in ``tests/kernels/test_gpu.py``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from gradzip.codecs.base import raw_bytes
 from gradzip.kernels import fused, native
 from gradzip.kernels import reference as ref
 
-from .dist_utils import run_workers
+from ..dist_utils import run_workers
 
 FLT_MAX = torch.finfo(torch.float32).max
 FLT_MIN = torch.finfo(torch.float32).tiny

@@ -1,6 +1,6 @@
 """SketchML: quantile buckets (error bound, sign, sum), index widths, delta-encoded sparse keys.
 
-The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/test_codecs.py.
+The generic properties (shapes, dtypes, wire bytes, aggregate) are in tests/codecs/test_codecs.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from gradzip.codecs import Payload
 from gradzip.codecs.sketch import _sortable_keys
 from gradzip.kernels import packed_bytes, unpack_bits
 
-from .tensors import randn as _randn
+from ..tensors import randn as _randn
 
 
 def _codes(p: Payload, count: int) -> torch.Tensor:

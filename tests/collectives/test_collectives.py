@@ -13,7 +13,7 @@ from gradzip import collectives
 from gradzip.codecs.base import SEED, Codec, Meta, Option, float_in
 from gradzip.kernels import shared_generator
 
-from .dist_utils import run_workers
+from ..dist_utils import run_workers
 
 
 def _gather(t: torch.Tensor, world: int) -> List[torch.Tensor]:
