@@ -335,7 +335,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if last and not dense and levels is not None and levels.plan_after(step):
         after.append(("adaptive plan", lambda: _replan(state, buffer.device)))
     if last and state.drift is not None and state.drift.due(step):
-        after.append(("drift check", lambda: _check_drift(state)))
+        after.append(("drift check", lambda: _check_drift(state, step)))
     if last:
         state.comm.next_step()
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
@@ -467,10 +467,10 @@ def _replan(state: GradzipState, device: torch.device) -> None:
             state.drift.reset()  # other levels move other bytes: a new baseline
 
 
-def _check_drift(state: GradzipState) -> None:
+def _check_drift(state: GradzipState, step: int) -> None:
     """Compare measured with predicted times (a collective); calibrate and plan again on drift."""
     assert state.drift is not None
-    if state.drift.check(state.comm.group, state.device):
+    if state.drift.check(step, state.comm.group, state.device):
         logger.info("gradzip: exchange times drifted from the planner's model; calibrating again")
         state.replan()
 

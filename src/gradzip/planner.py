@@ -306,16 +306,19 @@ class DriftWatch:
         self.baseline: Optional[float] = None
         self.last_ratio: Optional[float] = None
         self.recalibrations = 0
-        self._predicted = 0.0
-        self._measured = 0.0
+        self._sums: Dict[int, List[float]] = {}  # step -> [predicted, measured] (this rank)
+        self._checked = -1  # the last step a check covered
         self._lock = threading.Lock()  # plain all-reduces report from their completion callbacks
 
     def add(self, predicted_s: float, measured_s: float, step: int) -> None:
-        """One exchange of ``step``; steps before ``start`` are not counted."""
+        """One exchange of ``step``; steps before ``start``, and steps a check has already
+        covered (a completion reported after it), are not counted."""
         if step >= self.start and predicted_s > 0 and math.isfinite(predicted_s):
             with self._lock:
-                self._predicted += predicted_s
-                self._measured += measured_s
+                if step > self._checked:
+                    sums = self._sums.setdefault(step, [0.0, 0.0])
+                    sums[0] += predicted_s
+                    sums[1] += measured_s
 
     def due(self, step: int) -> bool:
         """Whether :meth:`check` runs once ``step``'s exchanges are done."""
@@ -326,13 +329,17 @@ class DriftWatch:
         """Start a new baseline (the plan changed: the next window sets it)."""
         self.baseline = None
         with self._lock:
-            self._predicted = self._measured = 0.0
+            self._sums.clear()
 
-    def check(self, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> bool:
-        """Whether the times drifted; a collective: every rank calls it at the same step."""
+    def check(self, step: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> bool:
+        """Whether the times of the steps up to ``step`` drifted; a collective: every rank calls
+        it after the same step."""
         with self._lock:
-            ratio = self._measured / self._predicted if self._predicted > 0 else 0.0
-            self._predicted = self._measured = 0.0
+            window = [v for s, v in self._sums.items() if s <= step]
+            self._sums = {s: v for s, v in self._sums.items() if s > step}
+            self._checked = max(self._checked, step)
+        predicted = sum(p for p, _ in window)
+        ratio = sum(m for _, m in window) / predicted if predicted > 0 else 0.0
         figure = torch.tensor([ratio], dtype=torch.float64, device=device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)

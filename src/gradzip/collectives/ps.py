@@ -14,6 +14,7 @@ from .base import (
     Collective,
     Exchanged,
     Spec,
+    Stages,
     all_gather_flat,
     from_bytes,
     reencoder,
@@ -65,6 +66,9 @@ class ParameterServer(Collective):
     3. The aggregated payloads are all-gathered (padded to the longest), and every rank, the
        aggregators included, decodes those same bytes in partition order: replicas are identical.
 
+    Both transfers are asynchronous stages, so in a pipeline another group is encoded or
+    decoded while one group's partitions are on the wire.
+
     The non-finite flag rides in every message: an aggregator ORs the flags it received into the
     message it sends back. Each rank sends about ``(W-1)/W · wire_bytes`` to aggregators and its
     merged partitions (about ``wire_bytes / W``) to W-1 ranks: about ``2 · wire_bytes`` in all,
@@ -105,7 +109,7 @@ class ParameterServer(Collective):
         single_round = type(codec).next_round is Codec.next_round
         return single_round and (codec.summable or codec.reencodable)
 
-    def exchange(self, call: Call) -> Exchanged:
+    def exchange(self, call: Call) -> Stages:
         codec, rank, w = call.codec, call.rank, call.world_size
         x = call.flat
         n = x.numel()
@@ -135,7 +139,9 @@ class ParameterServer(Collective):
         send_buf = torch.cat(send) if send else x.new_empty(0, dtype=torch.uint8)
         if w > 1:
             recv_buf = send_buf.new_empty(sum(recv_splits))
-            dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits, group=self.group)
+            work = dist.all_to_all_single(recv_buf, send_buf, recv_splits, send_splits, group=self.group, async_op=True)
+            yield  # the partitions are on their way to their aggregators
+            work.wait()
         else:
             recv_buf = send_buf
 
@@ -172,7 +178,13 @@ class ParameterServer(Collective):
         if pad:
             contribution.append(send_buf.new_zeros(pad))
         mine_buf = torch.cat(contribution)
-        gathered = self._all_gather_bytes(mine_buf, w)
+        gathered = mine_buf.new_empty(w, mine_buf.numel())
+        if w > 1:
+            work = all_gather_flat(gathered.view(-1), mine_buf, self.group, async_op=True)
+            yield  # the aggregated partitions are on the wire
+            work.wait()
+        else:
+            gathered[0] = mine_buf
         outs, flags2 = [], []
         offsets = [0] * w
         for p in range(parts):
