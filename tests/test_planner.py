@@ -177,12 +177,15 @@ def test_each_group_takes_its_cheapest_route_and_ties_keep_the_configured_collec
     params = _params(big=8 << 20, small=4096)
     costs = planner.Costs(
         planner.Line(5e-5, 4.8e-8), planner.Line(1.5e-4, 1.2e-8), world_size=4,
-        # one round and no re-encode: cheaper for small groups, dearer per value for large ones
-        routes={"allgather": planner.Line(5e-5, 2.0e-8), "ps": planner.Line(1.5e-4, 1.2e-8)},
+        # one round and no re-encode: cheaper for small groups, dearer per value for large ones;
+        # ps 20% cheaper per value than sra, not enough to leave it (ROUTE_MARGIN is 25%)
+        routes={"allgather": planner.Line(5e-5, 2.0e-8), "ps": planner.Line(1.5e-4, 0.96e-8)},
     )
     big, small = planner.decide([["big"], ["small"]], params, MAXMIN4, costs)
-    assert big.route is None and big.compressed_s == pytest.approx(costs.compressed.at(8 << 20))  # tie with ps
+    assert big.route is None and big.compressed_s == pytest.approx(costs.compressed.at(8 << 20))
     assert small.route == "allgather" and small.compressed_s == pytest.approx(costs.routes["allgather"].at(4096))
+    costs.routes["ps"] = planner.Line(1.5e-4, 0.85e-8)  # 29% cheaper at 8 Mi values: taken
+    assert planner.decide([["big"]], params, MAXMIN4, costs)[0].route == "ps"
     assert costs.as_dict()["routes"]["allgather"] == {"alpha_s": 5e-5, "s_per_value": 2.0e-8}
 
 

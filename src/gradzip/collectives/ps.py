@@ -185,15 +185,16 @@ class ParameterServer(Collective):
             work.wait()
         else:
             gathered[0] = mine_buf
-        outs, flags2 = [], []
+        # each partition decodes straight into its place in the result (x is read no more)
+        avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
+        flags2 = []
         offsets = [0] * w
-        for p in range(parts):
+        for p, (a, b) in enumerate(bounds):
             d = owner[p]
             tensors, f = from_bytes(gathered[d, offsets[d] : offsets[d] + sizes2[p]], specs2[p])
             offsets[d] += sizes2[p]
-            outs.append(call.decode(codec.decode, Payload(tensors, encoded[p].ctx)).reshape(-1))
+            call.decode(codec.decode_into, Payload(tensors, encoded[p].ctx), avg[a:b])
             flags2.append(f)
-        avg = torch.cat(outs) if parts > 1 else outs[0]
         first_round = sum(e.nbytes for e in encoded)
         wire = first_round + sum(t.numel() * t.element_size() for p in mine for t in merged_tensors[p])
         return Exchanged(avg, torch.stack(flags2).any(), wire, payload_bytes=first_round)
