@@ -206,7 +206,11 @@ def _routed(rank: int, world: int) -> dict:
     b = [alone.allreduce(x, name="w") for _ in range(2)]
     other = routed.allreduce(x, name="v")  # no route: the configured collective
     coll = routed.collective_for("w")
+    resumed = gradzip.Communicator("maxmin", bits=4, memory="residual")
+    resumed.routes = {"w": "ps:partitions=4"}  # the planner chose the same route again
+    resumed.load_state_dict(routed.state_dict())
     out = {
+        "resumed_calls": resumed.collective_for("w").calls,
         "same": all(torch.equal(p, q) for p, q in zip(a, b)), "kind": (coll.name, coll.partitions),
         "default": routed.collective_for("v") is routed.collective, "finite": bool(torch.isfinite(other).all()),
         "calls": routed.state_dict()["route_collectives"], "residuals": torch.equal(
@@ -214,6 +218,7 @@ def _routed(rank: int, world: int) -> dict:
     }
     routed.close()
     alone.close()
+    resumed.close()
     return out
 
 
@@ -222,6 +227,7 @@ def test_a_routed_parameter_is_exchanged_by_its_route_exactly_as_by_that_collect
         assert r["same"] and r["residuals"] and r["kind"] == ("ps", 4)
         assert r["default"] and r["finite"]
         assert r["calls"] == {"ps:partitions=4": {"calls": 2}}  # its call counter is saved
+        assert r["resumed_calls"] == 2  # and restored where the route is planned again
 
 
 # ------------------------------------------------------------------ re-planning and drift

@@ -170,8 +170,10 @@ class Communicator:
     def collective_for(self, name: str) -> Collective:
         """The collective that exchanges parameter ``name``: its planned route, else the configured one."""
         label = self.routes.get(name)
-        if label is None:
-            return self.collective
+        return self.collective if label is None else self._route_collective(label)
+
+    def _route_collective(self, label: str) -> Collective:
+        """The collective of a route (made when first asked for, on this communicator's group)."""
         coll = self._route_collectives.get(label)
         if coll is None:
             coll_name, options = parse_route(label)
@@ -605,7 +607,7 @@ class Communicator:
             self.collective.load_state_dict(state.get("collective", {}))
             for label, coll_state in (state.get("route_collectives") or {}).items():
                 if label in self.routes.values():  # the planner chose it again
-                    self.collective_for(next(n for n, r in self.routes.items() if r == label)).load_state_dict(coll_state)
+                    self._route_collective(label).load_state_dict(coll_state)
         self.step = int(state.get("step", 0))
         self._named.clear()
         if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):

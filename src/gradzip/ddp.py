@@ -441,7 +441,7 @@ def _plain_bucket(
         done.set_result(buffer)
         return done
     started = time.monotonic()
-    predicted = state.costs.plain_s(buffer.numel(), buffer.element_size()) if state.costs is not None else 0.0
+    predicted = _predicted_s(state, [buffer], [])
     fut = dist.all_reduce(buffer.div_(w), group=comm.group, async_op=True).get_future()
     out = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
