@@ -101,3 +101,15 @@ def test_lenient_load_keeps_what_applies_and_names_what_it_drops():
     with pytest.warns(UserWarning, match="dropped: error-feedback memory"):
         other_memory.load_state_dict(saved, strict=False)
     assert other_memory.memory.residuals == {}  # not its own residual from before the load either
+
+
+def test_a_state_dict_of_the_earlier_format_resumes_at_its_step():
+    comm = gradzip.Communicator("maxmin", bits=4, memory="residual")
+    saved = comm.state_dict()
+    assert saved["format"] == 2 and saved["step"] == 0
+    old = {k: v for k, v in saved.items() if k not in ("step", "format")}
+    comm.load_state_dict({**old, "format": 1, "steps": {"w": 7, "v": 6}, "hook_step": 9})
+    assert comm.step == 9  # the DDP hook's count
+    comm.load_state_dict({**old, "format": 1, "steps": {"w": 7, "v": 6}})
+    assert comm.step == 7  # standalone: the furthest name
+    comm.close()

@@ -24,7 +24,7 @@ from .pipeline import Pipeline, Stages, drive, lockstep, staged
 from .plan import padding
 from .worker import OrderedWorker
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: one step counter ("step"); 1 had per-name counters and the hook's "hook_step"
 
 Timeout = Union[timedelta, float, int, None]
 
@@ -608,7 +608,7 @@ class Communicator:
             for label, coll_state in (state.get("route_collectives") or {}).items():
                 if label in self.routes.values():  # the planner chose it again
                     self._route_collective(label).load_state_dict(coll_state)
-        self.step = int(state.get("step", 0))
+        self.step = _saved_step(state)
         self._named.clear()
         if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
             levels = dict(state["levels"])
@@ -779,4 +779,13 @@ def parse_route(label: str) -> Tuple[str, Dict[str, Any]]:
         key, value = pair.split("=", 1)
         options[key] = None if value == "None" else int(value)
     return name, options
+
+
+def _saved_step(state: Mapping[str, Any]) -> int:
+    """The step a state dict resumes at; format 1 kept the DDP hook's count and one per name."""
+    if "step" in state:
+        return int(state["step"])
+    if "hook_step" in state:
+        return int(state["hook_step"])
+    return max((int(v) for v in (state.get("steps") or {}).values()), default=0)
 
