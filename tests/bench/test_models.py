@@ -140,6 +140,7 @@ def _check_model(model, methods, ranks, steps):
     for method in methods[1:]:
         r = rows[method]
         assert r["codec_limit_s"] > 0 and r["vs_limit"] == pytest.approx(r["median_s"] / r["codec_limit_s"])
+    assert rows["maxmin4"]["register_s"] > 0 and "register_s" not in rows["fp32"]  # gradzip's set-up, timed
     measured = rows["maxmin4"]["measured_wire_bytes"]  # gradzip's own count, per step
     assert 0.5 * rows["maxmin4"]["wire_bytes"] < measured < 2 * rows["maxmin4"]["wire_bytes"]
     return rows

@@ -445,7 +445,9 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
 
         ddp.register_comm_hook(None, getattr(default_hooks, method["hook"]))
     elif method["kind"] == "gradzip":
+        started = time.perf_counter()
         state = gradzip.register(ddp, method["codec"], **method["options"])
+        register_s = time.perf_counter() - started  # the settings check and, planned, the calibration
 
     def step() -> None:
         loss_of(ddp).backward()
@@ -485,6 +487,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
             row["collective"] = state.comm.collective_name
             row["compressed_tensors"] = sum(1 for p in module.parameters() if state.should_compress(p))
             row["exposed_s"] = exposed
+            row["register_s"] = register_s
             if state.costs is not None:  # planned: decisions, predicted and measured per group
                 row["plan"] = state.plan()
         else:
