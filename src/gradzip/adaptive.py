@@ -235,7 +235,6 @@ class AdaptiveLevels:
         self.errors = torch.zeros(len(self.names), len(self.levels), dtype=torch.float64)
         self.last_errors: Optional[torch.Tensor] = None  # the summed errors of the latest plan
         self.seen = torch.zeros(len(self.names), dtype=torch.float64)  # measurements per parameter
-        self.samples = 0
         self.plans = 0
         self.sampling = False
         self.nbytes = torch.tensor(
@@ -338,7 +337,7 @@ class AdaptiveLevels:
         """Take ``old``'s levels for the parameters both hold, and its count of plans (a new set
         of compressed parameters); the errors measured so far start again."""
         self.choice = [old.choice[old.index[n]] if n in old.index else self.default for n in self.names]
-        self.plans, self.samples = old.plans, old.samples
+        self.plans = old.plans
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; names or levels it does not know keep the uniform level."""

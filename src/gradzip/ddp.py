@@ -38,13 +38,11 @@ class GradzipState:
     decides the warm-up, the ramp and the adaptive schedule, and is saved in the state dict.
     """
 
-    def __init__(
-        self, comm: Communicator, param_names: Dict[int, str], config: Config, plan: Optional[FusionPlan] = None,
-    ) -> None:
+    def __init__(self, comm: Communicator, param_names: Dict[int, str], config: Config) -> None:
         self.comm = comm
         self.config = config
         self.param_names = param_names
-        self.fusion_plan = plan if plan is not None else FusionPlan([])
+        self.fusion_plan = FusionPlan([])  # made by register() (apply, regroup)
         self.collector = GroupCollector(self.fusion_plan)
         self.decisions: List[planner.Decision] = []  # per group of compressible parameters
         self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
