@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from gradzip.launch import spawn_local
+from gradzip.comm.launch import spawn_local
 
 
 def run_workers(fn: Callable, world_size: int, *args: Any) -> List[Any]:

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-from gradzip.demo import run_demo  # noqa: E402
+from gradzip.tools.demo import run_demo  # noqa: E402
 
 
 @pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
-from gradzip.launch import spawn_local
+from gradzip.comm.launch import spawn_local
 
 from .dist_utils import run_workers
 

@@ -5,14 +5,17 @@
 >>> comm = gradzip.Communicator("topk", ratio=0.01)           # or explicit calls
 >>> avg = comm.allreduce(tensor, name="fc.weight")
 """
-from . import codecs, collectives, memory
+from . import codecs, comm
+from .sync import memory
 from .codecs import Codec, Payload, codec
-from .communicator import Communicator
+from .sync.engine import Communicator
 from .config import Config
-from .ddp import GradzipState, gradzip_hook, register
+from .frontends.ddp import GradzipState, gradzip_hook, register
 from .errors import CheckpointError, CommunicationError, GradzipError, SettingsMismatchError
 
-__version__ = "0.1.0"
+from .version import __version__
+
+collectives = comm  # the name this package had before the layered layout
 
 __all__ = [
     "CheckpointError",
@@ -26,6 +29,7 @@ __all__ = [
     "codec",
     "codecs",
     "collectives",
+    "comm",
     "gradzip_hook",
     "memory",
     "register",

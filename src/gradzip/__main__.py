@@ -1,6 +1,6 @@
 """``python -m gradzip`` runs the ``gradzip`` command."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -22,7 +22,7 @@ FIELDS = (
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
-ADAPTIVE = ("off", "bytes", "error")  # see gradzip.adaptive
+ADAPTIVE = ("off", "bytes", "error")  # see gradzip.policy.adaptive
 # a ramp's default length in steps, where a method needs one: DGC (Lin et al., ICLR'18) begins
 # with exponentially growing sparsity; 0 for every other codec
 DEFAULT_RAMP = {"dgc": 100}
@@ -51,17 +51,17 @@ class Config:
     all-reduce per bucket); ``compress_1d``: whether 1-D tensors (biases, norms) are compressed;
     ``fusion``: whether the compressed gradients of a bucket share one encoding and one exchange
     (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
-    about ``fusion_mb`` MiB (:mod:`gradzip.plan`);
-    ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.pipeline`);
+    about ``fusion_mb`` MiB (:mod:`gradzip.sync.groups`);
+    ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.sync.pipeline`);
     ``plan``: ``"auto"`` compresses a group only where the calibrated cost model says it pays
-    (:mod:`gradzip.planner`), ``"off"`` compresses every eligible group; ``codec="auto"`` is
+    (:mod:`gradzip.policy.planner`), ``"off"`` compresses every eligible group; ``codec="auto"`` is
     ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
     ``warmup``: steps sent dense (plain all-reduce) before compression starts, as DGC and
     PyTorch's PowerSGD hook begin (default 0);
     ``ramp``: steps after the warm-up over which the level goes from dense towards the configured
-    one, as DGC's warm-up does (:class:`gradzip.adaptive.Ramp`; sparsifiers send 25 %, 6.25 %, ...
+    one, as DGC's warm-up does (:class:`gradzip.policy.adaptive.Ramp`; sparsifiers send 25 %, 6.25 %, ...
     of the values, PowerSGD 4× then 2× the rank); unset, :data:`DEFAULT_RAMP` of the codec;
-    ``adaptive``: per-layer levels (:mod:`gradzip.adaptive`): ``"bytes"`` (or True) sends the
+    ``adaptive``: per-layer levels (:mod:`gradzip.policy.adaptive`): ``"bytes"`` (or True) sends the
     fewest bytes with no more compression error than the codec's uniform level, ``"error"`` the
     least error in no more bytes, ``"off"`` (or False) keeps the uniform level; unset, it is
     ``"bytes"`` for ``codec="auto"`` and ``"off"`` otherwise. ``adaptive_every``: steps between

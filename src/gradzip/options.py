@@ -5,11 +5,15 @@ A configurable class lists its constructor options as ``options = {"bits": Optio
 keywords against them (an unknown name or a bad value raises ``ValueError`` naming the valid
 choices, at construction) and sets each as an attribute; :meth:`Configurable.config` returns
 them, which is what ranks compare and checkpoints record.
+
+:class:`Registry` is the name → class table of codecs, memories and collectives: an unknown name
+raises ``ValueError`` that lists every valid one, so a typo in a config or an environment
+variable is caught at construction with the fix in plain sight.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, Optional
+from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Type, TypeVar
 
 
 @dataclass(frozen=True)
@@ -72,3 +76,34 @@ class Configurable:
     def config(self) -> Dict[str, Any]:
         """The options in force."""
         return {key: getattr(self, key) for key in self.options}
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Classes registered under their ``name`` attribute."""
+
+    def __init__(self, kind: str, plural: str) -> None:
+        self.kind = kind
+        self.plural = plural
+        self._classes: Dict[str, Type[T]] = {}
+
+    def add(self, cls: Type[T]) -> Type[T]:
+        """Register ``cls`` under ``cls.name`` (usable as a class decorator)."""
+        name = getattr(cls, "name", "")
+        if not name:
+            raise ValueError(f"{cls.__name__} has no name")
+        if self._classes.get(name, cls) is not cls:
+            raise ValueError(f"a {self.kind} named {name!r} is already registered")
+        self._classes[name] = cls
+        return cls
+
+    def names(self) -> List[str]:
+        return sorted(self._classes)
+
+    def get(self, name: object) -> Type[T]:
+        cls = self._classes.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise ValueError(f"unknown {self.kind} {name!r}; valid {self.plural}: {', '.join(self.names())}")
+        return cls

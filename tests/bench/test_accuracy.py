@@ -14,9 +14,9 @@ import pathlib
 import pytest
 import torch
 
-from gradzip import cli
+from gradzip.tools import cli
 from gradzip.bench import accuracy as A
-from gradzip.launch import spawn_local
+from gradzip.comm.launch import spawn_local
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")

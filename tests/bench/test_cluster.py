@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.bench import cluster, micro
-from gradzip.launch import spawn_local
+from gradzip.comm.launch import spawn_local
 
 REASON = cluster.available()
 PREFIX = "gztest"
@@ -84,7 +84,7 @@ def test_benchmark_falls_back_to_loopback_and_says_why(monkeypatch):
 @pytest.mark.timeout(300)
 def test_demo_trains_on_the_emulated_cluster_with_pytorchs_hook_as_baseline():
     pytest.importorskip("sklearn")
-    from gradzip.demo import run_demo
+    from gradzip.tools.demo import run_demo
 
     report = run_demo(["torch-fp16", "maxmin4"], out=None, workers=2, epochs=1, rate="1gbit")
     assert report["network"].startswith("2 ranks in network namespaces")

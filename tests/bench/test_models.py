@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import gradzip
-from gradzip import cli
+from gradzip.tools import cli
 from gradzip.bench import models as M
-from gradzip.launch import spawn_local
+from gradzip.comm.launch import spawn_local
 
 # published parameter counts and tensor counts of the reference implementations
 PUBLISHED = {

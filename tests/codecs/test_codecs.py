@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import gradzip
 from gradzip.codecs import Payload
 from gradzip.config import Config
-from gradzip.memory import EFSignMemory, Memory, ResidualMemory, memory
+from gradzip.sync.memory import EFSignMemory, Memory, ResidualMemory, memory
 
 from ..tensors import randn as _randn
 
@@ -149,7 +149,7 @@ def test_codec_metadata(name):
     c = gradzip.codec(name)
     assert c.name == name
     assert c.collective == c.collectives[0]
-    assert set(c.collectives) <= set(gradzip.collectives.names())
+    assert set(c.collectives) <= set(gradzip.comm.names())
     if "allreduce" in c.collectives:
         assert c.summable
     assert name in repr(c) or type(c).__name__ in repr(c)
@@ -671,7 +671,7 @@ def test_codec_instance_with_options_rejected():
 def test_unknown_memory_lists_names():
     with pytest.raises(ValueError) as err:
         memory("bogus")
-    for name in gradzip.memory.names():
+    for name in gradzip.sync.memory.names():
         assert name in str(err.value)
     with pytest.raises(ValueError, match="beta, gamma"):
         memory("residual", bogus=1)

@@ -14,8 +14,8 @@ import gradzip
 from gradzip.codecs import Payload
 from gradzip.codecs.base import Meta, raw_bytes
 from gradzip.codecs.lowrank import orthogonalize
-from gradzip.collectives import get as collective
-from gradzip.collectives.base import nonfinite_flag
+from gradzip.comm import get as collective
+from gradzip.comm.base import nonfinite_flag
 
 from ..tensors import randn as _randn
 from .test_codecs import _power_round

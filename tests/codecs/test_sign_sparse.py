@@ -12,7 +12,7 @@ import torch
 
 import gradzip
 from gradzip.codecs import Payload
-from gradzip.memory import DGCMemory, memory
+from gradzip.sync.memory import DGCMemory, memory
 
 from ..tensors import randn as _randn
 

@@ -161,7 +161,7 @@ def test_sketchml_sparse_keys_reconstruct(positions, width):
     assert torch.equal(torch.sign(y[positions]), torch.sign(x[positions]))
     assert p.nbytes <= c.wire_bytes(n)
     # the same bytes after the wire (views of one buffer) decode the same
-    from gradzip.collectives.base import from_bytes, spec_of, to_bytes
+    from gradzip.comm.base import from_bytes, spec_of, to_bytes
 
     tensors, flag = from_bytes(to_bytes(p.tensors, torch.tensor(False)), spec_of(p.tensors))
     assert torch.equal(c.decode(Payload(tensors, p.ctx)), y) and not flag

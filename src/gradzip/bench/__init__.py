@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Optional
 
-from ..launch import free_port, spawn_local
+from ..comm.launch import free_port, spawn_local
 
 __all__ = ["free_port", "spawn_local", "write_json"]
 

@@ -9,7 +9,7 @@ end-to-end comparisons of DGC, Lin et al., ICLR'18, and PowerSGD, Vogels et al.,
 Two tasks, both on data that needs no download:
 
 - ``digits``: scikit-learn's bundled 8×8 digits (1797 images, a fixed stratified 80/20 split),
-  the demo's MLP (:func:`gradzip.demo.make_model`), SGD with momentum; held-out cross-entropy and
+  the demo's MLP (:func:`gradzip.tools.demo.make_model`), SGD with momentum; held-out cross-entropy and
   accuracy.
 - ``charlm``: a character-level language model on the Python documentation topics that every
   Python installation ships (``pydoc_data.topics``, about 465,000 characters of English prose and
@@ -90,7 +90,7 @@ class Digits:
     lr, momentum = 0.05, 0.9
 
     def load(self) -> Dict[str, Any]:
-        from ..demo import load_digits_split
+        from .digits import load_digits_split
 
         x_tr, y_tr, x_te, y_te = load_digits_split(0)  # a fixed split, whatever the seed
         return {"x_tr": x_tr, "y_tr": y_tr, "x_te": x_te, "y_te": y_te}
@@ -103,7 +103,7 @@ class Digits:
         }
 
     def model(self, seed: int, data: Dict[str, Any]) -> nn.Module:
-        from ..demo import make_model
+        from .digits import make_model
 
         return make_model(seed, self.width)
 
@@ -266,7 +266,7 @@ def _task(name: str):
 
 def _register_keys() -> set:
     """The keywords :func:`gradzip.register` takes besides codec options (read from its signature)."""
-    from ..ddp import register
+    from ..frontends.ddp import register
 
     params = inspect.signature(register).parameters
     return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY} - {"config", "group", "collective_options"}
@@ -287,7 +287,7 @@ def resolve(config: str) -> Dict[str, Any]:
     """
     from ..codecs import codec as make_codec
     from ..config import Config
-    from ..demo import CONFIGS, OPTIMIZER_OVERRIDES, describe
+    from .methods import CONFIGS, OPTIMIZER_OVERRIDES, describe
     from .micro import parse_spec
 
     config = config.strip()
@@ -366,7 +366,7 @@ def _eligible(p: torch.Tensor) -> bool:
 
 def _bytes(method: Dict[str, Any], model: nn.Module, state: Any, world: int) -> Dict[str, Any]:
     """Bytes per step: raw and on the wire, for all tensors and for the compressed ones alone."""
-    from ..metrics import traffic_factor
+    from ..comm.base import traffic_factor
 
     if state is not None:
         stats = state.stats(per_tensor=True)
@@ -638,7 +638,7 @@ def run_accuracy(
     """
     import json
 
-    from ..launch import spawn_local
+    from ..comm.launch import spawn_local
     from . import cluster
     from .micro import usable_cores
 

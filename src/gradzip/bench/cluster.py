@@ -13,7 +13,6 @@ them :func:`available` says why, and callers fall back to plain loopback.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -24,7 +23,6 @@ from typing import List, Optional
 PREFIX = "gzemu"
 SUBNET = "10.254.77"  # /24 inside the emulated cluster's own namespaces only
 IFACE = "eth0"
-_CLONE_NEWNET = 0x40000000
 
 
 def parse_rate(rate: str) -> float:
@@ -56,21 +54,6 @@ def _namespaces(prefix: str) -> List[str]:
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
 
 
-def enter_namespace(name: str) -> None:
-    """Move the calling thread (and the threads it starts later) into network namespace ``name``.
-
-    Called first thing in a spawned rank, before torch.distributed starts its threads.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 class EmulatedCluster:
     """``with EmulatedCluster(4, "1gbit") as c:`` — ``c.namespaces[r]``, ``c.address(r)``."""
 
@@ -84,6 +67,7 @@ class EmulatedCluster:
         self.prefix = prefix
         self.switch = f"{prefix}sw"
         self.namespaces = [f"{prefix}{r}" for r in range(world_size)]
+        self.iface = IFACE  # each rank's interface inside its namespace (gloo binds to it)
         self._old_handlers: dict = {}
         self._up = False
 

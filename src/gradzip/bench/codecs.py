@@ -17,7 +17,7 @@ import torch
 import gradzip
 from gradzip.kernels import fused, native
 
-from ..planner import median_seconds
+from ..policy.planner import median_seconds
 from . import write_json
 from .micro import parse_spec
 

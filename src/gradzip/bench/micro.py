@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 import gradzip
-from gradzip.collectives.base import measure_cpu_time
+from gradzip.comm.base import measure_cpu_time
 from gradzip.config import parse_value
 
-from ..launch import spawn_local
+from ..comm.launch import spawn_local
 from . import cluster, write_json
 
 BASELINE_CODECS = ["maxmin:bits=4"]

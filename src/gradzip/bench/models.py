@@ -330,7 +330,7 @@ UNSUPPORTED = {"torch-powersgd": "PyTorch's PowerSGD hook hangs with several DDP
 def resolve(config: str) -> Dict[str, Any]:
     """A method: one of the demo's config names (``maxmin2``, ``torch-fp16``, ...) or a codec
     spec as in ``bench allreduce`` (``maxmin:bits=8:memory=residual``). ``ValueError`` if neither."""
-    from ..demo import CONFIGS, describe
+    from .methods import CONFIGS, describe
     from .micro import check_spec, collective_options
 
     if config in UNSUPPORTED:
@@ -434,7 +434,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
     from torch.nn.parallel import DistributedDataParallel
 
     import gradzip
-    from gradzip.collectives.base import measure_cpu_time
+    from gradzip.comm.base import measure_cpu_time
 
     module, loss_of = _build(spec, rank, world)
     # every rank built the same parameters from one seed: no initial broadcast needed
@@ -601,7 +601,7 @@ def run_models(
     With ``rate`` the ranks sit on an emulated cluster with links of that rate; where one cannot
     be built the report's ``fallback`` says why and the ranks use loopback.
     """
-    from ..launch import spawn_local
+    from ..comm.launch import spawn_local
     from . import cluster, write_json
     from .micro import usable_cores
 

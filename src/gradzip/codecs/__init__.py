@@ -3,7 +3,7 @@
 ``gradzip.codecs.names()`` lists every codec; ``gradzip.codec(name, **options)`` builds one.
 """
 from . import (  # noqa: F401  (registers the codecs)
-    compll_catalog,  # noqa: E402,F401  (codecs written with gradzip.compll; after the rest)
+    compll_catalog,  # noqa: E402,F401  (codecs written with gradzip.codecs.compll; after the rest)
     floatx,
     lowrank,
     quantize,

@@ -1,4 +1,4 @@
-"""Catalogue codecs re-written with the CompLL primitives (:mod:`gradzip.compll`).
+"""Catalogue codecs re-written with the CompLL primitives (:mod:`gradzip.codecs.compll`).
 
 Each is a few lines of ``compress``/``decompress`` and produces the same bytes and the same
 decoded values as its hand-written twin (``terngrad``, ``tbq``, ``onebit``), which the tests
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import compll as cl
+from . import compll as cl
 from ..kernels import packed_bytes
 from .quantize import TBQ, TernGrad
 from .sign import OneBit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, List, Type
 
-from ..naming import Registry
+from ..options import Registry
 from .base import Codec
 
 _CODECS: Registry[Codec] = Registry("codec", "codecs")

@@ -1,0 +1,62 @@
+"""The methods the demo and the benchmarks compare, by name: plain fp32 DDP, gradzip's codecs and
+PyTorch's own communication hooks."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+# config name -> (codec, keyword arguments of gradzip.register); None means plain fp32 DDP.
+CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
+    "fp32": None,
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "maxmin4": ("maxmin", {"bits": 4, "memory": "residual"}),
+    "maxmin2": ("maxmin", {"bits": 2, "memory": "residual"}),
+    "qsgd4": ("qsgd", {"bits": 4}),
+    "topk": ("topk", {"ratio": 0.01}),
+    "randomk": ("randomk", {"ratio": 0.01}),
+    "powersgd": ("powersgd", {"rank": 2}),
+    "efsignsgd": ("efsignsgd", {}),
+    "terngrad": ("terngrad", {}),
+    "natural": ("natural", {}),
+    "u8bit": ("u8bit", {}),
+    "inceptionn": ("inceptionn", {}),
+    "tbq": ("tbq", {"threshold": 0.001}),
+    "onebit": ("onebit", {}),
+    "signsgd": ("signsgd", {}),
+    "signum": ("signum", {}),
+    "threshold": ("threshold", {"threshold": 0.001}),
+    "dgc": ("dgc", {"ratio": 0.01}),
+    "graddrop": ("graddrop", {"ratio": 0.01}),
+    "adaq": ("adaq", {}),
+    "sketchml": ("sketchml", {}),
+    "fp8": ("fp8", {}),
+    "mxfp8": ("mxfp8", {}),
+    "mxfp4": ("mxfp4", {}),
+    "maxmin4-ps": ("maxmin", {"bits": 4, "memory": "residual", "collective": "ps"}),
+    "maxmin4-adaptive": ("maxmin", {"bits": 4, "memory": "residual", "adaptive": "bytes"}),  # per-layer bits
+    "auto": ("auto", {}),  # maxmin4 where the calibrated cost model says it pays, plain fp32 elsewhere
+    "torch-fp16": ("torch:fp16_compress_hook", {}),  # PyTorch's own hooks, the baselines to beat
+    "torch-powersgd": ("torch:powerSGD_hook", {"rank": 2}),
+}
+# Optimizer settings a method needs to work at all, applied on top of --lr/--momentum: sign
+# methods send ±1 per element, so the step is lr per element (a far smaller lr, and Signum keeps
+# its own momentum); DGC's momentum correction *is* the momentum, so the optimizer must not add
+# another (with both, training diverges).
+OPTIMIZER_OVERRIDES: Dict[str, Dict[str, float]] = {
+    "signsgd": {"lr": 0.002, "momentum": 0.0},
+    "signum": {"lr": 0.002, "momentum": 0.0},
+    "dgc": {"momentum": 0.0},
+}
+
+
+def describe(name: str) -> str:
+    """A config as text: ``maxmin bits=4 memory=residual``."""
+    spec = CONFIGS[name]
+    if spec is None:
+        return "DDP all-reduce"
+    codec, opts = spec
+    if codec.startswith("torch:"):
+        return f"PyTorch {codec[len('torch:'):]}"
+    optim = OPTIMIZER_OVERRIDES.get(name, {})
+    sgd = [f"(SGD {' '.join(f'{k}={v:g}' for k, v in optim.items())})"] if optim else []
+    return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + sgd)

@@ -1,0 +1,65 @@
+"""All-gather of arbitrary payloads, fixed or variable in size, aggregated by the codec."""
+from __future__ import annotations
+
+import torch
+
+from ..codecs.base import Payload
+from .base import (
+    Call,
+    Collective,
+    Exchanged,
+    all_gather_flat,
+    from_bytes,
+    register_collective,
+    spec_of,
+    to_bytes,
+)
+
+
+@register_collective
+class AllGather(Collective):
+    """Every rank receives every rank's payload and decodes them all (in rank order).
+
+    Payloads whose size depends on the data (``codec.fixed_size`` false) first exchange their
+    tensor lengths; fixed-size payloads need a single all-gather.
+    """
+
+    name = "allgather"
+    releases_input = True  # it returns a fresh average: the frame releases the input before storing it
+
+    @classmethod
+    def traffic_factor(cls, world_size: int) -> float:
+        return float(max(int(world_size), 1) - 1)  # its payload to each of the others
+
+    def exchange(self, call: Call) -> Exchanged:
+        w = call.world_size
+        payload = call.encode(call.x)
+        call.keep_own(payload)
+        buf = to_bytes(payload.tensors, call.flag)
+        if call.codec.fixed_size:
+            specs = [spec_of(payload.tensors)] * w
+            gathered = self._all_gather_bytes(buf, w)
+        else:
+            specs, gathered = self._gather_variable(payload, buf, w)
+        payloads, flags = [], []
+        for r in range(w):
+            tensors, f = from_bytes(gathered[r], specs[r])
+            payloads.append(Payload(tensors, payload.ctx))
+            flags.append(f)
+        avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
+        return Exchanged(avg, torch.stack(flags).any(), payload.nbytes)
+
+    def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
+        sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)
+        all_sizes = sizes.new_empty(w, sizes.numel())
+        if w > 1:
+            all_gather_flat(all_sizes.view(-1), sizes, self.group)
+        else:
+            all_sizes[0] = sizes
+        table = all_sizes.tolist()  # one host sync: the sizes decide the buffer layout
+        longest = max(row[-1] for row in table)
+        padded = torch.cat([buf, buf.new_zeros(longest - buf.numel())])
+        gathered = self._all_gather_bytes(padded, w)
+        dtypes = [t.dtype for t in payload.tensors]
+        specs = [list(zip(dtypes, row[:-1])) for row in table]
+        return specs, gathered

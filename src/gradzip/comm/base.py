@@ -1,0 +1,401 @@
+"""What every collective shares: the frame of a call, the result record, wire (de)serialisation
+and the registry.
+
+A collective takes one tensor (the error-compensated gradient of a parameter, or a fused group
+of them), encodes it with a codec, moves the payloads with ``torch.distributed`` and returns the
+average over ranks, identical to the bit on every rank because every rank decodes the same bytes
+the same way. A collective implements only that exchange (:meth:`Collective.exchange`); the
+base class frames every call with what they all share (:class:`Call`): the non-finite flag of
+the input, the timer, this rank's own decoded payloads for error feedback and the result.
+
+Every message also carries a one-byte "non-finite input" flag, so every rank learns in the same
+round whether any rank's input held NaN or Inf, without a host sync. (The all-reduce sums a
+one-element flag tensor issued next to the payload, an extra tiny collective in the same round.)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec, Payload, element_size
+from ..kernels import store_into
+from ..options import Registry
+from ..options import Configurable
+from .stages import Stages, drive, staged
+
+_ALIGN = 8
+
+# all_gather_single supersedes all_gather_into_tensor (deprecated) in newer torch releases
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False):
+    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major); a work handle if async."""
+    return _all_gather_flat(out, inp, group=group, async_op=async_op)
+
+
+@dataclass
+class Result:
+    """Outcome of one collective call on one tensor."""
+
+    avg: torch.Tensor  # the average over ranks, flat, identical on every rank
+    own: Optional[torch.Tensor]  # this rank's decoded payload at input scale (for error feedback)
+    nonfinite: torch.Tensor  # 0-dim bool: some rank's input held NaN/Inf
+    wire_bytes: int  # payload bytes this rank put on the wire
+    encode_s: float = 0.0  # wall time
+    decode_s: float = 0.0
+    encode_cpu_s: float = 0.0  # CPU time of the calling thread (see Timer)
+    decode_cpu_s: float = 0.0
+    # one encoding of the tensor as this collective cuts it (its first round); None: ``wire_bytes``.
+    # sra and ps also put this rank's re-encoded share on the wire, which ``wire_bytes`` counts.
+    payload_bytes: Optional[int] = None
+
+
+_measure_cpu = False
+
+
+def measure_cpu_time(enabled: bool) -> None:
+    """Make :class:`Timer` also take thread CPU time (off by default).
+
+    Reading a thread's CPU clock is a system call, and on some machines (sandboxed or
+    virtualised kernels) a slow one: a few per tensor can cost as much as encoding it. Only the
+    benchmarks turn it on, for runs that they do not time.
+    """
+    global _measure_cpu
+    _measure_cpu = enabled
+
+
+class Timer:
+    """Accumulates wall time (and, when :func:`measure_cpu_time` is on, thread CPU time) of
+    encode and decode sections.
+
+    Wall time is what the caller waits; thread CPU time (``time.thread_time``) is the work the
+    codec did, which stays meaningful when ranks share cores and wall time includes waiting for
+    one. It counts only the calling thread: exact when the codec computes on that one thread (local
+    ranks run torch with one thread), short of the truth when a thread team helps, and for CUDA
+    tensors only the host side of the kernels.
+    """
+
+    def __init__(self) -> None:
+        self.encode_s = 0.0
+        self.decode_s = 0.0
+        self.encode_cpu_s = 0.0
+        self.decode_cpu_s = 0.0
+        self._cpu = _measure_cpu
+
+    def _section(self, fn: Callable, args, kwargs) -> Tuple[Any, float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time() if self._cpu else 0.0
+        out = fn(*args, **kwargs)
+        cpu = time.thread_time() - c0 if self._cpu else 0.0
+        return out, time.perf_counter() - t0, cpu
+
+    def encode(self, fn: Callable, *args, **kwargs):
+        out, wall, cpu = self._section(fn, args, kwargs)
+        self.encode_s += wall
+        self.encode_cpu_s += cpu
+        return out
+
+    def decode(self, fn: Callable, *args, **kwargs):
+        out, wall, cpu = self._section(fn, args, kwargs)
+        self.decode_s += wall
+        self.decode_cpu_s += cpu
+        return out
+
+    def times(self) -> Tuple[float, float, float, float]:
+        """``(encode_s, decode_s, encode_cpu_s, decode_cpu_s)``, the tail of a :class:`Result`."""
+        return self.encode_s, self.decode_s, self.encode_cpu_s, self.decode_cpu_s
+
+
+def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
+
+    One reading pass, the minimum and maximum together: NaN propagates through them and ±Inf
+    is one of them, while, unlike a sum, they cannot overflow on large finite values.
+    """
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x.reshape(-1))
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+# ------------------------------------------------------------------------- wire format
+Spec = List[Tuple[torch.dtype, int]]
+
+
+def spec_of(tensors: Sequence[torch.Tensor]) -> Spec:
+    return [(t.dtype, t.numel()) for t in tensors]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def spec_bytes(spec: Spec) -> int:
+    """Length of the serialised buffer for ``spec`` plus the flag byte."""
+    return sum(_padded(n * element_size(d)) for d, n in spec) + _ALIGN
+
+
+def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if given)."""
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        pad = _padded(raw.numel()) - raw.numel()
+        if pad:
+            parts.append(raw.new_zeros(pad))
+    flag_bytes = torch.zeros(_ALIGN, dtype=torch.uint8, device=flag.device)
+    flag_bytes[0] = flag
+    parts.append(flag_bytes)
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+
+
+def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
+    out, offset = [], 0
+    for dtype, numel in spec:
+        nbytes = numel * element_size(dtype)
+        out.append(buf[offset : offset + nbytes].view(dtype))
+        offset += _padded(nbytes)
+    return out, buf[offset] != 0
+
+
+# ------------------------------------------------------------------------- one call
+@dataclass
+class Exchanged:
+    """What a collective's exchange hands back: the average and what came with it."""
+
+    avg: torch.Tensor  # the average over ranks, flat (``Call.out`` where the exchange wrote there)
+    nonfinite: torch.Tensor  # 0-dim bool: the OR of every rank's non-finite flag
+    wire_bytes: int  # payload bytes this rank put on the wire
+    payload_bytes: Optional[int] = None  # see Result.payload_bytes
+
+
+@dataclass
+class Call:
+    """One call of a collective as its exchange sees it.
+
+    :meth:`Collective.stages` builds it around every call and does the steps every collective
+    shares: the input's non-finite flag, the timer of encode and decode, decoding this rank's own
+    payloads for error feedback, writing the average to ``out`` and the :class:`Result`. The
+    exchange encodes through :meth:`encode` (timed, with the call's step), decodes through
+    :meth:`decode`, and names the payloads that are this rank's own with :meth:`keep_own`.
+    """
+
+    codec: Codec
+    x: torch.Tensor  # the input, in the caller's shape (PowerSGD reads it as a matrix)
+    name: str
+    step: int
+    need_own: bool  # the caller wants this rank's decoded payloads (keep them intact)
+    out: Optional[torch.Tensor]
+    align: int
+    rank: int
+    world_size: int
+    flag: torch.Tensor  # 0-dim bool: this rank's input holds NaN/Inf (all False when unflagged)
+    timer: Timer
+    own: List[Tuple[Payload, int, Optional[int], float]] = field(default_factory=list)  # see keep_own
+    # called once, with the OR of every rank's non-finite flag, when the exchange has read the
+    # input for the last time and is about to write the average (see release_input)
+    on_release: Optional[Callable[["Call", torch.Tensor], None]] = None
+    released: bool = False
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.x.reshape(-1)
+
+    def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None) -> Payload:
+        """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
+        the call's step, timed as encoding."""
+        return self.timer.encode((codec or self.codec).encode, x, self.name if name is None else name, self.step)
+
+    def decode(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` timed as decoding (``codec.decode_into``, ``codec.aggregate``, a sum)."""
+        return self.timer.decode(fn, *args)
+
+    def release_input(self, nonfinite: torch.Tensor) -> None:
+        """The exchange reads the input no more and is about to write ``out``, which may be the
+        input itself (an in-place exchange of a DDP bucket): the caller's ``on_release`` runs
+        now, while the input and this rank's own payloads are intact, with the agreed flag.
+        An exchange that writes ``out`` calls it first; the frame calls it for one that does not."""
+        if not self.released:
+            self.released = True
+            if self.on_release is not None:
+                self.on_release(self, nonfinite)
+
+    def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
+        """``payload`` is this rank's encoding of the input's values ``start`` to ``end`` (a chunk,
+        a partition, the whole; ``end`` defaults to as many values as the payload holds, a padded
+        chunk's padding cut at the end of the input); decoded times ``scale`` it is this rank's
+        share of the average."""
+        if self.need_own:
+            self.own.append((payload, start, end, scale))
+
+
+class Collective(Configurable):
+    """Moves one tensor's payloads between ranks; a subclass implements only :meth:`exchange`."""
+
+    kind = "collective"
+    name: str = ""
+    # whether every call computes its input's non-finite flag for the exchange to carry; off for
+    # gradzip's plain all-reduce of uncompressed gradients (see AllReduce)
+    flagged = True
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
+        self.group = group
+        self.set_options(opts)  # ValueError for an unknown option or a bad value
+        # buffers per (tensor, role), reused from call to call: fresh ones would cost a page
+        # fault per 4 KiB on every call
+        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+
+    def supports(self, codec: Codec) -> bool:
+        return self.name in codec.collectives
+
+    @classmethod
+    def traffic_factor(cls, world_size: int) -> float:
+        """``f(W)``: the bytes a rank sends per byte of its (compressed) gradient; a reduce-scatter
+        and an all-gather by default."""
+        w = max(int(world_size), 1)
+        return 2.0 * (w - 1) / w
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What must survive a restart for the next call to move the same bytes (e.g. PS's call count)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def release(self) -> None:
+        """Drop buffers kept from call to call (the communicator is closing)."""
+        self._buffers.clear()
+
+    def _buffer(
+        self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
+    ) -> torch.Tensor:
+        """A buffer kept for tensor ``name`` and ``role`` (send, receive, own, ...) from call to call."""
+        buf = self._buffers.get((name, role))
+        if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
+            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+    def run(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1,
+    ) -> Result:
+        """Average ``x`` (any shape; the result is flat) over the ranks of ``self.group``.
+
+        With ``out`` (flat, ``x.numel()`` values, ``x``'s dtype) the average is written there and
+        ``Result.avg`` is ``out``: no fresh result tensor, whose first touch of every page costs
+        more than decoding into it. ``out`` may be ``x`` itself: every collective has finished
+        reading ``x`` before it writes ``out``.
+
+        ``align``: a collective that cuts ``x`` into pieces encoded apart (chunks, segments,
+        partitions) starts every piece at a multiple of ``align`` values, so a codec's blocks
+        never straddle two tensors of a fused buffer (see :meth:`Codec.fusion_block`).
+        """
+        return drive(self.stages(codec, x, name, step, need_own, out, align))
+
+    # whether exchange() calls Call.release_input before it writes ``out`` (needed to exchange
+    # in place with error feedback; the frame calls it for exchanges that return a fresh average)
+    releases_input = False
+
+    def stages(
+        self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
+        align: int = 1, on_release: Optional[Callable[[Call, torch.Tensor], None]] = None,
+    ) -> Stages:
+        """:meth:`run` cut into stages: a generator that yields each time it has issued
+        asynchronous collectives and would next wait for them, and returns the :class:`Result`.
+
+        A pipeline (:class:`~gradzip.sync.pipeline.Pipeline`) advances the stages of several calls in
+        turn, so one call's payloads are on the wire while another is encoded or decoded. The
+        stages are those of :meth:`exchange`, framed by the steps every collective shares.
+        """
+        rank, w = world(self.group)
+        flag = nonfinite_flag(x) if self.flagged else torch.zeros((), dtype=torch.bool, device=x.device)
+        call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), on_release=on_release)
+        got = yield from staged(self.exchange(call))
+        call.release_input(got.nonfinite)
+        avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
+        own = self._decode_own(call) if need_own else None
+        return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
+
+    def exchange(self, call: Call) -> Union[Stages, Exchanged]:
+        """Encode ``call.x``, move the payloads and decode the average: a generator of stages
+        (yield after issuing asynchronous collectives, before waiting for them) returning
+        :class:`Exchanged`, or a plain function returning it.
+
+        Every rank must issue the same collectives in the same order, carry ``call.flag`` in what
+        it sends (the wire format of :func:`to_bytes` has a byte for it) and decode the same
+        bytes the same way, so the average is identical on every rank.
+        """
+        raise NotImplementedError(f"collective {self.name!r} does not implement exchange()")
+
+    def _decode_own(self, call: Call) -> torch.Tensor:
+        """This rank's payloads decoded at the input's scale, in one buffer kept from call to
+        call (the caller reads it before its next call with the same name)."""
+        n = call.x.numel()
+        own = self._buffer(call.name, "own", (n,), call.x.device, call.x.dtype)
+        covered = 0
+        for payload, start, end, scale in call.own:
+            dst = own[start : min(start + payload.ctx.numel, n if end is None else end)]
+            call.decode(call.codec.decode_into, payload, dst)
+            if scale != 1.0:
+                dst.mul_(scale)
+            covered += dst.numel()
+        if covered != n:
+            raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
+        return own
+
+    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
+        """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""
+        out = buf.new_empty(world_size, buf.numel())
+        if world_size == 1:
+            out[0] = buf
+        else:
+            all_gather_flat(out.view(-1), buf, self.group)
+        return out
+
+
+_COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")
+register_collective = _COLLECTIVES.add
+names = _COLLECTIVES.names
+get = _COLLECTIVES.get
+
+
+def traffic_factor(collective: str, world_size: int) -> float:
+    """:meth:`Collective.traffic_factor` of the collective named ``collective``."""
+    return get(collective).traffic_factor(world_size)
+
+
+def route_label(collective: str, options: Optional[Mapping[str, Any]] = None) -> str:
+    """A route's name: the collective, then its options (``ps:partitions=8``)."""
+    return collective + "".join(f":{k}={v}" for k, v in sorted((options or {}).items()))
+
+
+def parse_route(label: str) -> Tuple[str, Dict[str, Any]]:
+    """Inverse of :func:`route_label` (option values are integers or None)."""
+    name, *pairs = label.split(":")
+    options: Dict[str, Any] = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        options[key] = None if value == "None" else int(value)
+    return name, options
+
+
+def reencoder(codec: Codec) -> Codec:
+    """The codec that re-encodes an aggregate: ``codec`` itself when its encode is a pure function,
+    a fresh instance when it keeps per-tensor state (``tensor_state``: signum's momentum, adaq's
+    residual), so the aggregate neither reads nor overwrites this rank's state."""
+    if not codec.tensor_state:
+        return codec
+    return type(codec)(**codec.config())

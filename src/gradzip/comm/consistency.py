@@ -1,0 +1,87 @@
+"""Every rank must run the same gradzip: settings compared across ranks, and their fingerprint.
+
+Two ranks with different codecs, options or collectives do not fail cleanly on their own: they
+diverge silently (fp16 on one rank, bf16 on another), abort inside gloo ("Received data size
+doesn't match expected size") or wait forever on a collective the other never issues. So a
+communicator compares the effective settings of every rank once, with one small collective, at
+construction, and raises :class:`~gradzip.errors.SettingsMismatchError` on every rank, naming
+the fields, the values, the ranks and (when it came from there) the ``GRADZIP_*`` variable.
+
+The same settings, hashed, are the fingerprint that state dicts carry, so a checkpoint of one
+configuration is not loaded into another without a word.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch.distributed as dist
+
+from ..errors import SettingsMismatchError
+
+Settings = Dict[str, Any]
+
+
+def fingerprint(settings: Mapping[str, Any]) -> str:
+    """A short hash of ``settings`` that is the same in every process for the same settings."""
+    text = repr(sorted((k, repr(v)) for k, v in settings.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def describe(value: Any, who: str, source: Optional[str]) -> str:
+    origin = f" (from {source})" if source else ""
+    return f"{value!r} on {who}{origin}"
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def differences(
+    all_settings: List[Settings], all_sources: List[Mapping[str, str]], labels: Optional[List[str]] = None,
+) -> List[str]:
+    """One line per setting that is not the same on every rank (empty when they all agree).
+
+    ``labels`` names the parties (default: their ranks), e.g. ``["the checkpoint", "this run"]``.
+    """
+    lines = []
+    keys = sorted(set().union(*all_settings))
+    for key in keys:
+        groups: Dict[str, List[int]] = {}
+        for rank, s in enumerate(all_settings):
+            groups.setdefault(repr(s.get(key, "<unset>")), []).append(rank)
+        if len(groups) == 1:
+            continue
+        parts = []
+        for ranks in groups.values():
+            value = all_settings[ranks[0]].get(key, "<unset>")
+            sources = sorted({all_sources[r].get(key, "") for r in ranks} - {""})
+            who = " and ".join(labels[r] for r in ranks) if labels else _ranks(ranks)
+            parts.append(describe(value, who, ", ".join(sources) or None))
+        lines.append(f"{key}: " + "; ".join(parts))
+    return lines
+
+
+def verify_same_on_all_ranks(
+    settings: Settings, group: Optional[dist.ProcessGroup], sources: Optional[Mapping[str, str]] = None,
+) -> None:
+    """Raise :class:`SettingsMismatchError` on every rank of ``group`` unless all hold ``settings``.
+
+    One ``all_gather_object`` of the settings (a few hundred bytes) over ``group``, which must be
+    a group that no other thread issues collectives on at the same time.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = (dict(settings), dict(sources or {}))
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    lines = differences([g[0] for g in gathered], [g[1] for g in gathered])
+    if lines:
+        rank = dist.get_rank(group)
+        raise SettingsMismatchError(
+            f"gradzip settings differ between ranks (seen from rank {rank}); every rank must use the same "
+            "codec, options, memory, collective, filter and gradzip version:\n  " + "\n  ".join(lines)
+        )

@@ -1,0 +1,657 @@
+"""One-line DDP integration: a communication hook that compresses each bucket's gradients.
+
+``state = gradzip.register(ddp_model, "maxmin", bits=4)``. The hook splits a bucket into its
+parameters' gradients (named, so state survives DDP's bucket rebuild), sends the small and 1-D
+ones uncompressed in one fused all-reduce and every other one through the codec, writes the
+averages back into the bucket and returns a future that the ordered worker completes.
+"""
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from ..policy.adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
+from ..sync.engine import Communicator, group_key
+from ..config import AUTO, Config
+from ..errors import SettingsMismatchError
+from ..comm.base import traffic_factor
+from ..sync.metrics import CSVLogger, format_table, scalars, summary_table
+from ..policy import planner
+from ..sync.groups import FusionPlan, GroupCollector
+
+logger = logging.getLogger("gradzip")
+
+
+class GradzipState:
+    """The hook's state: the communicator, the parameter names and the compression filter.
+
+    ``step`` counts the backward passes whose gradients went through the hook (one per
+    optimizer step without gradient accumulation); errors name it. It is the communicator's
+    step counter (:attr:`Communicator.step`), the one that keys every exchange's randomness,
+    decides the warm-up, the ramp and the adaptive schedule, and is saved in the state dict.
+    """
+
+    def __init__(self, comm: Communicator, param_names: Dict[int, str], config: Config) -> None:
+        self.comm = comm
+        self.config = config
+        self.param_names = param_names
+        self.fusion_plan = FusionPlan([])  # made by register() (apply, regroup)
+        self.collector = GroupCollector(self.fusion_plan)
+        self.decisions: List[planner.Decision] = []  # per group of compressible parameters
+        self.costs: Optional[planner.Costs] = None  # the calibrated model with plan="auto"
+        self.levels: Optional[AdaptiveLevels] = None  # per-parameter levels with adaptive on
+        self.ramp: Optional[Ramp] = None  # the levels of the first compressed steps
+        self._compressed: List[Tuple[str, torch.Tensor]] = []  # what the plan compresses, in order
+        # what the planner decides from (set by register): the groups of compressible parameters,
+        # the parameters by name in registration order, the routes it may choose, their device
+        self.candidates: List[List[str]] = []
+        self.params: Dict[str, torch.Tensor] = {}
+        self.route_candidates: List[str] = []
+        self.device: Optional[torch.device] = None
+        self.drift: Optional[planner.DriftWatch] = None  # with plan="auto": when to calibrate again
+        self._flush: set = set()  # parameters no longer compressed whose remainder is still owed
+        # the buckets averaged in their own memory (the lean path), by DDP's bucket index: the
+        # values each encodes and its parameters, as of the last step that exchanged it
+        self.in_place_buckets: Dict[int, Tuple[int, List[str]]] = {}
+        self._step_buckets: Dict[int, Tuple[int, List[str]]] = {}  # this step's, so far
+        self.backward_done: Optional[float] = None
+        self._errors: List[BaseException] = []
+        self._inflight: List[torch.futures.Future] = []
+        self._check_queued = False
+        self._csv: Dict[str, CSVLogger] = {}
+        self._csv_writers: Dict[int, List[str]] = {}
+
+    @property
+    def step(self) -> int:
+        return self.comm.step
+
+    def should_compress(self, grad: torch.Tensor) -> bool:
+        if grad.numel() < self.config.min_numel:
+            return False
+        return self.config.compress_1d or grad.dim() > 1
+
+    def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
+        """This rank's metrics since registration (or the last ``comm.metrics.reset()``), rounded.
+
+        ``codec``, ``memory``, ``collective``, ``world_size``; ``steps`` (backward passes through
+        the hook since the metrics were last reset); ``params_compressed``/``params_uncompressed`` (parameters, by whether the codec
+        compressed them); ``raw_bytes`` (the gradients in their dtype), ``wire_bytes`` (their
+        compressed size), ``ratio`` = raw_bytes / wire_bytes (independent of the world size),
+        ``sent_bytes`` (what this rank sent: 2(W−1)/W × wire_bytes, (W−1)× for allgather);
+        ``encode_s``/``decode_s`` (wall seconds); ``encode_cpu_s``/``decode_cpu_s`` only when CPU
+        time was measured. ``per_tensor``: the same per parameter. See :mod:`gradzip.sync.metrics`.
+        """
+        stats = self.comm.stats(per_tensor)
+        out: Dict[str, Any] = {
+            "codec": self.comm.codec.name, "memory": self.comm.memory.name, "collective": self.comm.collective_name,
+            "world_size": stats.pop("world_size"),
+        }
+        out.update(stats)
+        return out
+
+    def plan(self) -> Dict[str, Any]:
+        """The plan: per group of compressible parameters, whether it is compressed, the
+        planner's predictions (plain fp32 all-reduce vs the codec; NaN without ``plan="auto"``)
+        and the median measured time of its compressed exchanges so far (from the first stage
+        to the last; with pipelining, other jobs' stages run in between). ``costs``: the
+        calibrated model (:mod:`gradzip.policy.planner`), None without ``plan="auto"``; each group's
+        ``route``: the collective the planner chose for it (None: the configured one); ``drift``:
+        the watch of measured against predicted times and how often it re-calibrated."""
+        measured = {}
+        for d in self.decisions:
+            times = self.comm.metrics.group_times.get(group_key(sorted(d.members)))
+            if times:
+                measured[d.group] = times
+        out = planner.report(self.decisions, measured, self.costs)
+        if self.drift is not None:
+            out["drift"] = self.drift.as_dict()
+        if self.levels is not None:
+            out["levels"] = self.levels.describe()
+        return out
+
+    def replan(self, costs: Optional[planner.Costs] = None) -> None:
+        """Decide every group again (compress or not, and its route) and apply the plan.
+
+        Without ``costs`` the cost model is calibrated anew on the process group: a collective
+        call, so every rank must call it at the same point, between steps (the drift watch does
+        so on the ordered worker). A parameter that stops being compressed owes the other ranks
+        its error-feedback remainder: it is added to its next gradient (sent plain), so nothing
+        is lost."""
+        if costs is None:
+            costs = planner.calibrate(self.comm, self.device, routes=self.route_candidates)
+        self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
+
+    def apply(self, decisions: List[planner.Decision], costs: Optional[planner.Costs]) -> None:
+        """Use ``decisions`` (made from ``costs``): the compressed set, routes, levels and groups."""
+        before = {n for n, _ in self._compressed}
+        self.decisions, self.costs = decisions, costs
+        compressed = {n for d in decisions if d.compress for n in d.members}
+        self._compressed = [(n, p) for n, p in self.params.items() if n in compressed]
+        self.comm.routes = {n: d.route for d in decisions if d.compress and d.route is not None for n in d.members}
+        self._flush = (self._flush | (before - compressed)) - compressed
+        cfg = self.config
+        if cfg.adaptive != "off" and self._compressed:  # measured and planned once the ramp is over
+            old = self.levels
+            self.levels = self.comm.levels = AdaptiveLevels(
+                self.comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in self._compressed],
+                [tuple(p.shape) for _, p in self._compressed], warmup=self.ramp.end if self.ramp else cfg.warmup,
+            )
+            if old is not None:
+                self.levels.carry_over(old)
+        else:
+            self.levels = self.comm.levels = None
+        if self.levels is not None and self.levels.plans:
+            self.regroup()  # the levels chosen so far, one a group
+        else:
+            self.fusion_plan = FusionPlan([d.members for d in decisions if d.compress])
+            self.collector = GroupCollector(self.fusion_plan)
+        if self.drift is not None:
+            self.drift.reset()
+
+    def regroup(self) -> None:
+        """Rebuild the fused groups so that each holds one adaptive level and one route (after
+        a new adaptive plan).
+
+        Every rank calls it at the same step with the same levels, so the groups stay alike."""
+        levels, routes = self.levels, self.comm.routes
+        self.fusion_plan = self.build_plan(
+            self._compressed, lambda p: True,
+            level=lambda name: (levels.level(name) if levels is not None else None, routes.get(name)),
+        )
+        self.collector = GroupCollector(self.fusion_plan)
+
+    def build_plan(
+        self, params: Sequence[Tuple[str, torch.Tensor]], compress: Callable[[torch.Tensor], bool],
+        level: Optional[Callable[[str], Any]] = None,
+    ) -> FusionPlan:
+        """:meth:`FusionPlan.build` with this state's codec block and group size."""
+        block = self.comm.codec.fusion_block() if self.comm.fusion else 0
+        return FusionPlan.build(params, compress, block, int(self.config.fusion_mb * 2**20), level=level)
+
+    def summary(self, per_layer: bool = False) -> str:
+        """A readable table of :meth:`stats`: totals per codec (the codec's parameters and the
+        uncompressed ones) and, with ``per_layer``, one row per parameter; ``print`` it."""
+        s = self.stats()
+        options = ", ".join(f"{k}={v}" for k, v in self.comm.codec.config().items())
+        title = (
+            f"gradzip: {s['codec']}({options}), memory={s['memory']}, collective={s['collective']}; "
+            f"rank {self.comm.rank} of {s['world_size']}, {s['steps']} steps; ratio = raw / wire bytes"
+        )
+        return summary_table(self.comm.metrics, title, per_layer=per_layer, steps=s["steps"])
+
+    def log_to(self, writer: Any = None, step: Optional[int] = None) -> Dict[str, float]:
+        """Write the numeric fields of :meth:`stats` at ``step`` (default: the steps so far).
+
+        ``writer``: anything with ``add_scalar(tag, value, step)`` (a TensorBoard
+        ``SummaryWriter``; tags ``gradzip/<field>``), a :class:`~gradzip.sync.metrics.CSVLogger` or a
+        CSV path (one row per call, a header first), a ``csv.writer`` (a header row the first time
+        it is seen), or None / a ``logging.Logger`` (one INFO line; default the "gradzip"
+        logger). Returns the values written.
+        """
+        stats = self.stats()
+        step = stats["steps"] if step is None else step
+        values = scalars(stats)
+        if writer is None or isinstance(writer, logging.Logger):
+            (writer or logger).info("%s", _log_line(step, values))
+        elif hasattr(writer, "add_scalar"):
+            for key, value in values.items():
+                writer.add_scalar(f"gradzip/{key}", float(value), step)
+        elif isinstance(writer, CSVLogger):
+            writer.log(step, values)
+        elif isinstance(writer, (str, os.PathLike)):
+            path = os.fspath(writer)
+            self._csv.setdefault(path, CSVLogger(path)).log(step, values)
+        elif hasattr(writer, "writerow"):
+            if id(writer) not in self._csv_writers:
+                self._csv_writers[id(writer)] = list(values)
+                writer.writerow(["step"] + list(values))
+            writer.writerow([step] + [values.get(k, "") for k in self._csv_writers[id(writer)]])
+        else:
+            raise TypeError(
+                f"log_to() takes a writer with add_scalar (TensorBoard), a CSV path, a CSVLogger, a csv.writer "
+                f"or a logging.Logger, got {type(writer).__name__}"
+            )
+        return values
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Per-rank state (error-feedback residuals, codec state, step counters), marked with
+        this rank, the world size and the settings' fingerprint."""
+        return self.comm.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Restore this rank's own :meth:`state_dict`; see :meth:`Communicator.load_state_dict`
+        for what ``strict=False`` accepts and drops."""
+        self.comm.load_state_dict(state, strict=strict)
+        if self.levels is not None:
+            self.regroup()  # the groups of the loaded levels
+
+    def close(self) -> None:
+        self.comm.close()
+
+    def __repr__(self) -> str:
+        return f"GradzipState({self.comm!r}, min_numel={self.config.min_numel}, compress_1d={self.config.compress_1d})"
+
+    # ------------------------------------------------------------ failures
+    def deliver(self, fut: torch.futures.Future, buffer: torch.Tensor) -> torch.futures.Future:
+        """The future DDP waits on, with failures raised as gradzip's own exceptions.
+
+        DDP reads a hook's future in C++, which turns any Python exception stored in it into
+        ``RuntimeError: Unable to cast <message> to Tensor``. So a failed job completes DDP's
+        future with the (untouched) bucket, and a callback queued on the autograd engine waits
+        for this backward's jobs and re-raises the failure itself, type and message intact,
+        before DDP's own end-of-backward step: ``loss.backward()`` raises it and the optimizer
+        never steps on those gradients. Outside a backward pass the future itself fails.
+        """
+        try:
+            if not self._check_queued:
+                Variable._execution_engine.queue_callback(self._raise_failures)
+                self._check_queued = True
+        except RuntimeError:  # not inside a backward pass (the hook called by hand)
+            return fut
+        out = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+
+        def done(f: torch.futures.Future) -> None:
+            try:
+                out.set_result(f.value())
+            except Exception as exc:
+                self._errors.append(exc)
+                out.set_result(buffer)
+
+        fut.add_done_callback(done)
+        self._inflight.append(out)
+        return out
+
+    def _raise_failures(self) -> None:
+        self._check_queued = False
+        inflight, self._inflight = self._inflight, []
+        for f in inflight:
+            f.wait()
+        if self.backward_done is not None:
+            # what backward's end waited for gradzip: exchanges not hidden behind the compute
+            self.comm.metrics.record_exposed(time.perf_counter() - self.backward_done)
+            self.backward_done = None
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
+
+
+def _log_line(step: int, v: Dict[str, float]) -> str:
+    return (
+        f"gradzip step {step}: ratio {v['ratio']:.2f}x, wire {v['wire_bytes'] / 1e6:.3f} MB of "
+        f"{v['raw_bytes'] / 1e6:.3f} MB raw, sent {v['sent_bytes'] / 1e6:.3f} MB, "
+        f"encode {v['encode_s'] * 1e3:.1f} ms, decode {v['decode_s'] * 1e3:.1f} ms, "
+        f"{int(v['params_compressed'])} parameters compressed, {int(v['params_uncompressed'])} not"
+    )
+
+
+def settings_report(comm: Communicator, cfg: Config) -> str:
+    """The effective settings and where each came from (argument, config, environment, default)."""
+    settings = dict(comm.settings())
+    version = settings.pop("gradzip", "")
+    rows = [[key, repr(value), cfg.origin(key)] for key, value in settings.items()]
+    if comm.timeout is not None:
+        origin = cfg.origin("timeout") if cfg.timeout is not None else "the process group's"
+        rows.append(["timeout", f"{comm.timeout.total_seconds():g} s", origin])
+    head = f"gradzip {version} on {comm.world_size} rank(s): effective settings"
+    return head + "\n" + format_table(["setting", "value", "from"], rows, left=3)
+
+
+def _bucket_label(index: int, names: List[str]) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"bucket {index} ({shown})"
+
+
+def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket`` through gradzip on the ordered worker.
+
+    The bucket's uncompressed gradients go in one plain all-reduce; its compressed ones join
+    their groups of the plan (:mod:`gradzip.sync.groups`), and every group completed by this bucket is
+    exchanged in the same job. The bucket is done when its job and every group holding one of
+    its gradients are done (a group may complete with a later bucket).
+    """
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    grads = bucket.gradients()
+    names = [state.param_names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
+    step = state.step  # this backward pass's, taken here: the jobs run later, on the worker
+    what = f"step {step}, {_bucket_label(bucket.index(), names)}"
+    # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
+    # untouched, so compression starts from an empty residual on every rank alike
+    dense = step < state.config.warmup
+    last = bucket.is_last()
+    levels = state.levels
+    if state.ramp is not None:
+        state.comm.ramp_level = None if dense else state.ramp.level_at(step)
+    if levels is not None:  # adaptive levels: measure on some steps, plan after the last of them
+        levels.sampling = not dense and levels.sample_at(step)
+    # after this step's exchanges, on the ordered worker (backward ends when they are done):
+    # the adaptive plan, and the check of measured against predicted times
+    after: List[Tuple[str, Callable[[], None]]] = []
+    if last and not dense and levels is not None and levels.plan_after(step):
+        after.append(("adaptive plan", lambda: _replan(state, buffer.device)))
+    if last and state.drift is not None and state.drift.due(step):
+        after.append(("drift check", lambda: _check_drift(state, step)))
+    if last:
+        state.comm.next_step()
+        state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
+    plain = [
+        i for i, g in enumerate(grads)
+        if dense or not (names[i] in state.fusion_plan.group_of and state.should_compress(g))
+    ]
+    if state._flush:  # no longer compressed: what their memory still owes goes with this sum
+        _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
+    compress = [i not in plain for i in range(len(grads))]
+    if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
+        waits = [_plain_bucket(state, buffer, names, grads, what, step)]
+    elif state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
+        state._step_buckets[bucket.index()] = (buffer.numel(), names)
+        waits = [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
+    else:
+        waits = _bucket_job(state, buffer, names, grads, plain, last, step, what)
+    if last:
+        state.in_place_buckets, state._step_buckets = state._step_buckets, {}
+    for label, fn in after:
+        waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
+    return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
+
+
+def _bucket_job(
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], plain: List[int],
+    last: bool, step: int, what: str,
+) -> List[torch.futures.Future]:
+    """Submit a bucket's job to the pipeline: its plain gradients in one all-reduce and every
+    group it completes; the futures the bucket waits on (the job, and its gradients' groups)."""
+    waits: Dict[int, torch.futures.Future] = {}
+    for i, g in enumerate(grads):
+        if i not in plain:
+            group, fut = state.collector.add(names[i], g)
+            waits[group] = fut
+    ready = state.collector.ready(last)
+    tensors = [grads[i] for i in plain]
+    job_names = [names[i] for i in plain]
+    compress = [False] * len(plain)
+    groups = []
+    for members, member_grads, _ in ready:
+        groups.append(list(range(len(tensors), len(tensors) + len(members))))
+        tensors.extend(member_grads)
+        job_names.extend(members)
+        compress.extend([True] * len(members))
+    predicted = _predicted_s(state, tensors[: len(plain)], ready)
+
+    def job() -> Generator[None, None, torch.Tensor]:
+        # the gradients are views into DDP's bucket buffers: the averages are written into them
+        started = time.perf_counter()
+        yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups, step=step)
+        if state.drift is not None:
+            state.drift.add(predicted, time.perf_counter() - started, step)
+        return buffer
+
+    # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
+    done = state.comm.submit_staged(job, buffer.device, what=what, flush=last)
+    for _, _, group_future in ready:
+        done.add_done_callback(_settle_with(group_future))
+    return [done] + list(waits.values())
+
+
+def _in_place_job(
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], compress: List[bool],
+    last: bool, step: int, what: str,
+) -> torch.futures.Future:
+    """Submit a bucket averaged in its own memory (:meth:`Communicator.bucket_stages`)."""
+    predicted = float("nan")
+    if state.costs is not None and state.drift is not None:
+        plain = [g for g, c in zip(grads, compress) if not c]
+        predicted = state.costs.compressed_s(buffer.numel(), state.comm.routes.get(names[compress.index(True)]))
+        if plain:
+            predicted += state.costs.plain_s(sum(g.numel() for g in plain), plain[0].element_size())
+
+    def job() -> Generator[None, None, torch.Tensor]:
+        started = time.perf_counter()
+        yield from state.comm.bucket_stages(buffer, grads, names, compress, step)
+        if state.drift is not None:
+            state.drift.add(predicted, time.perf_counter() - started, step)
+        return buffer
+
+    return state.comm.submit_staged(job, buffer.device, what=what, flush=last)
+
+
+def _predicted_s(state: GradzipState, plain: Sequence[torch.Tensor], ready: Sequence[Any]) -> float:
+    """The planner's seconds for a job: its plain all-reduce and the groups it exchanges."""
+    costs = state.costs
+    if costs is None or state.drift is None:
+        return float("nan")
+    total = costs.plain_s(sum(t.numel() for t in plain), plain[0].element_size()) if plain else 0.0
+    for members, member_grads, _ in ready:
+        numel = planner.padded_numel(state.comm.codec, member_grads)
+        total += costs.compressed_s(numel, state.comm.routes.get(members[0]))
+    return total
+
+
+def _settle_debts(state: GradzipState, names: List[str], grads: List[torch.Tensor]) -> None:
+    """Add to these plain gradients what their parameters' memory still owes (they were
+    compressed under an earlier plan): every rank adds its own remainder before the sum."""
+    for name, g in zip(names, grads):
+        if name in state._flush:
+            state._flush.discard(name)
+            owed = state.comm.memory.release(name)
+            if owed is not None:
+                g.add_(owed.to(device=g.device, dtype=g.dtype).view(g.shape))
+
+
+def _plain_bucket(
+    state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], what: str, step: int,
+) -> torch.futures.Future:
+    """A bucket of a step that compresses nothing (warm-up, or a plan left wholly plain): one
+    in-place all-reduce of DDP's buffer, issued right here as DDP's default hook does, with none
+    of the worker's or the codec's steps. Every bucket of such a step comes here, in DDP's bucket
+    order on every rank, and the worker issues nothing meanwhile, so the order of collectives
+    on gradzip's group stays the same on every rank. NaN and Inf spread through the sum as in
+    DDP's own all-reduce."""
+    comm = state.comm
+    earlier = comm.earlier_failure(what)
+    if earlier is not None:
+        failed = torch.futures.Future()
+        failed.set_exception(earlier)
+        return failed
+    w = comm.world_size
+    nbytes = buffer.numel() * buffer.element_size()
+    comm.metrics.record_group(
+        [(n, g.numel() * g.element_size()) for n, g in zip(names, grads)], wire=nbytes, encode_s=0.0, decode_s=0.0,
+        compressed=False, sent=traffic_factor("allreduce", w) * nbytes, codec="none",
+    )
+    if w == 1:
+        done = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        done.set_result(buffer)
+        return done
+    started = time.monotonic()
+    predicted = _predicted_s(state, [buffer], [])
+    fut = dist.all_reduce(buffer.div_(w), group=comm.group, async_op=True).get_future()
+    out = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+
+    def finish(f: torch.futures.Future) -> None:
+        try:
+            f.wait()
+        except Exception as exc:  # raised as it is (Future.then would wrap it in a RuntimeError)
+            out.set_exception(comm.record_failure(what, exc, time.monotonic() - started))
+            return
+        if state.drift is not None:
+            state.drift.add(predicted, time.monotonic() - started, step)
+        out.set_result(buffer)
+
+    fut.add_done_callback(finish)
+    return out
+
+
+def _replan(state: GradzipState, device: torch.device) -> None:
+    assert state.levels is not None
+    if state.levels.replan(state.comm.group, device):
+        state.regroup()
+        if state.drift is not None:
+            state.drift.reset()  # other levels move other bytes: a new baseline
+
+
+def _check_drift(state: GradzipState, step: int) -> None:
+    """Compare measured with predicted times (a collective); calibrate and plan again on drift."""
+    assert state.drift is not None
+    if state.drift.check(step, state.comm.group, state.device):
+        logger.info("gradzip: exchange times drifted from the planner's model; calibrating again")
+        state.replan()
+
+
+def _settle_with(target: torch.futures.Future):
+    """A callback that completes ``target`` as the future it is added to completed."""
+
+    def settle(f: torch.futures.Future) -> None:
+        try:
+            target.set_result(f.value())
+        except Exception as exc:
+            target.set_exception(exc)
+
+    return settle
+
+
+def _all_of(futures: List[torch.futures.Future], value: torch.Tensor) -> torch.futures.Future:
+    """A future that completes with ``value`` once all ``futures`` have, or with the first failure."""
+    out = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
+    left = [len(futures)]
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+
+    def one_done(f: torch.futures.Future) -> None:
+        try:
+            f.wait()
+        except Exception as exc:
+            errors.append(exc)
+        with lock:
+            left[0] -= 1
+            finished = left[0] == 0
+        if finished:
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(value)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
+def register(
+    model: DistributedDataParallel,
+    codec: Optional[str] = None,
+    *,
+    memory: Optional[str] = None,
+    collective: Optional[str] = None,
+    min_numel: Optional[int] = None,
+    compress_1d: Optional[bool] = None,
+    fusion: Optional[bool] = None,
+    fusion_mb: Optional[float] = None,
+    pipeline: Optional[bool] = None,
+    plan: Optional[str] = None,
+    warmup: Optional[int] = None,
+    ramp: Optional[int] = None,
+    adaptive: Union[str, bool, None] = None,
+    adaptive_every: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    config: Optional[Config] = None,
+    memory_options: Optional[Dict[str, Any]] = None,
+    collective_options: Optional[Dict[str, Any]] = None,
+    timeout: Union[timedelta, float, None] = None,
+    **codec_options: Any,
+) -> GradzipState:
+    """Register gradzip's communication hook on a DDP model and return its state.
+
+    Keyword arguments fill a :class:`Config` (or update ``config``); ``GRADZIP_*`` environment
+    variables override both. Call it on every rank, after wrapping the model in DDP and before
+    the first backward.
+
+    It compares every rank's effective settings (one small collective) and raises
+    :class:`~gradzip.errors.SettingsMismatchError` on every rank if they differ. gradzip's
+    collectives time out after ``timeout`` (seconds or a ``timedelta``; default: the timeout of
+    the model's process group, as given to ``init_process_group``); then ``backward()`` raises
+    :class:`~gradzip.errors.CommunicationError` naming the step and the bucket.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError(f"register() needs a DistributedDataParallel model, got {type(model).__name__}")
+    cfg = config or Config()
+    fields: Dict[str, Any] = {}
+    if codec is not None:
+        fields["codec"] = codec
+        if codec != cfg.codec:
+            fields["options"] = {}
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    for key, value in (
+        ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
+        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("warmup", warmup),
+        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
+    ):
+        if value is not None:
+            fields[key] = value
+    if collective_options:
+        fields["collective_options"] = {**cfg.collective_options, **collective_options}
+    if fields or codec_options:
+        merged = dict(fields.get("options", cfg.options))
+        merged.update(codec_options)
+        fields["options"] = merged
+        cfg = Config(**{**cfg.__dict__, **fields})
+    given = dict(cfg.given)
+    for key in fields:
+        if key not in ("options", "collective_options"):
+            given[key] = "argument"
+    given.update({f"codec.{k}": "argument" for k in codec_options})
+    given.update({f"collective.{k}": "argument" for k in collective_options or {}})
+    given.update({f"memory.{k}": "argument" for k in memory_options or {}})
+    cfg = replace(cfg, given=given).with_env().resolved()
+    try:
+        adaptive_check(cfg.codec, cfg.adaptive, cfg.ramp)
+        comm = Communicator(
+            cfg.codec,
+            memory=cfg.memory,
+            collective=cfg.collective,
+            group=group if group is not None else getattr(model, "process_group", None),
+            memory_options=memory_options,
+            collective_options=cfg.collective_options,
+            timeout=cfg.timeout,
+            fusion=cfg.fusion,
+            pipeline=cfg.pipeline,
+            settings_extra={
+                "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
+                "warmup": cfg.warmup, "ramp": cfg.ramp, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
+            },
+            settings_sources=cfg.sources,
+            **cfg.options,
+        )
+    except ValueError as exc:
+        note = cfg.environment_note()
+        if not note or isinstance(exc, SettingsMismatchError):  # that one names its sources itself
+            raise
+        raise type(exc)(f"{exc}{note}") from exc
+    named = list(model.module.named_parameters())
+    state = GradzipState(comm, {id(p): n for n, p in named}, cfg)
+    plan = state.build_plan(named, state.should_compress)  # the filter decides what may be compressed
+    state.candidates, state.params = plan.groups, dict(named)
+    state.device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
+    if comm.codec.name in LEVELS and (cfg.adaptive != "off" or cfg.ramp > 0):
+        comm.level_codecs = LevelCodecs(comm.codec)
+    if cfg.ramp > 0:
+        state.ramp = Ramp(comm.codec, cfg.ramp, start=cfg.warmup)
+    if cfg.plan == AUTO:
+        # the planner chooses the collective too, unless the user named one or gave it options
+        if cfg.origin("collective") == "default" and not cfg.collective_options:
+            state.route_candidates = planner.candidate_routes(comm)
+        state.replan()  # calibrate; groups it leaves uncompressed go with their bucket's plain all-reduce
+        state.drift = planner.DriftWatch(start=(state.ramp.end if state.ramp else cfg.warmup) + 1)
+    else:
+        state.apply(planner.decide(plan.groups, state.params, comm.codec, None), None)
+    model.register_comm_hook(state, gradzip_hook)
+    if comm.rank == 0:
+        logger.info("%s", settings_report(comm, cfg))
+    return state

@@ -1,0 +1,373 @@
+"""The planner: whether compressing a group pays on this link and this CPU (HiPress's cost model).
+
+HiPress (Bai et al., SOSP'21) decides offline, per gradient, whether to compress, from a cost
+model of the network and the codec. gradzip calibrates its model online, once, at
+registration, on the process group the gradients will cross, and from what will really run:
+
+- A throwaway communicator with the same codec, memory and collective, on the same process
+  group, exchanges groups of 32 Ki, 256 Ki and 1 Mi fp32 values (128 KiB to 4 MiB) both ways:
+  compressed (error feedback, encode, the collective, decode) and plain (gradzip's in-place
+  all-reduce), a few times each, on every rank at once. Ranks that share cores or a link
+  measure the sharing. Each time, ``GROUPS`` groups go side by side, stage by stage, as the
+  pipeline runs a step's groups, so one group's encode overlaps another's transfer; a group's
+  cost is the total over ``GROUPS``. (Timed one at a time, CPU and wire add up, and on a slow
+  link that undervalued compression.)
+- A line ``t = alpha + beta·values`` is fitted to each way's medians: latency and per-value
+  cost, the wire and the CPU together, as this machine and this link give them. Composing the
+  cost from separately timed parts (an all-reduce, the codec on one core, a memory copy)
+  missed most of the compressed path's CPU work on shared cores, and picked compression on
+  loopback, where it lost.
+- Every rank takes the slowest rank's figures (one all-reduce with MAX), so every rank holds
+  the same floats and makes the same decisions without another exchange.
+
+A group of ``n`` values (a fused group priced at its size padded to codec blocks) is
+compressed only where the compressed line is below 0.4 of the plain one at its size
+(``MARGIN``). Timed alone, a plain all-reduce costs up to twice what it costs inside a DDP
+step, where part of it hides behind the backward pass (on loopback with 4 ranks on 2 cores:
+ResNet-50's gradients 391 ms predicted, 194 ms measured), while the compressed predictions
+held (226 against 237 ms); and a bucket of plain and compressed gradients copies its plain ones
+into one buffer, where a bucket left wholly plain is all-reduced in place. So compression must
+win even against a plain all-reduce half as dear as calibrated, and by a further tenth: on
+loopback, where it never pays here, the lines put compression at 0.50–0.65 of the plain cost
+for groups of 1–2 Mi values (a ViT-B/16 plan at 0.498 compressed half its groups and ran at
+0.71× fp32's speed), and at 10 Gbit/s at 0.40–0.47. A 16-bit
+gradient's plain all-reduce moves half the bytes: its plain cost per value is halved.
+
+The collective is chosen per group too, when the user named none: the compressed exchange is
+timed through every collective that supports the codec (``candidate_routes``: for 4-bit
+max-min, ``sra``, ``allgather``, and ``ps`` with one and with two partitions per rank). A group
+leaves the configured collective only for a route whose line is below ``1 - ROUTE_MARGIN`` of
+the configured one's at its size. Lines within a few percent of each other are noise on shared
+cores, and the calibration's groups (up to 1 Mi values) are smaller than a model's largest, so
+a near tie is no reason to leave the default: in a run where ``ps`` with 8 partitions came out
+5% under ``sra``, BERT-base took it for 36 of its 52 groups and ran 35% slower than with
+``sra`` (2.98 against 2.21 s a step at 1 Gbit/s).
+
+Online, a :class:`DriftWatch` compares measured with predicted times every ``CHECK_EVERY``
+steps; when their ratio moves by more than ``DRIFT`` from its baseline, every rank calibrates
+again at the same step and the plan is made anew (``GradzipState.replan``). The model does not
+price the overlap the pipeline gives; ``state.plan()`` shows predictions and measurements.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec
+from ..sync.groups import padding
+
+SIZES = (1 << 15, 1 << 18, 1 << 20)  # values per group of the calibration exchanges
+GROUPS = 4  # groups exchanged side by side per timing
+REPEATS = 3
+MARGIN = 0.6  # compression must save this fraction of the plain all-reduce's predicted time
+ROUTE_MARGIN = 0.25  # another collective must save this fraction of the configured one's predicted time
+CHECK_EVERY = 50  # steps between two checks of measured against predicted times
+DRIFT = 1.5  # the factor by which measured/predicted may move from its baseline before re-calibrating
+
+
+@dataclass
+class Line:
+    """Seconds of one exchange: ``alpha + beta·values``."""
+
+    alpha: float
+    beta: float
+
+    def at(self, values: float) -> float:
+        return self.alpha + self.beta * values
+
+
+@dataclass
+class Costs:
+    """The calibrated model: a line for the plain all-reduce, one for the compressed exchange
+    through the configured collective, and one per other route the planner may choose
+    (``routes``: a route's label, see :func:`~gradzip.comm.base.route_label`, to its line)."""
+
+    plain: Line
+    compressed: Line
+    world_size: int
+    routes: Dict[str, Line] = field(default_factory=dict)
+
+    def plain_s(self, numel: int, element_size: int = 4) -> float:
+        """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes."""
+        return self.plain.at(numel * element_size / 4)
+
+    def compressed_s(self, numel: int, route: Optional[str] = None) -> float:
+        """Predicted seconds of one compressed exchange of ``numel`` values (padding included),
+        through ``route`` (default the configured collective)."""
+        return (self.compressed if route is None else self.routes[route]).at(numel)
+
+    def cheapest(self, numel: int) -> Tuple[Optional[str], float]:
+        """The way to exchange ``numel`` compressed values: (route, or None for the configured
+        collective; predicted seconds). Another route is taken only where it costs under
+        ``1 - ROUTE_MARGIN`` of the configured collective (see the module's notes); among
+        those, the cheapest, ties to the first in order."""
+        own = self.compressed.at(numel)
+        best: Tuple[Optional[str], float] = (None, own)
+        for route, line in self.routes.items():
+            cost = line.at(numel)
+            if cost < (1 - ROUTE_MARGIN) * own and cost < best[1]:
+                best = (route, cost)
+        return best
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "plain_alpha_s": self.plain.alpha, "plain_s_per_value": self.plain.beta,
+            "compressed_alpha_s": self.compressed.alpha, "compressed_s_per_value": self.compressed.beta,
+            "world_size": self.world_size,
+        }
+        if self.routes:
+            out["routes"] = {r: {"alpha_s": line.alpha, "s_per_value": line.beta} for r, line in self.routes.items()}
+        return out
+
+
+def candidate_routes(comm: Any) -> List[str]:
+    """The routes other than ``comm``'s configured collective that could exchange its codec's
+    payloads: every collective that supports the codec, and ``ps`` with one and with two
+    partitions per rank. (Multi-round codecs such as PowerSGD have ``allreduce`` only.)"""
+    from .. import comm as collectives
+    from ..comm.base import route_label
+
+    own = route_label(comm.collective_name, _changed(comm.collective))
+    out = []
+    for name in collectives.names():
+        if not collectives.get(name)(None).supports(comm.codec):
+            continue
+        for options in [{}] if name != "ps" else [{}, {"partitions": 2 * comm.world_size}]:
+            label = route_label(name, options)
+            if label != own and label not in out:
+                out.append(label)
+    return out
+
+
+def _changed(coll: Any) -> Dict[str, Any]:
+    """A collective's options that differ from their defaults."""
+    return {k: v for k, v in coll.config().items() if v != type(coll).options[k].default}
+
+
+def calibrate(
+    comm: Any, device: Optional[torch.device] = None, repeats: int = REPEATS, routes: Sequence[str] = (),
+) -> Costs:
+    """Time ``comm``'s plain and compressed exchanges on its process group, with tensors on
+    ``device`` (the gradients' device: CUDA for NCCL); the slowest rank's lines. ``routes``:
+    other collectives to time the compressed exchange through (:func:`candidate_routes`).
+
+    Every rank must call it at the same point (registration) with the same routes: it issues
+    collectives on the group.
+    """
+    device = torch.device("cpu") if device is None else device
+    from ..sync.engine import Communicator
+    from ..sync.pipeline import drive
+
+    probe = Communicator(
+        comm.codec.name, memory=comm.memory.name, collective=comm.collective_name, group=comm.group,
+        memory_options=comm.memory.config(),
+        collective_options=comm.collective.config(),
+        dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, **comm.codec.config(),
+    )
+    w = probe.world_size
+    ways: List[Tuple[str, bool, Optional[str]]] = [("plain", False, None), ("compressed", True, None)]
+    ways += [(f"route{i}", True, route) for i, route in enumerate(routes)]
+    points: Dict[str, List[Tuple[float, float]]] = {way: [] for way, _, _ in ways}
+    try:
+        for n in SIZES:
+            x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
+            buf = torch.empty(GROUPS * n, device=device)  # groups back to back, as in a DDP bucket
+            parts = [buf[i * n : (i + 1) * n] for i in range(GROUPS)]
+            for way, compress, route in ways:
+                names = [f"planner.{n}.{way}.{i}" for i in range(GROUPS)]
+                if route is not None:
+                    probe.routes.update({name: route for name in names})
+
+                def once() -> None:
+                    drive(probe.reduce_many_stages(
+                        parts, names, [compress] * GROUPS, inplace=True, groups=[[i] for i in range(GROUPS)],
+                    ))
+                    if device.type == "cuda":  # host timers: wait for the kernels and collectives
+                        torch.cuda.synchronize(device)
+
+                def fresh() -> None:
+                    buf.copy_(x)  # the exchanges average in place: the same input every time
+
+                fresh()
+                once()  # first touch of the buffers, connections
+                if w > 1:
+                    dist.barrier(group=comm.group)
+                points[way].append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
+    finally:
+        probe.close()
+    figures = torch.tensor([v for way, _, _ in ways for v in fit(points[way])], dtype=torch.float64, device=device)
+    if w > 1:
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
+    values = figures.cpu().tolist()
+    lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(ways))]
+    return Costs(lines[0], lines[1], world_size=w, routes=dict(zip(routes, lines[2:])))
+
+
+def median_seconds(fn, repeats: int, before=None) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` (``before()``, untimed, ahead of each)."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fit(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """Least-squares ``t = alpha + beta·x`` through ``(x, seconds)`` points, both kept ≥ 0."""
+    xs = [float(b) for b, _ in points]
+    ys = [float(t) for _, t in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    beta = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    alpha = max(0.0, my - beta * mx)
+    return alpha, beta
+
+
+@dataclass
+class Decision:
+    """One group's choice: ``compress`` or not, with both predictions in seconds (NaN: not
+    planned), and the route of its compressed exchange (None: the configured collective)."""
+
+    group: int
+    members: List[str]
+    numel: int
+    compress: bool
+    plain_s: float
+    compressed_s: float
+    route: Optional[str] = None
+
+    @property
+    def predicted_s(self) -> float:
+        return self.compressed_s if self.compress else self.plain_s
+
+
+def padded_numel(codec: Codec, params: Sequence[torch.Tensor]) -> int:
+    """Values one encoding of a group covers: each member padded to whole blocks of
+    :meth:`Codec.fusion_block` in a fused buffer, or the members as they are where the codec
+    cannot fuse (then each goes on its own)."""
+    block = codec.fusion_block()
+    if len(params) > 1 and block > 0:
+        return sum(p.numel() + padding(p.numel(), block) for p in params)
+    return sum(p.numel() for p in params)
+
+
+def decide(
+    groups: Sequence[Sequence[str]], params: Mapping[str, torch.Tensor], codec: Codec, costs: Optional[Costs],
+) -> List[Decision]:
+    """Compress a group only where its cheapest compressed exchange (over the configured
+    collective and ``costs.routes``) beats the plain all-reduce by ``MARGIN``; every group,
+    with NaN predictions, when there is no model (``costs`` None: planning is off)."""
+    out = []
+    for g, members in enumerate(groups):
+        tensors = [params[m] for m in members]
+        n = sum(t.numel() for t in tensors)
+        if costs is None:
+            out.append(Decision(g, list(members), n, True, float("nan"), float("nan")))
+            continue
+        plain = costs.plain_s(n, tensors[0].element_size())
+        route, packed = costs.cheapest(padded_numel(codec, tensors))
+        out.append(Decision(g, list(members), n, packed < (1 - MARGIN) * plain, plain, packed, route))
+    return out
+
+
+def report(decisions: Sequence[Decision], measured: Mapping[int, List[float]], costs: Optional[Costs]) -> Dict[str, Any]:
+    """What ``state.plan()`` returns: the model and one row per group with prediction and measurement."""
+    rows = []
+    for d in decisions:
+        times = measured.get(d.group, [])
+        rows.append({
+            "group": d.group, "params": len(d.members), "first": d.members[0] if d.members else "",
+            "mb": round(d.numel * 4 / 2**20, 3), "compress": d.compress, "route": d.route,
+            "predicted_plain_ms": round(d.plain_s * 1e3, 3), "predicted_compressed_ms": round(d.compressed_s * 1e3, 3),
+            "predicted_ms": round(d.predicted_s * 1e3, 3),
+            "measured_ms": round(statistics.median(times) * 1e3, 3) if times else None,
+        })
+    # groups exchanged side by side, as calibrated: their costs add up to the step's exchange
+    total = sum(d.predicted_s for d in decisions) if costs is not None else float("nan")
+    return {"costs": costs.as_dict() if costs else None, "predicted_total_ms": round(total * 1e3, 3), "groups": rows}
+
+
+class DriftWatch:
+    """Measured against predicted exchange times: when the model stops describing the link.
+
+    Each exchange of a step (a bucket's job, or its plain all-reduce) adds its predicted and its
+    measured seconds, from step ``start`` on (the first compressed step is left out: it opens
+    connections and DDP rebuilds its buckets after it). Every ``every`` steps the window's ratio measured/predicted is taken on the
+    slowest rank (one all-reduce with MAX), so every rank holds the same float. The first window
+    after a calibration sets the baseline: measured times include what the pipeline overlaps and
+    what backward hides, which the model does not price, so the ratio is compared with itself,
+    not with 1. When it moves by more than ``limit`` either way (the link got slower or faster,
+    other jobs took the cores), :meth:`check` says so and the planner calibrates again.
+    """
+
+    def __init__(self, every: int = CHECK_EVERY, limit: float = DRIFT, start: int = 0) -> None:
+        self.every, self.limit, self.start = every, limit, start
+        self.baseline: Optional[float] = None
+        self.last_ratio: Optional[float] = None
+        self.recalibrations = 0
+        self._sums: Dict[int, List[float]] = {}  # step -> [predicted, measured] (this rank)
+        self._checked = -1  # the last step a check covered
+        self._lock = threading.Lock()  # plain all-reduces report from their completion callbacks
+
+    def add(self, predicted_s: float, measured_s: float, step: int) -> None:
+        """One exchange of ``step``; steps before ``start``, and steps a check has already
+        covered (a completion reported after it), are not counted."""
+        if step >= self.start and predicted_s > 0 and math.isfinite(predicted_s):
+            with self._lock:
+                if step > self._checked:
+                    sums = self._sums.setdefault(step, [0.0, 0.0])
+                    sums[0] += predicted_s
+                    sums[1] += measured_s
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`check` runs once ``step``'s exchanges are done."""
+        k = step - self.start
+        return k >= 0 and k % self.every == self.every - 1
+
+    def reset(self) -> None:
+        """Start a new baseline (the plan changed: the next window sets it)."""
+        self.baseline = None
+        with self._lock:
+            self._sums.clear()
+
+    def check(self, step: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device] = None) -> bool:
+        """Whether the times of the steps up to ``step`` drifted; a collective: every rank calls
+        it after the same step."""
+        with self._lock:
+            window = [v for s, v in self._sums.items() if s <= step]
+            self._sums = {s: v for s, v in self._sums.items() if s > step}
+            self._checked = max(self._checked, step)
+        predicted = sum(p for p, _ in window)
+        ratio = sum(m for _, m in window) / predicted if predicted > 0 else 0.0
+        figure = torch.tensor([ratio], dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group)
+        ratio = float(figure.item())
+        self.last_ratio = ratio
+        if ratio <= 0:  # nothing measured anywhere
+            return False
+        if self.baseline is None:
+            self.baseline = ratio
+            return False
+        if max(ratio / self.baseline, self.baseline / ratio) <= self.limit:
+            return False
+        self.baseline = None
+        self.recalibrations += 1
+        return True
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "check_every": self.every, "limit": self.limit, "baseline": self.baseline,
+            "last_ratio": self.last_ratio, "recalibrations": self.recalibrations,
+        }
+

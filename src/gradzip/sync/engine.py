@@ -1,0 +1,900 @@
+"""The Communicator: codec + memory + collective on one process group, in one ordered worker."""
+from __future__ import annotations
+
+import time
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import comm as _collectives
+from ..comm import consistency
+from . import memory as _memory
+from ..codecs import registry as _registry
+from ..codecs.base import FLOAT_DTYPES, Codec
+from ..comm import base as _collective_base
+from ..comm.base import Collective, parse_route, route_label, traffic_factor, world
+from ..errors import CheckpointError, CommunicationError
+from ..kernels.rng import stable_hash
+from ..version import __version__
+from .metrics import Metrics
+from .pipeline import Pipeline, Stages, drive, lockstep, staged
+from .groups import padding
+from .worker import OrderedWorker
+
+# error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
+IN_PLACE_MEMORIES = ("none", "residual", "efsign")
+
+STATE_FORMAT = 2  # 2: one step counter ("step"); 1 had per-name counters and the hook's "hook_step"
+
+Timeout = Union[timedelta, float, int, None]
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The collective timeout of ``group`` (the default group when None), as it was created.
+
+    ``init_process_group(timeout=...)`` sets it; a group made later without one gets torch's
+    default (30 minutes for gloo), so gradzip must copy it, not assume it.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device, or an older torch without options
+            continue
+    try:
+        from torch.distributed.distributed_c10d import _get_default_timeout
+
+        return _get_default_timeout(dist.get_backend(group))
+    except Exception:
+        return None
+
+
+def _as_timedelta(timeout: Timeout) -> Optional[timedelta]:
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return timedelta(seconds=float(timeout))
+
+
+def _dedicated_group(group: Optional[dist.ProcessGroup], timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:
+    """A new process group over the same ranks, used only by gradzip's worker thread.
+
+    Collectives are matched by issue order within a group; DDP (and the user) issue their own on
+    the default group from other threads, so gradzip's must not share it. It gets ``timeout``, so
+    a stalled rank makes the others fail when the user's own collectives would, not 30 minutes on.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = dist.get_backend(group)
+    if group is None or group is dist.group.WORLD:
+        return dist.new_group(backend=backend, timeout=timeout)
+    # a subgroup: only its members call this, so only they may take part in making the new one
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(group), backend=backend, timeout=timeout, use_local_synchronization=True,
+    )
+
+
+class Communicator:
+    """Compressed, averaged all-reduce of named tensors.
+
+    ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
+    ``memory`` defaults to the codec's own default and ``collective`` to the first collective
+    the codec supports; ``memory_options`` and ``collective_options`` (e.g. ``{"partitions":
+    8}`` for ``ps``) go to those. An impossible combination raises ``ValueError`` at construction. Every
+    call is executed by one ordered worker thread, so calls made in the same order on every rank
+    issue their collectives in the same order.
+
+    Reliability: the communicator's own process group takes ``timeout`` (default: the timeout of
+    ``group``, i.e. what ``init_process_group(timeout=...)`` set), so a stalled or dead rank makes
+    every call fail with :class:`~gradzip.errors.CommunicationError` within it. Construction
+    compares the effective settings of every rank (``verify_settings``) and raises
+    :class:`~gradzip.errors.SettingsMismatchError` on every rank if they differ.
+    """
+
+    def __init__(
+        self,
+        codec: "str | Codec" = "none",
+        *,
+        memory: "str | _memory.Memory | None" = None,
+        collective: Optional[str] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        memory_options: Optional[Dict[str, Any]] = None,
+        collective_options: Optional[Dict[str, Any]] = None,
+        dedicated_group: bool = True,
+        fusion: bool = True,
+        pipeline: bool = True,
+        timeout: Timeout = None,
+        verify_settings: bool = True,
+        settings_extra: Optional[Mapping[str, Any]] = None,
+        settings_sources: Optional[Mapping[str, str]] = None,
+        **codec_options: Any,
+    ) -> None:
+        self.timeout = _as_timedelta(timeout) or group_timeout(group)
+        try:  # every option is checked before the first collective
+            self.codec = _registry.codec(codec, **codec_options)
+            memory = memory if memory is not None else self.codec.default_memory
+            self.memory = _memory.memory(memory, **(memory_options or {}))
+            self.collective_name = collective or self.codec.collective
+            self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
+        except ValueError as exc:
+            # the other ranks are about to meet this one in collectives: tell them why it is not
+            # coming, or they would wait out the timeout and fail without a reason
+            if verify_settings and dedicated_group:
+                _report_failed_construction(group, self.timeout, exc, settings_sources)
+            raise
+        self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
+        self._owns_group = dedicated_group and self.group is not None
+        self.collective.group = self.group
+        self._plain_codec = _registry.codec("none")
+        self._plain = _collectives.get("allreduce")(self.group)
+        self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
+        self._plain_memory = _memory.memory("none")
+        # levels other than the codec's own (gradzip.policy.adaptive), set by register(): per parameter
+        # (adaptive), or one for every parameter during a ramp (ramp_level, set step by step)
+        self.level_codecs: Any = None  # gradzip.policy.adaptive.LevelCodecs
+        self.levels: Any = None  # gradzip.policy.adaptive.AdaptiveLevels
+        self.ramp_level: Any = None
+        # exchanges other than the configured collective, chosen per parameter by the planner
+        # (gradzip.policy.planner): a parameter's name -> a route (see route_label), and the collectives
+        self.routes: Dict[str, str] = {}
+        self._route_collectives: Dict[str, Collective] = {}
+        self.metrics = Metrics()
+        self.fusion = bool(fusion)
+        self.pipelined = bool(pipeline)
+        self._pipeline = Pipeline(self._failed)
+        self._fused_buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
+        # the one step counter: it keys every exchange's shared and private randomness (with the
+        # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
+        self.step = 0
+        self._named: set = set()  # names exchanged at this step without an explicit step
+        self._worker: Optional[OrderedWorker] = None
+        self._closed = False
+        self._failure: Optional[CommunicationError] = None
+        self._extra = dict(settings_extra or {})
+        self._sources = dict(settings_sources or {})
+        if verify_settings:
+            consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources)
+
+    def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
+        coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
+        if not coll.supports(codec):
+            valid = [n for n in _collectives.names() if _collectives.get(n)(None).supports(codec)]
+            raise ValueError(
+                f"codec {codec.name!r} cannot use collective {name!r}; valid collectives for it: {', '.join(valid)}"
+            )
+        return coll
+
+    def collective_for(self, name: str) -> Collective:
+        """The collective that exchanges parameter ``name``: its planned route, else the configured one."""
+        label = self.routes.get(name)
+        return self.collective if label is None else self._route_collective(label)
+
+    def _route_collective(self, label: str) -> Collective:
+        """The collective of a route (made when first asked for, on this communicator's group)."""
+        coll = self._route_collectives.get(label)
+        if coll is None:
+            coll_name, options = parse_route(label)
+            coll = self._route_collectives[label] = self._make_collective(coll_name, self.codec, options, self.group)
+        return coll
+
+    @property
+    def rank(self) -> int:
+        return world(self.group)[0]
+
+    @property
+    def world_size(self) -> int:
+        return world(self.group)[1]
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.codec!r}, memory={self.memory!r}, collective={self.collective_name!r})"
+
+    def settings(self) -> Dict[str, Any]:
+        """The effective settings every rank must share: what decides the bytes on the wire."""
+        out: Dict[str, Any] = {"gradzip": __version__, "codec": self.codec.name}
+        out.update({f"codec.{k}": v for k, v in self.codec.config().items()})
+        out["memory"] = self.memory.name
+        out.update({f"memory.{k}": v for k, v in self.memory.config().items()})
+        out["collective"] = self.collective_name
+        out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
+        if self.codec.fusion_block() > 0:
+            out["fusion"] = self.fusion
+        out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
+        if not self.codec.kernels_bit_exact:
+            out["kernels"] = _kernels_in_use(self.group)
+        out.update(self._extra)
+        return out
+
+    def fingerprint(self) -> str:
+        """A hash of :meth:`settings`, carried by state dicts."""
+        return consistency.fingerprint(self.settings())
+
+    # ------------------------------------------------------------------ calls
+    def allreduce(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Average ``t`` over all ranks through the codec.
+
+        Returns a new tensor like ``t``, or ``out`` (same shape and dtype; ``t`` itself for an
+        in-place all-reduce) holding the average: reusing a destination saves allocating, and
+        first touching, a result as large as the gradient on every call.
+        """
+        return self.allreduce_async(t, name, out).wait()
+
+    def allreduce_async(self, t: torch.Tensor, name: str = "", out: Optional[torch.Tensor] = None) -> torch.futures.Future:
+        """Like :meth:`allreduce`, returning a ``torch.futures.Future[Tensor]``."""
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"allreduce takes a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        _check_out(t, out)
+
+        def job() -> torch.Tensor:
+            if t.is_cuda:  # read on the worker's stream: keep the caller's memory until then
+                t.record_stream(torch.cuda.current_stream(t.device))
+            return self.reduce_now(t, name, out=out, step=step)
+
+        step = self._step_of([name])  # taken on the caller's thread, in the caller's order
+        return self.submit(job, t.device, what=f"step {step} of tensor {name!r}")
+
+    def submit(self, fn: Callable[[], Any], device: torch.device, what: str = "") -> torch.futures.Future:
+        """Run ``fn`` on the ordered communication worker; ``what`` names it in errors.
+
+        A failure (a collective that timed out or lost a peer, or anything else) completes the
+        future with :class:`CommunicationError`, and every later job fails at once with it too:
+        its collectives would only wait out the timeout again.
+        """
+        if self._closed:
+            raise RuntimeError("this Communicator has been closed")
+        if self._worker is None:
+            self._worker = OrderedWorker(device=device)
+        return self._worker.submit(lambda: self._guarded(fn, what))
+
+    def submit_staged(
+        self, make_stages: Callable[[], Stages], device: torch.device, what: str = "", flush: bool = True,
+    ) -> torch.futures.Future:
+        """Run a job of stages (:meth:`reduce_many_stages`) in the pipeline of the ordered worker.
+
+        The job's first stage runs when it reaches the worker; its later stages run as later
+        jobs arrive (see :mod:`gradzip.sync.pipeline`), and all of them when ``flush`` is set (the
+        last bucket of a backward pass) or pipelining is off. Every rank must submit the same
+        jobs with the same ``flush`` flags. The future completes with the job's return value.
+        """
+        fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+
+        def arrive() -> None:
+            self._pipeline.arrive(make_stages(), fut, what, flush or not self.pipelined)
+
+        def settle(arrival: torch.futures.Future) -> None:
+            try:
+                arrival.wait()
+            except Exception as exc:  # the job never started (an earlier failure), or a stage failed
+                if not fut.done():
+                    fut.set_exception(exc)
+
+        self.submit(arrive, device, what).add_done_callback(settle)
+        return fut
+
+    def flush(self) -> None:
+        """Finish every pipelined job still in flight (without waiting for a flushing job)."""
+        if self._worker is not None:
+            self._worker.submit(lambda: self._guarded(self._pipeline.drain, "flush")).wait()
+
+    def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
+        earlier = self.earlier_failure(what)
+        if earlier is not None:
+            raise earlier
+        start = time.monotonic()
+        try:
+            return fn()
+        except CommunicationError as exc:  # a pipelined job's failure, already described
+            self._failure = self._failure or exc
+            raise
+        except Exception as exc:
+            raise self.record_failure(what, exc, time.monotonic() - start) from exc
+
+    def earlier_failure(self, what: str) -> Optional[CommunicationError]:
+        """The error for ``what`` when an earlier exchange has failed (it would only time out
+        again), else None."""
+        if self._failure is None:
+            return None
+        err = CommunicationError(
+            f"gradzip (rank {self.rank} of {self.world_size}): {what or 'exchange'} not attempted: "
+            f"an earlier exchange failed ({self._failure.brief})"
+        )
+        err.__cause__ = self._failure
+        return err
+
+    def record_failure(self, what: str, exc: BaseException, seconds: float) -> CommunicationError:
+        """Describe the failure of ``what`` (after ``seconds``) and remember it: every later
+        exchange then fails at once. Returns the error to raise: the first one recorded, when
+        exchanges in flight together fail together."""
+        if self._failure is None:
+            err = self._failed(what, exc, seconds)
+            err.__cause__ = exc
+            self._failure = err
+        return self._failure
+
+    def _failed(self, what: str, exc: BaseException, seconds: float) -> CommunicationError:
+        limit = self.timeout.total_seconds() if self.timeout is not None else None
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        if len(cause) > 300:
+            cause = cause[:300] + " ..."
+        if limit is not None and seconds >= 0.9 * limit:
+            hint = f"no answer within the process group's timeout of {limit:g} s: another rank has stalled or died"
+        elif not _from_collective(exc):
+            hint = "the error was raised on this rank, not by a collective"
+        else:
+            hint = "another rank may have stalled, died or issued different collectives"
+            hint += f" (timeout {limit:g} s)" if limit is not None else ""
+        brief = f"{what or 'exchange'} failed after {seconds:.1f} s"
+        return CommunicationError(
+            f"gradzip (rank {self.rank} of {self.world_size}): {brief}; {hint}. {type(exc).__name__}: {cause}", brief,
+        )
+
+    def reduce_now(
+        self, t: torch.Tensor, name: str, compress: bool = True, out: Optional[torch.Tensor] = None,
+        step: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out``
+        if given. ``step``: the step it belongs to (default: see :meth:`next_step`)."""
+        return drive(self._reduce_one(t, name, compress, out, self._step_of([name]) if step is None else step))
+
+    def next_step(self) -> int:
+        """End the current step: later exchanges belong to the next one. The step so ended.
+
+        The DDP hook calls it when a backward pass hands over its last bucket. Callers that give
+        no step of their own need not: exchanging a name a second time in one step starts the
+        next step, so a loop that exchanges its tensors once per iteration counts iterations.
+        """
+        ended, self.step = self.step, self.step + 1
+        self._named.clear()
+        return ended
+
+    def _step_of(self, names: Sequence[str]) -> int:
+        """The step of an exchange of ``names`` called without one (see :meth:`next_step`)."""
+        if any(n in self._named for n in names):
+            self.next_step()
+        self._named.update(names)
+        return self.step
+
+    def _reduce_one(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor], step: int) -> Stages:
+        """The stages of :meth:`reduce_now`."""
+        started = time.perf_counter()
+        avg, record = yield from self._reduce(t, name, compress, out, step)
+        self.metrics.record(name, t.numel() * t.element_size(), **record)
+        if compress:
+            self.metrics.record_group_time(group_key([name]), time.perf_counter() - started)
+        return avg
+
+    def _reduce(self, t: torch.Tensor, name: str, compress: bool, out: Optional[torch.Tensor], step: int) -> Stages:
+        """The stages of :meth:`reduce_now` without recording; returns (the average, the metrics of this call)."""
+        _check_out(t, out)
+        if compress:
+            codec, coll, mem = self.codec_for(name), self.collective_for(name), self.memory
+        else:
+            codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
+        if t.numel() == 0:
+            return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
+        inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
+        if compress and self.levels is not None and self.levels.sampling:
+            self.levels.observe(name, inp, step)
+        # the collective writes straight into ``out`` when it can; not while the memory still has
+        # to read an input that aliases it
+        dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
+        if dest is not None and mem.stateful and _overlaps(dest, inp):
+            dest = None
+        res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
+        if mem.stateful:
+            mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
+        avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
+        wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
+        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), compress, codec)
+        if out is None:
+            return avg.view(t.shape).to(t.dtype), record
+        if dest is None:
+            out.copy_(avg.view(t.shape))
+        return out, record
+
+    def reduce_many_now(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
+        step: Optional[int] = None,
+    ) -> List[torch.Tensor]:
+        """Reduce several tensors: the uncompressed ones fused into one plain all-reduce, the
+        compressed ones fused into one encoding where the codec allows (:meth:`_reduce_fused`).
+
+        With ``inplace`` the averages are written into ``tensors`` themselves (as DDP's bucket
+        views want them), and those are returned. The metrics of a fused call are recorded per
+        parameter name (each with its share), so they do not depend on how the parameters were
+        grouped into buckets.
+        """
+        return drive(self.reduce_many_stages(tensors, names, compress, inplace, step=step))
+
+    def reduce_many_stages(
+        self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
+        groups: Optional[Sequence[Sequence[int]]] = None, step: Optional[int] = None,
+    ) -> Stages:
+        """The stages of :meth:`reduce_many_now` (for :meth:`submit_staged`): the uncompressed
+        all-reduce and the compressed exchanges advance side by side. ``groups``: indices of
+        the compressed tensors that share one encoding (default: all of them, one group).
+        ``step``: give it when the stages run on another thread (default: see :meth:`next_step`,
+        counted when the stages start)."""
+        if step is None:
+            step = self._step_of(names)
+        plain = [i for i, c in enumerate(compress) if not c]
+        if groups is None:
+            groups = [[i for i, c in enumerate(compress) if c]]
+        parts, owners = [], []
+        if plain:
+            parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace, step))
+            owners.append(plain)
+        for group in groups:
+            if self._fusable([tensors[i] for i in group]):
+                parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace, step))
+                owners.append(list(group))
+            else:
+                for i in group:
+                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
+                    owners.append(i)
+        results = yield from lockstep(parts)
+        out: List[Optional[torch.Tensor]] = [None] * len(tensors)
+        for owner, result in zip(owners, results):
+            if isinstance(owner, list):
+                for i, avg in zip(owner, result):
+                    out[i] = avg
+            else:
+                out[owner] = result
+        return out
+
+    def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
+        """One plain all-reduce of the uncompressed gradients of a bucket: in place where they lie
+        back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
+        span = _contiguous_span(tensors) if inplace else None
+        if span is not None:
+            avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span, step)
+            self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
+            return list(tensors)
+        dtype = tensors[0].dtype
+        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
+        self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
+        out, offset = [], 0
+        for t in tensors:
+            part = avg[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+            out.append(t.copy_(part) if inplace else part)
+            offset += t.numel()
+        return out
+
+    def _fusable(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`)."""
+        if not self.fusion or len(tensors) < 2 or self.codec.fusion_block() <= 0:
+            return False
+        first = tensors[0]
+        return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+    def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
+        """One encode, one exchange and one decode for several gradients (CGX's fused buffers).
+
+        Each error-compensated gradient is copied into a flat buffer at an offset that is a
+        multiple of the codec's block (:meth:`Codec.fusion_block`), the gap after it zeroed, and
+        the collective cuts its chunks on block boundaries too: every block holds values of one
+        gradient only, so the bytes are those of the gradients encoded one by one, less the
+        per-call overhead. The layout is canonical (gradients sorted by name), so it does not
+        depend on the order in which DDP put them into its bucket, and neither does the
+        randomness keyed by the group's name. Residuals stay per parameter name (slices of the
+        buffer), so checkpoints and DDP's bucket rebuild are unaffected. One non-finite flag
+        covers the group: a NaN in one gradient makes every gradient of the group NaN.
+        """
+        codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
+        started = time.perf_counter()
+        block = codec.fusion_block()
+        order = sorted(range(len(tensors)), key=lambda i: names[i])
+        spans, total = [], 0
+        for i in order:
+            spans.append((total, tensors[i].numel()))
+            total += tensors[i].numel() + padding(tensors[i].numel(), block)
+        # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
+        dtype = mem.input_dtype(tensors[order[0]].dtype)
+        key = group_key([names[i] for i in order])
+        flat = self._fusion_buffer(key, total, dtype, tensors[0].device)
+        inputs = []
+        for i, (start, n) in zip(order, spans):
+            inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
+            if padding(n, block):
+                flat[start + n : start + n + padding(n, block)].zero_()
+        if self.levels is not None and self.levels.sampling:
+            for x, i in zip(inputs, order):
+                self.levels.observe(names[i], x, step)
+        avg_buf = self._fusion_buffer(key, total, dtype, flat.device, "avg")
+        res = yield from staged(coll.stages(codec, flat, key, step, need_own=mem.stateful, out=avg_buf, align=block))
+        if mem.stateful:
+            own = res.own
+            for x, (start, n), i in zip(inputs, spans, order):
+                mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
+        avg = _poison_if(res.avg, res.nonfinite)
+        results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        for (start, n), i in zip(spans, order):
+            t = tensors[i]
+            part = avg[start : start + n].view(t.shape)
+            results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
+        wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
+        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
+        self.metrics.record_group_time(key, time.perf_counter() - started)
+        return results
+
+    def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                 compress: Sequence[bool]) -> bool:
+        """Whether :meth:`bucket_stages` can average this bucket in its own memory.
+
+        It needs the gradients to be the bucket (DDP's views, back to back), one codec and one
+        collective for every compressed gradient, a codec whose blocks are independent
+        (``fusion_block() > 0``), a collective that releases its input before writing the
+        average, and an error feedback that is a plain residual. On accelerators, error
+        feedback still takes the copying path (its skip on a non-finite step reads the flag).
+        """
+        comp = [names[i] for i, c in enumerate(compress) if c]
+        if not comp or not self.fusion or self.levels is not None or not buffer.is_contiguous() or buffer.dtype not in FLOAT_DTYPES:
+            return False
+        codec, coll, mem = self.codec_for(comp[0]), self.collective_for(comp[0]), self.memory
+        if codec.fusion_block() <= 0 or not coll.releases_input or mem.name not in IN_PLACE_MEMORIES:
+            return False
+        if any(self.codec_for(n) is not codec or self.collective_for(n) is not coll for n in comp):
+            return False
+        if mem.stateful and (buffer.dtype != torch.float32 or buffer.device.type != "cpu"):
+            return False
+        span = _contiguous_span(tensors)
+        return span is not None and span.data_ptr() == buffer.data_ptr() and span.numel() == buffer.numel()
+
+    def bucket_stages(
+        self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool],
+        step: int,
+    ) -> Stages:
+        """Average a DDP bucket in its own memory (:meth:`in_place` says when): the lean path.
+
+        Per step and bucket, over the compressed gradients' memory: the error-feedback residual
+        is added in place (1 pass); the codec encodes the bucket as it lies (2; its own min/max
+        or norm carries the non-finite flag); once every rank's flag is known, this rank's own
+        payloads are decoded into the residual, which then becomes input minus decoded (3, and
+        a subtraction); the average is decoded straight into the bucket (4). The uncompressed
+        gradients of the bucket (small or 1-D ones) are copied out first, summed exactly in
+        one plain all-reduce beside the compressed exchange and written back at the end; their
+        places in the bucket are encoded as zeros. Blocks of the codec run across gradient
+        boundaries, as in CGX's fused buffers; no copy of the bucket is kept from step to step,
+        only the residual (with error feedback) and the collective's payload buffers.
+        """
+        started = time.perf_counter()
+        comp = [i for i, c in enumerate(compress) if c]
+        plain = [i for i, c in enumerate(compress) if not c]
+        codec, coll, mem = self.codec_for(names[comp[0]]), self.collective_for(names[comp[0]]), self.memory
+        span = buffer.view(-1)
+        base = span.storage_offset()
+        where = [(t.storage_offset() - base, t.numel()) for t in tensors]
+        key = group_key(sorted(names[i] for i in comp))
+        parts = []
+        if plain:  # copied out before the bucket is touched: they are summed exactly
+            flat_plain = torch.cat([tensors[i].reshape(-1) for i in plain])
+            parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
+        residual = None
+        if mem.stateful:
+            residual = self._bucket_residual(key, span, [(names[i], where[i], tensors[i].shape) for i in comp])
+            if mem.gamma != 1.0:
+                span.mul_(mem.gamma)
+            span.add_(residual, alpha=mem.beta)
+        for i in plain:
+            start, n = where[i]
+            span[start : start + n].zero_()
+
+        def settle_residual(call, nonfinite: torch.Tensor) -> None:
+            """residual = input - this rank's own decoded payloads; kept as it was on a
+            non-finite step (every rank alike, from the agreed flag)."""
+            if residual is None or bool(nonfinite):
+                return
+            n = span.numel()
+            for payload, start, end, scale in call.own:
+                dst = residual[start : min(start + payload.ctx.numel, n if end is None else end)]
+                call.decode(codec.decode_into, payload, dst)
+                if scale != 1.0:
+                    dst.mul_(scale)
+            torch.sub(span, residual, out=residual)
+
+        parts.append(coll.stages(
+            codec, span, key, step, need_own=residual is not None, out=span, on_release=settle_residual,
+        ))
+        results = yield from lockstep(parts)
+        res = results[-1]
+        _poison_if(span, res.nonfinite)
+        if plain:
+            avg_plain, plain_record = results[0]
+            offset = 0
+            for i in plain:
+                start, n = where[i]
+                span[start : start + n].copy_(avg_plain[offset : offset + n])
+                offset += n
+            self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain], **plain_record)
+        # one encoding of the bucket (its uncompressed places included): independent of how
+        # the collective cuts it, so the ratio does not move with the world size
+        wire = codec.wire_bytes(span.numel(), span.dtype)
+        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in comp], **record)
+        self.metrics.record_group_time(key, time.perf_counter() - started)
+        return list(tensors)
+
+    def _bucket_residual(self, key: str, span: torch.Tensor, members) -> torch.Tensor:
+        """One fp32 residual as long as the bucket, its compressed gradients' parts registered
+        as the memory's per-name residuals (views), so checkpoints stay keyed by name. A name
+        whose residual lies elsewhere (a checkpoint, an earlier bucket layout) is copied in; one
+        without a residual starts at zero. A buffer no name points into any more is dropped."""
+        mem = self.memory
+        buf = self._fused_buffers.get((key, "residual"))
+        if buf is None or buf.numel() != span.numel() or buf.device != span.device:
+            buf = self._fused_buffers[(key, "residual")] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
+        for name, (start, n), shape in members:
+            view = buf[start : start + n].view(shape)
+            cur = mem.residuals.get(name)
+            if cur is not None and cur.data_ptr() == view.data_ptr() and cur.shape == view.shape:
+                continue
+            if cur is None or cur.numel() != n:
+                view.zero_()
+            else:
+                view.copy_(cur.reshape(shape))
+            mem.residuals[name] = view
+            old = self._residual_key.get(name)
+            self._residual_key[name] = key
+            if old is not None and old != key and old not in self._residual_key.values():
+                self._fused_buffers.pop((old, "residual"), None)
+        return buf
+
+    def codec_for(self, name: str) -> Codec:
+        """The codec that compresses parameter ``name``: the one of the ramp's present level, of
+        the parameter's adaptive level (:mod:`gradzip.policy.adaptive`), or the configured one."""
+        if self.ramp_level is not None and self.level_codecs is not None:
+            return self.level_codecs.get(self.ramp_level)
+        return self.codec if self.levels is None else self.levels.codec_for(name)
+
+    def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
+        """A flat buffer of a fused group (its input, its average), kept from step to step: a
+        fresh one would cost a page fault per 4 KiB on every step."""
+        buf = self._fused_buffers.get((key, role))
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = self._fused_buffers[(key, role)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    # ------------------------------------------------------------------ state
+    def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
+        """This rank's metrics (see :mod:`gradzip.sync.metrics` for what each figure means)."""
+        out = self.metrics.summary(per_tensor)
+        out["world_size"] = self.world_size
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's state, with whose it is: rank, world size and the settings' fingerprint.
+
+        It holds everything the next step needs to move the same bytes as an uninterrupted run:
+        error-feedback residuals, the codec's per-tensor state, the collective's call counter and
+        the step counter that keys all randomness (shared and private).
+        """
+        settings = self.settings()
+        return {
+            "format": STATE_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "fingerprint": consistency.fingerprint(settings),
+            "settings": settings,
+            "codec": self.codec.state_dict(),
+            "memory": self.memory.state_dict(),
+            "collective": self.collective.state_dict(),
+            "route_collectives": {label: c.state_dict() for label, c in self._route_collectives.items()},
+            # the next step to run: a step that has begun (standalone calls) counts as done
+            "step": self.step + 1 if self._named else self.step,
+            "levels": self.levels.state_dict() if self.levels is not None else None,
+            "level_codecs": self.level_codecs.state_dict() if self.level_codecs is not None else None,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` of this same rank, world size and configuration.
+
+        Anything else raises :class:`~gradzip.errors.CheckpointError` unless ``strict=False``,
+        which loads what still applies and drops, with a warning, what does not: per-rank state
+        (error-feedback residuals, a codec's per-tensor state) is kept
+        only for the same rank of the same world size, because it is this rank's own unsent
+        gradient (loaded on another rank, or summed over a different number of ranks, it would
+        be applied to the wrong replica or the wrong number of times); codec, memory and
+        collective state only where their settings are unchanged. The step counter always carries over.
+        """
+        problems, same_rank, same = self._compare_owner(state)
+        if problems and strict:
+            raise CheckpointError(
+                f"gradzip (rank {self.rank} of {self.world_size}): this state dict does not belong here: "
+                + "; ".join(problems)
+                + ". Load each rank's own state saved with the same settings, or pass strict=False to load "
+                "what still applies (per-rank residuals are then dropped)."
+            )
+        dropped = []
+        if same("codec"):
+            codec_state = dict(state.get("codec", {}))
+            key = self.codec.tensor_state  # per-rank (Signum's momentum, AdaComp's residuals, PowerSGD's Q)
+            if not same_rank and key and codec_state.pop(key, None):
+                dropped.append(f"codec {key}")
+            self.codec.load_state_dict(codec_state)
+        elif state.get("codec"):
+            dropped.append("codec state")
+        if same("memory") and same_rank:
+            self.memory.load_state_dict(state.get("memory", {}))
+        else:  # start from an empty memory, not from whatever this rank held before
+            self.memory.load_state_dict({})
+            if any(state.get("memory", {}).values()):
+                dropped.append("error-feedback memory")
+        if same("collective"):  # a call counter, the same on every rank
+            self.collective.load_state_dict(state.get("collective", {}))
+            for label, coll_state in (state.get("route_collectives") or {}).items():
+                if label in self.routes.values():  # the planner chose it again
+                    self._route_collective(label).load_state_dict(coll_state)
+        self.step = _saved_step(state)
+        self._named.clear()
+        if self.levels is not None and state.get("levels") and same("adaptive") and same("codec"):
+            levels = dict(state["levels"])
+            if not same_rank:  # this rank's own partial sums
+                levels.pop("errors", None)
+                levels.pop("seen", None)
+            self.levels.load_state_dict(levels)
+        if self.level_codecs is not None and state.get("level_codecs") and same("codec"):
+            key = self.codec.tensor_state  # per-rank, as the configured codec's
+            if same_rank or not key:
+                self.level_codecs.load_state_dict(state["level_codecs"])
+            else:
+                dropped.append(f"codec {key} of other levels")
+        if problems and dropped:
+            warnings.warn(
+                f"gradzip (rank {self.rank}): loaded a state dict that does not match ({'; '.join(problems)}); "
+                f"dropped: {', '.join(dropped)}",
+                stacklevel=2,
+            )
+
+    def _compare_owner(self, state: Mapping[str, Any]):
+        """(problems, same rank and world size, same(prefix) -> settings under prefix unchanged)."""
+        if not isinstance(state, Mapping) or "fingerprint" not in state:
+            return ["it has no owner information (not a gradzip state dict of this version)"], False, lambda p: False
+        problems = []
+        if state.get("world_size") != self.world_size:
+            problems.append(f"it was saved with world size {state.get('world_size')}, this job has {self.world_size}")
+        elif state.get("rank") != self.rank:
+            problems.append(f"it is rank {state.get('rank')}'s state, this is rank {self.rank}")
+        mine = self.settings()
+        theirs = dict(state.get("settings", {}))
+        if state.get("fingerprint") != consistency.fingerprint(mine):
+            lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"])
+            problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
+        same_rank = state.get("rank") == self.rank and state.get("world_size") == self.world_size
+
+        def same(prefix: str) -> bool:
+            keys = {k for k in set(mine) | set(theirs) if k == prefix or k.startswith(prefix + ".")}
+            return all(mine.get(k) == theirs.get(k) for k in keys)
+
+        return problems, same_rank, same
+
+    def close(self) -> None:
+        """Stop the worker thread and release the dedicated process group."""
+        if self._closed:
+            return
+        if self._worker is not None and self._failure is None:
+            try:
+                self.flush()
+            except CommunicationError:
+                pass  # already raised to the caller of the failed job
+        self._closed = True
+        if self._worker is not None:
+            self._worker.close()
+        # buffers several times the gradients' size: free them now, not when the state is collected
+        self._fused_buffers.clear()
+        self.collective.release()
+        for coll in self._route_collectives.values():
+            coll.release()
+        if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _report_failed_construction(
+    group: Optional[dist.ProcessGroup], timeout: Optional[timedelta], exc: Exception,
+    sources: Optional[Mapping[str, str]],
+) -> None:
+    """Take part in the group creation and settings exchange with an error in place of settings."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    own = _dedicated_group(group, timeout)
+    try:
+        consistency.verify_same_on_all_ranks({"error": f"{type(exc).__name__}: {exc}"}, own, sources)
+    except consistency.SettingsMismatchError:
+        pass  # this rank raises its own, more precise error
+    finally:
+        dist.destroy_process_group(own)
+
+
+_TRANSPORT_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "pair", "transport")
+
+
+def _from_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of ``torch.distributed`` (a lost peer, a timeout), not local code."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)
+
+
+def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
+    """Which codec kernels run (the C ones and torch's agree to the bit for most codecs, not all)."""
+    from ..kernels import fused, native
+
+    choice = fused.setting()
+    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else "gloo"
+    if backend == "nccl" or choice == "triton":
+        gpu = fused._gpu()
+        ok = gpu is not None and gpu.available() is None
+        return f"{choice}:{'triton' if ok and choice != 'torch' else 'torch'}"
+    ok = native.available() is None
+    return f"{choice}:{'native' if ok and choice in ('auto', 'native') else 'torch'}"
+
+
+def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec) -> Dict[str, Any]:
+    """The keyword arguments of :meth:`Metrics.record` for one call (``res``: its Result, or None)."""
+    if res is None:
+        return dict(wire=0, encode_s=0.0, decode_s=0.0, compressed=compress, sent=0.0, codec=codec.name)
+    measured = _collective_base._measure_cpu or res.encode_cpu_s or res.decode_cpu_s
+    return dict(
+        wire=wire, encode_s=res.encode_s, decode_s=res.decode_s, compressed=compress,
+        encode_cpu_s=res.encode_cpu_s if measured else None, decode_cpu_s=res.decode_cpu_s if measured else None,
+        sent=factor * wire, codec=codec.name,
+    )
+
+
+def group_key(names: Sequence[str]) -> str:
+    """The name a fused group is encoded under: the same for the same members, on every rank."""
+    return f"fused:{len(names)}:{stable_hash(*names):08x}"
+
+
+def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    if out is not None and (out.shape != t.shape or out.dtype != t.dtype or out.device != t.device):
+        raise ValueError(
+            f"out must match the input: shape {tuple(t.shape)}, {t.dtype} on {t.device}; "
+            f"got shape {tuple(out.shape)}, {out.dtype} on {out.device}"
+        )
+
+
+def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view over ``tensors`` when they lie back to back, in order, in one storage (the
+    gradients of a DDP bucket are views of its buffer); None otherwise."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in tensors:
+        if not (t.is_contiguous() and t.dtype == first.dtype and t.device == first.device):
+            return None
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    n = offset - first.storage_offset()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share storage (then writing one may change the other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
+    """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome)."""
+    if avg.device.type == "cpu":  # reading the flag is free here; skip a pass over the result
+        return avg.fill_(float("nan")) if bool(nonfinite) else avg
+    return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators
+
+
+def _saved_step(state: Mapping[str, Any]) -> int:
+    """The step a state dict resumes at; format 1 kept the DDP hook's count and one per name."""
+    if "step" in state:
+        return int(state["step"])
+    if "hook_step" in state:
+        return int(state["hook_step"])
+    return max((int(v) for v in (state.get("steps") or {}).values()), default=0)
+

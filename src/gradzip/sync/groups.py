@@ -1,0 +1,113 @@
+"""The plan: which gradients are compressed, and which of them share one encoding (a group).
+
+DDP hands gradients over in buckets whose membership changes: it rebuilds them after the first
+iteration in the order gradients became ready, and a restarted job starts again from the
+initial ones. If the fused layout followed DDP's buckets, the bytes of a step (block
+boundaries, keys of stochastic rounding) would depend on that history. So gradzip makes its own
+groups once, from the parameters alone: compressible parameters in reverse registration order
+(the order backward usually produces them), cut into groups of about ``group_bytes``. A group
+is exchanged as soon as its last member's bucket arrives; a bucket is done when every group
+holding one of its gradients is done. The same model and settings give the same groups on
+every rank and in every run, and a resumed run moves exactly the bytes of an uninterrupted one.
+
+Inside a group every gradient starts on a block boundary of the codec (see
+:meth:`~gradzip.codecs.base.Codec.fusion_block`), so its last block is padded with zeros that go
+on the wire. For a gradient of many blocks that costs little; for one of a few blocks (a
+256-value weight under 1024-value max-min buckets is padded fourfold) it would cost more than
+fusing saves, so a gradient whose padding exceeds ``MAX_PADDING`` of its size is exchanged alone,
+with exactly the bytes of its own encoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+MAX_PADDING = 1 / 8  # the most padding, relative to its size, a gradient may take on to join a group
+
+
+@dataclass
+class FusionPlan:
+    """Groups of compressed parameter names; ``group_of`` maps a name to its group's index."""
+
+    groups: List[List[str]]
+    group_of: Dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group_of = {name: g for g, names in enumerate(self.groups) for name in names}
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[Tuple[str, torch.Tensor]],
+        compress: Callable[[torch.Tensor], bool],
+        block: int,
+        group_bytes: int,
+        level: Optional[Callable[[str], Any]] = None,
+    ) -> "FusionPlan":
+        """Group the parameters ``compress`` selects (in reverse order) into groups of about
+        ``group_bytes``; singletons where ``block`` is 0 (the codec cannot fuse) or where padding
+        a gradient to whole blocks of ``block`` values would cost more than ``MAX_PADDING``.
+        ``level``: a parameter name's compression level (:mod:`gradzip.policy.adaptive`); a group
+        holds one level only, so each level keeps a group of its own open."""
+        groups: List[List[str]] = []
+        open_group: Dict[Any, Tuple[int, int]] = {}  # level -> (index of its open group, its bytes)
+        for name, p in reversed(list(params)):
+            if not p.requires_grad or not compress(p):
+                continue
+            key = level(name) if level is not None else None
+            nbytes = p.numel() * p.element_size()
+            solo = block <= 0 or padding(p.numel(), block) > MAX_PADDING * p.numel()
+            current = open_group.get(key)
+            if solo or current is None or current[1] + nbytes > group_bytes and current[1] > 0:
+                groups.append([])
+                current = (len(groups) - 1, 0)
+            groups[current[0]].append(name)
+            open_group[key] = (current[0], current[1] + nbytes)
+            if solo:  # a singleton stays one
+                del open_group[key]
+        return cls(groups)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def describe(self) -> List[Dict[str, object]]:
+        """One row per group: its index and members (for logs and ``state.plan()``)."""
+        return [{"group": g, "members": list(names)} for g, names in enumerate(self.groups)]
+
+
+def padding(numel: int, block: int) -> int:
+    """Zeros that follow ``numel`` values in a fused buffer to reach the next block boundary."""
+    return -numel % block
+
+
+class GroupCollector:
+    """Gathers a step's gradients group by group as DDP's buckets arrive (hook thread only)."""
+
+    def __init__(self, plan: FusionPlan) -> None:
+        self.plan = plan
+        self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._futures: Dict[int, torch.futures.Future] = {}
+
+    def add(self, name: str, grad: torch.Tensor) -> Tuple[int, torch.futures.Future]:
+        """Record one gradient; its group's index and the future that completes with the group."""
+        g = self.plan.group_of[name]
+        self._pending.setdefault(g, {})[name] = grad
+        fut = self._futures.get(g)
+        if fut is None:
+            fut = self._futures[g] = torch.futures.Future()
+        return g, fut
+
+    def ready(self, last: bool) -> List[Tuple[List[str], List[torch.Tensor], torch.futures.Future]]:
+        """The groups now complete (every group when ``last``: a backward pass that left a member
+        out, e.g. one without gradient, still ends), in plan order, with their futures; forgotten."""
+        out = []
+        for g in sorted(self._pending):
+            members = self._pending[g]
+            if last or len(members) == len(self.plan.groups[g]):
+                names = [n for n in self.plan.groups[g] if n in members]
+                out.append((names, [members[n] for n in names], self._futures.pop(g)))
+        for names, _, _ in out:
+            self._pending.pop(self.plan.group_of[names[0]], None)
+        return out

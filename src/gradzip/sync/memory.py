@@ -1,0 +1,285 @@
+"""Error feedback: what a lossy codec did not send this step is added to the next step's input.
+
+``compensate`` turns the gradient into the codec's input, ``update`` stores
+``input - decoded own payload`` as the residual. State is keyed by parameter name (DDP rebuilds
+its buckets after the first iteration, so bucket indices are not stable).
+
+Non-finite policy: when a step's gradient holds NaN or Inf on any rank, the collective reports it
+to every rank and every rank leaves its residual unchanged for that step, so one bad batch (for
+example an fp16 overflow that a GradScaler will skip) never poisons the memory.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..options import Registry
+from ..options import Configurable, Option, float_in, optional
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class Memory(Configurable):
+    """No error feedback: the codec sees the raw gradient."""
+
+    kind = "memory"
+    name = "none"
+
+    def __init__(self, **opts: Any) -> None:
+        self.set_options(opts)
+
+    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return t
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`compensate` returns for gradients of ``dtype``."""
+        return dtype
+
+    def compensate_into(self, t: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`compensate` written into ``out`` (a slice of a fused buffer), which it returns."""
+        return out.copy_(self.compensate(t, name).reshape(out.shape))
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        """Record what was lost; ``skip`` is a 0-dim bool tensor: when True, keep the old state."""
+
+    @property
+    def stateful(self) -> bool:
+        return False
+
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        """Remove and return what parameter ``name`` still owes the other ranks (its unsent
+        remainder, fp32, in the gradient's shape), or None: the parameter is sent uncompressed
+        from now on, and adding this to its next gradient loses nothing."""
+        return None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ResidualMemory(Memory):
+    """Residual error feedback: ``input = beta * residual + gamma * grad``.
+
+    As in GRACE's residual memory (Xu et al., ICDCS'21) and 1-bit SGD (Seide et al., 2014). The
+    residual is kept in fp32 whatever the gradient's dtype, so small remainders of fp16/bf16
+    gradients are not rounded away. A residual is overwritten in place at each step (no fresh
+    tensor, and no page faults, per step); :meth:`state_dict` returns copies.
+    """
+
+    name = "residual"
+    options = {
+        "beta": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the residual"),
+        "gamma": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the gradient"),
+    }
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)  # beta and gamma, where they are options (1 where they are not)
+        self.beta, self.gamma = float(getattr(self, "beta", 1.0)), float(getattr(self, "gamma", 1.0))
+        self.residuals: Dict[str, torch.Tensor] = {}
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def _residual(self, name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The stored residual on ``like``'s device (a restored checkpoint may sit on the CPU)."""
+        res = self.residuals.get(name)
+        if res is None or res.shape != like.shape:
+            return None
+        if res.device != like.device:
+            res = self.residuals[name] = res.to(like.device)
+        return res
+
+    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        x = t.float()
+        if self.gamma != 1.0:
+            x = x * self.gamma
+        res = self._residual(name, t)
+        if res is None:
+            return x
+        return torch.add(x, res, alpha=self.beta)  # a new tensor: the caller's gradient stays as it was
+
+    def compensate_into(self, t: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        res = self._residual(name, t)
+        src = t.reshape(out.shape)
+        if self.gamma != 1.0:
+            return super().compensate_into(t, name, out)
+        if res is None:
+            return out.copy_(src)
+        return torch.add(src, res.reshape(out.shape), alpha=self.beta, out=out)  # one pass, no temporary
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        old = self._residual(name, compensated)
+        if skip is not None and skip.device.type == "cpu":
+            if bool(skip):  # free to read on the CPU: keep the old residual, touch nothing
+                if old is None:
+                    self.residuals[name] = torch.zeros(compensated.shape, dtype=torch.float32, device=compensated.device)
+                return
+            skip = None
+        if skip is None:
+            # written over the previous residual: no fresh tensor (and its page faults) per step
+            dest = old if old is not None and old.dtype == torch.float32 else torch.empty(
+                compensated.shape, dtype=torch.float32, device=compensated.device,
+            )
+            self.residuals[name] = torch.sub(compensated.float(), decoded.reshape(compensated.shape).float(), out=dest)
+            return
+        new = compensated.float() - decoded.reshape(compensated.shape).float()
+        self.residuals[name] = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
+
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        res = self.residuals.pop(name, None)
+        return None if res is None else res * self.beta  # as compensate() would add it
+
+    def state_dict(self) -> Dict[str, Any]:
+        # copies: the residuals are updated in place at the next step
+        return {"residuals": {k: v.detach().to("cpu", copy=True) for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(beta={self.beta}, gamma={self.gamma})"
+
+
+class EFSignMemory(ResidualMemory):
+    """EF-signSGD's error feedback (Karimireddy et al., ICML'19): the residual memory with
+    ``beta = gamma = 1``; the learning rate is applied by the optimizer after decoding."""
+
+    name = "efsign"
+    options: Dict[str, Option] = {}
+
+
+class PowerSGDMemory(ResidualMemory):
+    """PowerSGD's error feedback (Vogels et al., NeurIPS'19): the residual memory with
+    ``beta = gamma = 1``, kept for the full matrix."""
+
+    name = "powersgd"
+    options: Dict[str, Option] = {}
+
+
+class DGCMemory(Memory):
+    """Deep Gradient Compression's memory (Lin et al., ICLR'18): momentum correction, momentum
+    factor masking and local gradient clipping, per tensor name, in fp32.
+
+    ``compensate``: optionally clip the gradient ``g`` to L2 norm ``clip_norm`` (scaled on the
+    device, no host sync), then ``u ← momentum·u + g``, ``v ← v + u``, and hand ``v`` to the codec.
+    ``update``: where the decoded own payload is nonzero (the values that were sent), zero both
+    ``u`` and ``v`` (momentum factor masking); elsewhere both carry over. With ``skip`` (a
+    non-finite step on some rank) ``u`` and ``v`` keep their previous values.
+
+    Made for sparsifying codecs (``dgc``, ``topk``, ...): a sent value leaves nothing behind.
+    With a quantiser, whose decode is nonzero nearly everywhere, the quantisation error would be
+    dropped. Use plain SGD (no optimizer momentum): ``u`` is the momentum. The paper clips the
+    gradient of each worker at the global threshold times ``N^(-1/2)`` for N workers; here
+    ``clip_norm`` is that per-tensor threshold, applied as given.
+
+    Options (``memory_options``): ``momentum`` (default 0.9, in [0, 1)), ``clip_norm`` (default
+    None = no clipping; else a positive number).
+    """
+
+    name = "dgc"
+    options = {
+        "momentum": Option(0.9, float_in(0.0, 1.0, hi_open=True), "a float in [0, 1)", "momentum factor"),
+        "clip_norm": Option(
+            None, optional(float_in(0.0, math.inf, lo_open=True, hi_open=True)), "None or a positive number",
+            "local gradient clipping (L2 norm)",
+        ),
+    }
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        self.momentum = float(self.momentum)
+        self.clip_norm = None if self.clip_norm is None else float(self.clip_norm)
+        self.momentums: Dict[str, torch.Tensor] = {}  # u
+        self.velocities: Dict[str, torch.Tensor] = {}  # v
+        self._pending: Dict[str, torch.Tensor] = {}  # this step's u, until update() decides
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def input_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    @staticmethod
+    def _get(store: Dict[str, torch.Tensor], name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        t = store.get(name)
+        if t is None or t.shape != like.shape:
+            return None
+        return t if t.device == like.device else t.to(like.device)
+
+    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        g = t.float()
+        if self.clip_norm is not None:
+            norm = torch.linalg.vector_norm(g)
+            g = g * (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
+        u_old = self._get(self.momentums, name, g)
+        u = g.clone() if u_old is None else torch.add(g, u_old, alpha=self.momentum)
+        v_old = self._get(self.velocities, name, g)
+        v = u.clone() if v_old is None else v_old + u  # new tensors: neither aliases the state nor t
+        self._pending[name] = u
+        return v
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        v = compensated.float()
+        u = self._pending.pop(name, None)
+        if u is None or u.shape != v.shape:
+            u = torch.zeros_like(v)
+        sent = decoded.reshape(v.shape) != 0
+        u_new = u.masked_fill(sent, 0.0)
+        v_new = v.masked_fill(sent, 0.0)
+        if skip is not None:
+            u_old = self._get(self.momentums, name, v)
+            v_old = self._get(self.velocities, name, v)
+            u_new = torch.where(skip, u_old if u_old is not None else torch.zeros_like(v), u_new)
+            v_new = torch.where(skip, v_old if v_old is not None else torch.zeros_like(v), v_new)
+        self.momentums[name] = u_new
+        self.velocities[name] = v_new
+
+    def release(self, name: str) -> Optional[torch.Tensor]:
+        self.momentums.pop(name, None)  # momentum correction ends with compression
+        return self.velocities.pop(name, None)  # accumulated, not yet sent
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "momentums": {k: v.cpu() for k, v in self.momentums.items()},
+            "velocities": {k: v.cpu() for k, v in self.velocities.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.momentums = {k: v.clone() for k, v in state.get("momentums", {}).items()}
+        self.velocities = {k: v.clone() for k, v in state.get("velocities", {}).items()}
+        self._pending = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(momentum={self.momentum}, clip_norm={self.clip_norm})"
+
+
+_MEMORIES: Registry[Memory] = Registry("memory", "memories")
+for _cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory, DGCMemory):
+    _MEMORIES.add(_cls)
+register_memory = _MEMORIES.add
+names = _MEMORIES.names
+
+
+def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
+    """Build a memory by name (``none``, ``residual``, ``efsign``, ``powersgd``, ``dgc``)."""
+    if isinstance(kind, Memory):
+        if opts:
+            raise ValueError("options cannot be given together with a Memory instance")
+        return kind
+    if kind is None:
+        kind = "none"
+    return _MEMORIES.get(kind)(**opts)  # ValueError for an unknown option or a bad value

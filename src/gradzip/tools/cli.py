@@ -1,0 +1,414 @@
+"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce``, ``codecs``, ``models`` and ``accuracy``,
+``gradzip run`` (torchrun with gradzip on every DDP model) and ``gradzip doctor``.
+
+Heavy modules (the demo, the benchmark, rich) are imported by the subcommand that needs them, so
+``gradzip --help`` stays quick and a missing optional extra only breaks the command that uses it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+
+def _names(text: str, valid: Sequence[str], what: str) -> List[str]:
+    """``"a,b"`` → ``["a", "b"]`` (repeats dropped), each checked against ``valid``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what}(s) {', '.join(bad) or '(none given)'}; choose from: {', '.join(valid)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _config_list(text: str) -> List[str]:
+    """``"fp32,maxmin4"`` → ``["fp32", "maxmin4"]``, each checked against the demo's configs."""
+    from .demo import CONFIGS
+
+    return _names(text, list(CONFIGS), "config")
+
+
+def _checked(text: str, check: Callable[[str], Any]) -> List[str]:
+    """The comma-separated items of ``text``; ``check`` raises ``ValueError`` for a bad one."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    for item in items:
+        try:
+            check(item)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return items
+
+
+def _codec_list(text: str) -> List[str]:
+    """Codec specs ``name[:key=value...]`` separated by commas, each checked by building it."""
+    from ..bench.micro import check_spec
+
+    return _checked(text, check_spec)
+
+
+def _size_mb(text: str) -> float:
+    """One tensor size in MiB: a positive number that holds at least one fp32 value."""
+    from ..bench.micro import check_sizes
+
+    try:
+        return check_sizes([float(text)])[0]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size must be a positive number of MiB, got {text!r}") from None
+
+
+def _size_list(text: str) -> List[float]:
+    """``"1,4,16"`` → ``[1.0, 4.0, 16.0]`` (MiB), each checked; duplicates dropped."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("expected comma-separated sizes in MiB, e.g. 1,4,16,64,256")
+    return list(dict.fromkeys(_size_mb(p) for p in parts))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _accuracy_tasks(text: str) -> List[str]:
+    """``"digits,charlm"``, each checked against the accuracy benchmark's tasks."""
+    from ..bench.accuracy import TASKS
+
+    return _names(text, list(TASKS), "task")
+
+
+def _accuracy_configs(text: str) -> List[str]:
+    """Demo config names or codec specs separated by commas, each checked (``bench.accuracy.resolve``)."""
+    from ..bench.accuracy import resolve
+
+    return list(dict.fromkeys(_checked(text, resolve)))
+
+
+def _model_list(text: str) -> List[str]:
+    """``"resnet50,gpt2"`` → ``["resnet50", "gpt2"]``, each checked against the benchmark's models."""
+    from ..bench.models import MODELS
+
+    return _names(text, list(MODELS), "model")
+
+
+def _method_list(text: str) -> List[str]:
+    """Demo config names or codec specs separated by commas, each checked (see ``bench.models.resolve``)."""
+    from ..bench.models import resolve
+
+    return _checked(text, resolve)
+
+
+def _link_rate(text: str) -> Optional[str]:
+    """A link rate for the emulated cluster (``100mbit``, ``1gbit``), or None for ``loopback``."""
+    from ..bench.cluster import parse_rate
+
+    if text.strip().lower() in ("loopback", "none"):
+        return None
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or loopback") from None
+    return text.strip().lower()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..codecs import names as codec_names
+    from .demo import COMMAND_DEFAULTS as DEFAULTS
+    from .demo import CONFIGS, DEFAULT_CONFIGS
+
+    parser = argparse.ArgumentParser(prog="gradzip", description="Gradient compression for data-parallel PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a digits MLP on local gloo ranks with several codecs and compare")
+    demo.add_argument("--workers", type=_positive, default=DEFAULTS["workers"], help="local ranks (default %(default)s)")
+    demo.add_argument("--epochs", type=_positive, default=DEFAULTS["epochs"], help="default %(default)s")
+    demo.add_argument("--batch-size", type=_positive, default=DEFAULTS["batch_size"], help="global batch (default %(default)s)")
+    demo.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="SGD learning rate (default %(default)s)")
+    demo.add_argument("--momentum", type=float, default=DEFAULTS["momentum"], help="default %(default)s")
+    demo.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="model, split and shuffle seed")
+    demo.add_argument("--width", type=_positive, default=DEFAULTS["width"], help="hidden width of the MLP (default %(default)s)")
+    demo.add_argument(
+        "--rate", type=_link_rate, default=DEFAULTS["rate"],
+        help="train on an emulated cluster with links of this rate (e.g. 100mbit, 1gbit; needs root and iproute2; "
+        f"default %(default)s); 'loopback' for none. Without root or iproute2 the demo runs on loopback and "
+        f"estimates each config's wire time at {DEFAULTS['rate']}",
+    )
+    demo.add_argument(
+        "--configs", type=_config_list, default=DEFAULT_CONFIGS,
+        help=f"comma-separated configs (default {','.join(DEFAULT_CONFIGS)}); all: {','.join(CONFIGS)}",
+    )
+    demo.add_argument("--out", default="demo-results", help="directory for results.json and demo.png (default %(default)s)")
+
+    run = sub.add_parser(
+        "run", add_help=False, help="launch like torchrun; every DDP model the script builds is compressed",
+        description="gradzip run [torchrun options] [--codec C --bits B --option k=v] script.py [script args]",
+    )
+    run.add_argument("args", nargs=argparse.REMAINDER, help="torchrun options, gradzip options, script and its arguments")
+    sub.add_parser("doctor", help="what gradzip will use here: torch build, backends, kernels, compiler, Triton, cluster")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    ar = bench_sub.add_parser("allreduce", help="time one all-reduce of a large fp32 tensor, plain vs compressed")
+    ar.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    sizes = ar.add_mutually_exclusive_group()
+    sizes.add_argument("--size-mb", type=_size_mb, default=None, help="tensor size in MiB (default 100)")
+    sizes.add_argument(
+        "--sizes", type=_size_list, default=None,
+        help="a sweep of sizes in MiB, e.g. 1,4,16,64,256, all in one run of the ranks (instead of --size-mb)",
+    )
+    ar.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
+    ar.add_argument(
+        "--codecs", type=_codec_list, default=[],
+        help="extra codecs besides maxmin:bits=4, e.g. fp16,maxmin:bits=2,topk:ratio=0.01",
+    )
+    ar.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    ar.add_argument(
+        "--plot", dest="plot_path",
+        help="draw time and bus bandwidth against size to this PNG (default with --json: next to it, same name)",
+    )
+    ar.add_argument(
+        "--rate", default=None,
+        help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2); "
+        "default: plain loopback",
+    )
+    cb = bench_sub.add_parser("codecs", help="bits per element and encode+decode speed of each codec (one process)")
+    cb.add_argument(
+        "--codecs", type=_codec_list, default=[],
+        help="comma-separated codec specs name[:key=value...], e.g. maxmin:bits=2,topk:ratio=0.01,fp16 "
+        f"(default: every registered codec: {','.join(codec_names())})",
+    )
+    cb.add_argument("--numel", type=_positive, default=1 << 20, help="elements (default %(default)s)")
+    cb.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
+    cb.add_argument("--threads", type=_positive, default=1, help="torch threads (default %(default)s)")
+    cb.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    cb.add_argument(
+        "--plot", dest="plot_path",
+        help="draw GB/s per codec against memory-copy speed to this PNG (default with --json: next to it, same name)",
+    )
+    mb = bench_sub.add_parser(
+        "models", help="DDP steps over the gradient sets of real models (ResNet-50, BERT, GPT-2, ViT), per method",
+        description="DDP steps over modules with the exact parameter shapes of real models (forward nearly free, "
+        "so a step is the gradient exchange), or a real ResNet-18 forward/backward: fp32 DDP, PyTorch's "
+        "fp16_compress_hook and gradzip maxmin4 (plus --configs), with wire and codec limits.",
+        epilog="examples:\n"
+        "  gradzip bench models                                  # all four models, 4 ranks, 1 Gbit/s\n"
+        "  gradzip bench models --models resnet50 --rate 100mbit --steps 3\n"
+        "  gradzip bench models --models resnet18-real,gpt2 --configs maxmin2,topk,maxmin:bits=8:memory=residual\n"
+        "  gradzip bench models --models resnet50 --rate loopback --json out/models.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ..bench.models import DEFAULT_MODELS, MODELS
+
+    mb.add_argument(
+        "--models", type=_model_list, default=DEFAULT_MODELS,
+        help=f"comma-separated models (default {','.join(DEFAULT_MODELS)}); all: {','.join(MODELS)}",
+    )
+    mb.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    mb.add_argument(
+        "--rate", type=_link_rate, default="1gbit",
+        help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2; "
+        "default %(default)s); 'loopback' for none. Without root or iproute2 it says so and runs on loopback",
+    )
+    mb.add_argument("--steps", type=_positive, default=5, help="timed steps per method after the warm-up (default %(default)s)")
+    mb.add_argument(
+        "--warmup", type=_positive, default=2,
+        help="untimed steps first; DDP rebuilds its buckets after the first (default %(default)s)",
+    )
+    mb.add_argument(
+        "--configs", type=_method_list, default=[],
+        help="extra methods besides fp32, torch-fp16 and maxmin4: demo config names (maxmin2, topk, powersgd, "
+        "fp16, ...) or codec specs as in bench allreduce (maxmin:bits=8:memory=residual)",
+    )
+    mb.add_argument(
+        "--json", dest="json_path", default=os.path.join("bench-results", "models.json"),
+        help="write the results to this JSON file (default %(default)s)",
+    )
+    mb.add_argument(
+        "--plot", dest="plot_path",
+        help="draw time per step per model and method to this PNG (default: next to the JSON, same name)",
+    )
+    from ..bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
+    from ..bench.accuracy import DEFAULT_TASKS, QUICK, TASKS
+
+    acc = bench_sub.add_parser(
+        "accuracy", help="held-out loss at equal steps, bytes and time-to-target per method, on real data, over seeds",
+        description="Train a digits MLP and a character-level transformer LM (pydoc_data.topics) on local gloo ranks, "
+        "once per method and seed from the same initial parameters and batches: held-out loss (mean and min–max over "
+        "seeds), bytes per step, training time, the time to reach fp32's final held-out loss, and whether all "
+        "replicas stayed bit-identical (exit status 1 if not).",
+        epilog="examples:\n"
+        "  gradzip bench accuracy --json docs/bench/accuracy.json             # defaults: both tasks, 3 seeds\n"
+        "  gradzip bench accuracy --quick --rate loopback\n"
+        "  gradzip bench accuracy --tasks charlm --configs fp32,maxmin2,qsgd4,topk:ratio=0.05,powersgd:rank=8\n"
+        "  gradzip bench accuracy --configs fp32,signsgd:opt.lr=0.002:opt.momentum=0 --seeds 5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    acc.add_argument(
+        "--tasks", type=_accuracy_tasks, default=DEFAULT_TASKS,
+        help=f"comma-separated tasks (default {','.join(DEFAULT_TASKS)}); all: {','.join(TASKS)}",
+    )
+    acc.add_argument(
+        "--configs", type=_accuracy_configs, default=ACC_CONFIGS,
+        help=f"comma-separated methods (default {','.join(ACC_CONFIGS)}): demo config names (fp32, fp16, maxmin4, "
+        "qsgd4, topk, powersgd, torch-fp16, ...) or codec specs name[:key=value...]; keys of gradzip.register "
+        "(memory, collective, min_numel, ...) go to it, opt.lr / opt.momentum to the optimizer, others to the codec",
+    )
+    acc.add_argument("--seeds", type=_positive, default=None, help="seeds 0..N-1 (default 3; --quick: 2)")
+    acc.add_argument("--steps", type=_positive, default=None, help="training steps of every task (default: per task, "
+                     "digits 120, charlm 150; --quick: 40)")
+    acc.add_argument("--eval-every", type=_positive, default=None, help="held-out evaluation every K steps "
+                     "(default: per task, digits 10, charlm 15; --quick: 10)")
+    acc.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    acc.add_argument(
+        "--rate", type=_link_rate, default="1gbit",
+        help="emulate a cluster with links of this rate (needs root and iproute2; default %(default)s); 'loopback' "
+        "for none. Without root or iproute2 it says so and runs on loopback",
+    )
+    acc.add_argument(
+        "--tolerance", type=float, default=0.0,
+        help="time-to-target aims at the baseline's final held-out loss × (1 + this) (default %(default)s)",
+    )
+    acc.add_argument(
+        "--quick", action="store_true",
+        help=f"a smoke run: {QUICK['steps']} steps, eval every {QUICK['eval_every']}, {QUICK['seeds']} seeds "
+        "(explicit options win)",
+    )
+    acc.add_argument("--json", dest="json_path", help="write the results to this JSON file")
+    acc.add_argument(
+        "--plot", dest="plot_path",
+        help="draw held-out loss against bytes sent and training time to this PNG (default: next to the JSON)",
+    )
+    return parser
+
+
+def _console():
+    from ..bench.tables import console
+
+    return console()  # rich's (pipes and logs get the whole table), or plain text without rich
+
+
+def _plot(draw: Callable[[Dict[str, Any], str], None], report: Dict[str, Any], args: argparse.Namespace, console: Any) -> None:
+    """Draw ``report`` to ``--plot``, or next to ``--json`` when only that was given.
+
+    A missing matplotlib fails an explicit ``--plot`` and only skips the implicit one, each with a
+    line naming the extra to install.
+    """
+    path = args.plot_path
+    if path is None and args.json_path:
+        path = os.path.splitext(args.json_path)[0] + ".png"
+    if path is None:
+        return
+    try:
+        draw(report, path)
+    except ImportError as exc:
+        why = f"no plot: {(exc.name or 'matplotlib').split('.')[0]} is not installed (pip install gradzip[bench])"
+        if args.plot_path:
+            raise SystemExit(f"gradzip: {why}")
+        print(why)
+        return
+    console.print(f"plot: {path}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's options and the script's own: parsed by gradzip.tools.run alone
+        from . import run
+
+        return run.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        from . import doctor
+
+        return doctor.main()
+    if args.command == "demo":
+        from . import demo
+
+        try:
+            report = demo.run_demo(
+                args.configs, out=args.out, workers=args.workers, epochs=args.epochs,
+                batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed,
+                width=args.width, rate=args.rate, echo=lambda line: print(line, flush=True),
+            )
+        except ImportError as exc:  # the data set needs scikit-learn (the 'demo' extra)
+            raise SystemExit(f"gradzip demo: {exc}")
+        console = _console()
+        print("\n".join([""] + report["headline"] + [""]), flush=True)
+        console.print(demo.table(report))
+        if report.get("plot_skipped"):
+            print(report["plot_skipped"])
+        print(f"total wall time {report['total_wall_s']:.1f} s; results in {args.out}/", flush=True)
+        return 0 if all(r.get("identical", True) for r in report["results"]) else 1  # failed baselines are rows
+    if args.command == "bench" and args.bench == "allreduce":
+        from ..bench import micro, plots
+
+        report = micro.run_allreduce(
+            args.workers, args.size_mb, args.repeats, args.codecs, args.json_path, args.rate, sizes_mb=args.sizes,
+        )
+        console = _console()
+        console.print(micro.table(report))
+        _plot(plots.allreduce, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "codecs":
+        from ..bench import codecs as codec_bench
+        from ..bench import plots
+
+        report = codec_bench.run(args.codecs, args.numel, args.repeats, args.threads, args.json_path)
+        console = _console()
+        console.print(codec_bench.table(report))
+        _plot(plots.codecs, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "models":
+        from ..bench import models, plots
+
+        if os.path.dirname(args.json_path):
+            os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
+        report = models.run_models(
+            args.models, args.configs, args.workers, args.rate, args.steps, args.warmup, json_path=args.json_path,
+        )
+        console = _console()
+        console.print(models.table(report))
+        if report["fallback"]:
+            console.print(report["fallback"])
+        console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
+        _plot(plots.models, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "accuracy":
+        from ..bench import accuracy
+
+        if args.tolerance < 0:
+            raise SystemExit("gradzip bench accuracy: --tolerance must be at least 0")
+        quick = accuracy.QUICK if args.quick else {}
+        try:
+            report = accuracy.run_accuracy(
+                args.tasks, args.configs, seeds=args.seeds or quick.get("seeds", accuracy.DEFAULTS["seeds"]),
+                steps=args.steps or quick.get("steps"), eval_every=args.eval_every or quick.get("eval_every"),
+                workers=args.workers, rate=args.rate, tolerance=args.tolerance, json_path=args.json_path,
+            )
+        except ImportError as exc:  # the digits data set needs scikit-learn (the 'demo' extra)
+            raise SystemExit(f"gradzip bench accuracy: {exc}")
+        except ValueError as exc:
+            raise SystemExit(f"gradzip bench accuracy: {exc}")
+        console = _console()
+        if report["fallback"]:
+            console.print(report["fallback"])
+        console.print(accuracy.table(report))
+        if args.json_path:
+            console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
+        else:
+            console.print(f"total wall time {report['wall_s']:.0f} s")
+        _plot(accuracy.plot, report, args, console)
+        if not accuracy.all_identical(report):
+            drifted = [
+                f"{t} {r['config']}" for t, res in report["results"].items() for r in res["rows"] if not r["identical"]
+            ]
+            console.print("[red]replicas differ[/red] after training with: " + ", ".join(drifted))
+            return 1
+        return 0
+    raise AssertionError(args)  # argparse rejects everything else
+
+
+if __name__ == "__main__":
+    sys.exit(main())

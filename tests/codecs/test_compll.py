@@ -1,0 +1,204 @@
+"""CompLL authoring: the primitives, the catalogue codecs written with them, compilation."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradzip
+from gradzip.codecs import compll as cl
+
+TWINS = [("terngrad", "cl_terngrad"), ("tbq", "cl_tbq"), ("onebit", "cl_onebit")]
+OPTIONS = {
+    "terngrad": [{}, {"bucket_size": 7}, {"bucket_size": 1024}],
+    "tbq": [{}, {"threshold": 0.3}],
+    "onebit": [{}, {"bucket_size": 7}, {"bucket_size": 1000}],
+}
+
+
+def _make(name, **opts):
+    if "seed" in gradzip.codecs.get(name).options:
+        opts.setdefault("seed", 5)
+    return gradzip.codec(name, **opts)
+
+
+def _assert_twins(hand, written, x, steps=3):
+    for step in range(steps):  # several calls: stochastic streams must advance in lockstep
+        pa, pb = hand.encode(x, name="w", step=step), written.encode(x, name="w", step=step)
+        assert len(pa.tensors) == len(pb.tensors)
+        for a, b in zip(pa.tensors, pb.tensors):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert torch.equal(hand.decode(pa), written.decode(pb))
+        assert written.wire_bytes(x.numel(), x.dtype) == pb.nbytes == hand.wire_bytes(x.numel(), x.dtype)
+
+
+@pytest.mark.parametrize("hand,written", TWINS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1,), (7,), (1001,), (33, 17), (4096,)], ids=str)
+def test_compll_codecs_match_hand_written_bit_for_bit(hand, written, dtype, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for opts in OPTIONS[hand]:
+        _assert_twins(_make(hand, **opts), _make(written, **opts), x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5000), twin=st.sampled_from(TWINS), scale=st.floats(1e-4, 1e3), seed=st.integers(0, 100))
+def test_compll_codecs_match_on_any_size(n, twin, scale, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    _assert_twins(_make(twin[0]), _make(twin[1]), x, steps=1)
+
+
+def test_compll_codec_sources_are_short():
+    import inspect
+
+    from gradzip.codecs import compll_catalog
+
+    for cls in (compll_catalog.CLTernGrad, compll_catalog.CLTBQ, compll_catalog.CLOneBit):
+        assert len(inspect.getsource(cls).splitlines()) <= 30, cls.__name__
+
+
+# ------------------------------------------------------------------------------ primitives
+@pytest.mark.parametrize("op", ["sum", "max", "min", "absmax", "l1", "l2"])
+@pytest.mark.parametrize("n,bucket", [(10, 0), (10, 3), (12, 4), (1, 5)])
+def test_reduce_per_bucket(op, n, bucket):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    got = cl.reduce(x, op, bucket)
+    chunks = [x] if bucket == 0 else list(x.split(bucket))
+    ref = {
+        "sum": lambda c: c.sum(), "max": lambda c: c.max(), "min": lambda c: c.min(),
+        "absmax": lambda c: c.abs().max(), "l1": lambda c: c.abs().sum(), "l2": lambda c: c.norm(),
+    }[op]
+    expected = torch.stack([ref(c) for c in chunks]) if bucket else ref(x)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reduce_rejects_unknown_op():
+    with pytest.raises(ValueError, match="valid: absmax"):
+        cl.reduce(torch.ones(3), "median")
+
+
+def test_select_topk_scatter():
+    x = torch.tensor([0.1, -3.0, 0.0, 2.0, -0.5])
+    values, idx = cl.select(x, x.abs() > 0.4)
+    assert values.tolist() == [-3.0, 2.0, -0.5] and idx.tolist() == [1, 3, 4] and idx.dtype == torch.int32
+    values, idx = cl.topk(x, 2)
+    assert sorted(idx.tolist()) == [1, 3]
+    assert torch.equal(cl.scatter(values, idx, 5), torch.tensor([0.0, -3.0, 0.0, 2.0, 0.0]))
+
+
+def test_pack_concat_extract_round_trip():
+    levels = torch.randint(0, 8, (101,), dtype=torch.uint8)
+    header = torch.tensor([1.5, -2.25])
+    buf = cl.concat(header, cl.pack(levels, 3))
+    head, body = cl.extract(buf, 2)
+    assert torch.equal(head, header)
+    assert torch.equal(cl.unpack(body, 3, 101), levels)
+
+
+class _Recorder(cl.CompLLCodec):
+    """Exposes ``random`` through a codec so streams can be compared (not registered)."""
+
+    name = "_recorder"
+    options = {"seed": cl.SEED}
+    wire_bits = 32
+
+    def compress(self, x, ctx):
+        return [cl.random(ctx, x.numel(), shared=True), cl.random(ctx, x.numel())]
+
+    def decompress(self, wire, ctx):
+        return wire[0]
+
+
+def test_random_shared_and_private_streams():
+    x = torch.zeros(16)
+    a, b = _Recorder(seed=1), _Recorder(seed=1)
+    pa, pb = a.encode(x, name="w", step=4), b.encode(x, name="w", step=4)
+    assert torch.equal(pa.tensors[0], pb.tensors[0])  # shared: same (seed, step, name)
+    assert torch.equal(pa.tensors[1], pb.tensors[1])  # private: same seed and rank here
+    assert not torch.equal(a.encode(x, name="w", step=5).tensors[0], pa.tensors[0])  # next step
+    assert not torch.equal(a.encode(x, name="v", step=4).tensors[0], pa.tensors[0])  # other tensor
+    state = torch.random.get_rng_state()
+    a.encode(x, name="w")
+    assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is untouched
+
+
+# ------------------------------------------------------------------ a user's own codec
+class _Ternary(cl.CompLLCodec):
+    """The module docstring's example: a user codec in a few lines (registered by the test
+    itself, so other modules never see it in ``names()``)."""
+
+    name = "_test_user_ternary"
+    options = {"threshold": cl.Option(0.01, cl.float_in(0, 1e9), "a non-negative float")}
+    default_memory = "residual"
+    collectives = ("allgather",)
+    wire_bits = 2
+
+    def compress(self, x, ctx):
+        t = self.threshold
+        code = cl.map(lambda v: (v > t).to(torch.uint8) | ((v < -t).to(torch.uint8) << 1), x)
+        return [cl.pack(code, 2)]
+
+    def decompress(self, wire, ctx):
+        code = cl.unpack(wire[0], 2, ctx.numel).float()
+        return cl.map(lambda c: self.threshold * ((c == 1).float() - (c == 2).float()), code)
+
+
+def test_user_codec_works_like_any_codec():
+    cl.register(_Ternary)
+    try:
+        c = gradzip.codec("_test_user_ternary", threshold=0.5)
+        x = torch.tensor([[0.7, -0.2], [-0.9, 0.5]])
+        y = c.decode(c.encode(x))
+        assert y.shape == x.shape and y.tolist() == [[0.5, 0.0], [-0.5, 0.0]]
+        assert c.wire_bytes(4) == 2 == c.encode(x).nbytes
+        comm = gradzip.Communicator("_test_user_ternary", threshold=0.5)  # single process
+        assert comm.memory.name == "residual"
+        assert torch.equal(comm.allreduce(x, name="w"), y)
+        comm.close()
+        with pytest.raises(ValueError, match="threshold"):
+            gradzip.codec("_test_user_ternary", threshold=-1.0)
+        with pytest.raises(ValueError, match="compile"):
+            gradzip.codec("_test_user_ternary", compile="sometimes")
+    finally:
+        from gradzip.codecs.registry import _CODECS
+
+        _CODECS._classes.pop("_test_user_ternary", None)  # keep names() clean for other tests
+
+
+# ---------------------------------------------------------------------------- compilation
+@pytest.mark.timeout(600)
+def test_compiled_bodies_match_eager(caplog):
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    eager = gradzip.codec("cl_tbq", threshold=0.5, compile=False)
+    compiled = gradzip.codec("cl_tbq", threshold=0.5, compile=True)
+    with caplog.at_level(logging.WARNING, logger="gradzip.codecs.compll"):
+        for _ in range(2):
+            pe, pc = eager.encode(x, name="w"), compiled.encode(x, name="w")
+            assert torch.equal(pe.tensors[0], pc.tensors[0])
+            assert torch.equal(eager.decode(pe), compiled.decode(pc))
+    assert not [r for r in caplog.records if "eagerly" in r.message], "the compiled path was not used"
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    c = gradzip.codec("cl_tbq", threshold=0.5, compile=True)
+    x = torch.tensor([0.7, -0.9, 0.1])
+    with caplog.at_level(logging.WARNING, logger="gradzip.codecs.compll"):
+        assert c.decode(c.encode(x)).tolist() == [0.5, -0.5, 0.0]
+        assert c.decode(c.encode(x)).tolist() == [0.5, -0.5, 0.0]
+    assert sum("running eagerly" in r.message for r in caplog.records) == 2  # once per body
+
+
+def test_auto_compiles_only_for_cuda():
+    c = gradzip.codec("cl_tbq")
+    c.encode(torch.ones(4))
+    assert c._bodies[("compress", "cpu")].__func__ is type(c).compress

@@ -1,0 +1,614 @@
+"""Collectives on real gloo ranks: averages, identical replicas, flags, variable sizes."""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradzip
+from gradzip import collectives
+from gradzip.codecs.base import SEED, Codec, Meta, Option, float_in
+from gradzip.kernels import shared_generator
+
+from ..dist_utils import run_workers
+
+
+def _gather(t: torch.Tensor, world: int) -> List[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _pairs():
+    return [(name, coll) for name in gradzip.codecs.names() for coll in gradzip.codec(name).collectives]
+
+
+def _run_all_pairs(rank: int, world: int) -> dict:
+    """Every (codec, collective) pair on the same inputs; returns what the parent asserts on."""
+    out = {}
+    for name, coll in _pairs():
+        codec = gradzip.codec(name)
+        g = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(37, 29, generator=g) * (1 + rank)  # odd size, different on every rank
+        res = collectives.get(coll)(None).run(codec, x, "w", 0, need_own=True)
+        avgs = _gather(res.avg, world)
+        owns = torch.stack(_gather(res.own, world))
+        out[(name, coll)] = {
+            "identical": all(torch.equal(avgs[0], a) for a in avgs),
+            "avg": res.avg,
+            "owns": owns,
+            "nonfinite": bool(res.nonfinite),
+            "wire": res.wire_bytes,
+        }
+    return out
+
+
+MAJORITY_VOTE = {"signsgd", "signum"}
+
+
+def _reference(name: str, owns: torch.Tensor) -> torch.Tensor:
+    if name in MAJORITY_VOTE:
+        return owns.sum(0).sign()
+    return owns.mean(0)
+
+
+def sketch_bound(values: torch.Tensor, buckets: int = 256) -> float:
+    """Largest error of one sketchml encode of ``values``: the widest quantile bucket.
+
+    A bucket holds one sketch cell (2**-9 relative wide) plus at most ``ceil(n / (nb - 1))``
+    further values in sorted order, so it spans at most that many sorted values (doubled here
+    for margin) plus one cell.
+    """
+    v = values.double().reshape(-1).sort().values
+    n = v.numel()
+    if n < 2:
+        return 1e-6
+    nb = max(2, min(buckets, n))
+    m = 2 * math.ceil(n / (nb - 1)) + 2
+    spread = (v[-1] - v[0]) if m >= n else (v[m:] - v[:-m]).max()
+    return spread.item() + 2**-8 * v.abs().max().item() + 1e-6
+
+
+def _sra_chunks(ref: torch.Tensor, world: int) -> List[torch.Tensor]:
+    """The chunks SRA re-encodes: ``ceil(n / W)`` values each, the last padded with zeros."""
+    flat = ref.reshape(-1)
+    chunk = -(-flat.numel() // world)
+    padded = torch.cat([flat, flat.new_zeros(chunk * world - flat.numel())])
+    return list(padded.view(world, chunk))
+
+
+def _tolerance(name: str, coll: str, owns: torch.Tensor, world: int, ref: torch.Tensor) -> float:
+    scale = owns.abs().max().item()
+    name = name[3:] if name.startswith("cl_") else name  # CompLL twins quantise like the originals
+    if coll == "sra":  # the averaged chunk is quantised a second time
+        if name == "maxmin":
+            return (ref.max() - ref.min()).item() / (2**4 - 1) + 1e-6
+        if name == "qsgd":
+            return torch.linalg.vector_norm(ref).item() / (2**3 - 1) + 1e-6
+        if name == "sketchml":  # each value becomes the mean of its bucket in its chunk
+            return max(sketch_bound(c) for c in _sra_chunks(ref, world)) + 2 * world * 1e-6 * scale
+        # terngrad decodes v to 0 or ±max|chunk|: |Q(v) − v| ≤ max|ref|. natural decodes it to
+        # one of the powers of two 2**a ≤ |v| < 2**(a+1), so |Q(v) − v| < 2**a ≤ |v|, or (far
+        # below the chunk's max) to 0 or a power under 2**-124 · max|chunk|: again ≤ max|ref|
+        if name in ("terngrad", "natural"):
+            return ref.abs().max().item() * (1 + 1e-6) + 1e-6
+        # u8bit: nearest dynamic-tree entry times the bucket's max|v|; the widest gap between
+        # entries is 0.9 / 64 (top decade), so |Q(v) − v| ≤ 0.9 / 128 · max|ref|, reached when
+        # the bucket's max is negative (−1 decodes to −0.99297); 2**-20 covers fp32 rounding
+        if name == "u8bit":
+            return (0.9 / 128 + 2**-20) * ref.abs().max().item() + 1e-6
+        # fp8: half an element step at the top of a block, 2**-4 (e4m3) of its max; MX also
+        # saturates the top of its range, [448, 512) or [6, 8) times the shared scale
+        if name in ("fp8", "mxfp8", "mxfp4"):
+            return {"fp8": 2**-4, "mxfp8": 2**-3, "mxfp4": 2**-2}[name] * ref.abs().max().item() * (1 + 1e-6) + 1e-6
+    eps = {"fp16": 2**-10, "bf16": 2**-7}.get(name, 1e-6)
+    return 2 * world * eps * scale + 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_collective_averages_decoded_payloads(world):
+    results = run_workers(_run_all_pairs, world)
+    failures = []  # every pair is checked, and all failures are reported together
+    for key, rec in results[0].items():
+        name, coll = key
+        if not all(r[key]["identical"] and torch.equal(r[key]["avg"], rec["avg"]) for r in results):
+            failures.append(f"{key}: ranks disagree")
+        ref = _reference(name, rec["owns"])
+        tol = _tolerance(name, coll, rec["owns"], world, ref)
+        err = (rec["avg"] - ref).abs().max().item()
+        if not err <= tol:
+            failures.append(f"{key}: |avg - mean(decoded)| = {err} > {tol}")
+        if rec["nonfinite"]:
+            failures.append(f"{key}: finite input flagged non-finite")
+        codec = gradzip.codec(name)
+        if coll != "sra":
+            bound = codec.wire_bytes(37 * 29, torch.float32, shape=(37, 29))
+            if not (rec["wire"] == bound if codec.fixed_size else rec["wire"] <= bound):
+                failures.append(f"{key}: {rec['wire']} wire bytes, wire_bytes() says {bound}")
+    assert not failures, "\n".join(failures)
+
+
+def _nonfinite(rank: int, world: int) -> dict:
+    out = {}
+    pairs = [("none", "allreduce"), ("randomk", "allreduce"), ("topk", "allgather"), ("signsgd", "allgather")]
+    pairs += [("maxmin", "sra"), ("sketchml", "ps"), ("onebit", "ps"), ("randomk", "ps"), ("powersgd", "allreduce")]
+    for name, coll in pairs:
+        comm = gradzip.Communicator(name, collective=coll, memory="residual")
+        x = torch.randn(64, 40, generator=torch.Generator().manual_seed(rank))
+        first = comm.allreduce(x, name="w")
+        before = comm.memory.residuals["w"].clone()
+        bad = x.clone()
+        if rank == 1:
+            bad[3, 5] = float("nan")
+        second = comm.allreduce(bad, name="w")
+        after = comm.memory.residuals["w"].clone()  # updated in place at the next step
+        third = comm.allreduce(x, name="w")
+        out[f"{name}/{coll}"] = {
+            "first_finite": bool(torch.isfinite(first).all()),
+            "second_all_nan": bool(torch.isnan(second).all()),
+            "memory_kept": torch.equal(before, after),
+            "third_finite": bool(torch.isfinite(third).all()),
+        }
+        comm.close()
+    return out
+
+
+def test_nonfinite_input_on_one_rank_reaches_every_rank_and_spares_memory():
+    for rank, res in enumerate(run_workers(_nonfinite, 3)):
+        for name, rec in res.items():
+            assert rec == {"first_finite": True, "second_all_nan": True, "memory_kept": True, "third_finite": True}, (rank, name, rec)
+
+
+class _NonZeros(Codec):
+    """Test codec (not registered) with a data-dependent size: values above a threshold + indices."""
+
+    name = "_test_nonzeros"
+    collectives = ("allgather",)
+    fixed_size = False
+    options = {"threshold": Option(0.5, float_in(0.0, 100.0), "a float")}
+
+    def _encode(self, x, meta: Meta):
+        idx = (x.abs() > self.threshold).nonzero().reshape(-1)
+        return [x[idx], idx.to(torch.int32)]
+
+    def _decode(self, tensors, meta: Meta):
+        values, idx = tensors
+        return torch.zeros(meta.numel, dtype=values.dtype).index_copy_(0, idx.long(), values)
+
+    def _wire_bytes(self, numel, dtype):
+        return numel * 8  # an upper bound
+
+
+def _variable(rank: int, world: int) -> dict:
+    codec = _NonZeros(threshold=0.5)
+    x = torch.zeros(1000)
+    x[: 10 * (rank + 1)] = torch.arange(1, 10 * (rank + 1) + 1, dtype=torch.float32)  # sizes differ per rank
+    res = collectives.get("allgather")(None).run(codec, x, "v", 0, need_own=True)
+    return {"avg": res.avg, "x": x, "wire": res.wire_bytes}
+
+
+def test_allgather_handles_payloads_of_different_sizes():
+    results = run_workers(_variable, 3)
+    expected = torch.stack([r["x"] for r in results]).mean(0)
+    for r in results:
+        assert torch.equal(r["avg"], expected)
+    assert [r["wire"] for r in results] == [10 * (k + 1) * 8 for k in range(3)]
+
+
+def _ordered_async(rank: int, world: int) -> bool:
+    """Many calls in flight at once, of different sizes and codecs' collectives: all correct."""
+    comms = [gradzip.Communicator("none"), gradzip.Communicator("topk", ratio=1.0, memory="none")]
+    futures, expected = [], []
+    for i in range(30):
+        n = 1 + (i * 37) % 500
+        t = torch.full((n,), float(rank + i))
+        comm = comms[i % 2]
+        futures.append(comm.allreduce_async(t, name=f"t{i}"))
+        expected.append(sum(r + i for r in range(world)) / world)
+    ok = all(torch.allclose(f.wait(), torch.full_like(f.wait(), e)) for f, e in zip(futures, expected))
+    for c in comms:
+        c.close()
+    return ok
+
+
+def test_async_calls_in_flight_complete_correctly():
+    assert all(run_workers(_ordered_async, 4))
+
+
+def test_impossible_combinations_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="allgather"):
+        gradzip.Communicator("topk", collective="allreduce")
+    with pytest.raises(ValueError, match="valid collectives: allgather, allreduce, ps, sra"):
+        gradzip.Communicator("maxmin", collective="bogus")
+    with pytest.raises(ValueError, match="valid collectives for it: allgather, ps, sra"):
+        gradzip.Communicator("maxmin", collective="allreduce")
+    with pytest.raises(ValueError, match="valid collectives for it: allreduce$"):
+        gradzip.Communicator("powersgd", collective="ps")  # two rounds cannot pass an aggregator
+    with pytest.raises(ValueError, match="unknown option\\(s\\) parts; valid options: min_partition, partitions"):
+        gradzip.Communicator("maxmin", collective="ps", collective_options={"parts": 2})
+    with pytest.raises(ValueError, match="partitions must be a positive integer"):
+        gradzip.Communicator("maxmin", collective="ps", collective_options={"partitions": 0})
+    with pytest.raises(ValueError, match="valid memories"):
+        gradzip.Communicator("maxmin", memory="bogus")
+    with pytest.raises(ValueError, match="valid codecs"):
+        gradzip.Communicator("bogus")
+    with pytest.raises(ValueError, match="bits"):
+        gradzip.Communicator("maxmin", bits=9)
+
+
+def test_single_process_communicator_round_trips():
+    comm = gradzip.Communicator("maxmin", bits=8, memory="none")
+    x = torch.randn(300, 7)
+    y = comm.allreduce(x, name="w")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert (y - x).abs().max() <= (x.max() - x.min()) / 255 * 2 + 1e-6
+    # the ratio counts one encoding of the tensor (sra's first round), rounded to 2 decimals
+    assert comm.stats()["ratio"] == round(4 * x.numel() / comm.codec.wire_bytes(x.numel()), 2)
+    comm.close()
+
+
+# ================================================================================ PS (CaSync)
+PS_CODECS = [
+    ("none", {}),
+    ("fp16", {}),
+    ("maxmin", {}),
+    ("signsgd", {}),
+    ("sketchml", {}),
+    ("inceptionn", {}),  # variable-size payloads: sizes exchanged in both phases
+    ("randomk", {"scale": True}),  # summable: payloads summed at the aggregator, not re-encoded
+]
+PS_MIN_PARTITION = 4096
+
+
+def _ps_sizes(world: int) -> List[int]:
+    return [world * PS_MIN_PARTITION + 37, 35]  # W partitions, then a tiny tensor: one partition
+
+
+def _run_ps(rank: int, world: int) -> dict:
+    from gradzip.comm.ps import ParameterServer
+
+    out = {}
+    for name, opts in PS_CODECS:
+        codec = gradzip.codec(name, **opts)
+        ps = ParameterServer(None, min_partition=PS_MIN_PARTITION)
+        for call, n in enumerate(_ps_sizes(world)):
+            g = torch.Generator().manual_seed(100 * call + rank)
+            x = torch.randn(n, generator=g) * (1 + rank)
+            res = ps.run(codec, x, f"w{call}", 0, need_own=True)
+            avgs = _gather(res.avg, world)
+            out[(name, str(opts), call)] = {
+                "identical": all(torch.equal(avgs[0], a) for a in avgs),
+                "avg": res.avg,
+                "owns": torch.stack(_gather(res.own, world)),
+                "nonfinite": bool(res.nonfinite),
+                "wire": res.wire_bytes,
+                "aggregated": list(ps.aggregated),
+            }
+        bad = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+        if rank == world - 1:
+            bad[1234] = float("inf")
+        out[(name, str(opts), "nonfinite")] = bool(ps.run(codec, bad, "bad", 0, need_own=False).nonfinite)
+    # every codec PS supports: identical replicas, and a codec's own state (signum's momentum,
+    # adaq's residual) sees this rank's partitions only, never the aggregate it re-encodes
+    from gradzip.comm.ps import ParameterServer, num_partitions, partition_bounds
+
+    for name in gradzip.codecs.names():
+        codec = gradzip.codec(name)
+        ps = ParameterServer(None, min_partition=256)
+        if not ps.supports(codec):
+            out[("supported", name)] = False
+            continue
+        x = torch.randn(1100, generator=torch.Generator().manual_seed(rank))
+        res = ps.run(codec, x, "s", 3, need_own=True)
+        local = gradzip.codec(name)
+        for p, (a, b) in enumerate(partition_bounds(1100, num_partitions(1100, None, world, 256))):
+            local.encode(x[a:b], f"s#{p}", 3)
+        state, expected = codec.state_dict(), local.state_dict()
+        avgs = _gather(res.avg, world)
+        out[("supported", name)] = {
+            "identical": all(torch.equal(avgs[0], a) for a in avgs),
+            "finite": bool(torch.isfinite(res.avg).all()),
+            "state": _same_state(state, expected),
+        }
+    return out
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def _ps_tolerance(name: str, opts: dict, owns: torch.Tensor, world: int, ref: torch.Tensor, bounds) -> float:
+    """|avg - ref| allowed after the aggregator's single re-encode of each averaged partition."""
+    eps = 2 * world * {"fp16": 2**-10}.get(name, 1e-6) * owns.abs().max().item() + 1e-6
+    parts = [ref[a:b] for a, b in bounds]
+    if name == "maxmin":  # stochastic rounding: below one step of a bucket's range
+        return max((p.max() - p.min()).item() for p in parts) / (2**4 - 1) + eps
+    if name == "sketchml":  # dense: each value becomes the mean of its quantile bucket
+        return max(sketch_bound(p) for p in parts) + eps
+    if name == "inceptionn":  # error-bounded encoding: within error_bound of the average
+        return gradzip.codec("inceptionn").error_bound + eps
+    return eps  # none, fp16, randomk: summed payloads, decoded once
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ps_averages_with_round_robin_aggregators(world):
+    from gradzip.comm.ps import ParameterServer, num_partitions, partition_bounds
+
+    results = run_workers(_run_ps, world)
+    for name, opts in PS_CODECS:
+        codec = gradzip.codec(name, **opts)
+        for call, n in enumerate(_ps_sizes(world)):
+            key = (name, str(opts), call)
+            rec = results[0][key]
+            assert all(r[key]["identical"] and torch.equal(r[key]["avg"], rec["avg"]) for r in results), key
+            parts = num_partitions(n, None, world, PS_MIN_PARTITION)
+            assert parts == (world if call == 0 else 1)
+            bounds = partition_bounds(n, parts)
+            owns = rec["owns"]
+            if name == "signsgd":  # majority vote; the re-encoded sign of a tie (0) is +1
+                expected = torch.where(owns.sum(0) >= 0, 1.0, -1.0)
+                assert torch.equal(rec["avg"], expected), key
+            else:
+                ref = owns.mean(0)
+                tol = _ps_tolerance(name, opts, owns, world, ref, bounds)
+                err = (rec["avg"] - ref).abs().max().item()
+                assert err <= tol, f"{key}: |avg - mean(decoded)| = {err} > {tol}"
+            assert not any(r[key]["nonfinite"] for r in results), key
+            # partition p of call c is aggregated by rank (c + p) mod W, exactly once
+            aggregated = [r[key]["aggregated"] for r in results]
+            assert aggregated == [[p for p in range(parts) if (call + p) % world == r] for r in range(world)], key
+            if call == 0:
+                assert all(len(a) == 1 for a in aggregated), key  # W partitions: one per rank
+            # wire: every partition up, the aggregated ones back
+            for r, res in enumerate(results):
+                sizes = [codec.wire_bytes(b - a, torch.float32) for a, b in bounds]
+                bound = sum(sizes) + sum(sizes[p] for p in aggregated[r])
+                if codec.fixed_size:
+                    assert res[key]["wire"] == bound, (key, r)
+                else:
+                    assert res[key]["wire"] <= bound, (key, r)
+        assert all(r[(name, str(opts), "nonfinite")] for r in results), f"{name}: non-finite flag lost"
+    for name in gradzip.codecs.names():
+        recs = [r[("supported", name)] for r in results]
+        if not ParameterServer(None).supports(gradzip.codec(name)):  # refused, on every rank
+            assert recs == [False] * world
+            continue
+        for rank, rec in enumerate(recs):
+            assert rec == {"identical": True, "finite": True, "state": True}, (name, rank, rec)
+
+
+def test_ps_aggregator_assignment_and_partitions():
+    from gradzip.comm.ps import aggregator, num_partitions, partition_bounds
+
+    assert [aggregator(0, p, 4) for p in range(4)] == [0, 1, 2, 3]
+    assert [aggregator(1, p, 4) for p in range(4)] == [1, 2, 3, 0]
+    assert [aggregator(c, 0, 3) for c in range(5)] == [0, 1, 2, 0, 1]  # one-partition tensors rotate
+    for world in (1, 2, 3, 4):
+        for call in range(2 * world):
+            owners = [aggregator(call, p, world) for p in range(world)]
+            assert sorted(owners) == list(range(world))  # K = W: every rank aggregates one
+    assert num_partitions(10**6, None, 4, 4096) == 4
+    assert num_partitions(10**6, 8, 4, 4096) == 8
+    assert num_partitions(5000, None, 4, 4096) == 1
+    assert num_partitions(0, None, 4, 4096) == 1
+    assert num_partitions(3 * 4096, None, 4, 4096) == 3
+    for n, k in [(10, 3), (4096 * 4 + 3, 4), (7, 1)]:
+        bounds = partition_bounds(n, k)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_ps_accepts_single_round_codecs_and_validates_options():
+    from gradzip.comm.ps import ParameterServer
+
+    ps = ParameterServer()
+    # two rounds cannot pass an aggregator; a re-encode would cut a union of sparse selections
+    # back to one selection, and would send nothing for tbq (an average lies inside τ)
+    refused = {"powersgd", "topk", "threshold", "dgc", "graddrop", "adaq", "tbq", "cl_tbq"}
+    assert {n for n in gradzip.codecs.names() if not ps.supports(gradzip.codec(n))} == refused
+    assert not ps.supports(gradzip.codec("sketchml", ratio=0.1)) and ps.supports(gradzip.codec("sketchml"))
+    for name in ("powersgd", "topk", "tbq"):
+        with pytest.raises(ValueError, match=f"codec '{name}' cannot use collective 'ps'"):
+            gradzip.Communicator(name, collective="ps")
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="partitions"):
+            ParameterServer(partitions=bad)
+    with pytest.raises(ValueError, match="min_partition"):
+        ParameterServer(min_partition=0)
+    # one process: the aggregator is this rank; the result is one encode + one re-encode away
+    x = torch.randn(3 * 4096 + 5, generator=torch.Generator().manual_seed(0))
+    res = ParameterServer(partitions=3).run(gradzip.codec("none"), x, "w", 0, need_own=True)
+    assert torch.equal(res.avg, x) and torch.equal(res.own, x) and not res.nonfinite
+    comm = gradzip.Communicator("sketchml", collective="ps")
+    y = comm.allreduce(x, name="w")
+    assert y.shape == x.shape and (y - x).abs().max() <= sketch_bound(x)
+    comm.close()
+
+
+def test_collective_options_reach_the_collective(monkeypatch):
+    comm = gradzip.Communicator("maxmin", collective="ps", collective_options={"partitions": 3})
+    assert comm.collective.partitions == 3
+    comm.close()
+    monkeypatch.setenv("GRADZIP_PARTITIONS", "5")
+    cfg = gradzip.Config(codec="maxmin", collective="ps").with_env()
+    assert cfg.collective_options == {"partitions": 5} and "partitions" not in cfg.options
+
+
+class _SharedDither(Codec):
+    """Test codec (not registered): subtractive dither with noise shared by (seed, step, name).
+
+    Decoding needs the very noise the encoder drew, so a collective that decodes a payload with
+    a context whose name differs from the encoder's gets it wrong (and different on each rank).
+    """
+
+    name = "_test_shared_dither"
+    collectives = ("sra", "allgather")
+    options = {"seed": SEED}
+
+    def _noise(self, meta: Meta) -> torch.Tensor:
+        return torch.rand(meta.numel, generator=shared_generator(self.seed, meta.step, meta.name))
+
+    def _encode(self, x, meta: Meta):
+        return [torch.round(x.float() * 4 + self._noise(meta)).to(torch.int8)]
+
+    def _decode(self, tensors, meta: Meta):
+        return (tensors[0].float() - self._noise(meta)) / 4
+
+    def _wire_bytes(self, numel, dtype):
+        return numel
+
+
+def _shared_randomness_sra(rank: int, world: int) -> dict:
+    x = (torch.rand(1001, generator=torch.Generator().manual_seed(rank)) - 0.5) * 8
+    out = {"x": x}
+    for segment in (1 << 22, 100):  # one segment, and eleven pipelined segments
+        res = collectives.get("sra")(None, segment=segment).run(_SharedDither(), x, "w", 3, need_own=True)
+        out[segment] = {"avg": res.avg, "own": res.own, "wire": res.wire_bytes}
+    return out
+
+
+def test_sra_decodes_with_the_encoders_shared_randomness_also_when_pipelined():
+    results = run_workers(_shared_randomness_sra, 3)
+    mean = torch.stack([r["x"] for r in results]).mean(0)
+    for segment in (1 << 22, 100):
+        for r in results:
+            rec = r[segment]
+            assert rec["avg"].shape == (1001,) and torch.equal(rec["avg"], results[0][segment]["avg"]), segment
+            # two dithered quantisations of step 1/4: each off by at most 1/8
+            assert (rec["avg"] - mean).abs().max() <= 0.25 + 1e-5, segment
+            assert (rec["own"] - r["x"]).abs().max() <= 0.125 + 1e-5, segment  # own first-stage decode
+    # eleven segments pad their chunks separately: a few more bytes than one segment
+    assert results[0][100]["wire"] >= results[0][1 << 22]["wire"]
+
+
+@pytest.mark.timeout(60)
+def test_a_callback_on_the_worker_may_submit_more_work():
+    comm = gradzip.Communicator("none")
+    x = torch.ones(10)
+    chained = comm.allreduce_async(x, name="a").then(lambda f: comm.allreduce(f.value() * 2, name="b"))
+    assert torch.equal(chained.wait(), torch.full((10,), 2.0))
+    comm.close()
+
+
+OUT_CASES = [
+    ("maxmin", {}),  # sra: decodes straight into the destination
+    ("maxmin", {"collective": "ps"}),
+    ("fp16", {}),  # allreduce
+    ("powersgd", {}),  # two rounds
+    ("topk", {}),  # allgather
+    ("maxmin", {"memory": "residual"}),  # stateful memory: an aliasing destination must wait
+    ("efsignsgd", {}),
+]
+
+
+def _out_worker(rank: int, world: int) -> dict:
+    results = {}
+    for name, opts in OUT_CASES:
+        fresh, into = gradzip.Communicator(name, **opts), gradzip.Communicator(name, **opts)
+        try:
+            g = torch.Generator().manual_seed(rank)
+            same = True
+            for step in range(3):
+                x = torch.randn(64, 300, generator=g)
+                want = fresh.allreduce(x, name="w")
+                dest = torch.full_like(x, 7.0)
+                got_out = into.allreduce(x.clone(), name="w", out=dest) if step != 1 else None
+                if step == 1:  # in place: the input is the destination
+                    y = x.clone()
+                    got_out = into.allreduce(y, name="w", out=y)
+                    same &= got_out.data_ptr() == y.data_ptr()
+                else:
+                    same &= got_out.data_ptr() == dest.data_ptr()
+                same &= torch.equal(got_out, want)
+            results[(name, str(opts))] = same
+        finally:
+            fresh.close()
+            into.close()
+    return results
+
+
+def test_allreduce_into_a_destination_matches_a_fresh_result():
+    """``out=`` (also the input itself) gives the bits of a fresh result, step after step."""
+    for res in run_workers(_out_worker, 2):
+        assert all(res.values()), res
+
+
+def test_out_must_match_the_input():
+    comm = gradzip.Communicator("maxmin")
+    try:
+        with pytest.raises(ValueError, match="out must match the input"):
+            comm.allreduce(torch.zeros(8), out=torch.zeros(9))
+        with pytest.raises(ValueError, match="out must match the input"):
+            comm.allreduce(torch.zeros(8), out=torch.zeros(8, dtype=torch.float16))
+    finally:
+        comm.close()
+
+
+# ------------------------------------------------------------------ a collective is only its exchange
+class _GatherAll(collectives.Collective):
+    """A collective written as a user would write one: only its exchange (an all-gather)."""
+
+    name = "gather-all"
+
+    def exchange(self, call):
+        from gradzip.codecs.base import Payload
+        from gradzip.comm.base import Exchanged, from_bytes, spec_of, to_bytes
+
+        payload = call.encode(call.x)
+        call.keep_own(payload)
+        gathered = self._all_gather_bytes(to_bytes(payload.tensors, call.flag), call.world_size)
+        parts, flags = [], []
+        for r in range(call.world_size):
+            tensors, flag = from_bytes(gathered[r], spec_of(payload.tensors))
+            parts.append(Payload(tensors, payload.ctx))
+            flags.append(flag)
+        avg = call.decode(call.codec.aggregate, parts).reshape(-1)
+        return Exchanged(avg, torch.stack(flags).any(), payload.nbytes)
+
+
+def _exchange_only(rank: int, world: int) -> dict:
+    codec = gradzip.codec("maxmin", bits=4, mode="nearest")  # the same bytes call after call
+    x = torch.randn(3, 700, generator=torch.Generator().manual_seed(rank))
+    mine = _GatherAll(None).run(codec, x, "w", 5, need_own=True)
+    theirs = collectives.get("allgather")(None).run(codec, x, "w", 5, need_own=True)
+    out = torch.full((x.numel(),), -1.0)
+    into = _GatherAll(None).run(codec, x, "w", 5, need_own=False, out=out)
+    bad = x.clone()
+    bad[0, 0] = float("nan") if rank == 1 else 0.0
+    flagged = _GatherAll(None).run(codec, bad, "w", 5, need_own=False)
+    return {
+        "same_avg": torch.equal(mine.avg, theirs.avg), "same_own": torch.equal(mine.own, theirs.own),
+        "own_shape": tuple(mine.own.shape), "timed": mine.encode_s > 0 and mine.decode_s > 0,
+        "into_out": into.avg is out and torch.equal(out, mine.avg), "no_own": into.own is None,
+        "nonfinite": bool(flagged.nonfinite), "finite": bool(mine.nonfinite),
+    }
+
+
+def test_a_collective_that_implements_only_its_exchange_gets_flag_timer_own_and_out_from_the_base():
+    for r in run_workers(_exchange_only, 2):
+        assert r["same_avg"] and r["same_own"] and r["own_shape"] == (2100,)
+        assert r["timed"] and r["into_out"] and r["no_own"]
+        assert r["nonfinite"] and not r["finite"]
+
+
+class _ForgetsOwn(_GatherAll):
+    def exchange(self, call):
+        got = super().exchange(call)
+        call.own.clear()
+        call.keep_own(call.encode(call.flat[:10], "part"))  # only 10 of the values
+        return got
+
+
+def test_an_exchange_that_keeps_own_payloads_for_part_of_the_input_fails_loudly():
+    x = torch.randn(100)
+    with pytest.raises(RuntimeError, match="own payloads for 10 of 100 values"):
+        _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=True)
+    assert _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=False).own is None

@@ -1,0 +1,310 @@
+"""The DDP hook on real gloo ranks: identical replicas, DDP features, non-finite policy, state."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+
+from ..dist_utils import run_workers
+
+CODEC_OPTS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 4}, "topk": {"ratio": 0.05}, "randomk": {"ratio": 0.05}, "powersgd": {"rank": 2}}
+
+
+class Net(nn.Module):
+    """Small MLP with an optional branch that is never used (for find_unused_parameters)."""
+
+    def __init__(self, unused: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 64)
+        self.fc3 = nn.Linear(64, 10)
+        self.unused = nn.Linear(64, 64) if unused else None
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def _flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _identical(model: nn.Module, world: int) -> bool:
+    flat = _flat_params(model)
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def _batches(rank: int, steps: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + rank)  # every rank sees different data
+    for _ in range(steps):
+        yield torch.randn(16, 32, generator=g).to(dtype), torch.randint(0, 10, (16,), generator=g)
+
+
+def _train(ddp, opt, rank, steps, dtype=torch.float32):
+    for x, y in _batches(rank, steps, dtype):
+        loss = nn.functional.cross_entropy(ddp(x).float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def _every_codec(rank: int, world: int) -> dict:
+    out = {}
+    for name in gradzip.codecs.names():
+        torch.manual_seed(0)
+        model = Net()
+        start = _flat_params(model)
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets in flight at once
+        state = gradzip.register(ddp, name, min_numel=64, **CODEC_OPTS.get(name, {}))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        loss = _train(ddp, opt, rank, 20)
+        stats = state.stats()
+        out[name] = {
+            "identical": _identical(model, world),
+            "moved": not torch.equal(start, _flat_params(model)),
+            "loss": loss,
+            "ratio": stats["ratio"],
+            "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()) if hasattr(ddp, "reducer") else -1,
+            "compressed": stats["tensors_compressed"],
+        }
+        state.close()
+    return out
+
+
+def test_every_codec_keeps_replicas_bit_identical_over_20_steps():
+    results = run_workers(_every_codec, 4)
+    for name in gradzip.codecs.names():
+        for rank, res in enumerate(results):
+            rec = res[name]
+            assert rec["identical"], f"{name}: parameters differ between ranks (rank {rank})"
+            assert rec["moved"], f"{name}: training did not change the parameters"
+            assert rec["loss"] == rec["loss"], f"{name}: loss is NaN"
+            assert rec["compressed"] == 3, f"{name}: expected the three weight matrices compressed"
+            if name != "none":
+                assert rec["ratio"] > 1.2, f"{name}: ratio {rec['ratio']} shows no compression"
+
+
+def _matches_plain_ddp(rank: int, world: int) -> dict:
+    """The 'none' codec through the hook gives the same gradients as DDP's own all-reduce."""
+    out = {}
+    for flags in ({}, {"gradient_as_bucket_view": True}, {"static_graph": True}):
+        grads = []
+        for use_hook in (False, True):
+            torch.manual_seed(0)
+            model = Net()
+            ddp = DDP(model, bucket_cap_mb=0.01, **flags)
+            state = gradzip.register(ddp, "none", min_numel=64) if use_hook else None
+            per_step = []
+            for x, y in _batches(rank, 3):
+                ddp.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                per_step.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            grads.append(torch.stack(per_step))
+            if state:
+                state.close()
+        out[str(flags)] = (grads[1] - grads[0]).abs().max().item()
+    return out
+
+
+def test_hook_with_no_compression_matches_plain_ddp():
+    for res in run_workers(_matches_plain_ddp, 2):
+        for flags, err in res.items():
+            assert err < 1e-6, f"{flags}: max gradient difference {err}"
+
+
+def _features(rank: int, world: int) -> dict:
+    out = {}
+    cases = {
+        "no_sync": dict(),
+        "static_graph": dict(static_graph=True),
+        "bucket_view": dict(gradient_as_bucket_view=True),
+        "find_unused": dict(find_unused_parameters=True),
+        "fp16": dict(),
+        "bf16": dict(),
+    }
+    for case, flags in cases.items():
+        torch.manual_seed(0)
+        model = Net(unused=case == "find_unused")
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(case, torch.float32)
+        model = model.to(dtype)
+        ddp = DDP(model, bucket_cap_mb=0.01, **flags)
+        state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(_batches(rank, 8, dtype)):
+            if case == "no_sync" and i % 2 == 0:
+                with ddp.no_sync():  # accumulate locally, synchronise every second micro-batch
+                    nn.functional.cross_entropy(ddp(x).float(), y).backward()
+                continue
+            nn.functional.cross_entropy(ddp(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        stats = state.stats()
+        out[case] = {
+            "identical": _identical(model, world),
+            "finite": bool(torch.isfinite(_flat_params(model)).all()),
+            "steps": stats["steps"],
+            "residuals": sorted(state.comm.memory.residuals),
+        }
+        state.close()
+    return out
+
+
+def test_ddp_features_keep_replicas_identical():
+    results = run_workers(_features, 2)
+    for case, rec in results[0].items():
+        for res in results:
+            assert res[case]["identical"], f"{case}: replicas drifted"
+            assert res[case]["finite"], f"{case}: parameters not finite"
+        # residuals are keyed by parameter name, never by bucket index
+        expected = ["fc1.weight", "fc2.weight", "fc3.weight"] + (["unused.weight"] if case == "find_unused" else [])
+        assert rec["residuals"] == expected, (case, rec["residuals"])
+    # steps count synchronised backward passes: no_sync skips every second one
+    assert results[0]["no_sync"]["steps"] == 4 and results[0]["fp16"]["steps"] == 8, "no_sync must skip communication"
+
+
+def _nan_step(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    skipped, kept = 0, None
+    for i, (x, y) in enumerate(_batches(rank, 6)):
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if i == 3 and rank == 1:
+            loss = loss * float("inf")  # one rank overflows, as an fp16 step can
+        before = {k: v.clone() for k, v in state.comm.memory.residuals.items()}
+        opt.zero_grad()
+        loss.backward()
+        if not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            skipped += 1  # what a GradScaler does: skip the step
+            kept = all(torch.equal(before[k], v) for k, v in state.comm.memory.residuals.items())
+            continue
+        opt.step()
+    res = {"skipped": skipped, "kept": kept, "identical": _identical(model, world), "finite": bool(torch.isfinite(_flat_params(model)).all())}
+    res["residuals_finite"] = all(bool(torch.isfinite(v).all()) for v in state.comm.memory.residuals.values())
+    state.close()
+    return res
+
+
+def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory():
+    for res in run_workers(_nan_step, 2):
+        assert res == {"skipped": 1, "kept": True, "identical": True, "finite": True, "residuals_finite": True}
+
+
+def _env_and_state(rank: int, world: int) -> dict:
+    os.environ["GRADZIP_CODEC"] = "topk"
+    os.environ["GRADZIP_RATIO"] = "0.1"
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, "maxmin", bits=2, min_numel=64)  # the environment wins
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    _train(ddp, opt, rank, 3)
+    del os.environ["GRADZIP_CODEC"], os.environ["GRADZIP_RATIO"]
+    saved = state.state_dict()
+    fresh = gradzip.register(DDP(Net(), bucket_cap_mb=0.01), "topk", ratio=0.1, min_numel=64)
+    fresh.load_state_dict(saved)
+    same = all(torch.equal(saved["memory"]["residuals"][k], v) for k, v in fresh.comm.memory.residuals.items())
+    out = {
+        "codec": state.comm.codec.name,
+        "ratio": state.comm.codec.ratio,
+        "memory": state.comm.memory.name,
+        "residual_names": sorted(saved["memory"]["residuals"]),
+        "restored": same and len(fresh.comm.memory.residuals) == 3,
+        "steps": saved["step"],
+    }
+    state.close()
+    fresh.close()
+    return out
+
+
+def test_environment_overrides_and_state_dict_round_trip():
+    for res in run_workers(_env_and_state, 2):
+        assert res["codec"] == "topk" and res["ratio"] == 0.1 and res["memory"] == "residual"
+        assert res["residual_names"] == ["fc1.weight", "fc2.weight", "fc3.weight"]
+        assert res["restored"]
+        assert res["steps"] == 3
+
+
+def test_register_rejects_bad_input_at_construction():
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        gradzip.register(nn.Linear(2, 2), "maxmin")
+
+
+def _ps_training(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("maxmin", "onebit", "signum"):
+        torch.manual_seed(0)
+        model = Net()
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        state = gradzip.register(ddp, name, collective="ps", collective_options={"partitions": 2}, min_numel=64)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        loss = _train(ddp, opt, rank, 8)
+        out[name] = {"identical": _identical(model, world), "loss": loss, "collective": state.comm.collective_name}
+        state.close()
+    return out
+
+
+def test_parameter_server_collective_under_ddp_keeps_replicas_identical():
+    for res in run_workers(_ps_training, 3):
+        for name, rec in res.items():
+            assert rec["identical"] and rec["loss"] == rec["loss"] and rec["collective"] == "ps", (name, rec)
+
+
+def _warmup(rank: int, world: int) -> dict:
+    """topk with warmup=3 beside plain DDP from the same start on the same batches."""
+    models, ddps = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(Net())
+        ddps.append(DDP(models[-1], bucket_cap_mb=0.01))
+    state = gradzip.register(ddps[1], "topk", ratio=0.05, memory="residual", warmup=3, min_numel=64)
+    diffs, residuals, wire = [], [], []
+    for x, y in _batches(rank, 5):
+        grads = []
+        for model, ddp in zip(models, ddps):
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        diffs.append(float((grads[0] - grads[1]).abs().max()))
+        residuals.append(sum(float(v.abs().sum()) for v in state.comm.memory.residuals.values()))
+        wire.append(state.stats()["wire_bytes"])
+        for model in models:  # the same update on both, from each one's own gradients
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.05 * p.grad
+    stats = state.stats()
+    out = {
+        "diffs": diffs, "residuals": residuals, "wire": wire, "identical": _identical(models[1], world),
+        "compressed_after": (stats["params_compressed"], stats["params_uncompressed"]),
+    }
+    state.close()
+    return out
+
+
+def test_warmup_sends_the_first_steps_dense_then_compresses_from_an_empty_memory():
+    for res in run_workers(_warmup, 2):
+        diffs, residuals, wire = res["diffs"], res["residuals"], res["wire"]
+        assert max(diffs[:3]) < 1e-6, diffs  # dense: what plain DDP computes
+        assert min(diffs[3:]) > 1e-4, diffs  # then top-k: different gradients
+        assert residuals[:3] == [0.0, 0.0, 0.0] and residuals[3] > 0  # memory starts at the switch
+        dense_step = wire[0]  # the counters are totals: every dense step sends the same bytes
+        assert wire[1] - wire[0] == wire[2] - wire[1] == dense_step > 0, wire
+        assert wire[4] - wire[3] < dense_step / 4, wire  # a top-k step sends far less than a dense one
+        assert res["identical"]
+        assert res["compressed_after"] == (3, 3)  # after the switch the weights count as compressed
+
+
+def test_warmup_is_validated_and_read_from_the_environment():
+    with pytest.raises(ValueError, match="warmup must be a non-negative number of steps"):
+        gradzip.Config(warmup=-1)
+    assert gradzip.Config().with_env({"GRADZIP_WARMUP": "50"}).warmup == 50

@@ -1,0 +1,248 @@
+"""Smoke tests of the ``gradzip`` command: the demo and the benchmarks.
+
+They run the real thing (spawned gloo ranks) at tiny settings, through ``gradzip.tools.cli.main``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from gradzip.tools import cli, demo
+from gradzip.bench import cluster
+from gradzip.bench.micro import codec_limit
+
+pytest.importorskip("sklearn")
+pytest.importorskip("rich")
+pytest.importorskip("matplotlib")
+
+
+@pytest.mark.timeout(120)
+def test_demo_without_a_cluster_says_so_first_and_estimates_the_wire(tmp_path, capsys, monkeypatch):
+    # the default --rate asks for the emulated cluster; here it is unavailable, so the demo runs
+    # on loopback and must say, before anything else, that loopback cannot show a gain
+    monkeypatch.setattr(cluster, "available", lambda: "network namespaces and tc need root")
+    out = tmp_path / "demo"
+    rc = cli.main([
+        "demo", "--workers", "2", "--epochs", "1", "--width", "64", "--batch-size", "64",
+        "--configs", "fp32,maxmin4", "--out", str(out),
+    ])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    first = printed.splitlines()[:4]
+    assert "loopback (no emulated cluster: network namespaces and tc need root)" in first[0]
+    assert "cannot show a gain" in first[1]
+    assert "100 Mbit/s link" in first[2] and "2(W−1)/W" in first[2]  # the formula of the estimate
+    report = json.loads((out / "results.json").read_text())
+    assert report["emulated"] is False and report["link_rate"] == "100mbit"
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["fp32", "maxmin4"]
+    for r in rows.values():
+        assert isinstance(r["test_accuracy"], float) and r["test_accuracy"] > 10.0  # better than chance
+        assert r["identical"] is True
+        assert r["wire_bytes"] > 0 and len(r["loss_per_step"]) == r["steps"] > 0
+        # two ranks: a ring all-reduce and SRA both send 2(W−1)/W = 1 payload per rank and step
+        assert r["link_s"] == pytest.approx(r["wire_bytes"] * 8 / 1e8)
+    assert rows["maxmin4"]["wire_bytes"] < rows["fp32"]["wire_bytes"]
+    assert report["headline"][0].startswith("maxmin 4-bit: ") and "fewer bytes than fp32" in report["headline"][0]
+    assert report["headline"][0] in printed and "wire s" in printed
+    assert printed.index(report["headline"][0]) < printed.index("identical")  # the headline before the table
+    assert _is_png(out / "demo.png")
+
+
+def _demo_report(fp32_s, maxmin_s, emulated=True, acc=(97.2, 96.9)):
+    row = lambda name, wall, acc, wire: {  # noqa: E731
+        "config": name, "wall_s": wall, "test_accuracy": acc, "wire_bytes": wire, "steps": 178,
+        "link_s": 1.5 * wire * 8 / 1e9,
+    }
+    return {
+        "emulated": emulated, "link_rate": "1gbit", "cores": 2, "options": {"workers": 4},
+        "results": [row("fp32", fp32_s, acc[0], 1.5e9), row("torch-fp16", fp32_s / 2, acc[0], 0.75e9),
+                    row("maxmin4", maxmin_s, acc[1], 0.2e9)],
+    }
+
+
+def test_demo_headline_is_computed_from_the_run():
+    win = demo.headline(_demo_report(30.0, 10.0))
+    assert win[0] == "maxmin 4-bit: 3.0× faster than fp32 at 1 Gbit/s, same accuracy (96.9% vs 97.2%)."
+    assert "7.5× fewer bytes" in win[1] and "1.5× faster than PyTorch's fp16 hook" in win[1]
+    worse = demo.headline(_demo_report(30.0, 10.0, acc=(97.2, 90.0)))
+    assert "same accuracy" not in worse[0] and "accuracy (90.0% vs 97.2%)" in worse[0]
+    lost = demo.headline(_demo_report(10.0, 12.0))  # no false claim when the run shows no gain
+    assert lost[0].startswith("maxmin 4-bit: no gain in this run at 1 Gbit/s") and "faster" not in lost[0]
+    loop = demo.headline(_demo_report(3.0, 9.0, emulated=False))
+    assert "7.5× fewer bytes than fp32" in loop[0] and "2.4 s of wire time against fp32's 18 s" in loop[0]
+    assert "took 9.0 s against fp32's 3.0 s" in loop[1]
+    assert demo.link_seconds(1e9, "allgather", 4, "1gbit") == pytest.approx(24.0)  # W−1 payloads
+    assert demo.link_seconds(1e9, "sra", 4, "100mbit") == pytest.approx(120.0)  # 2(W−1)/W payloads
+
+
+# Runs a command with rich and matplotlib hidden (as after a plain ``pip install gradzip``), in
+# this process and in every process it spawns (sitecustomize runs at each interpreter's start).
+_HIDE_EXTRAS = "import sys\nfor name in ('rich', 'matplotlib'):\n    sys.modules[name] = None\n"
+
+
+def _without_extras(tmp_path, *argv, hide=_HIDE_EXTRAS):
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(hide)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "gradzip", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+
+
+@pytest.mark.timeout(150)
+def test_commands_run_without_the_optional_extras(tmp_path):
+    proc = _without_extras(
+        tmp_path, "bench", "codecs", "--codecs", "none,maxmin:bits=2", "--numel", "4096", "--repeats", "1",
+        "--json", str(tmp_path / "codecs.json"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(ln for ln in lines if ln.split()[:3] == ["codec", "family", "bits/elem"])
+    row = next(ln for ln in lines if ln.split()[:1] == ["maxmin:bits=2"])
+    assert len(row.split()) == 9 and "enc+new dec ms" in header  # one cell per column, aligned under it
+    assert len(row.rstrip()) == len(header.rstrip())  # the last column right-aligned under its header
+    assert "━" not in proc.stdout and "─" not in proc.stdout  # no rich rendering
+    assert "pip install gradzip[bench]" in proc.stdout  # names the extra
+    assert "no plot: matplotlib is not installed (pip install gradzip[bench])" in proc.stdout
+    assert json.loads((tmp_path / "codecs.json").read_text())["rows"][1]["codec"] == "maxmin:bits=2"
+    assert not (tmp_path / "codecs.png").exists()
+
+    proc = _without_extras(  # an explicit --plot cannot be honoured: a clear error, not a traceback
+        tmp_path, "bench", "codecs", "--codecs", "none", "--numel", "4096", "--repeats", "1",
+        "--plot", str(tmp_path / "p.png"),
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "no plot: matplotlib is not installed (pip install gradzip[bench])" in proc.stderr
+
+    proc = _without_extras(
+        tmp_path, "demo", "--workers", "2", "--epochs", "1", "--width", "32", "--batch-size", "64", "--rate", "loopback",
+        "--configs", "fp32,maxmin4", "--out", str(tmp_path / "demo"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cannot show a gain" in proc.stdout.splitlines()[1]
+    assert any(ln.split()[:1] == ["maxmin4"] and "yes" in ln.split() for ln in proc.stdout.splitlines())
+    assert "no plot: matplotlib is not installed (pip install gradzip[demo])" in proc.stdout
+    assert json.loads((tmp_path / "demo" / "results.json").read_text())["plot"] is None
+
+    proc = _without_extras(tmp_path, "demo", "--rate", "loopback", hide=_HIDE_EXTRAS + "sys.modules['sklearn'] = None\n")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "pip install gradzip[demo]" in proc.stderr
+
+
+def test_demo_rejects_unknown_config(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--configs", "fp32,nope"])
+    err = capsys.readouterr().err
+    assert "nope" in err and "maxmin4" in err  # names the culprit and lists the choices
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--rate", "fast"])
+    assert "'fast'" in capsys.readouterr().err  # checked before any rank starts
+
+
+@pytest.mark.timeout(120)
+def test_bench_allreduce(tmp_path):
+    path = tmp_path / "bench.json"
+    plot = tmp_path / "plot.png"
+    rc = cli.main([
+        "bench", "allreduce", "--workers", "2", "--size-mb", "1", "--repeats", "1",
+        "--codecs", "fp16,topk:ratio=0.01", "--json", str(path), "--plot", str(plot),
+    ])
+    assert rc == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["fp32", "maxmin:bits=4", "fp16", "topk:ratio=0.01"]
+    for r in rows:
+        assert r["median_s"] > 0 and r["wire_bytes"] > 0 and r["busbw_gbps"] > 0
+    assert rows[0]["speedup"] == 1.0
+    assert rows[2]["rel_error"] < 1e-2  # fp16 is nearly exact
+    assert all(r["size_mb"] == 1.0 for r in rows)
+    assert _is_png(plot) and not (tmp_path / "bench.png").exists()  # --plot wins over the JSON's name
+
+
+def _is_png(path) -> bool:
+    return os.path.getsize(path) > 8 and pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(180)
+def test_bench_allreduce_size_sweep_with_limits_and_plots(tmp_path):
+    path = tmp_path / "sweep.json"
+    rc = cli.main([
+        "bench", "allreduce", "--workers", "2", "--sizes", "1,2", "--repeats", "1",
+        "--codecs", "fp16", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["sizes_mb"] == [1.0, 2.0] and report["cores"] >= 1
+    rows = report["rows"]
+    assert [(r["size_mb"], r["method"]) for r in rows] == [
+        (size, method) for size in (1.0, 2.0) for method in ("fp32", "maxmin:bits=4", "fp16")
+    ]
+    for r in rows:
+        assert len(r["codec_cpu_s"]) == 2  # one figure per rank
+        assert r["wire_limit_s"] is None  # loopback: no link rate
+        if r["method"] == "fp32":
+            assert r["speedup"] == 1.0 and r["codec_limit_s"] == 0 and r["limit_s"] is None
+        else:
+            assert r["codec_limit_s"] > 0
+            assert r["limit_s"] >= r["codec_limit_s"]
+            assert r["vs_limit"] == pytest.approx(r["median_s"] / r["limit_s"])
+    assert _is_png(tmp_path / "sweep.png")  # next to the JSON, same name
+
+
+def test_codec_limit_is_the_busiest_rank_or_the_work_spread_over_the_cores():
+    assert codec_limit([1.0, 3.0], cores=2) == 3.0
+    assert codec_limit([1.0, 1.0, 1.0, 1.0], cores=2) == 2.0
+    assert codec_limit([], cores=2) == 0.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "0"], "positive"),
+    (["--sizes", "abc"], "abc"),
+    (["--sizes", "1,,2"], "''"),
+    (["--sizes", "1,2", "--size-mb", "4"], "not allowed with"),
+    (["--size-mb", "-1"], "positive"),
+])
+def test_bench_allreduce_rejects_bad_sizes(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "allreduce", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_codecs(tmp_path):
+    path = tmp_path / "codecs.json"
+    plot = tmp_path / "roofline.png"
+    rc = cli.main([
+        "bench", "codecs", "--codecs", "none,maxmin:bits=2,topk", "--numel", "4096", "--repeats", "1",
+        "--json", str(path), "--plot", str(plot),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    rows = {r["codec"]: r for r in report["rows"]}
+    assert rows["none"]["bits_per_element"] == 32
+    assert 2 < rows["maxmin:bits=2"]["bits_per_element"] < 2.1  # 2 bits + a min/scale pair per 1024
+    assert rows["topk"]["bits_per_element"] < 1
+    assert all(r["encode_decode_ms"] > 0 for r in rows.values())
+    assert report["copy_gbps"] > 0
+    assert _is_png(plot) and not (tmp_path / "codecs.png").exists()  # --plot wins over the JSON's name
+
+
+def _hang(rank: int, world: int) -> None:
+    import time
+
+    if rank == 1:
+        time.sleep(600)  # a rank that never finishes, like one stuck in a mismatched collective
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_job_is_killed_at_its_deadline():
+    from gradzip.comm.launch import spawn_local
+
+    with pytest.raises(RuntimeError, match="ranks still running after 5 s: killed"):
+        spawn_local(_hang, 2, deadline_s=5)

@@ -1,0 +1,95 @@
+"""``gradzip run``: a torch-only DDP script, launched as with torchrun, trains compressed.
+
+Every test launches real processes through the real command (``python -m gradzip run``, which
+uses ``torch.distributed.run``) on two local gloo ranks; the script writes what each rank saw.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+SCRIPT = str(Path(__file__).with_name("plain_ddp_script.py"))
+SUMMARY = re.compile(r"^gradzip run: (\S+) on 1 DDP model: ratio ([0-9.]+)x", re.M)
+
+
+def _env(**extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADZIP_", "PET_"))}
+    env.update(extra)
+    return env
+
+
+def _launch(launcher: List[str], out: Path, *script_args: str, **env: str) -> Tuple[subprocess.CompletedProcess, list]:
+    out.mkdir()
+    proc = subprocess.run(
+        [*launcher, "--nproc-per-node", "2", SCRIPT, str(out), *script_args],
+        env=_env(**env), capture_output=True, text=True, timeout=120,
+    )
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()]
+    return proc, ranks
+
+
+GRADZIP_RUN = [sys.executable, "-m", "gradzip", "run"]
+
+
+@pytest.mark.timeout(180)
+def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_keeps_it(tmp_path):
+    proc, ranks = _launch([*GRADZIP_RUN, "--codec", "maxmin", "--bits", "4"], tmp_path / "gz")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(ranks) == 2
+    assert all(r["hooks"] == ["gradzip_hook"] for r in ranks), [r["hooks"] for r in ranks]
+    assert all(r["replicas_identical"] for r in ranks)
+    found = SUMMARY.findall(proc.stdout)
+    assert len(found) == 1, proc.stdout  # rank 0 only
+    codec, ratio = found[0]
+    assert codec == "maxmin(bits=4)" and float(ratio) > 3.0, proc.stdout
+
+    # the script registers PyTorch's plain all-reduce hook: gradzip leaves that model alone,
+    # and it trains uncompressed (the reference for the weights above)
+    own, own_ranks = _launch([*GRADZIP_RUN, "--codec", "maxmin"], tmp_path / "own", "--own-hook")
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert all(r["hooks"] == ["allreduce_hook"] and r["replicas_identical"] for r in own_ranks)
+    assert "already has a communication hook" in own.stderr
+    assert "gradzip run: no DistributedDataParallel model was compressed" in own.stdout
+    diff = max(abs(a - b) for a, b in zip(ranks[0]["params"], own_ranks[0]["params"]))
+    assert 1e-6 < diff < 0.1, diff  # compressed gradients moved the weights, a little
+
+
+@pytest.mark.timeout(180)
+def test_gradzip_variables_configure_it(tmp_path):
+    proc, ranks = _launch(GRADZIP_RUN, tmp_path / "env", GRADZIP_CODEC="qsgd", GRADZIP_BITS="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(r["hooks"] == ["gradzip_hook"] and r["replicas_identical"] for r in ranks)
+    (codec, ratio), = SUMMARY.findall(proc.stdout)
+    assert codec == "qsgd(bits=2)" and float(ratio) > 3.0, proc.stdout
+
+
+def test_bad_settings_fail_in_the_launcher_before_any_rank_starts(tmp_path, capsys):
+    from gradzip.tools import cli
+
+    for flags, said in ((["--codec", "nosuchcodec"], "nosuchcodec"), (["--no-python"], "--no-python")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["run", "--nproc-per-node", "2", *flags, SCRIPT, str(tmp_path)])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_worker_environment_sets_gradzip_variables_over_existing_ones():
+    from gradzip.tools import run
+
+    args = run.build_parser().parse_args(
+        ["--nproc-per-node", "2", "--codec", "topk", "--option", "ratio=0.01", "train.py", "--codec", "x"]
+    )
+    assert args.training_script == "train.py" and args.training_script_args == ["--codec", "x"]  # the script's own
+    env = run.worker_environment(args, {"GRADZIP_CODEC": "qsgd", "GRADZIP_RATIO": "0.5", "PATH": "/bin"})
+    assert env["GRADZIP_CODEC"] == "topk" and env["GRADZIP_RATIO"] == "0.01" and env["PATH"] == "/bin"
+    assert "GRADZIP_BITS" not in env
+    assert run.worker_command(args) == ["--", "train.py", "--codec", "x"]
+    args = run.build_parser().parse_args(["--standalone", "-m", "pkg.train", "--epochs", "1"])
+    assert run.worker_command(args) == ["--module", "pkg.train", "--epochs", "1"]
