@@ -203,6 +203,12 @@ class Codec(Configurable):
             self.decode_into(p, total, accumulate=i > 0)
         return saturate(total.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """0-dim bool: whether the encoded input held NaN or Inf, read from the payload's own
+        statistics (a min/max, a norm) in place of a pass over the input; None where the format
+        cannot tell (then the collective reads the input once more)."""
+        return None
+
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
         return None

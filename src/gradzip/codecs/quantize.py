@@ -2,12 +2,12 @@
 compression, 8-bit dynamic tree (u8bit), INCEPTIONN and threshold binary quantization (TBQ)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
-from .base import SEED, Codec, Meta, Option, element_size, float_in, int_in, one_of, saturate
+from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, saturate
 from .registry import register_codec
 
 
@@ -114,6 +114,13 @@ class MaxMin(Codec):
 
     def fusion_block(self) -> int:
         return self.bucket_size
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        # every bucket's min is NaN where it held a NaN and its scale infinite where it held an
+        # Inf, in each kernel on the CPU; the GPU kernels are not held to it
+        if len(payload.tensors) != 2 or payload.ctx.device.type != "cpu":
+            return None
+        return ~torch.isfinite(payload.tensors[1]).all()
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)

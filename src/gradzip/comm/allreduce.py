@@ -30,12 +30,12 @@ class AllReduce(Collective):
 
     def exchange(self, call: Call) -> Stages:
         x, w, out = call.x, call.world_size, call.out
-        flag = call.flag.to(torch.float32).reshape(1)
         if w > 1 and out is not None and not call.need_own and _same_memory(out, x):
             scaled = x.view(-1).div_(w)  # in place: the caller wants x overwritten with the average
         else:
             scaled = x / w if w > 1 else x
         payload = call.encode(scaled)
+        flag = call.flag.to(torch.float32).reshape(1)  # read after encoding: it covers the input
         wire = 0
         first = True
         while True:

@@ -202,8 +202,9 @@ class Call:
     align: int
     rank: int
     world_size: int
-    flag: torch.Tensor  # 0-dim bool: this rank's input holds NaN/Inf (all False when unflagged)
+    flag: torch.Tensor  # 0-dim bool: this rank's input encoded so far holds NaN/Inf (see encode)
     timer: Timer
+    flagged: bool = True  # False: the flag stays False (a plain sum spreads NaN by itself)
     own: List[Tuple[Payload, int, Optional[int], float]] = field(default_factory=list)  # see keep_own
     # called once, with the OR of every rank's non-finite flag, when the exchange has read the
     # input for the last time and is about to write the average (see release_input)
@@ -216,8 +217,15 @@ class Call:
 
     def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None) -> Payload:
         """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
-        the call's step, timed as encoding."""
-        return self.timer.encode((codec or self.codec).encode, x, self.name if name is None else name, self.step)
+        the call's step, timed as encoding; :attr:`flag` then covers ``x`` too, read from the
+        payload's statistics where the codec can (:meth:`Codec.nonfinite`), else from ``x``.
+        An exchange puts the flag on the wire after encoding what the message carries."""
+        codec = codec or self.codec
+        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step)
+        if self.flagged:
+            found = codec.nonfinite(payload)
+            self.flag = self.flag | (nonfinite_flag(x) if found is None else found)
+        return payload
 
     def decode(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` timed as decoding (``codec.decode_into``, ``codec.aggregate``, a sum)."""
@@ -321,8 +329,8 @@ class Collective(Configurable):
         stages are those of :meth:`exchange`, framed by the steps every collective shares.
         """
         rank, w = world(self.group)
-        flag = nonfinite_flag(x) if self.flagged else torch.zeros((), dtype=torch.bool, device=x.device)
-        call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), on_release=on_release)
+        flag = torch.zeros((), dtype=torch.bool, device=x.device)
+        call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), self.flagged, on_release=on_release)
         got = yield from staged(self.exchange(call))
         call.release_input(got.nonfinite)
         avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)

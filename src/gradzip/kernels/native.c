@@ -86,15 +86,18 @@ static void pack(const uint8_t *lv, int64_t len, int bits, uint8_t *out) { BY_WI
 
 static void unpack(const uint8_t *in, int64_t len, int bits, uint8_t *lv) { BY_WIDTH(unpack_width, in, len, lv) }
 
+/* NaN anywhere makes both NaN (as torch.aminmax does), so the stats carry the non-finite flag. */
 static void min_max(const float *x, int64_t len, float *lo_out, float *hi_out) {
     float lo = x[0], hi = x[0];
-#pragma omp simd reduction(min : lo) reduction(max : hi)
+    int nan = 0;
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(| : nan)
     for (int64_t i = 0; i < len; i++) {
         lo = x[i] < lo ? x[i] : lo;
         hi = x[i] > hi ? x[i] : hi;
+        nan |= x[i] != x[i];
     }
-    *lo_out = lo;
-    *hi_out = hi;
+    *lo_out = nan ? NAN : lo;
+    *hi_out = nan ? NAN : hi;
 }
 
 static inline int64_t round_up8(int64_t n) { return (n + 7) & ~(int64_t)7; }
