@@ -265,6 +265,8 @@ class Collective(Configurable):
         # buffers per (tensor, role), reused from call to call: fresh ones would cost a page
         # fault per 4 KiB on every call
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._used: Dict[Tuple[str, str], int] = {}  # the step that last used each buffer
+        self._step = 0
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
@@ -294,7 +296,17 @@ class Collective(Configurable):
         buf = self._buffers.get((name, role))
         if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
             buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
+        self._used[(name, role)] = self._step
         return buf
+
+    def _evict(self, step: int) -> None:
+        """Drop buffers no call has used in this step or the one before (a tensor no longer
+        exchanged, a DDP bucket that its rebuild replaced)."""
+        if step > self._step:
+            self._step = step
+            for key in [k for k, used in self._used.items() if used < step - 1]:
+                self._buffers.pop(key, None)
+                del self._used[key]
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
@@ -329,12 +341,14 @@ class Collective(Configurable):
         stages are those of :meth:`exchange`, framed by the steps every collective shares.
         """
         rank, w = world(self.group)
+        self._evict(step)
         flag = torch.zeros((), dtype=torch.bool, device=x.device)
         call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), self.flagged, on_release=on_release)
         got = yield from staged(self.exchange(call))
         call.release_input(got.nonfinite)
         avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
-        own = self._decode_own(call) if need_own else None
+        # an on_release that took this rank's own payloads has decoded them already
+        own = self._decode_own(call) if need_own and on_release is None else None
         return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
 
     def exchange(self, call: Call) -> Union[Stages, Exchanged]:

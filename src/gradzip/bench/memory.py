@@ -1,0 +1,139 @@
+"""``gradzip bench memory``: the peak memory a rank adds during DDP steps, beside fp32 DDP.
+
+Each method runs in processes of its own (a freed allocation stays resident in the allocator
+of the process that made it, so methods sharing processes would hide each other's peaks). A
+rank builds the model's gradient set (:mod:`gradzip.bench.models`), wraps it in DDP, registers
+the method, notes its resident memory, runs one step (after which DDP rebuilds its buckets),
+then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
+to ``/proc/self/clear_refs``) and runs the measured steps. What it adds is the high-water mark
+minus the resident memory before the first step: DDP's gradients and buckets, the method's
+buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess
+over fp32 DDP measured in the same run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..comm.launch import spawn_local
+from .models import MODELS, _build, numel, resolve
+
+DEFAULT_CONFIGS = ["fp32", "torch-fp16", "maxmin4", "maxmin:bits=4"]
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def available() -> Optional[str]:
+    """None where the peak can be measured here, else why not (Linux's /proc is needed)."""
+    try:
+        _status_kb("VmHWM")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, RuntimeError) as exc:
+        return f"cannot read or reset the resident high-water mark: {exc}"
+    return None
+
+
+def memory_worker(rank: int, world: int, model: str, method: Dict[str, Any], steps: int) -> Dict[str, Any]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradzip
+
+    spec = MODELS[model]
+    module, loss_of = _build(spec, rank, world)
+    ddp = DistributedDataParallel(module, init_sync=False)
+    state = None
+    if method["kind"] == "torch":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, getattr(default_hooks, method["hook"]))
+    elif method["kind"] == "gradzip":
+        state = gradzip.register(ddp, method["codec"], **method["options"])
+    gc.collect()
+    torch.distributed.barrier()
+    before = _status_kb("VmRSS")
+    # the first step allocates what stays (gradients, residuals, buffers): counted, since the
+    # peak is taken from here; DDP rebuilds its buckets after it, a one-off whose transient
+    # copy the high-water mark then forgets
+    loss_of(ddp).backward()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from what is resident now
+    for _ in range(steps):
+        loss_of(ddp).backward()
+    peak = _status_kb("VmHWM")
+    if state is not None:
+        state.close()
+    return {"added_bytes": (peak - before) * 1024}
+
+
+def run_memory(
+    model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 2, steps: int = 3,
+    json_path: Optional[str] = None,
+) -> Dict[str, Any]:
+    """Every method in ``configs`` on ``workers`` local ranks over loopback; the report."""
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"gradzip bench memory: {why}")
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(MODELS)}")
+    methods = [resolve(c) for c in configs]
+    grad_bytes = numel(MODELS[model].shapes()) * 4
+    rows: List[Dict[str, Any]] = []
+    started = time.perf_counter()
+    # large blocks straight from the kernel and back: what a rank holds is then what it uses,
+    # not what glibc's heap kept of earlier steps (the same for every method)
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
+    try:
+        per_method = [spawn_local(memory_worker, workers, model, m, steps, all_ranks=True) for m in methods]
+    finally:
+        if old is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+    for method, per_rank in zip(methods, per_method):
+        added = [r["added_bytes"] for r in per_rank]
+        rows.append({
+            "method": method["method"], "label": method["label"], "added_bytes": added,
+            "added_x": statistics.median(added) / grad_bytes,
+        })
+    fp32 = next((r for r in rows if r["method"] == "fp32"), None)
+    for r in rows:
+        r["over_fp32_x"] = None if fp32 is None else r["added_x"] - fp32["added_x"]
+    report = {
+        "model": model, "workers": workers, "steps": steps, "gradient_bytes": grad_bytes, "rows": rows,
+        "wall_s": time.perf_counter() - started,
+    }
+    if json_path:
+        if os.path.dirname(json_path):
+            os.makedirs(os.path.dirname(json_path), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def table(report: Dict[str, Any]):
+    from .tables import table as new_table
+
+    t = new_table(
+        title=f"Peak memory a rank adds during {report['steps']} DDP steps, {report['model']} "
+        f"({report['gradient_bytes'] / 1e6:.0f} MB of gradients), {report['workers']} ranks",
+    )
+    for header in ["method", "added (MB, median rank)", "× gradients", "over fp32 DDP (× gradients)"]:
+        t.add_column(header, justify="left" if header == "method" else "right")
+    for r in report["rows"]:
+        over = "-" if r["over_fp32_x"] is None else f"{r['over_fp32_x']:+.2f}"
+        t.add_row(r["label"], f"{statistics.median(r['added_bytes']) / 1e6:.0f}", f"{r['added_x']:.2f}", over)
+    return t
