@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
 FIELDS = (
-    "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "plan", "warmup",
-    "ramp", "adaptive", "adaptive_every", "timeout",
+    "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan",
+    "warmup", "ramp", "adaptive", "adaptive_every", "timeout",
 )
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
@@ -53,6 +53,10 @@ class Config:
     (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
     about ``fusion_mb`` MiB (:mod:`gradzip.sync.groups`);
     ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.sync.pipeline`);
+    ``in_place``: whether a DDP bucket is averaged in its own memory, its codec blocks running
+    across gradients as DDP laid them out (:meth:`gradzip.sync.engine.Communicator.bucket_stages`:
+    fewer passes and buffers; a run resumed from a checkpoint then matches an uninterrupted one
+    only to rounding, since DDP lays its buckets out anew in a new process);
     ``plan``: ``"auto"`` compresses a group only where the calibrated cost model says it pays
     (:mod:`gradzip.policy.planner`), ``"off"`` compresses every eligible group; ``codec="auto"`` is
     ``maxmin`` 4-bit with residual error feedback and ``plan="auto"``;
@@ -78,6 +82,7 @@ class Config:
     fusion: bool = True
     fusion_mb: float = 8.0
     pipeline: bool = True
+    in_place: bool = False
     plan: str = "off"
     warmup: int = 0  # steps
     ramp: Optional[int] = None  # steps; None: DEFAULT_RAMP of the codec
@@ -94,7 +99,7 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
-        for name in ("compress_1d", "fusion", "pipeline"):
+        for name in ("compress_1d", "fusion", "pipeline", "in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
@@ -149,7 +154,7 @@ class Config:
             if name in FIELDS:
                 if name in ("codec", "memory", "collective"):
                     updates[name] = text
-                elif name in ("compress_1d", "fusion", "pipeline") and value in (0, 1):
+                elif name in ("compress_1d", "fusion", "pipeline", "in_place") and value in (0, 1):
                     updates[name] = bool(value)
                 else:
                     updates[name] = value

@@ -170,11 +170,11 @@ def test_ddp_features_keep_replicas_identical():
     assert results[0]["no_sync"]["steps"] == 4 and results[0]["fp16"]["steps"] == 8, "no_sync must skip communication"
 
 
-def _nan_step(rank: int, world: int) -> dict:
+def _nan_step(rank: int, world: int, in_place: bool = False) -> dict:
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0.01)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64, in_place=in_place)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     skipped, kept = 0, None
     for i, (x, y) in enumerate(_batches(rank, 6)):
@@ -191,13 +191,19 @@ def _nan_step(rank: int, world: int) -> dict:
         opt.step()
     res = {"skipped": skipped, "kept": kept, "identical": _identical(model, world), "finite": bool(torch.isfinite(_flat_params(model)).all())}
     res["residuals_finite"] = all(bool(torch.isfinite(v).all()) for v in state.comm.memory.residuals.values())
+    if in_place:
+        res["in_place_buckets"] = len(state.in_place_buckets) > 0
     state.close()
     return res
 
 
-def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory():
-    for res in run_workers(_nan_step, 2):
-        assert res == {"skipped": 1, "kept": True, "identical": True, "finite": True, "residuals_finite": True}
+@pytest.mark.parametrize("in_place", [False, True])
+def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory(in_place):
+    expected = {"skipped": 1, "kept": True, "identical": True, "finite": True, "residuals_finite": True}
+    if in_place:  # the bucket averaged in its own memory: the residual kept from the agreed flag
+        expected["in_place_buckets"] = True
+    for res in run_workers(_nan_step, 2, in_place):
+        assert res == expected
 
 
 def _env_and_state(rank: int, world: int) -> dict:

@@ -351,7 +351,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     compress = [i not in plain for i in range(len(grads))]
     if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
         waits = [_plain_bucket(state, buffer, names, grads, what, step)]
-    elif state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
+    elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)
         waits = [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
     else:
@@ -555,6 +555,7 @@ def register(
     fusion: Optional[bool] = None,
     fusion_mb: Optional[float] = None,
     pipeline: Optional[bool] = None,
+    in_place: Optional[bool] = None,
     plan: Optional[str] = None,
     warmup: Optional[int] = None,
     ramp: Optional[int] = None,
@@ -590,7 +591,7 @@ def register(
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
-        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("plan", plan), ("warmup", warmup),
+        ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("in_place", in_place), ("plan", plan), ("warmup", warmup),
         ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
     ):
         if value is not None:
@@ -623,7 +624,7 @@ def register(
             fusion=cfg.fusion,
             pipeline=cfg.pipeline,
             settings_extra={
-                "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "plan": cfg.plan,
+                "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "in_place": cfg.in_place, "plan": cfg.plan,
                 "warmup": cfg.warmup, "ramp": cfg.ramp, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
             },
             settings_sources=cfg.sources,

@@ -628,6 +628,9 @@ class Communicator:
         whose residual lies elsewhere (a checkpoint, an earlier bucket layout) is copied in; one
         without a residual starts at zero. A buffer no name points into any more is dropped."""
         mem = self.memory
+        # the layout is part of the key: a bucket with the same members in another order (DDP's
+        # rebuild) gets a buffer of its own, filled from the old one, which is then dropped
+        key = f"{key}@{stable_hash(*(f'{name}:{start}' for name, (start, _), _ in members)):08x}"
         buf = self._fused_buffers.get((key, "residual"))
         if buf is None or buf.numel() != span.numel() or buf.device != span.device:
             buf = self._fused_buffers[(key, "residual")] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
