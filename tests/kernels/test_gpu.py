@@ -1,38 +1,20 @@
 """The Triton kernels (:mod:`gradzip.kernels.gpu`) against their torch specification.
 
-The kernels run in Triton's interpreter on CPU tensors, so no GPU is needed: the interpreter is
-switched on here, before anything imports Triton (gradzip itself imports Triton only at first use
-of the kernels). Running this module with ``TRITON_INTERPRET=0`` on a machine with a GPU checks
-the compiled kernels on CUDA tensors instead. The interpreter takes milliseconds per program, so
-the tensors are small and large buckets carry the odd sizes.
+Without a GPU the kernels run in Triton's interpreter on CPU tensors: ``tests/conftest.py``
+switches it on before anything imports Triton (Triton fixes at import whether its language
+functions are interpreted). With a GPU they run compiled on CUDA tensors, unless
+``TRITON_INTERPRET=1`` asks for the interpreter. The interpreter takes milliseconds per program,
+so the tensors are small and large buckets carry the odd sizes.
 """
 from __future__ import annotations
 
-import os
+import subprocess
+import sys
 
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, here or by gradzip
+import pytest
+import torch
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-
-def _restore_interpret() -> None:
-    """Give TRITON_INTERPRET back as the session had it, for the tests that run after these."""
-    if _INTERPRET_BEFORE is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET_BEFORE
-
-
-try:
-    triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")
-except pytest.skip.Exception:
-    _restore_interpret()
-    raise
+triton = pytest.importorskip("triton", reason="the Triton kernels need triton (pip install triton)")
 
 from gradzip.kernels import gpu, reference  # noqa: E402
 from gradzip.kernels.bitpack import unpack_bits  # noqa: E402
@@ -48,16 +30,16 @@ KEYS = [None, 0xDEADBEEF]
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernels_available():
-    """Load the kernels (in the interpreter unless switched off); restore the environment after."""
+    """Load the kernels (interpreted without a GPU, compiled with one)."""
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET is off and there is no GPU")
+    if INTERPRET and not isinstance(triton.language.standard.max, triton.runtime.interpreter.InterpretedFunction):
+        pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set, so its language functions "
+                    "are compiled ones the interpreter cannot call; set it before pytest starts")
     reason = gpu.available()
-    try:
-        if reason is not None:
-            pytest.fail(f"Triton is installed but its kernels cannot run: {reason}")
-        if not INTERPRET and not torch.cuda.is_available():
-            pytest.skip("TRITON_INTERPRET is off and there is no GPU")
-        yield
-    finally:
-        _restore_interpret()
+    if reason is not None:
+        pytest.fail(f"Triton is installed but its kernels cannot run: {reason}")
+    yield
 
 
 def _randn(n: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
