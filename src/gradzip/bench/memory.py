@@ -3,12 +3,13 @@
 Each method runs in processes of its own (a freed allocation stays resident in the allocator
 of the process that made it, so methods sharing processes would hide each other's peaks). A
 rank builds the model's gradient set (:mod:`gradzip.bench.models`), wraps it in DDP, registers
-the method, notes its resident memory, runs one step (after which DDP rebuilds its buckets),
-then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
+the method, notes its resident memory, runs ``warmup`` steps (DDP rebuilds its buckets at the
+second), then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
 to ``/proc/self/clear_refs``) and runs the measured steps. What it adds is the high-water mark
 minus the resident memory before the first step: DDP's gradients and buckets, the method's
 buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess
-over fp32 DDP measured in the same run.
+over fp32 DDP measured in the same run: the steady state of a long training run. The
+warm-up's own peak (a residual copied to a rebuilt bucket's layout, for one) is not in it.
 """
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from ..comm.launch import spawn_local
-from .models import MODELS, _build, numel, resolve
+from .models import MODELS, ModelSpec, _build, numel, resolve
 
-DEFAULT_CONFIGS = ["fp32", "torch-fp16", "maxmin4", "maxmin:bits=4"]
+DEFAULT_CONFIGS = (
+    "fp32", "torch-fp16", "maxmin:bits=4", "maxmin:bits=4:in_place=true", "maxmin:bits=4:memory=residual",
+    "maxmin:bits=4:memory=residual:in_place=true",
+)
 
 
 def _status_kb(field: str) -> int:
@@ -44,13 +48,12 @@ def available() -> Optional[str]:
     return None
 
 
-def memory_worker(rank: int, world: int, model: str, method: Dict[str, Any], steps: int) -> Dict[str, Any]:
+def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any], steps: int, warmup: int = 2) -> Dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     import gradzip
 
-    spec = MODELS[model]
     module, loss_of = _build(spec, rank, world)
     ddp = DistributedDataParallel(module, init_sync=False)
     state = None
@@ -63,10 +66,11 @@ def memory_worker(rank: int, world: int, model: str, method: Dict[str, Any], ste
     gc.collect()
     torch.distributed.barrier()
     before = _status_kb("VmRSS")
-    # the first step allocates what stays (gradients, residuals, buffers): counted, since the
-    # peak is taken from here; DDP rebuilds its buckets after it, a one-off whose transient
-    # copy the high-water mark then forgets
-    loss_of(ddp).backward()
+    # the first steps allocate what stays (gradients, residuals, buffers): counted, since the
+    # peak is taken from before them; DDP rebuilds its buckets at the second, a one-off whose
+    # transient copies the high-water mark then forgets: the measured steps are the steady state
+    for _ in range(warmup):
+        loss_of(ddp).backward()
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the high-water mark starts again from what is resident now
@@ -79,17 +83,20 @@ def memory_worker(rank: int, world: int, model: str, method: Dict[str, Any], ste
 
 
 def run_memory(
-    model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 2, steps: int = 3,
-    json_path: Optional[str] = None,
+    model: Union[str, ModelSpec] = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 2,
+    steps: int = 3, json_path: Optional[str] = None, warmup: int = 2,
 ) -> Dict[str, Any]:
-    """Every method in ``configs`` on ``workers`` local ranks over loopback; the report."""
+    """Every method in ``configs`` on ``workers`` local ranks over loopback; the report.
+    ``model``: a name of :data:`gradzip.bench.models.MODELS` or a spec of one's own."""
     why = available()
     if why is not None:
         raise RuntimeError(f"gradzip bench memory: {why}")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; valid models: {', '.join(MODELS)}")
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; valid models: {', '.join(MODELS)}")
+        model = MODELS[model]
     methods = [resolve(c) for c in configs]
-    grad_bytes = numel(MODELS[model].shapes()) * 4
+    grad_bytes = numel(model.shapes()) * 4
     rows: List[Dict[str, Any]] = []
     started = time.perf_counter()
     # large blocks straight from the kernel and back: what a rank holds is then what it uses,
@@ -97,7 +104,7 @@ def run_memory(
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
     try:
-        per_method = [spawn_local(memory_worker, workers, model, m, steps, all_ranks=True) for m in methods]
+        per_method = [spawn_local(memory_worker, workers, model, m, steps, warmup, all_ranks=True) for m in methods]
     finally:
         if old is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -113,7 +120,7 @@ def run_memory(
     for r in rows:
         r["over_fp32_x"] = None if fp32 is None else r["added_x"] - fp32["added_x"]
     report = {
-        "model": model, "workers": workers, "steps": steps, "gradient_bytes": grad_bytes, "rows": rows,
+        "model": model.name, "workers": workers, "warmup": warmup, "steps": steps, "gradient_bytes": grad_bytes, "rows": rows,
         "wall_s": time.perf_counter() - started,
     }
     if json_path:

@@ -20,6 +20,7 @@ compressed rows show the *effective* bandwidth they deliver to the training job.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -56,10 +57,11 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     return name, opts
 
 
-# spec keys that are not codec options: the Communicator's and register()'s own keywords
-NOT_CODEC_OPTIONS = (
-    "memory", "collective", "fusion", "fusion_mb", "pipeline", "plan", "warmup", "adaptive", "adaptive_every", "min_numel",
-    "compress_1d",
+# spec keys that are not codec options: the Communicator's and register()'s own keywords (the
+# fields of Config other than the codec and the option dictionaries)
+NOT_CODEC_OPTIONS = tuple(
+    f.name for f in dataclasses.fields(gradzip.Config)
+    if f.name not in ("codec", "options", "collective_options", "sources", "given")
 )
 
 
@@ -83,6 +85,7 @@ def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     codec_opts.pop("collective_options", None)
     options = {**resolved.options, **{k: v for k, v in codec_opts.items() if k not in NOT_CODEC_OPTIONS}}
     gradzip.codec(resolved.codec, **options)
+    gradzip.Config(codec=name, **{k: v for k, v in codec_opts.items() if k in NOT_CODEC_OPTIONS})  # register's settings
     return name, opts
 
 

@@ -25,6 +25,7 @@ from ..codecs.base import Codec, Payload, element_size
 from ..kernels import store_into
 from ..options import Registry
 from ..options import Configurable
+from .pool import BufferPool
 from .stages import Stages, drive, staged
 
 _ALIGN = 8
@@ -210,6 +211,7 @@ class Call:
     # input for the last time and is about to write the average (see release_input)
     on_release: Optional[Callable[["Call", torch.Tensor], None]] = None
     released: bool = False
+    lent: List[torch.Tensor] = field(default_factory=list)  # pool buffers in use (Collective._lend)
 
     @property
     def flat(self) -> torch.Tensor:
@@ -267,6 +269,7 @@ class Collective(Configurable):
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
         self._used: Dict[Tuple[str, str], int] = {}  # the step that last used each buffer
         self._step = 0
+        self._pool = BufferPool()  # byte buffers of the calls in flight (see _lend)
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
@@ -288,6 +291,7 @@ class Collective(Configurable):
     def release(self) -> None:
         """Drop buffers kept from call to call (the communicator is closing)."""
         self._buffers.clear()
+        self._pool.clear()
 
     def _buffer(
         self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
@@ -299,6 +303,11 @@ class Collective(Configurable):
         self._used[(name, role)] = self._step
         return buf
 
+    def _lend(self, call: "Call", shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A byte buffer of ``shape`` for ``call`` alone (send, receive, gathered payloads), from
+        the collective's pool; it goes back when the call ends."""
+        return self._pool.lend(shape, device, call.lent)
+
     def _evict(self, step: int) -> None:
         """Drop buffers no call has used in this step or the one before (a tensor no longer
         exchanged, a DDP bucket that its rebuild replaced)."""
@@ -307,6 +316,7 @@ class Collective(Configurable):
             for key in [k for k, used in self._used.items() if used < step - 1]:
                 self._buffers.pop(key, None)
                 del self._used[key]
+        self._pool.new_step(step)
 
     def run(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
@@ -344,7 +354,10 @@ class Collective(Configurable):
         self._evict(step)
         flag = torch.zeros((), dtype=torch.bool, device=x.device)
         call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), self.flagged, on_release=on_release)
-        got = yield from staged(self.exchange(call))
+        try:
+            got = yield from staged(self.exchange(call))
+        finally:
+            self._pool.give_back(call.lent)  # every transfer of the call has completed (or failed)
         call.release_input(got.nonfinite)
         avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
         # an on_release that took this rank's own payloads has decoded them already

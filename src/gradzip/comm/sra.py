@@ -84,10 +84,10 @@ class ScatterReduceAllGather(Collective):
         for j, payload in enumerate(encoded):
             call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own  # the padding is not this segment's
         shape = (w, spec_bytes(spec_of(encoded[0].tensors)))
-        send = self._buffer(name, "send", shape, x.device)
+        send = self._lend(call, shape, x.device)
         for j, p in enumerate(encoded):
             to_bytes(p.tensors, call.flag, out=send[j])
-        recv = self._buffer(name, "recv", shape, x.device)
+        recv = self._lend(call, shape, x.device)
         work = None
         if w > 1:
             work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=True)
@@ -110,8 +110,10 @@ class ScatterReduceAllGather(Collective):
         # re-encode under the chunk's own name, with a codec whose state it cannot touch
         second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec))
         shape = (w, spec_bytes(spec_of(second.tensors)))
-        gathered = self._buffer(name, "gathered", shape, reduced.device)
-        buf = to_bytes(second.tensors, torch.stack(flags).any(), out=self._buffer(name, "mine", (1, shape[1]), reduced.device)[0])
+        # the received chunks are decoded: their buffer takes the gathered ones (same size)
+        recv = p1["recv"]
+        gathered = recv if recv.shape == shape else self._lend(call, shape, reduced.device)
+        buf = to_bytes(second.tensors, torch.stack(flags).any(), out=self._lend(call, (shape[1],), reduced.device))
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)

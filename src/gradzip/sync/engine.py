@@ -15,7 +15,8 @@ from . import memory as _memory
 from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
-from ..comm.base import Collective, parse_route, route_label, traffic_factor, world
+from ..comm.pool import BufferPool
+from ..comm.base import Call, Collective, parse_route, route_label, traffic_factor, world
 from ..errors import CheckpointError, CommunicationError
 from ..kernels.rng import stable_hash
 from ..version import __version__
@@ -149,6 +150,7 @@ class Communicator:
         self.pipelined = bool(pipeline)
         self._pipeline = Pipeline(self._failed)
         self._fused_buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
         # the one step counter: it keys every exchange's shared and private randomness (with the
         # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
@@ -469,9 +471,11 @@ class Communicator:
 
     def _fusable(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`)."""
-        if not self.fusion or len(tensors) < 2 or self.codec.fusion_block() <= 0:
+        if not self.fusion or not tensors or self.codec.fusion_block() <= 0:
             return False
         first = tensors[0]
+        if len(tensors) == 1 and not (self.memory.stateful and self._residual_settles(self.memory, torch.float32, first.device)):
+            return False  # alone and without error feedback it is exchanged where it lies
         return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
 
     def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
@@ -498,32 +502,49 @@ class Communicator:
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
         key = group_key([names[i] for i in order])
-        flat = self._fusion_buffer(key, total, dtype, tensors[0].device)
-        inputs = []
-        for i, (start, n) in zip(order, spans):
-            inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
-            if padding(n, block):
-                flat[start + n : start + n + padding(n, block)].zero_()
-        if self.levels is not None and self.levels.sampling:
-            for x, i in zip(inputs, order):
-                self.levels.observe(names[i], x, step)
-        avg_buf = self._fusion_buffer(key, total, dtype, flat.device, "avg")
-        res = yield from staged(coll.stages(codec, flat, key, step, need_own=mem.stateful, out=avg_buf, align=block))
-        if mem.stateful:
-            own = res.own
-            for x, (start, n), i in zip(inputs, spans, order):
-                mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
-        avg = _poison_if(res.avg, res.nonfinite)
-        results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for (start, n), i in zip(spans, order):
-            t = tensors[i]
-            part = avg[start : start + n].view(t.shape)
-            results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
-        wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
-        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
-        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
-        self.metrics.record_group_time(key, time.perf_counter() - started)
-        return results
+        pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
+        pool.new_step(step)
+        lent: List[torch.Tensor] = []  # the input buffer, the pool's again once the averages are out
+        flat = pool.lend((total,), tensors[0].device, lent)
+        try:
+            inputs = []
+            for i, (start, n) in zip(order, spans):
+                inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
+                if padding(n, block):
+                    flat[start + n : start + n + padding(n, block)].zero_()
+            if self.levels is not None and self.levels.sampling:
+                for x, i in zip(inputs, order):
+                    self.levels.observe(names[i], x, step)
+            # the average overwrites the input buffer when the collective has read it by then and
+            # error feedback, if any, is a residual settled at that moment (see _settle_residual)
+            settle = None
+            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype, flat.device):
+                members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
+                settle = _settle_residual(codec, flat, self._group_residual(key, flat, members))
+            if coll.releases_input and (settle is not None or not mem.stateful):
+                out = flat
+            else:
+                out = self._fusion_buffer(key, total, dtype, flat.device, "avg")
+            res = yield from staged(coll.stages(
+                codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
+            ))
+            if mem.stateful and settle is None:
+                own = res.own
+                for x, (start, n), i in zip(inputs, spans, order):
+                    mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
+            avg = _poison_if(res.avg, res.nonfinite)
+            results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+            for (start, n), i in zip(spans, order):
+                t = tensors[i]
+                part = avg[start : start + n].view(t.shape)
+                results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
+            wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
+            record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+            self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
+            self.metrics.record_group_time(key, time.perf_counter() - started)
+            return results
+        finally:
+            pool.give_back(lent)
 
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
                  compress: Sequence[bool]) -> bool:
@@ -579,7 +600,10 @@ class Communicator:
             parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
         residual = None
         if mem.stateful:
-            residual = self._bucket_residual(key, span, [(names[i], where[i], tensors[i].shape) for i in comp])
+            # the layout is part of the key: a bucket with the same members in another order
+            # (DDP's rebuild) gets a buffer of its own, filled from the old one
+            layout = stable_hash(*(f"{names[i]}:{where[i][0]}" for i in comp))
+            residual = self._group_residual(f"{key}@{layout:08x}", span, [(names[i], where[i], tensors[i].shape) for i in comp])
             if mem.gamma != 1.0:
                 span.mul_(mem.gamma)
             span.add_(residual, alpha=mem.beta)
@@ -587,21 +611,9 @@ class Communicator:
             start, n = where[i]
             span[start : start + n].zero_()
 
-        def settle_residual(call, nonfinite: torch.Tensor) -> None:
-            """residual = input - this rank's own decoded payloads; kept as it was on a
-            non-finite step (every rank alike, from the agreed flag)."""
-            if residual is None or bool(nonfinite):
-                return
-            n = span.numel()
-            for payload, start, end, scale in call.own:
-                dst = residual[start : min(start + payload.ctx.numel, n if end is None else end)]
-                call.decode(codec.decode_into, payload, dst)
-                if scale != 1.0:
-                    dst.mul_(scale)
-            torch.sub(span, residual, out=residual)
-
         parts.append(coll.stages(
-            codec, span, key, step, need_own=residual is not None, out=span, on_release=settle_residual,
+            codec, span, key, step, need_own=residual is not None, out=span,
+            on_release=None if residual is None else _settle_residual(codec, span, residual),
         ))
         results = yield from lockstep(parts)
         res = results[-1]
@@ -622,15 +634,19 @@ class Communicator:
         self.metrics.record_group_time(key, time.perf_counter() - started)
         return list(tensors)
 
-    def _bucket_residual(self, key: str, span: torch.Tensor, members) -> torch.Tensor:
-        """One fp32 residual as long as the bucket, its compressed gradients' parts registered
-        as the memory's per-name residuals (views), so checkpoints stay keyed by name. A name
-        whose residual lies elsewhere (a checkpoint, an earlier bucket layout) is copied in; one
-        without a residual starts at zero. A buffer no name points into any more is dropped."""
+    @staticmethod
+    def _residual_settles(mem: Any, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether ``mem``'s state is a plain residual that :func:`_settle_residual` can update
+        from the agreed flag (read on the CPU; accelerators keep the memory's own update)."""
+        return mem.name in IN_PLACE_MEMORIES and dtype == torch.float32 and device.type == "cpu"
+
+    def _group_residual(self, key: str, span: torch.Tensor, members) -> torch.Tensor:
+        """One fp32 residual as long as the group's buffer, ``members``' parts (name, (start,
+        numel), shape) registered as the memory's per-name residuals (views), so checkpoints
+        stay keyed by name. A name whose residual lies elsewhere (a checkpoint, an earlier
+        layout) is copied in; one without a residual starts at zero. A buffer no name points
+        into any more is dropped."""
         mem = self.memory
-        # the layout is part of the key: a bucket with the same members in another order (DDP's
-        # rebuild) gets a buffer of its own, filled from the old one, which is then dropped
-        key = f"{key}@{stable_hash(*(f'{name}:{start}' for name, (start, _), _ in members)):08x}"
         buf = self._fused_buffers.get((key, "residual"))
         if buf is None or buf.numel() != span.numel() or buf.device != span.device:
             buf = self._fused_buffers[(key, "residual")] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
@@ -884,6 +900,25 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share storage (then writing one may change the other)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _settle_residual(codec: Codec, span: torch.Tensor, residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
+    """The ``on_release`` of an exchange whose average overwrites its input ``span``: there and
+    then, residual = input − this rank's own payloads decoded (into the residual, then one
+    subtraction); kept as it was on a non-finite step (every rank alike, from the agreed flag)."""
+
+    def settle(call: Call, nonfinite: torch.Tensor) -> None:
+        if bool(nonfinite):
+            return
+        n = span.numel()
+        for payload, start, end, scale in call.own:
+            dst = residual[start : min(start + payload.ctx.numel, n if end is None else end)]
+            call.decode(codec.decode_into, payload, dst)
+            if scale != 1.0:
+                dst.mul_(scale)
+        torch.sub(span, residual, out=residual)
+
+    return settle
 
 
 def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:

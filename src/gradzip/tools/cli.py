@@ -1,4 +1,4 @@
-"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce``, ``codecs``, ``models`` and ``accuracy``,
+"""The ``gradzip`` command: ``gradzip demo``, ``gradzip bench allreduce``, ``codecs``, ``models``, ``memory`` and ``accuracy``,
 ``gradzip run`` (torchrun with gradzip on every DDP model) and ``gradzip doctor``.
 
 Heavy modules (the demo, the benchmark, rich) are imported by the subcommand that needs them, so
@@ -230,6 +230,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", dest="plot_path",
         help="draw time per step per model and method to this PNG (default: next to the JSON, same name)",
     )
+    from ..bench.memory import DEFAULT_CONFIGS as MEM_CONFIGS
+
+    mm = bench_sub.add_parser(
+        "memory", help="peak memory a rank adds during DDP steps over a model's gradient set, beside fp32 DDP",
+        description="Each method in processes of its own on local gloo ranks: the peak resident memory a rank "
+        "adds from before its first DDP step to the end of the measured steps (gradients, DDP's buckets, the "
+        "method's buffers and residuals) in the steady state after --warmup steps, in units of the gradient size "
+        "and as the excess over fp32 DDP. Linux only.",
+        epilog="examples:\n"
+        "  gradzip bench memory                                   # ResNet-50, 2 ranks\n"
+        "  gradzip bench memory --configs fp32,maxmin4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual\n"
+        "  gradzip bench memory --model gpt2 --json out/memory.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    mm.add_argument("--model", choices=list(MODELS), default="resnet50", help="gradient set (default %(default)s)")
+    mm.add_argument(
+        "--configs", type=_method_list, default=list(MEM_CONFIGS),
+        help=f"methods, fp32 first for the excess column (default {','.join(MEM_CONFIGS)}): demo config names "
+        "or codec specs as in bench models",
+    )
+    mm.add_argument("--workers", type=_positive, default=2, help="local ranks (default %(default)s)")
+    mm.add_argument(
+        "--warmup", type=_positive, default=2,
+        help="steps before the measured ones; DDP rebuilds its buckets at the second (default %(default)s)",
+    )
+    mm.add_argument("--steps", type=_positive, default=3, help="measured steps after the warm-up (default %(default)s)")
+    mm.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+
     from ..bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
     from ..bench.accuracy import DEFAULT_TASKS, QUICK, TASKS
 
@@ -374,6 +402,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             console.print(report["fallback"])
         console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         _plot(plots.models, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "memory":
+        from ..bench import memory
+
+        try:
+            report = memory.run_memory(
+                args.model, args.configs, args.workers, args.steps, json_path=args.json_path, warmup=args.warmup,
+            )
+        except RuntimeError as exc:
+            raise SystemExit(str(exc))
+        console = _console()
+        console.print(memory.table(report))
+        if args.json_path:
+            console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         return 0
     if args.command == "bench" and args.bench == "accuracy":
         from ..bench import accuracy
