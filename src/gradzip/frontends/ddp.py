@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from ..policy.adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
-from ..sync.engine import Communicator, group_key
+from ..sync.engine import Batch, Communicator, group_key
 from ..config import AUTO, Config
 from ..errors import SettingsMismatchError
 from ..comm.base import traffic_factor
@@ -385,17 +385,10 @@ def _bucket_job(
         job_names.extend(members)
         compress.extend([True] * len(members))
     predicted = _predicted_s(state, tensors[: len(plain)], ready)
-
-    def job() -> Generator[None, None, torch.Tensor]:
-        # the gradients are views into DDP's bucket buffers: the averages are written into them
-        started = time.perf_counter()
-        yield from state.comm.reduce_many_stages(tensors, job_names, compress, inplace=True, groups=groups, step=step)
-        if state.drift is not None:
-            state.drift.add(predicted, time.perf_counter() - started, step)
-        return buffer
-
+    # the gradients are views into DDP's bucket buffers: the averages are written into them;
     # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
-    done = state.comm.submit_staged(job, buffer.device, what=what, flush=last)
+    batch = Batch(tensors, job_names, compress, groups=groups, buffer=buffer, on_done=_drift_watch(state, predicted, step))
+    done = state.comm.submit_batch(batch, step, buffer.device, what=what, flush=last)
     for _, _, group_future in ready:
         done.add_done_callback(_settle_with(group_future))
     return [done] + list(waits.values())
@@ -413,14 +406,15 @@ def _in_place_job(
         if plain:
             predicted += state.costs.plain_s(sum(g.numel() for g in plain), plain[0].element_size())
 
-    def job() -> Generator[None, None, torch.Tensor]:
-        started = time.perf_counter()
-        yield from state.comm.bucket_stages(buffer, grads, names, compress, step)
-        if state.drift is not None:
-            state.drift.add(predicted, time.perf_counter() - started, step)
-        return buffer
+    batch = Batch(grads, names, compress, buffer=buffer, in_place=True, on_done=_drift_watch(state, predicted, step))
+    return state.comm.submit_batch(batch, step, buffer.device, what=what, flush=last)
 
-    return state.comm.submit_staged(job, buffer.device, what=what, flush=last)
+
+def _drift_watch(state: GradzipState, predicted: float, step: int) -> Optional[Callable[[float], None]]:
+    """What a job reports its measured time to: the planner's drift watch, if on."""
+    if state.drift is None:
+        return None
+    return lambda seconds: state.drift.add(predicted, seconds, step)
 
 
 def _predicted_s(state: GradzipState, plain: Sequence[torch.Tensor], ready: Sequence[Any]) -> float:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -79,6 +80,29 @@ def _dedicated_group(group: Optional[dist.ProcessGroup], timeout: Optional[timed
     return dist.new_group(
         ranks=dist.get_process_group_ranks(group), backend=backend, timeout=timeout, use_local_synchronization=True,
     )
+
+
+@dataclass
+class Batch:
+    """Tensors to average over the engine's process group: what a front end hands the engine.
+
+    The averages are written back into ``tensors`` (with their parameter ``names``, which key
+    error feedback, randomness and metrics). ``compress[i]`` says whether tensor i goes through
+    the codec; the others are summed exactly in one plain all-reduce. ``groups`` lists indices
+    of compressed tensors that share one encoding (default: all of them, one group).
+    ``buffer``: the memory the tensors lie in (a DDP bucket), what the exchange returns; with
+    ``in_place`` and the tensors back to back in it, the engine averages it in its own memory
+    where it can (:meth:`Communicator.in_place`). ``on_done(seconds)`` runs on the worker when
+    the exchange has finished (the planner's drift watch).
+    """
+
+    tensors: Sequence[torch.Tensor]
+    names: Sequence[str]
+    compress: Sequence[bool]
+    groups: Optional[Sequence[Sequence[int]]] = None
+    buffer: Optional[torch.Tensor] = None
+    in_place: bool = False
+    on_done: Optional[Callable[[float], None]] = None
 
 
 class Communicator:
@@ -279,6 +303,31 @@ class Communicator:
         self.submit(arrive, device, what).add_done_callback(settle)
         return fut
 
+    def submit_batch(
+        self, batch: Batch, step: int, device: torch.device, what: str = "", flush: bool = True,
+    ) -> torch.futures.Future:
+        """Average ``batch`` (on ``device``) in the pipeline of the ordered worker: the engine's
+        one entry point for front ends. The future completes with ``batch.buffer`` (or the
+        averaged tensors) once they hold the averages; see :meth:`submit_staged` for ``flush``."""
+        return self.submit_staged(lambda: self.batch_stages(batch, step), device, what=what, flush=flush)
+
+    def batch_stages(self, batch: Batch, step: int) -> Stages:
+        """The stages of :meth:`submit_batch`: the bucket averaged in its own memory where
+        :meth:`in_place` allows, else the plain all-reduce beside the fused groups."""
+        started = time.perf_counter()
+        if batch.in_place and batch.buffer is not None and self.in_place(batch.buffer, batch.tensors, batch.names, batch.compress):
+            yield from self.bucket_stages(batch.buffer, batch.tensors, batch.names, batch.compress, step)
+            result: Any = batch.buffer
+        else:
+            result = yield from self.reduce_many_stages(
+                batch.tensors, batch.names, batch.compress, inplace=True, groups=batch.groups, step=step,
+            )
+            if batch.buffer is not None:
+                result = batch.buffer
+        if batch.on_done is not None:
+            batch.on_done(time.perf_counter() - started)
+        return result
+
     def flush(self) -> None:
         """Finish every pipelined job still in flight (without waiting for a flushing job)."""
         if self._worker is not None:
@@ -474,8 +523,11 @@ class Communicator:
         if not self.fusion or not tensors or self.codec.fusion_block() <= 0:
             return False
         first = tensors[0]
-        if len(tensors) == 1 and not (self.memory.stateful and self._residual_settles(self.memory, torch.float32, first.device)):
-            return False  # alone and without error feedback it is exchanged where it lies
+        if len(tensors) == 1 and not (
+            self.memory.stateful and self._residual_settles(self.memory, torch.float32, first.device)
+            and first.numel() % self.codec.fusion_block() == 0
+        ):
+            return False  # alone, without error feedback or not a whole number of blocks: exchanged where it lies
         return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
 
     def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:

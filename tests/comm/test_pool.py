@@ -1,0 +1,45 @@
+"""The buffer pool behind the engine's group buffers and the collectives' payload buffers."""
+import torch
+
+from gradzip.comm.pool import BufferPool, size_class
+
+CPU = torch.device("cpu")
+
+
+def test_size_classes_cover_the_request_within_a_fifth():
+    for n in [1, 2, 15, 16, 17, 100, 1000, 4096, 10**6 + 7, 8 << 20]:
+        c = size_class(n)
+        assert n <= c <= max(16, 1.19 * n), n
+        assert size_class(c) == c  # a class is its own class
+
+
+def test_borrowers_in_flight_get_distinct_memory_and_the_next_ones_reuse_it():
+    pool = BufferPool(torch.float32)
+    lent_a, lent_b = [], []
+    a = pool.lend((1000,), CPU, lent_a)
+    b = pool.lend((990,), CPU, lent_b)  # same class, while a is still lent: its own buffer
+    assert a.shape == (1000,) and b.shape == (990,) and a.dtype == torch.float32
+    assert a.data_ptr() != b.data_ptr()
+    pool.give_back(lent_a)
+    pool.give_back(lent_b)
+    assert lent_a == [] and pool.nbytes == 2 * size_class(1000) * 4
+    c = pool.lend((2, 500), CPU, [])  # a class it holds: no new memory
+    assert c.shape == (2, 500) and c.data_ptr() in (a.data_ptr(), b.data_ptr())
+    d = pool.lend((5000,), CPU, [])  # another class: new memory, the free one stays for its class
+    assert d.data_ptr() not in (a.data_ptr(), b.data_ptr()) and pool.nbytes == size_class(1000) * 4
+
+
+def test_buffers_nobody_borrowed_for_a_step_are_dropped():
+    pool = BufferPool()
+    for step in (1, 2):
+        pool.new_step(step)
+        lent = []
+        pool.lend((64,), CPU, lent)
+        if step == 1:
+            pool.lend((4096,), CPU, lent)  # a group that exists only in step 1
+        pool.give_back(lent)
+    assert pool.nbytes == size_class(64) + size_class(4096)
+    pool.new_step(3)  # the 4096-byte buffer was last lent in step 1
+    assert pool.nbytes == size_class(64)
+    pool.clear()
+    assert pool.nbytes == 0
