@@ -870,3 +870,15 @@ def test_config_with_env_bool_digits_and_codec_switch_resets_collective():
     assert out.codec == "topk" and out.collective is None and out.options == {} and out.compress_1d is True
     assert cfg.with_env({"GRADZIP_COMPRESS_1D": "0"}).compress_1d is False
     assert cfg.with_env({"GRADZIP_CODEC": "topk", "GRADZIP_COLLECTIVE": "ps"}).collective == "ps"
+
+
+@pytest.mark.parametrize("name, opts", [("maxmin", {"bits": 4}), ("qsgd", {}), ("signsgd", {}), ("topk", {"ratio": 0.1})])
+def test_aggregate_into_a_destination_gives_the_bits_of_aggregate(name, opts):
+    codec = gradzip.codec(name, **opts)
+    xs = [_randn(3000, seed=s) for s in range(3)]
+    payloads = [codec.encode(x, name="w", step=2) for x in xs]
+    want = codec.aggregate(payloads).reshape(-1)
+    out = torch.full((3000,), 7.0)
+    got = codec.aggregate_into(payloads, out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

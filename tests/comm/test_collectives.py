@@ -505,6 +505,8 @@ OUT_CASES = [
     ("powersgd", {}),  # two rounds
     ("topk", {}),  # allgather
     ("maxmin", {"memory": "residual"}),  # stateful memory: an aliasing destination must wait
+    # segments: each rank's chunk of a segment averaged straight into the destination
+    ("maxmin", {"collective_options": {"segment": 4100}}),
     ("efsignsgd", {}),
 ]
 

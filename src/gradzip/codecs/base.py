@@ -203,6 +203,16 @@ class Codec(Configurable):
             self.decode_into(p, total, accumulate=i > 0)
         return saturate(total.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
+    def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+        """:meth:`aggregate` written into the flat fp32 ``out`` (as many values as the payloads
+        hold): the mean is summed there in place, no tensor of its size made; a codec with an
+        aggregate of its own (a vote, a union of indices) has it copied in."""
+        if type(self).aggregate is not Codec.aggregate or payloads[0].ctx.dtype != torch.float32:
+            return out.copy_(self.aggregate(payloads).reshape(-1))
+        for i, p in enumerate(payloads):
+            self.decode_into(p, out, accumulate=i > 0)
+        return out.div_(len(payloads))
+
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """0-dim bool: whether the encoded input held NaN or Inf, read from the payload's own
         statistics (a min/max, a norm) in place of a pass over the input; None where the format

@@ -118,6 +118,11 @@ def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share storage (then writing one may change the other)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
 

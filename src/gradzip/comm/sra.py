@@ -15,6 +15,7 @@ from .base import (
     Stages,
     all_gather_flat,
     from_bytes,
+    overlaps,
     reencoder,
     register_collective,
     spec_bytes,
@@ -93,7 +94,10 @@ class ScatterReduceAllGather(Collective):
             work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=True)
         else:
             recv.copy_(send)
-        return {"encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work}
+        return {
+            "encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work,
+            "start": start, "numel": n, "chunk": chunk,
+        }
 
     def _reduce(self, call: Call, p1: dict, name: str) -> dict:
         rank, w = call.rank, call.world_size
@@ -106,7 +110,11 @@ class ScatterReduceAllGather(Collective):
             tensors, f = from_bytes(p1["recv"][r], p1["spec"])
             parts.append(Payload(tensors, mine))
             flags.append(f)
-        reduced = call.decode(call.codec.aggregate, parts).reshape(-1)
+        dest = self._own_chunk_of_out(call, p1)
+        if dest is None:
+            reduced = call.decode(call.codec.aggregate, parts).reshape(-1)
+        else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
+            reduced = call.decode(call.codec.aggregate_into, parts, dest)
         # re-encode under the chunk's own name, with a codec whose state it cannot touch
         second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec))
         shape = (w, spec_bytes(spec_of(second.tensors)))
@@ -120,6 +128,20 @@ class ScatterReduceAllGather(Collective):
         else:
             gathered[0] = buf
         return {"second": second, "gathered": gathered, "work": work}
+
+    @staticmethod
+    def _own_chunk_of_out(call: Call, p1: dict):
+        """Where this rank's chunk of the segment lands in ``call.out``, if the average of the
+        chunk may be summed there now: the chunk is whole (not padded), the result is fp32, and
+        writing it cannot change an input still to be read (an ``on_release`` reads the input)."""
+        out, chunk = call.out, p1["chunk"]
+        lo = call.rank * chunk
+        if out is None or out.dtype != torch.float32 or lo + chunk > p1["numel"]:
+            return None
+        if call.on_release is not None and overlaps(out, call.x):
+            return None
+        start = p1["start"] + lo
+        return out.view(-1)[start : start + chunk]
 
     def _gathered_flag(self, call: Call, p2: dict) -> torch.Tensor:
         """Wait for a segment's all-gather; the OR of the non-finite flags it carried."""

@@ -17,7 +17,7 @@ from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
-from ..comm.base import Call, Collective, parse_route, route_label, traffic_factor, world
+from ..comm.base import Call, Collective, overlaps, parse_route, route_label, traffic_factor, world
 from ..errors import CheckpointError, CommunicationError
 from ..kernels.rng import stable_hash
 from ..version import __version__
@@ -435,7 +435,7 @@ class Communicator:
         # the collective writes straight into ``out`` when it can; not while the memory still has
         # to read an input that aliases it
         dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-        if dest is not None and mem.stateful and _overlaps(dest, inp):
+        if dest is not None and mem.stateful and overlaps(dest, inp):
             dest = None
         res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
         if mem.stateful:
@@ -947,11 +947,6 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         offset += t.numel()
     n = offset - first.storage_offset()
     return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors share storage (then writing one may change the other)."""
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _settle_residual(codec: Codec, span: torch.Tensor, residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
