@@ -248,6 +248,18 @@ class Call:
             if self.on_release is not None:
                 self.on_release(self, nonfinite)
 
+    def decode_own_into(self, out: torch.Tensor) -> int:
+        """Decode this rank's own payloads (:meth:`keep_own`) into their places in the flat
+        ``out`` (as long as the input), each times its scale; the number of values written."""
+        n, covered = out.numel(), 0
+        for payload, start, end, scale in self.own:
+            dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
+            self.decode(self.codec.decode_into, payload, dst)
+            if scale != 1.0:
+                dst.mul_(scale)
+            covered += dst.numel()
+        return covered
+
     def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
         """``payload`` is this rank's encoding of the input's values ``start`` to ``end`` (a chunk,
         a partition, the whole; ``end`` defaults to as many values as the payload holds, a padded
@@ -385,13 +397,7 @@ class Collective(Configurable):
         call (the caller reads it before its next call with the same name)."""
         n = call.x.numel()
         own = self._buffer(call.name, "own", (n,), call.x.device, call.x.dtype)
-        covered = 0
-        for payload, start, end, scale in call.own:
-            dst = own[start : min(start + payload.ctx.numel, n if end is None else end)]
-            call.decode(call.codec.decode_into, payload, dst)
-            if scale != 1.0:
-                dst.mul_(scale)
-            covered += dst.numel()
+        covered = call.decode_own_into(own)
         if covered != n:
             raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
         return own

@@ -173,7 +173,7 @@ class Communicator:
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
         self._pipeline = Pipeline(self._failed)
-        self._fused_buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+        self._group_residuals: Dict[str, torch.Tensor] = {}  # residual buffers per group key (see _group_residual)
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
         # the one step counter: it keys every exchange's shared and private randomness (with the
@@ -556,7 +556,7 @@ class Communicator:
         key = group_key([names[i] for i in order])
         pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
         pool.new_step(step)
-        lent: List[torch.Tensor] = []  # the input buffer, the pool's again once the averages are out
+        lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
         flat = pool.lend((total,), tensors[0].device, lent)
         try:
             inputs = []
@@ -572,11 +572,11 @@ class Communicator:
             settle = None
             if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype, flat.device):
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
-                settle = _settle_residual(codec, flat, self._group_residual(key, flat, members))
+                settle = _settle_residual(flat, self._group_residual(key, flat, members))
             if coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
-            else:
-                out = self._fusion_buffer(key, total, dtype, flat.device, "avg")
+            else:  # the input is still read after the exchange: the average needs a buffer of its own
+                out = pool.lend((total,), flat.device, lent)
             res = yield from staged(coll.stages(
                 codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
             ))
@@ -665,7 +665,7 @@ class Communicator:
 
         parts.append(coll.stages(
             codec, span, key, step, need_own=residual is not None, out=span,
-            on_release=None if residual is None else _settle_residual(codec, span, residual),
+            on_release=None if residual is None else _settle_residual(span, residual),
         ))
         results = yield from lockstep(parts)
         res = results[-1]
@@ -699,9 +699,9 @@ class Communicator:
         layout) is copied in; one without a residual starts at zero. A buffer no name points
         into any more is dropped."""
         mem = self.memory
-        buf = self._fused_buffers.get((key, "residual"))
+        buf = self._group_residuals.get(key)
         if buf is None or buf.numel() != span.numel() or buf.device != span.device:
-            buf = self._fused_buffers[(key, "residual")] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
+            buf = self._group_residuals[key] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
         for name, (start, n), shape in members:
             view = buf[start : start + n].view(shape)
             cur = mem.residuals.get(name)
@@ -715,7 +715,7 @@ class Communicator:
             old = self._residual_key.get(name)
             self._residual_key[name] = key
             if old is not None and old != key and old not in self._residual_key.values():
-                self._fused_buffers.pop((old, "residual"), None)
+                self._group_residuals.pop(old, None)
         return buf
 
     def codec_for(self, name: str) -> Codec:
@@ -724,14 +724,6 @@ class Communicator:
         if self.ramp_level is not None and self.level_codecs is not None:
             return self.level_codecs.get(self.ramp_level)
         return self.codec if self.levels is None else self.levels.codec_for(name)
-
-    def _fusion_buffer(self, key: str, numel: int, dtype: torch.dtype, device: torch.device, role: str = "in") -> torch.Tensor:
-        """A flat buffer of a fused group (its input, its average), kept from step to step: a
-        fresh one would cost a page fault per 4 KiB on every step."""
-        buf = self._fused_buffers.get((key, role))
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
-            buf = self._fused_buffers[(key, role)] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
 
     # ------------------------------------------------------------------ state
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
@@ -859,7 +851,8 @@ class Communicator:
         if self._worker is not None:
             self._worker.close()
         # buffers several times the gradients' size: free them now, not when the state is collected
-        self._fused_buffers.clear()
+        self._group_residuals.clear()
+        self._flat_pools.clear()
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
@@ -949,7 +942,7 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
 
 
-def _settle_residual(codec: Codec, span: torch.Tensor, residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
+def _settle_residual(span: torch.Tensor, residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
     """The ``on_release`` of an exchange whose average overwrites its input ``span``: there and
     then, residual = input − this rank's own payloads decoded (into the residual, then one
     subtraction); kept as it was on a non-finite step (every rank alike, from the agreed flag)."""
@@ -957,12 +950,7 @@ def _settle_residual(codec: Codec, span: torch.Tensor, residual: torch.Tensor) -
     def settle(call: Call, nonfinite: torch.Tensor) -> None:
         if bool(nonfinite):
             return
-        n = span.numel()
-        for payload, start, end, scale in call.own:
-            dst = residual[start : min(start + payload.ctx.numel, n if end is None else end)]
-            call.decode(codec.decode_into, payload, dst)
-            if scale != 1.0:
-                dst.mul_(scale)
+        call.decode_own_into(residual)
         torch.sub(span, residual, out=residual)
 
     return settle
