@@ -55,24 +55,39 @@ def _namespaces(prefix: str) -> List[str]:
 
 
 class EmulatedCluster:
-    """``with EmulatedCluster(4, "1gbit") as c:`` — ``c.namespaces[r]``, ``c.address(r)``."""
+    """``with EmulatedCluster(4, "1gbit") as c:`` — ``c.namespaces[k]``, ``c.address(k)``.
 
-    def __init__(self, world_size: int, rate: str = "1gbit", prefix: str = PREFIX, latency_ms: float = 0.0) -> None:
-        if world_size < 1 or world_size > 250:
-            raise ValueError(f"world_size must be in 1..250, got {world_size}")
-        self.world_size = world_size
+    ``nodes`` namespaces (hosts); with ``ranks_per_node=L`` each holds L ranks (rank r in node
+    ``r // L``), which reach each other inside it without crossing the shaped link, as the ranks
+    of one machine do: :meth:`namespace_of` says where a rank runs.
+    """
+
+    def __init__(
+        self, nodes: int, rate: str = "1gbit", prefix: str = PREFIX, latency_ms: float = 0.0, ranks_per_node: int = 1,
+    ) -> None:
+        if nodes < 1 or nodes > 250:
+            raise ValueError(f"nodes must be in 1..250, got {nodes}")
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node}")
+        self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.world_size = nodes * ranks_per_node
         self.rate = rate
         self.rate_bps = parse_rate(rate)
         self.latency_ms = latency_ms
         self.prefix = prefix
         self.switch = f"{prefix}sw"
-        self.namespaces = [f"{prefix}{r}" for r in range(world_size)]
+        self.namespaces = [f"{prefix}{k}" for k in range(nodes)]
         self.iface = IFACE  # each rank's interface inside its namespace (gloo binds to it)
         self._old_handlers: dict = {}
         self._up = False
 
-    def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def namespace_of(self, rank: int) -> str:
+        """The namespace (node) rank ``rank`` runs in."""
+        return self.namespaces[rank // self.ranks_per_node]
 
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> "EmulatedCluster":
@@ -139,5 +154,10 @@ class EmulatedCluster:
         _run(*cmd, "tbf", "rate", f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", "100ms")
 
     def describe(self) -> str:
+        if self.ranks_per_node > 1:
+            return (
+                f"{self.nodes} nodes x {self.ranks_per_node} ranks in network namespaces, nodes joined by links "
+                f"shaped to {self.rate} (tc tbf), ranks of a node on its loopback"
+            )
         return f"{self.world_size} ranks in network namespaces, links shaped to {self.rate} (tc tbf)"
 

@@ -217,6 +217,10 @@ class Call:
     on_release: Optional[Callable[["Call", torch.Tensor], None]] = None
     released: bool = False
     lent: List[torch.Tensor] = field(default_factory=list)  # pool buffers in use (Collective._lend)
+    # set by an exchange in which this rank's share of the average is not its own payloads
+    # decoded (a hierarchical one: see gradzip.comm.hierarchy): writes what this rank's input
+    # lost, in the input's units, into a zeroed flat buffer as long as the input
+    loss_into: Optional[Callable[[torch.Tensor], None]] = None
 
     @property
     def flat(self) -> torch.Tensor:
@@ -250,7 +254,13 @@ class Call:
 
     def decode_own_into(self, out: torch.Tensor) -> int:
         """Decode this rank's own payloads (:meth:`keep_own`) into their places in the flat
-        ``out`` (as long as the input), each times its scale; the number of values written."""
+        ``out`` (as long as the input), each times its scale; the number of values written.
+        Where the exchange set :attr:`loss_into`, the input less what it lost."""
+        if self.loss_into is not None:
+            out.zero_()
+            self.loss_into(out)
+            torch.sub(self.flat, out, out=out)
+            return out.numel()
         n, covered = out.numel(), 0
         for payload, start, end, scale in self.own:
             dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
@@ -259,6 +269,16 @@ class Call:
                 dst.mul_(scale)
             covered += dst.numel()
         return covered
+
+    def residual_into(self, residual: torch.Tensor) -> None:
+        """``residual`` (flat, as long as the input) = the input − this rank's share of the
+        average as the exchange counted it: what error feedback carries to the next step."""
+        if self.loss_into is not None:
+            residual.zero_()
+            self.loss_into(residual)
+            return
+        self.decode_own_into(residual)
+        torch.sub(self.flat, residual, out=residual)
 
     def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
         """``payload`` is this rank's encoding of the input's values ``start`` to ``end`` (a chunk,
@@ -297,6 +317,11 @@ class Collective(Configurable):
         and an all-gather by default."""
         w = max(int(world_size), 1)
         return 2.0 * (w - 1) / w
+
+    def sent_per_byte(self, world_size: int) -> float:
+        """The bytes this instance sends per byte of one encoding of the tensor (its
+        :meth:`traffic_factor`; a composed exchange answers for its parts)."""
+        return self.traffic_factor(world_size)
 
     def state_dict(self) -> Dict[str, Any]:
         """What must survive a restart for the next call to move the same bytes (e.g. PS's call count)."""
@@ -373,12 +398,12 @@ class Collective(Configurable):
         call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), self.flagged, on_release=on_release)
         try:
             got = yield from staged(self.exchange(call))
+            call.release_input(got.nonfinite)
+            avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
+            # an on_release that took this rank's own payloads has decoded them already
+            own = self._decode_own(call) if need_own and on_release is None else None
         finally:
             self._pool.give_back(call.lent)  # every transfer of the call has completed (or failed)
-        call.release_input(got.nonfinite)
-        avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
-        # an on_release that took this rank's own payloads has decoded them already
-        own = self._decode_own(call) if need_own and on_release is None else None
         return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
 
     def exchange(self, call: Call) -> Union[Stages, Exchanged]:

@@ -45,9 +45,14 @@ def enter_namespace(name: str) -> None:
 
 def _entry(
     rank: int, world_size: int, port: int, outdir: str, timeout_s: float, network: Optional[Tuple[List[str], str, str]],
-    fn: Callable, args: tuple,
+    ranks_per_node: Optional[int], fn: Callable, args: tuple,
 ) -> None:
     master = "127.0.0.1"
+    if ranks_per_node:  # what torchrun tells the ranks of a node, one torchrun per node
+        os.environ.update(
+            GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
+            LOCAL_WORLD_SIZE=str(ranks_per_node),
+        )
     if network is not None:  # an emulated cluster: this rank's namespace, gloo on its interface
         namespaces, master, iface = network
         enter_namespace(namespaces[rank])
@@ -89,7 +94,7 @@ def _entry(
 
 def spawn_local(
     fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None,
-    deadline_s: Optional[float] = None, missing_ok: bool = False,
+    deadline_s: Optional[float] = None, missing_ok: bool = False, ranks_per_node: Optional[int] = None,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
@@ -100,7 +105,9 @@ def spawn_local(
     gloo talks over the shaped links. ``timeout_s`` bounds each collective; ``deadline_s``
     bounds the whole job: ranks still running then are killed and ``RuntimeError`` says so.
     With ``missing_ok`` a rank that exits with status 0 but no result (one that dies on purpose,
-    in a fault test) gives ``None`` instead of an error.
+    in a fault test) gives ``None`` instead of an error. ``ranks_per_node``: rank r is told, as
+    torchrun tells it, that it is local rank ``r % L`` of node ``r // L`` (``GROUP_RANK``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); a cluster of nodes puts it in its node's namespace.
     """
     import torch.multiprocessing as mp
 
@@ -110,8 +117,9 @@ def spawn_local(
         with tempfile.TemporaryDirectory(prefix="gradzip-") as outdir:
             network = None
             if cluster is not None:
-                network = (list(cluster.namespaces), cluster.address(0), cluster.iface)
-            args_ = (world_size, free_port(), outdir, timeout_s, network, fn, args)
+                network = ([cluster.namespace_of(r) for r in range(world_size)], cluster.address(0), cluster.iface)
+                ranks_per_node = ranks_per_node or (cluster.ranks_per_node if cluster.ranks_per_node > 1 else None)
+            args_ = (world_size, free_port(), outdir, timeout_s, network, ranks_per_node, fn, args)
             failure = None
             ctx = mp.spawn(_entry, args=args_, nprocs=world_size, join=False)
             start = time.monotonic()

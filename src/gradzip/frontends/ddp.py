@@ -111,6 +111,7 @@ class GradzipState:
             if times:
                 measured[d.group] = times
         out = planner.report(self.decisions, measured, self.costs)
+        out["topology"] = self.comm.describe_topology()
         if self.drift is not None:
             out["drift"] = self.drift.as_dict()
         if self.levels is not None:

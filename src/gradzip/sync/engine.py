@@ -17,7 +17,9 @@ from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
-from ..comm.base import Call, Collective, overlaps, parse_route, route_label, traffic_factor, world
+from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
+from ..comm.hierarchy import Hierarchical
+from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..errors import CheckpointError, CommunicationError
 from ..kernels.rng import stable_hash
 from ..version import __version__
@@ -25,6 +27,8 @@ from .metrics import Metrics
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
 from .groups import padding
 from .worker import OrderedWorker
+
+HIERARCHY = ("auto", "on", "off")  # see Communicator: split the exchange by node where the job has several
 
 # error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
 IN_PLACE_MEMORIES = ("none", "residual", "efsign")
@@ -115,6 +119,13 @@ class Communicator:
     call is executed by one ordered worker thread, so calls made in the same order on every rank
     issue their collectives in the same order.
 
+    Topology: with ``hierarchy="auto"`` (default) the ranks are grouped by node once, from the
+    launcher's environment (:mod:`gradzip.comm.topology`; ``topology`` gives a layout instead);
+    on several nodes of several ranks each, every compressed exchange becomes hierarchical
+    (:mod:`gradzip.comm.hierarchy`): plain inside the node, the configured collective across
+    nodes. ``"off"`` keeps it flat; ``"on"`` raises ``ValueError`` where the layout is not
+    hierarchical. :meth:`describe_topology` says what was found.
+
     Reliability: the communicator's own process group takes ``timeout`` (default: the timeout of
     ``group``, i.e. what ``init_process_group(timeout=...)`` set), so a stalled or dead rank makes
     every call fail with :class:`~gradzip.errors.CommunicationError` within it. Construction
@@ -135,6 +146,8 @@ class Communicator:
         fusion: bool = True,
         pipeline: bool = True,
         timeout: Timeout = None,
+        hierarchy: str = "auto",
+        topology: Optional[Topology] = None,
         verify_settings: bool = True,
         settings_extra: Optional[Mapping[str, Any]] = None,
         settings_sources: Optional[Mapping[str, str]] = None,
@@ -142,6 +155,8 @@ class Communicator:
     ) -> None:
         self.timeout = _as_timedelta(timeout) or group_timeout(group)
         try:  # every option is checked before the first collective
+            if hierarchy not in HIERARCHY:
+                raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {hierarchy!r}")
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
@@ -156,6 +171,21 @@ class Communicator:
         self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
         self._owns_group = dedicated_group and self.group is not None
         self.collective.group = self.group
+        # several nodes of several ranks: the configured collective runs across nodes, inside a
+        # plain intra-node reduce-scatter and all-gather (gradzip.comm.hierarchy)
+        self.topology: Optional[Topology] = None
+        self._node_groups: Optional[Tuple[Any, Any]] = None  # (this rank's node group, its group across nodes)
+        if hierarchy != "off" and dist.is_available() and dist.is_initialized():
+            self.topology = topology if topology is not None else detect_topology(self.group)
+            if hierarchy == "on" and not self.topology.hierarchical:
+                raise ValueError(
+                    f"hierarchy='on' needs several nodes with several ranks each; this job has {self.topology.reason} "
+                    f"(found from {self.topology.source}); use hierarchy='auto' or 'off'"
+                )
+            if self.topology.hierarchical:
+                whole = group is None or group is dist.group.WORLD
+                self._node_groups = node_groups(self.topology, dist.get_backend(self.group), self.timeout, whole)
+                self.collective = self._hierarchical(self.collective)
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
@@ -207,8 +237,27 @@ class Communicator:
         coll = self._route_collectives.get(label)
         if coll is None:
             coll_name, options = parse_route(label)
-            coll = self._route_collectives[label] = self._make_collective(coll_name, self.codec, options, self.group)
+            coll = self._make_collective(coll_name, self.codec, options, self.group)
+            coll = self._route_collectives[label] = self._hierarchical(coll)
         return coll
+
+    def _hierarchical(self, coll: Collective) -> Collective:
+        """``coll`` moved across nodes, inside the intra-node stages, where the topology is
+        hierarchical; else ``coll`` as it is."""
+        if self._node_groups is None or self.topology is None:
+            return coll
+        node, cross = self._node_groups
+        coll.group = cross
+        return Hierarchical(coll, node, self.topology)
+
+    def describe_topology(self) -> Dict[str, Any]:
+        """The nodes found, whether the exchange is hierarchical, and which link each stage uses."""
+        if self.topology is None:
+            return {"hierarchical": False, "flat_because": "hierarchy='off'"}
+        out = self.topology.describe()
+        if isinstance(self.collective, Hierarchical):
+            out.update(self.collective.describe())
+        return out
 
     @property
     def rank(self) -> int:
@@ -231,6 +280,8 @@ class Communicator:
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
         if self.codec.fusion_block() > 0:
             out["fusion"] = self.fusion
+        if self.topology is not None and self.topology.hierarchical:  # the bytes of a hierarchical exchange differ
+            out["topology"] = f"{len(self.topology.nodes)}x{self.topology.local_size}"
         out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
         if not self.codec.kernels_bit_exact:
             out["kernels"] = _kernels_in_use(self.group)
@@ -442,7 +493,7 @@ class Communicator:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
-        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), compress, codec)
+        record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
         if out is None:
             return avg.view(t.shape).to(t.dtype), record
         if dest is None:
@@ -572,7 +623,7 @@ class Communicator:
             settle = None
             if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype, flat.device):
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
-                settle = _settle_residual(flat, self._group_residual(key, flat, members))
+                settle = _settle_residual(self._group_residual(key, flat, members))
             if coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
@@ -591,7 +642,7 @@ class Communicator:
                 part = avg[start : start + n].view(t.shape)
                 results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
-            record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+            record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
             self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
             self.metrics.record_group_time(key, time.perf_counter() - started)
             return results
@@ -665,7 +716,7 @@ class Communicator:
 
         parts.append(coll.stages(
             codec, span, key, step, need_own=residual is not None, out=span,
-            on_release=None if residual is None else _settle_residual(span, residual),
+            on_release=None if residual is None else _settle_residual(residual),
         ))
         results = yield from lockstep(parts)
         res = results[-1]
@@ -681,7 +732,7 @@ class Communicator:
         # one encoding of the bucket (its uncompressed places included): independent of how
         # the collective cuts it, so the ratio does not move with the world size
         wire = codec.wire_bytes(span.numel(), span.dtype)
-        record = _metrics_of(res, wire, traffic_factor(coll.name, self.world_size), True, codec)
+        record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
         self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in comp], **record)
         self.metrics.record_group_time(key, time.perf_counter() - started)
         return list(tensors)
@@ -856,6 +907,10 @@ class Communicator:
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
+        if self._node_groups is not None and dist.is_initialized():
+            for g in self._node_groups:
+                dist.destroy_process_group(g)
+            self._node_groups = None
         if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None
@@ -942,16 +997,16 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
 
 
-def _settle_residual(span: torch.Tensor, residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
-    """The ``on_release`` of an exchange whose average overwrites its input ``span``: there and
-    then, residual = input − this rank's own payloads decoded (into the residual, then one
-    subtraction); kept as it was on a non-finite step (every rank alike, from the agreed flag)."""
+def _settle_residual(residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
+    """The ``on_release`` of an exchange whose average overwrites its input: there and then,
+    residual = input − this rank's share as counted (its own payloads decoded into the
+    residual, then one subtraction; :meth:`Call.residual_into`); kept as it was on a non-finite
+    step (every rank alike, from the agreed flag)."""
 
     def settle(call: Call, nonfinite: torch.Tensor) -> None:
         if bool(nonfinite):
             return
-        call.decode_own_into(residual)
-        torch.sub(span, residual, out=residual)
+        call.residual_into(residual)
 
     return settle
 

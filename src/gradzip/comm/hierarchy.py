@@ -1,0 +1,172 @@
+"""Hierarchical exchange: plain inside a node, compressed only across nodes.
+
+Between machines the link is slow (1–25 Gbit/s) and inside one it is fast (shared memory,
+loopback, NVLink), so only what crosses the slow link is worth compressing: CGX (Markov et al.,
+Middleware'22) reduces inside the node first, as Horovod's hierarchical all-reduce and ZeRO++'s
+hierarchical quantized reduce-scatter (qgZ) do. For a tensor on a layout of N nodes × L ranks:
+
+1. **intra-node reduce-scatter** (plain, exact): local rank i receives the sum over its node of
+   the i-th 1/L share, divided by L: the node's average of that share;
+2. **inter-node compressed exchange** of that share between the ranks with local rank i on every
+   node (any collective: SRA, all-reduce, all-gather, ps, on the group across nodes), so all L
+   ranks of a node use the slow link at once, each for 1/L of the bytes, and no rank idles;
+3. the OR of the non-finite flags over the node (one value), then an **intra-node all-gather**
+   of the averaged shares straight into the result. Every rank of a node holds the same bytes
+   (copied, not recomputed), and node peers decoded the same payloads: replicas stay identical.
+
+Information is lost only in stage 2, at local rank i, on the node's average of share i; that is
+what this rank's error feedback keeps (:attr:`~gradzip.comm.base.Call.loss_into`): L × (the share
+it encoded − its own payloads decoded) in its own share, zero elsewhere, since every other value
+it contributed reached the sum exactly.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..codecs.base import Codec
+from .base import Call, Collective, Exchanged, Stages, all_gather_flat
+from .stages import staged
+from .sra import chunk_length
+from .topology import Topology
+
+
+class Hierarchical(Collective):
+    """``inner`` (a collective on the group across nodes) inside an intra-node reduce-scatter and all-gather.
+
+    Built by the engine (:class:`~gradzip.sync.engine.Communicator`) when the topology has
+    several nodes of several ranks each, not named by users: the collective they name is the
+    inner one.
+    """
+
+    name = "hierarchical"
+    releases_input = True
+
+    def __init__(self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology) -> None:
+        super().__init__(None)
+        self.inner = inner
+        self.node_group = node_group
+        self.topology = topology
+        self.flagged = inner.flagged
+        self._reduce_scatter_ok = True  # the backend has reduce_scatter_tensor (gloo gained it late)
+
+    def supports(self, codec: Codec) -> bool:
+        return self.inner.supports(codec)
+
+    def config(self) -> Dict[str, Any]:
+        return self.inner.config()
+
+    def sent_per_byte(self, world_size: int) -> float:
+        """Bytes this rank sends over the slow link per byte of one encoding of the whole tensor:
+        its 1/L share, exchanged among the N nodes by the inner collective."""
+        nodes, local = len(self.topology.nodes), self.topology.local_size
+        return self.inner.sent_per_byte(nodes) / local
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def release(self) -> None:
+        super().release()
+        self.inner.release()
+
+    def describe(self) -> Dict[str, Any]:
+        """The stages and the link each one uses."""
+        nodes, local = len(self.topology.nodes), self.topology.local_size
+        return {
+            "topology": f"{nodes} nodes x {local} ranks",
+            "stages": [
+                {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
+                {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
+                {"stage": "all-gather", "link": "intra-node", "values": "plain"},
+            ],
+        }
+
+    def _values(self, call: Call, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """``numel`` values of ``like``'s dtype, lent for the call (as bytes from the collective's pool)."""
+        return self._lend(call, (numel * like.element_size(),), like.device).view(like.dtype)
+
+    def _reduce_scatter(self, out: torch.Tensor, src: torch.Tensor):
+        """Sum ``src`` (L shares) over the node into ``out`` (this rank's share), asynchronously."""
+        if self._reduce_scatter_ok:
+            try:
+                return dist.reduce_scatter_tensor(out, src, group=self.node_group, async_op=True)
+            except (RuntimeError, NotImplementedError):  # an older gloo: all-reduce, keep the share
+                self._reduce_scatter_ok = False
+        work = dist.all_reduce(src, group=self.node_group, async_op=True)
+        work.wait()
+        i, n = self.topology.local_rank, out.numel()
+        out.copy_(src[i * n : (i + 1) * n])
+        return None
+
+    def exchange(self, call: Call) -> Stages:
+        x = call.flat
+        n = x.numel()
+        local, i = self.topology.local_size, self.topology.local_rank
+        chunk = chunk_length(n, local, call.align)
+        lo, hi = min(i * chunk, n), min((i + 1) * chunk, n)
+
+        # 1. the node's sum of every share, this rank's share kept (the input is not modified:
+        # a memory may read it after the exchange)
+        exact = x.dtype == torch.float32  # a half-precision sum is divided first, as DDP does
+        if chunk * local == n and exact:
+            src = x
+        else:
+            src = self._values(call, chunk * local, x)
+            if exact:
+                src[:n].copy_(x)
+            else:
+                torch.div(x, local, out=src[:n])
+            src[n:].zero_()
+        share = self._values(call, chunk, x)
+        work = self._reduce_scatter(share, src)
+        if work is not None:
+            yield  # the intra-node reduce-scatter is on the wire
+            work.wait()
+        if exact:
+            share.div_(local)  # the node's average of this share
+
+        # 2. the share across nodes, compressed; what this rank's encoding lost is kept for
+        # error feedback when the inner exchange releases its input
+        loss: Dict[str, torch.Tensor] = {}
+
+        def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
+            if call.need_own:
+                decoded = self._values(call, chunk, x)
+                inner.decode_own_into(decoded)
+                loss["share"] = torch.sub(share, decoded, out=decoded)
+
+        res = yield from staged(self.inner.stages(
+            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=share,
+            align=call.align, on_release=keep_loss if call.need_own else None,
+        ))
+        for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
+            setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
+
+        if call.need_own:
+            def loss_into(dst: torch.Tensor) -> None:
+                dst[lo:hi].copy_(loss["share"][: hi - lo]).mul_(local)  # in the input's units: L × the node average
+
+            call.loss_into = loss_into
+
+        # 3. one flag for the node, then every share to every rank of the node
+        flag = res.nonfinite.to(torch.float32).reshape(1)
+        if self.flagged:
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group, async_op=True)
+            yield
+            work.wait()
+        nonfinite = flag[0] > 0
+        call.release_input(nonfinite)  # the input is read no more: the result may overwrite it
+        avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
+        whole = avg if chunk * local == n else self._values(call, chunk * local, x)
+        work = all_gather_flat(whole, share, self.node_group, async_op=True)
+        yield  # the intra-node all-gather is on the wire
+        work.wait()
+        if whole is not avg:
+            avg.copy_(whole[:n])
+        payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
+        return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)

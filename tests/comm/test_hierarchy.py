@@ -1,0 +1,177 @@
+"""Hierarchical exchange: nodes found from torchrun's variables, plain inside a node, compressed across.
+
+Real gloo ranks told their node as torchrun tells them (``GROUP_RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``); on this one machine every link is loopback, which is enough to check
+what each rank computes.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradzip
+from gradzip.comm.hierarchy import Hierarchical
+from gradzip.comm.launch import spawn_local
+from gradzip.comm.topology import Topology, layout, node_key
+
+
+def _run(fn, world: int, per_node: int, *args):
+    return spawn_local(fn, world, *args, all_ranks=True, timeout_s=120, ranks_per_node=per_node)
+
+
+# --------------------------------------------------------------------- layouts (no processes)
+def test_layout_groups_ranks_by_node_key_in_local_rank_order():
+    keys = [("GROUP_RANK=1", 1), ("GROUP_RANK=0", 0), ("GROUP_RANK=1", 0), ("GROUP_RANK=0", 1)]
+    assert layout(keys, [0, 1, 2, 3]) == ((2, 0), (1, 3))  # nodes by their lowest rank
+    topo = Topology(layout(keys, [0, 1, 2, 3]), rank=0)
+    assert (topo.node, topo.local_rank, topo.local_size) == (0, 1, 2)
+    assert topo.cross() == (0, 3) and topo.cross(0) == (2, 1) and topo.hierarchical
+
+
+@pytest.mark.parametrize(
+    "nodes, reason",
+    [(((0, 1, 2, 3),), "one node"), (((0,), (1,)), "one rank per node"), (((0, 1, 2), (3,)), "different numbers")],
+)
+def test_layouts_that_stay_flat_say_why(nodes, reason):
+    topo = Topology(nodes, rank=0)
+    assert not topo.hierarchical and reason in topo.reason
+    assert topo.describe()["flat_because"] == topo.reason
+
+
+def test_node_key_prefers_the_launchers_node_index_over_the_host_name():
+    assert node_key({"GROUP_RANK": "3"}) == ("GROUP_RANK=3", "GROUP_RANK")
+    assert node_key({"SLURM_NODEID": "1"})[1] == "SLURM_NODEID"
+    assert node_key({})[1] == "host name"
+
+
+def test_an_unknown_hierarchy_setting_is_rejected_naming_the_choices():
+    with pytest.raises(ValueError, match="auto, on, off"):
+        gradzip.Communicator("maxmin", hierarchy="always")
+
+
+# --------------------------------------------------------------------- real ranks
+def _values(rank: int, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(n, generator=g)
+
+
+def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, sizes, steps: int) -> dict:
+    comm = gradzip.Communicator(codec, memory=memory, **options)
+    out = {"topology": comm.describe_topology(), "hier": isinstance(comm.collective, Hierarchical), "avgs": []}
+    for step in range(steps):
+        xs = [_values(rank, n, 10 * step + k) for k, n in enumerate(sizes)]
+        avgs = comm.reduce_many_now(xs, [f"p{k}" for k in range(len(sizes))], [True] * len(sizes))
+        out["avgs"].append([a.clone() for a in avgs])
+    out["residuals"] = {k: v.clone() for k, v in comm.memory.residuals.items()} if memory == "residual" else {}
+    out["stats"] = comm.stats()
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("collective", ["sra", "allgather"])
+def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective):
+    sizes = [5000, 3001]  # one not a whole number of blocks
+    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 2)
+    assert all(r["hier"] for r in res)
+    topo = res[0]["topology"]
+    assert topo["hierarchical"] and topo["topology"] == "2 nodes x 2 ranks" and topo["found_from"] == "GROUP_RANK"
+    assert [s["link"] for s in topo["stages"]] == ["intra-node", "inter-node", "intra-node"]
+    for step in range(2):
+        for k, n in enumerate(sizes):
+            exact = torch.stack([_values(r, n, 10 * step + k) for r in range(4)]).mean(0)
+            got = [r["avgs"][step][k] for r in res]
+            for other in got[1:]:
+                assert torch.equal(other, got[0])  # bit-identical on every rank
+            span = exact.abs().max().item()
+            assert (got[0] - exact).abs().max().item() < 4 * span / 255  # 8 bits, quantised once or twice
+
+
+def test_one_rank_per_node_stays_flat():
+    res = _run(_exchange, 2, 1, "maxmin", {"bits": 4}, "none", [1000], 1)
+    assert not res[0]["hier"] and res[0]["topology"]["flat_because"] == "one rank per node"
+
+
+def _residual_check(rank: int, world: int) -> dict:
+    """One exchange with residual error feedback (deterministic rounding, so a test can redo it)."""
+    comm = gradzip.Communicator("maxmin", bits=2, mode="nearest", memory="residual", collective="sra")
+    x = _values(rank, 4096, 7)
+    avg = comm.reduce_many_now([x], ["w"], [True])[0]
+    residual = comm.memory.residuals["w"].reshape(-1).clone()
+    local = int(os.environ["LOCAL_RANK"])
+    comm.close()
+    return {"avg": avg, "residual": residual, "local": local}
+
+
+def test_error_feedback_keeps_what_the_compressed_stage_lost_in_this_ranks_share():
+    res = _run(_residual_check, 4, 2)
+    n, per_node = 4096, 2
+    share = n // per_node
+    codec = gradzip.codec("maxmin", bits=2, mode="nearest")
+    for rank, r in enumerate(res):
+        node, lo = rank // per_node, r["local"] * share
+        outside = torch.cat([r["residual"][:lo], r["residual"][lo + share :]])
+        assert torch.count_nonzero(outside) == 0  # values of other shares reached the node's sum exactly
+        # its own share: L × (the node's average of it − that average encoded and decoded)
+        node_avg = torch.stack([_values(node * per_node + k, n, 7) for k in range(per_node)]).sum(0)[lo : lo + share] / per_node
+        lost = per_node * (node_avg - codec.decode(codec.encode(node_avg, "w", 0)))
+        assert torch.count_nonzero(lost) > 0
+        torch.testing.assert_close(r["residual"][lo : lo + share], lost, rtol=0, atol=1e-5)
+
+
+def _nonfinite(rank: int, world: int) -> dict:
+    comm = gradzip.Communicator("maxmin", bits=4, memory="residual")
+    x = _values(rank, 2048, 3)
+    if rank == 3:  # local rank 1 of node 1: its NaN lies in local rank 0's share
+        x[5] = float("nan")
+    avg = comm.reduce_many_now([x], ["w"], [True])[0]
+    residual = comm.memory.residuals["w"].clone()
+    comm.close()
+    return {"avg": avg, "residual": residual}
+
+
+def test_a_nan_on_one_rank_makes_every_rank_nan_and_spares_every_residual():
+    res = _run(_nonfinite, 4, 2)
+    for r in res:
+        assert torch.isnan(r["avg"]).all()
+        assert torch.count_nonzero(r["residual"]) == 0  # a non-finite step changes no memory
+
+
+def _hierarchy_on_flat(rank: int, world: int) -> str:
+    try:
+        gradzip.Communicator("maxmin", hierarchy="on")
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_hierarchy_on_where_the_layout_is_flat_says_why():
+    msgs = spawn_local(_hierarchy_on_flat, 2, all_ranks=True, timeout_s=60)
+    assert all("one node" in m and "hierarchy='auto'" in m for m in msgs)
+
+
+def _ddp(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x = torch.randn(16, 64, generator=g)
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    plan = state.plan()
+    return {"params": [p.detach().clone() for p in model.parameters()], "topology": plan["topology"],
+            "residuals": sorted(state.comm.memory.residuals)}
+
+
+def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_identical():
+    res = _run(_ddp, 4, 2)
+    assert res[0]["topology"]["hierarchical"] and res[0]["topology"]["topology"] == "2 nodes x 2 ranks"
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+    assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
