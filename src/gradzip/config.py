@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY``, ``GRADZIP_HIERARCHY`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -17,12 +17,13 @@ from typing import Any, Dict, Mapping, Optional
 
 FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan",
-    "warmup", "ramp", "adaptive", "adaptive_every", "timeout",
+    "warmup", "ramp", "adaptive", "adaptive_every", "hierarchy", "timeout",
 )
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
 ADAPTIVE = ("off", "bytes", "error")  # see gradzip.policy.adaptive
+HIERARCHY = ("auto", "on", "off")  # see gradzip.comm.hierarchy
 # a ramp's default length in steps, where a method needs one: DGC (Lin et al., ICLR'18) begins
 # with exponentially growing sparsity; 0 for every other codec
 DEFAULT_RAMP = {"dgc": 100}
@@ -70,6 +71,10 @@ class Config:
     least error in no more bytes, ``"off"`` (or False) keeps the uniform level; unset, it is
     ``"bytes"`` for ``codec="auto"`` and ``"off"`` otherwise. ``adaptive_every``: steps between
     plans;
+    ``hierarchy``: ``"auto"`` splits every compressed exchange by node where the job runs on
+    several nodes of several ranks each (found from torchrun's variables; plain inside the node,
+    compressed across: :mod:`gradzip.comm.hierarchy`), ``"off"`` keeps it flat, ``"on"`` fails
+    where the layout is not hierarchical;
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -88,6 +93,7 @@ class Config:
     ramp: Optional[int] = None  # steps; None: DEFAULT_RAMP of the codec
     adaptive: Optional[str] = None  # None: "bytes" under codec="auto", else "off"
     adaptive_every: int = 100  # steps
+    hierarchy: str = "auto"
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -114,6 +120,10 @@ class Config:
             raise ValueError(f"adaptive must be one of {', '.join(ADAPTIVE)} (or True/False), got {self.adaptive!r}")
         if isinstance(self.adaptive_every, bool) or not isinstance(self.adaptive_every, int) or self.adaptive_every < 2:
             raise ValueError(f"adaptive_every must be an integer of at least 2 steps, got {self.adaptive_every!r}")
+        if isinstance(self.hierarchy, bool):  # GRADZIP_HIERARCHY=off reads as False
+            self.hierarchy = "on" if self.hierarchy else "off"
+        if self.hierarchy not in HIERARCHY:
+            raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {self.hierarchy!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (

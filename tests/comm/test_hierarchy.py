@@ -58,8 +58,10 @@ def _values(rank: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
-def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, sizes, steps: int) -> dict:
+def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, sizes, steps: int, scatter=False) -> dict:
     comm = gradzip.Communicator(codec, memory=memory, **options)
+    if scatter:  # the reduce-scatter and all-gather NCCL gets, here on gloo
+        comm.collective.by_all_reduce = False
     out = {"topology": comm.describe_topology(), "hier": isinstance(comm.collective, Hierarchical), "avgs": []}
     for step in range(steps):
         xs = [_values(rank, n, 10 * step + k) for k, n in enumerate(sizes)]
@@ -71,10 +73,10 @@ def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, siz
     return out
 
 
-@pytest.mark.parametrize("collective", ["sra", "allgather"])
-def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective):
+@pytest.mark.parametrize("collective, scatter", [("sra", False), ("allgather", False), ("sra", True)])
+def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective, scatter):
     sizes = [5000, 3001]  # one not a whole number of blocks
-    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 2)
+    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 2, scatter)
     assert all(r["hier"] for r in res)
     topo = res[0]["topology"]
     assert topo["hierarchical"] and topo["topology"] == "2 nodes x 2 ranks" and topo["found_from"] == "GROUP_RANK"

@@ -45,6 +45,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..comm.hierarchy import Hierarchical
+
 Shape = Tuple[int, ...]
 ParamList = List[Tuple[str, Shape]]
 
@@ -409,8 +411,12 @@ def _wire(method: Dict[str, Any], module: nn.Module, state: Any, world: int) -> 
     """(payload bytes this rank contributes per step, bytes its link carries per step).
 
     Ring all-reduce, SRA and the parameter server move about 2(W−1)/W payloads per rank, a ring
-    all-gather W−1 (as ``bench allreduce`` counts them).
+    all-gather W−1 (as ``bench allreduce`` counts them). On nodes of L ranks (torchrun's
+    ``LOCAL_WORLD_SIZE``) the link is the node's: a ring crosses it once each way (its bytes are
+    one rank's), an exchange with every rank sends the share (W−L)/(W−1) of each of the L ranks'
+    bytes over it, and a hierarchical one only its compressed inter-node stage.
     """
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     ring = 2 * (world - 1) / world
     raw = sum(p.numel() * 4 for p in module.parameters())
     if method["kind"] == "fp32":
@@ -418,7 +424,13 @@ def _wire(method: Dict[str, Any], module: nn.Module, state: Any, world: int) -> 
     if method["kind"] == "torch":
         return raw // 2, ring * raw / 2
     codec = state.comm.codec
-    factor = world - 1 if state.comm.collective_name == "allgather" else ring
+    coll = state.comm.collective
+    if isinstance(coll, Hierarchical):  # its inter-node stage, every rank of the node
+        factor = coll.sent_per_byte(world) * per_node
+    elif per_node > 1 and world > 1 and state.comm.collective_name != "allreduce":
+        factor = coll.sent_per_byte(world) * per_node * (world - per_node) / (world - 1)
+    else:
+        factor = coll.sent_per_byte(world)
     payload, traffic = 0, 0.0
     for p in module.parameters():
         if state.should_compress(p):
@@ -594,12 +606,14 @@ def _loadavg() -> Optional[float]:
 def run_models(
     models: Sequence[Union[str, ModelSpec]] = DEFAULT_MODELS, configs: Sequence[str] = (), workers: int = 4,
     rate: Optional[str] = "1gbit", steps: int = 5, warmup: int = 2, probe: int = 1, json_path: Optional[str] = None,
-    timeout_s: float = 300,
+    timeout_s: float = 300, ranks_per_node: int = 1,
 ) -> Dict[str, Any]:
     """Run every model × method on ``workers`` local ranks; return (and optionally save) the report.
 
     With ``rate`` the ranks sit on an emulated cluster with links of that rate; where one cannot
-    be built the report's ``fallback`` says why and the ranks use loopback.
+    be built the report's ``fallback`` says why and the ranks use loopback. ``ranks_per_node``:
+    ranks per node (``workers`` must be a multiple), which share its namespace and its link
+    and are told their node as torchrun tells them.
     """
     from ..comm.launch import spawn_local
     from . import cluster, write_json
@@ -607,12 +621,15 @@ def run_models(
 
     if steps < 1 or warmup < 1 or probe < 1:
         raise ValueError("steps, warmup and probe must be at least 1 (DDP's first step rebuilds its buckets)")
+    if workers % ranks_per_node:
+        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_node ({ranks_per_node})")
+    nodes = workers // ranks_per_node
     specs = [MODELS[m] if isinstance(m, str) else m for m in models]
     methods = methods_for(configs)
     cores = usable_cores()
     report: Dict[str, Any] = {
         "workers": workers, "rate": rate, "network": "loopback", "cores": cores, "steps": steps, "warmup": warmup,
-        "methods": [m["method"] for m in methods], "fallback": None,
+        "methods": [m["method"] for m in methods], "fallback": None, "ranks_per_node": ranks_per_node,
     }
     t0 = time.perf_counter()
     load_start = _loadavg()
@@ -622,7 +639,9 @@ def run_models(
             reason = cluster.available()
             if reason is None:
                 try:
-                    emu = stack.enter_context(cluster.EmulatedCluster(workers, rate, prefix=CLUSTER_PREFIX))
+                    emu = stack.enter_context(
+                        cluster.EmulatedCluster(nodes, rate, prefix=CLUSTER_PREFIX, ranks_per_node=ranks_per_node)
+                    )
                 except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                     detail = getattr(exc, "stderr", None) or exc
                     reason = f"building it failed: {str(detail).strip()}"
@@ -632,7 +651,10 @@ def run_models(
                 print(f"gradzip bench models: {report['fallback']}", file=sys.stderr, flush=True)
             else:
                 report["network"] = emu.describe()
-        results = spawn_local(bench_worker, workers, specs, methods, steps, warmup, probe, cluster=emu, timeout_s=timeout_s)
+        results = spawn_local(
+            bench_worker, workers, specs, methods, steps, warmup, probe, cluster=emu, timeout_s=timeout_s,
+            ranks_per_node=ranks_per_node if ranks_per_node > 1 else None,
+        )
     link_bps = cluster.parse_rate(rate) if rate and report["fallback"] is None else None
     for model in results["models"]:
         _finish(model, workers, link_bps, cores)

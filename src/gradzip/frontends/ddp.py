@@ -556,6 +556,7 @@ def register(
     ramp: Optional[int] = None,
     adaptive: Union[str, bool, None] = None,
     adaptive_every: Optional[int] = None,
+    hierarchy: Optional[str] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -587,7 +588,7 @@ def register(
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
         ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("in_place", in_place), ("plan", plan), ("warmup", warmup),
-        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("timeout", seconds),
+        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("hierarchy", hierarchy), ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -616,12 +617,13 @@ def register(
             memory_options=memory_options,
             collective_options=cfg.collective_options,
             timeout=cfg.timeout,
+            hierarchy=cfg.hierarchy,
             fusion=cfg.fusion,
             pipeline=cfg.pipeline,
             settings_extra={
                 "min_numel": cfg.min_numel, "compress_1d": cfg.compress_1d, "fusion_mb": cfg.fusion_mb, "in_place": cfg.in_place, "plan": cfg.plan,
                 "warmup": cfg.warmup, "ramp": cfg.ramp, "adaptive": cfg.adaptive, "adaptive_every": cfg.adaptive_every,
-            },
+            },  # hierarchy: the communicator's "topology" setting says what it changed
             settings_sources=cfg.sources,
             **cfg.options,
         )

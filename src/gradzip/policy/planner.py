@@ -169,8 +169,10 @@ def calibrate(
         comm.codec.name, memory=comm.memory.name, collective=comm.collective_name, group=comm.group,
         memory_options=comm.memory.config(),
         collective_options=comm.collective.config(),
-        dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, **comm.codec.config(),
+        dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, hierarchy="off",
+        **comm.codec.config(),
     )
+    probe.use_topology_of(comm)  # across nodes as the job exchanges, on its node groups
     w = probe.world_size
     ways: List[Tuple[str, bool, Optional[str]]] = [("plain", False, None), ("compressed", True, None)]
     ways += [(f"route{i}", True, route) for i, route in enumerate(routes)]

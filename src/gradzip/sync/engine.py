@@ -20,6 +20,7 @@ from ..comm.pool import BufferPool
 from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
 from ..comm.hierarchy import Hierarchical
 from ..comm.topology import Topology, detect as detect_topology, node_groups
+from ..config import HIERARCHY
 from ..errors import CheckpointError, CommunicationError
 from ..kernels.rng import stable_hash
 from ..version import __version__
@@ -27,8 +28,6 @@ from .metrics import Metrics
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
 from .groups import padding
 from .worker import OrderedWorker
-
-HIERARCHY = ("auto", "on", "off")  # see Communicator: split the exchange by node where the job has several
 
 # error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
 IN_PLACE_MEMORIES = ("none", "residual", "efsign")
@@ -175,6 +174,7 @@ class Communicator:
         # plain intra-node reduce-scatter and all-gather (gradzip.comm.hierarchy)
         self.topology: Optional[Topology] = None
         self._node_groups: Optional[Tuple[Any, Any]] = None  # (this rank's node group, its group across nodes)
+        self._owns_node_groups = True
         if hierarchy != "off" and dist.is_available() and dist.is_initialized():
             self.topology = topology if topology is not None else detect_topology(self.group)
             if hierarchy == "on" and not self.topology.hierarchical:
@@ -249,6 +249,14 @@ class Communicator:
         node, cross = self._node_groups
         coll.group = cross
         return Hierarchical(coll, node, self.topology)
+
+    def use_topology_of(self, other: "Communicator") -> None:
+        """Exchange as ``other`` does across nodes, on its node groups (which stay ``other``'s):
+        a probe of the same job (the planner's calibration) measures the same exchange."""
+        self.topology = other.topology
+        if other._node_groups is not None and self._node_groups is None:
+            self._node_groups, self._owns_node_groups = other._node_groups, False
+            self.collective = self._hierarchical(self.collective)
 
     def describe_topology(self) -> Dict[str, Any]:
         """The nodes found, whether the exchange is hierarchical, and which link each stage uses."""
@@ -907,10 +915,10 @@ class Communicator:
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
-        if self._node_groups is not None and dist.is_initialized():
+        if self._node_groups is not None and self._owns_node_groups and dist.is_initialized():
             for g in self._node_groups:
                 dist.destroy_process_group(g)
-            self._node_groups = None
+        self._node_groups = None
         if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None

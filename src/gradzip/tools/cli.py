@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  gradzip bench models                                  # all four models, 4 ranks, 1 Gbit/s\n"
         "  gradzip bench models --models resnet50 --rate 100mbit --steps 3\n"
         "  gradzip bench models --models resnet18-real,gpt2 --configs maxmin2,topk,maxmin:bits=8:memory=residual\n"
-        "  gradzip bench models --models resnet50 --rate loopback --json out/models.json",
+        "  gradzip bench models --models resnet50 --rate loopback --json out/models.json\n"
+        "  gradzip bench models --models resnet50,gpt2 --ranks-per-node 2 \\\n"
+        "      --configs maxmin:bits=4:hierarchy=off     # 2 nodes x 2 ranks: hierarchical and flat",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from ..bench.models import DEFAULT_MODELS, MODELS
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated models (default {','.join(DEFAULT_MODELS)}); all: {','.join(MODELS)}",
     )
     mb.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
+    mb.add_argument(
+        "--ranks-per-node", type=_positive, default=1,
+        help="ranks per emulated node (default %(default)s): the ranks of a node share its namespace and its one "
+        "shaped link, and are told their node as torchrun tells them, so gradzip exchanges hierarchically",
+    )
     mb.add_argument(
         "--rate", type=_link_rate, default="1gbit",
         help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2; "
@@ -395,6 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
         report = models.run_models(
             args.models, args.configs, args.workers, args.rate, args.steps, args.warmup, json_path=args.json_path,
+            ranks_per_node=args.ranks_per_node,
         )
         console = _console()
         console.print(models.table(report))
