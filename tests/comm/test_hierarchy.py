@@ -177,3 +177,26 @@ def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_id
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
     assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
+
+
+def _planned(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = gradzip.register(ddp, "maxmin", bits=4, plan="auto")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
+        opt.step()
+    plan = state.plan()
+    return {"params": [p.detach().clone() for p in model.parameters()], "routes": sorted(plan["costs"]["routes"])}
+
+
+def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
+    res = _run(_planned, 4, 2)
+    assert "sra:hierarchy=0" in res[0]["routes"]  # measured on this layout, chosen where cheaper
+    for r in res[1:]:
+        assert r["routes"] == res[0]["routes"]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))

@@ -130,12 +130,16 @@ class Costs:
 def candidate_routes(comm: Any) -> List[str]:
     """The routes other than ``comm``'s configured collective that could exchange its codec's
     payloads: every collective that supports the codec, and ``ps`` with one and with two
-    partitions per rank. (Multi-round codecs such as PowerSGD have ``allreduce`` only.)"""
+    partitions per rank (multi-round codecs such as PowerSGD have ``allreduce`` only); on a
+    hierarchical layout also the configured collective flat (``hierarchy=0``), so the measured
+    cost decides between flat and hierarchical per group."""
     from .. import comm as collectives
     from ..comm.base import route_label
 
     own = route_label(comm.collective_name, _changed(comm.collective))
     out = []
+    if comm.describe_topology().get("hierarchical"):  # the configured collective flat, over every rank
+        out.append(route_label(comm.collective_name, {**_changed(comm.collective), "hierarchy": 0}))
     for name in collectives.names():
         if not collectives.get(name)(None).supports(comm.codec):
             continue
@@ -148,6 +152,7 @@ def candidate_routes(comm: Any) -> List[str]:
 
 def _changed(coll: Any) -> Dict[str, Any]:
     """A collective's options that differ from their defaults."""
+    coll = getattr(coll, "inner", coll)  # a hierarchical exchange: the collective it runs across nodes
     return {k: v for k, v in coll.config().items() if v != type(coll).options[k].default}
 
 

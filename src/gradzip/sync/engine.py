@@ -237,8 +237,9 @@ class Communicator:
         coll = self._route_collectives.get(label)
         if coll is None:
             coll_name, options = parse_route(label)
+            flat = options.pop("hierarchy", 1) == 0  # the planner's flat alternative on a hierarchical layout
             coll = self._make_collective(coll_name, self.codec, options, self.group)
-            coll = self._route_collectives[label] = self._hierarchical(coll)
+            coll = self._route_collectives[label] = coll if flat else self._hierarchical(coll)
         return coll
 
     def _hierarchical(self, coll: Collective) -> Collective:
