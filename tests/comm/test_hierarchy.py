@@ -58,11 +58,14 @@ def _values(rank: int, n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, generator=g)
 
 
-def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, sizes, steps: int, scatter=False) -> dict:
+def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, sizes, steps: int, intra="shared") -> dict:
     comm = gradzip.Communicator(codec, memory=memory, **options)
-    if scatter:  # the reduce-scatter and all-gather NCCL gets, here on gloo
-        comm.collective.by_all_reduce = False
-    out = {"topology": comm.describe_topology(), "hier": isinstance(comm.collective, Hierarchical), "avgs": []}
+    if intra != "shared":  # gloo's all-reduces, or the reduce-scatter and all-gather NCCL gets
+        comm.collective.shared = None
+        comm.collective.by_all_reduce = intra == "all-reduce"
+    shared = comm.collective.shared if isinstance(comm.collective, Hierarchical) else None
+    out = {"topology": comm.describe_topology(), "hier": isinstance(comm.collective, Hierarchical), "avgs": [],
+           "shared": shared is not None}
     for step in range(steps):
         xs = [_values(rank, n, 10 * step + k) for k, n in enumerate(sizes)]
         avgs = comm.reduce_many_now(xs, [f"p{k}" for k in range(len(sizes))], [True] * len(sizes))
@@ -73,15 +76,19 @@ def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, siz
     return out
 
 
-@pytest.mark.parametrize("collective, scatter", [("sra", False), ("allgather", False), ("sra", True)])
-def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective, scatter):
+@pytest.mark.parametrize(
+    "collective, intra",
+    [("sra", "shared"), ("allgather", "shared"), ("sra", "all-reduce"), ("sra", "reduce-scatter")],
+)
+def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective, intra):
     sizes = [5000, 3001]  # one not a whole number of blocks
-    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 2, scatter)
+    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 3, intra)
     assert all(r["hier"] for r in res)
+    assert all(r["shared"] == (intra == "shared") for r in res)  # the ranks of a node do share /dev/shm here
     topo = res[0]["topology"]
     assert topo["hierarchical"] and topo["topology"] == "2 nodes x 2 ranks" and topo["found_from"] == "GROUP_RANK"
     assert [s["link"] for s in topo["stages"]] == ["intra-node", "inter-node", "intra-node"]
-    for step in range(2):
+    for step in range(3):
         for k, n in enumerate(sizes):
             exact = torch.stack([_values(r, n, 10 * step + k) for r in range(4)]).mean(0)
             got = [r["avgs"][step][k] for r in res]
@@ -200,3 +207,31 @@ def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
     for r in res[1:]:
         assert r["routes"] == res[0]["routes"]
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+
+
+def _in_flight(rank: int, world: int) -> dict:
+    """Three groups in flight at once (lockstep stages): each must get buffers every rank of the node maps."""
+    from gradzip.sync.pipeline import drive
+
+    comm = gradzip.Communicator("maxmin", bits=8)
+    assert comm.collective.shared is not None
+    out = []
+    for step in range(3):
+        xs = [_values(rank, n, 10 * step + k) for k, n in enumerate([3000, 5000, 7000])]
+        avgs = drive(comm.reduce_many_stages(xs, ["a", "b", "c"], [True] * 3, groups=[[0], [1], [2]], step=step))
+        out.append([a.clone() for a in avgs])
+    tag = comm._node_memory.tag
+    comm.close()
+    return {"avgs": out, "tag": tag}
+
+
+def test_groups_in_flight_together_share_their_nodes_memory_and_leave_no_file():
+    res = _run(_in_flight, 4, 2)
+    for step in range(3):
+        for k, n in enumerate([3000, 5000, 7000]):
+            exact = torch.stack([_values(r, n, 10 * step + k) for r in range(4)]).mean(0)
+            got = [r["avgs"][step][k] for r in res]
+            assert all(torch.equal(g, got[0]) for g in got)
+            assert (got[0] - exact).abs().max().item() < 4 * exact.abs().max().item() / 255
+    leftovers = [f for f in os.listdir("/dev/shm") for r in res if r["tag"] in f]
+    assert leftovers == []

@@ -31,6 +31,7 @@ from .allreduce import _same_memory
 from .base import Call, Collective, Exchanged, Stages, all_gather_flat
 from .stages import staged
 from .sra import chunk_length
+from .shm import NodeSharedMemory
 from .topology import Topology
 
 
@@ -45,18 +46,23 @@ class Hierarchical(Collective):
     name = "hierarchical"
     releases_input = True
 
-    def __init__(self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology) -> None:
+    def __init__(
+        self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology,
+        shared: Optional[NodeSharedMemory] = None,
+    ) -> None:
         super().__init__(None)
         self.inner = inner
         self.node_group = node_group
         self.topology = topology
         self.flagged = inner.flagged
-        # Whether the intra-node stages are all-reduces rather than a reduce-scatter and an
-        # all-gather. gloo's reduce-scatter and all-gather move half the bytes of its all-reduce
-        # yet take longer (2 ranks, 48 MB, loopback: all-reduce 36–43 ms, reduce-scatter 92 ms,
-        # all-gather 75 ms), so on gloo the node sums the whole tensor and each rank keeps its
+        # How the intra-node stages move CPU tensors: through memory the node's ranks share
+        # (``shared``, when usable), else, on gloo, as two all-reduces rather than a
+        # reduce-scatter and an all-gather: gloo's pair moves half the bytes of its all-reduce
+        # yet takes longer (2 ranks, 48 MB, loopback: all-reduce 36–43 ms, reduce-scatter 92
+        # ms, all-gather 75 ms), so the node sums the whole tensor and each rank keeps its
         # share, and the shares are spread by summing them into zeros (exact: x + 0 = x, and an
         # all-reduce leaves the same bytes on every rank). NCCL gets the real pair.
+        self.shared = shared if shared is not None and shared.usable else None
         self.by_all_reduce = dist.get_backend(node_group) == "gloo"
 
     def supports(self, codec: Codec) -> bool:
@@ -97,6 +103,15 @@ class Hierarchical(Collective):
         """``numel`` values of ``like``'s dtype, lent for the call (as bytes from the collective's pool)."""
         return self._lend(call, (numel * like.element_size(),), like.device).view(like.dtype)
 
+    def _copy_in(self, x: torch.Tensor, dst: torch.Tensor, exact: bool) -> None:
+        """``x`` (divided by the node's size unless ``exact``) into ``dst``, its padding zeroed."""
+        n = x.numel()
+        if exact:
+            dst[:n].copy_(x)
+        else:
+            torch.div(x, self.topology.local_size, out=dst[:n])
+        dst[n:].zero_()
+
     def exchange(self, call: Call) -> Stages:
         x = call.flat
         n = x.numel()
@@ -104,31 +119,43 @@ class Hierarchical(Collective):
         chunk = chunk_length(n, local, call.align)
         lo, hi = min(i * chunk, n), min((i + 1) * chunk, n)
 
-        # 1. the node's sum of every share, this rank's share kept. On gloo the input is summed
-        # in place only where the average overwrites it anyway and the frame will not read it
-        # after the exchange (this rank's share of the average is computed from its loss)
-        exact = x.dtype == torch.float32  # a half-precision sum is divided first, as DDP does
-        overwritten = call.out is not None and _same_memory(call.out, x) and not (call.need_own and call.on_release is None)
-        by_all_reduce = self.by_all_reduce
-        if chunk * local == n and exact and (not by_all_reduce or overwritten):
-            src = x
-        else:
-            src = self._values(call, chunk * local, x)
-            if exact:
-                src[:n].copy_(x)
-            else:
-                torch.div(x, local, out=src[:n])
-            src[n:].zero_()
-        if by_all_reduce:
-            work = dist.all_reduce(src, group=self.node_group, async_op=True)
-            share = src[i * chunk : (i + 1) * chunk]
-        else:
+        # 1. the node's sum of every share, this rank's share kept (divided by L: the node's
+        # average of it; a half-precision input is divided first, as DDP does, so sums stay in range)
+        exact = x.dtype == torch.float32
+        shared = self.shared if x.device.type == "cpu" else None
+        by_all_reduce = shared is None and self.by_all_reduce
+        if shared is not None:  # every rank writes its slot; after a barrier each sums its share
+            slots, spread, made = shared.buffers(call.name, chunk * local, x.dtype, call.step)
+            src = slots[i]
+            self._copy_in(x, src, exact)
+            work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
+            yield  # the barrier: every slot of the node written
+            work.wait()
+            shared.mapped(made)
             share = self._values(call, chunk, x)
-            work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
-        yield  # the intra-node sum is on the wire
-        work.wait()
+            torch.sum(slots[:, i * chunk : (i + 1) * chunk], dim=0, out=share)
+        else:
+            # on gloo the input is summed in place only where the average overwrites it anyway
+            # and the frame will not read it after the exchange (this rank's share of the
+            # average is then computed from its loss)
+            overwritten = call.out is not None and _same_memory(call.out, x) and not (
+                call.need_own and call.on_release is None
+            )
+            if chunk * local == n and exact and (not by_all_reduce or overwritten):
+                src = x
+            else:
+                src = self._values(call, chunk * local, x)
+                self._copy_in(x, src, exact)
+            if by_all_reduce:
+                work = dist.all_reduce(src, group=self.node_group, async_op=True)
+                share = src[i * chunk : (i + 1) * chunk]
+            else:
+                share = self._values(call, chunk, x)
+                work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
+            yield  # the intra-node sum is on the wire
+            work.wait()
         if exact:
-            share.div_(local)  # the node's average of this share
+            share.div_(local)
 
         # 2. the share across nodes, compressed; what this rank's encoding lost is kept for
         # error feedback when the inner exchange releases its input
@@ -140,8 +167,10 @@ class Hierarchical(Collective):
                 inner.decode_own_into(decoded)
                 loss["share"] = torch.sub(share, decoded, out=decoded)
 
+        # the average of the share goes where stage 3 spreads it from: the shared output, or in place
+        dest = share if shared is None else spread[i * chunk : (i + 1) * chunk]
         res = yield from staged(self.inner.stages(
-            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=share,
+            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=dest,
             align=call.align, on_release=keep_loss if call.need_own else None,
         ))
         for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
@@ -155,13 +184,17 @@ class Hierarchical(Collective):
 
         # 3. one flag for the node, then every share to every rank of the node
         flag = res.nonfinite.to(torch.float32).reshape(1)
-        if self.flagged:
+        if self.flagged or shared is not None:  # with shared memory it is the barrier too
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group, async_op=True)
             yield
             work.wait()
         nonfinite = flag[0] > 0
         call.release_input(nonfinite)  # the input is read no more: the result may overwrite it
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
+        if shared is not None:  # every share is in the shared output: the same bytes for every rank
+            avg.copy_(spread[:n])
+            payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
+            return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)
         if chunk * local == n:
             whole = avg
         else:  # padded: gathered apart, then cut (on gloo into the summed copy, which holds the share)

@@ -19,6 +19,7 @@ from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
 from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
 from ..comm.hierarchy import Hierarchical
+from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
 from ..errors import CheckpointError, CommunicationError
@@ -170,22 +171,11 @@ class Communicator:
         self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
         self._owns_group = dedicated_group and self.group is not None
         self.collective.group = self.group
-        # several nodes of several ranks: the configured collective runs across nodes, inside a
-        # plain intra-node reduce-scatter and all-gather (gradzip.comm.hierarchy)
+        self._hierarchy = hierarchy
         self.topology: Optional[Topology] = None
         self._node_groups: Optional[Tuple[Any, Any]] = None  # (this rank's node group, its group across nodes)
         self._owns_node_groups = True
-        if hierarchy != "off" and dist.is_available() and dist.is_initialized():
-            self.topology = topology if topology is not None else detect_topology(self.group)
-            if hierarchy == "on" and not self.topology.hierarchical:
-                raise ValueError(
-                    f"hierarchy='on' needs several nodes with several ranks each; this job has {self.topology.reason} "
-                    f"(found from {self.topology.source}); use hierarchy='auto' or 'off'"
-                )
-            if self.topology.hierarchical:
-                whole = group is None or group is dist.group.WORLD
-                self._node_groups = node_groups(self.topology, dist.get_backend(self.group), self.timeout, whole)
-                self.collective = self._hierarchical(self.collective)
+        self._node_memory: Optional[NodeSharedMemory] = None
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
         self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
@@ -217,6 +207,22 @@ class Communicator:
         self._sources = dict(settings_sources or {})
         if verify_settings:
             consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources)
+        # several nodes of several ranks: the configured collective runs across nodes, inside a
+        # plain intra-node stage (gradzip.comm.hierarchy). After the settings check, which
+        # covers ``hierarchy``: every rank takes part in finding the nodes, or none does
+        if hierarchy != "off" and dist.is_available() and dist.is_initialized():
+            self.topology = topology if topology is not None else detect_topology(self.group)
+            if hierarchy == "on" and not self.topology.hierarchical:
+                raise ValueError(
+                    f"hierarchy='on' needs several nodes with several ranks each; this job has {self.topology.reason} "
+                    f"(found from {self.topology.source}); use hierarchy='auto' or 'off'"
+                )
+            if self.topology.hierarchical:
+                whole = group is None or group is dist.group.WORLD
+                self._node_groups = node_groups(self.topology, dist.get_backend(self.group), self.timeout, whole)
+                if dist.get_backend(self.group) == "gloo":  # CPU tensors: the node's shared memory
+                    self._node_memory = NodeSharedMemory(self._node_groups[0], self.topology)
+                self.collective = self._hierarchical(self.collective)
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
@@ -249,7 +255,7 @@ class Communicator:
             return coll
         node, cross = self._node_groups
         coll.group = cross
-        return Hierarchical(coll, node, self.topology)
+        return Hierarchical(coll, node, self.topology, self._node_memory)
 
     def use_topology_of(self, other: "Communicator") -> None:
         """Exchange as ``other`` does across nodes, on its node groups (which stay ``other``'s):
@@ -257,6 +263,7 @@ class Communicator:
         self.topology = other.topology
         if other._node_groups is not None and self._node_groups is None:
             self._node_groups, self._owns_node_groups = other._node_groups, False
+            self._node_memory = other._node_memory
             self.collective = self._hierarchical(self.collective)
 
     def describe_topology(self) -> Dict[str, Any]:
@@ -289,6 +296,8 @@ class Communicator:
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
         if self.codec.fusion_block() > 0:
             out["fusion"] = self.fusion
+        if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
+            out["hierarchy"] = self._hierarchy
         if self.topology is not None and self.topology.hierarchical:  # the bytes of a hierarchical exchange differ
             out["topology"] = f"{len(self.topology.nodes)}x{self.topology.local_size}"
         out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
@@ -916,6 +925,9 @@ class Communicator:
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
+        if self._node_memory is not None and self._owns_node_groups:
+            self._node_memory.release()
+        self._node_memory = None
         if self._node_groups is not None and self._owns_node_groups and dist.is_initialized():
             for g in self._node_groups:
                 dist.destroy_process_group(g)
