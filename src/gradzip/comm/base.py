@@ -318,6 +318,14 @@ class Collective(Configurable):
         w = max(int(world_size), 1)
         return 2.0 * (w - 1) / w
 
+    def input_buffer(
+        self, name: str, numel: int, dtype: torch.dtype, device: torch.device, step: int, align: int = 1,
+    ) -> Optional[torch.Tensor]:
+        """Memory for the input of the next call on tensor ``name`` that this collective would
+        copy it into anyway (shared with other ranks, registered with a transport), or None;
+        valid for that one call. The caller may instead write the input wherever it likes."""
+        return None
+
     def sent_per_byte(self, world_size: int) -> float:
         """The bytes this instance sends per byte of one encoding of the tensor (its
         :meth:`traffic_factor`; a composed exchange answers for its parts)."""

@@ -57,7 +57,7 @@ class NodeSharedMemory:
         self.local_rank, self.local_size = topology.local_rank, topology.local_size
         self._buffers: Dict[str, Tuple[torch.Tensor, torch.Tensor, int]] = {}  # key -> (slots, output, last step)
         self._made = 0  # mappings made so far: the same count on every rank of the node
-        self._pending: List[str] = []  # files made and not yet removed (removed at release if a call failed)
+        self._pending: Dict[str, List[str]] = {}  # key -> its files not yet removed (see mapped)
         self._step = 0
         self.usable = False
         if os.name == "posix" and os.path.isdir(ROOT) and os.access(ROOT, os.W_OK):
@@ -95,40 +95,35 @@ class NodeSharedMemory:
             _unlink(self._path("check"))
         return bool(ok[0] > 0)
 
-    def buffers(self, key: str, numel: int, dtype: torch.dtype, step: int) -> Tuple[torch.Tensor, torch.Tensor, List[str]]:
-        """(slots: ``(L, numel)``, one per local rank; output: ``numel``; new files) for tensor ``key``.
+    def buffers(self, key: str, numel: int, dtype: torch.dtype, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots: ``(L, numel)``, one per local rank; output: ``numel``) for tensor ``key``.
 
         Kept from call to call; dropped when no call used them in this step or the one before
-        (every rank of the node drops and remakes them at the same calls). New ones are files
-        until every rank of the node has mapped them: pass the list to :meth:`mapped` after the
-        call's first barrier (not before: another rank may not have opened them yet)."""
+        (every rank of the node drops and remakes them at the same calls). New ones stay files
+        until every rank of the node has mapped them: call :meth:`mapped` after the call's
+        first barrier (not before: another rank may not have opened them yet)."""
         if step > self._step:
             self._step = step
             for k in [k for k, (_, _, used) in self._buffers.items() if used < step - 1]:
                 del self._buffers[k]
         got = self._buffers.get(key)
-        new: List[str] = []
         if got is None or got[1].numel() != numel or got[1].dtype != dtype:
             self._made += 1
             new = [self._path(f"{self._made}-in"), self._path(f"{self._made}-out")]
-            self._pending += new
+            self._pending[key] = self._pending.get(key, []) + new
             slots = _map(new[0], self.local_size * numel, dtype).view(self.local_size, numel)
             got = (slots, _map(new[1], numel, dtype), step)
         self._buffers[key] = (got[0], got[1], step)
-        return got[0], got[1], new
+        return got[0], got[1]
 
-    def mapped(self, paths: List[str]) -> None:
-        """Every rank of the node has mapped ``paths`` (a barrier has passed since :meth:`buffers`
-        made them): the node's first rank removes the files, so nothing outlives the job."""
-        for path in paths:
+    def mapped(self, key: str) -> None:
+        """Every rank of the node has mapped ``key``'s buffers (a barrier has passed since
+        :meth:`buffers` made them): the node's first rank removes the files, so nothing outlives the job."""
+        for path in self._pending.pop(key, []):
             if self.local_rank == 0:
                 _unlink(path)
-            if path in self._pending:
-                self._pending.remove(path)
 
     def release(self) -> None:
         self._buffers.clear()
-        if self.local_rank == 0:
-            for path in self._pending:
-                _unlink(path)
-        self._pending.clear()
+        for key in list(self._pending):  # a call that failed before its barrier
+            self.mapped(key)

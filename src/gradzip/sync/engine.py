@@ -626,7 +626,11 @@ class Communicator:
         pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
         pool.new_step(step)
         lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
-        flat = pool.lend((total,), tensors[0].device, lent)
+        # the collective's own staging memory where it has some (the node's shared memory of a
+        # hierarchical exchange), else a buffer of the pool
+        flat = coll.input_buffer(key, total, dtype, tensors[0].device, step, align=block)
+        if flat is None:
+            flat = pool.lend((total,), tensors[0].device, lent)
         try:
             inputs = []
             for i, (start, n) in zip(order, spans):
