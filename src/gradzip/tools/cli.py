@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a digits MLP on local gloo ranks with several codecs and compare")
     demo.add_argument("--workers", type=_positive, default=DEFAULTS["workers"], help="local ranks (default %(default)s)")
+    demo.add_argument(
+        "--ranks-per-node", type=_positive, default=DEFAULTS["ranks_per_node"],
+        help="ranks per emulated node (default %(default)s): with more than one, the workers form nodes that share "
+        "a namespace and one shaped link, as on several machines, and gradzip exchanges hierarchically",
+    )
     demo.add_argument("--epochs", type=_positive, default=DEFAULTS["epochs"], help="default %(default)s")
     demo.add_argument("--batch-size", type=_positive, default=DEFAULTS["batch_size"], help="global batch (default %(default)s)")
     demo.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="SGD learning rate (default %(default)s)")
@@ -365,7 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             report = demo.run_demo(
                 args.configs, out=args.out, workers=args.workers, epochs=args.epochs,
                 batch_size=args.batch_size, lr=args.lr, momentum=args.momentum, seed=args.seed,
-                width=args.width, rate=args.rate, echo=lambda line: print(line, flush=True),
+                width=args.width, rate=args.rate, ranks_per_node=args.ranks_per_node,
+                echo=lambda line: print(line, flush=True),
             )
         except ImportError as exc:  # the data set needs scikit-learn (the 'demo' extra)
             raise SystemExit(f"gradzip demo: {exc}")

@@ -51,7 +51,7 @@ DEFAULT_CONFIGS = ["fp32", "torch-fp16", "maxmin4", "maxmin2", "topk"]
 
 # run_demo's defaults: a 256-wide MLP on loopback, 8 epochs, fp32 reaches ≥ 95% test accuracy
 # (≈97%); every rank gets batch_size / workers samples per step.
-DEFAULTS = dict(workers=4, epochs=8, batch_size=64, lr=0.05, momentum=0.9, seed=0, width=256, rate=None)
+DEFAULTS = dict(workers=4, epochs=8, batch_size=64, lr=0.05, momentum=0.9, seed=0, width=256, rate=None, ranks_per_node=1)
 # ``gradzip demo``'s defaults: an emulated cluster with 100 Mbit/s links and a model whose gradients
 # (4.5 MB a step, 1.1 M parameters) make the link matter; small batches, so a step is mostly
 # communication. Two epochs (88 steps) of the five default configs take 2–3.5 minutes on 2 cores.
@@ -222,11 +222,12 @@ def demo_worker(rank: int, world: int, names: List[str], opts: Dict[str, Any], d
 def _run_configs(configs: List[str], opts: Dict[str, Any], data, emu) -> List[Dict[str, Any]]:
     """Most configs in one spawn; each ISOLATED one alone, its failure recorded as a row."""
     shared = [c for c in configs if c not in ISOLATED]
-    done = {r["config"]: r for r in spawn_local(demo_worker, opts["workers"], shared, opts, data, cluster=emu)} if shared else {}
+    nodes = dict(cluster=emu, ranks_per_node=opts["ranks_per_node"] if opts["ranks_per_node"] > 1 else None)
+    done = {r["config"]: r for r in spawn_local(demo_worker, opts["workers"], shared, opts, data, **nodes)} if shared else {}
     for name in [c for c in configs if c in ISOLATED]:
         try:
             done[name] = spawn_local(
-                demo_worker, opts["workers"], [name], opts, data, cluster=emu,
+                demo_worker, opts["workers"], [name], opts, data, **nodes,
                 timeout_s=ISOLATED_TIMEOUT_S, deadline_s=ISOLATED_DEADLINE_S,
             )[0]
         except RuntimeError as exc:
@@ -352,6 +353,8 @@ def run_demo(
         opts["rate"] = None
     if opts["batch_size"] < opts["workers"]:
         raise ValueError("--batch-size must be at least --workers (every rank needs a sample)")
+    if opts["workers"] % opts["ranks_per_node"]:
+        raise ValueError(f"--workers ({opts['workers']}) must be a multiple of --ranks-per-node ({opts['ranks_per_node']})")
     t0 = time.perf_counter()
     data = load_digits_split(opts["seed"])  # once, in the parent: the ranks need no scikit-learn
     reason = cluster.available() if opts["rate"] else None
@@ -360,7 +363,10 @@ def run_demo(
         "link_rate": opts["rate"] if opts["rate"] and reason is None else REFERENCE_RATE, "cores": _cores(),
         "network": "loopback" if not opts["rate"] else f"loopback (no emulated cluster: {reason})",
     }
-    emu = cluster.EmulatedCluster(opts["workers"], opts["rate"], prefix=_own_prefix()) if report["emulated"] else None
+    per_node = opts["ranks_per_node"]
+    emu = cluster.EmulatedCluster(
+        opts["workers"] // per_node, opts["rate"], prefix=_own_prefix(), ranks_per_node=per_node,
+    ) if report["emulated"] else None
     if emu is not None:
         report["network"] = emu.describe()
     for line in intro(report) if echo else ():
