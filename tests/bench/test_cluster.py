@@ -93,3 +93,42 @@ def test_demo_trains_on_the_emulated_cluster_with_pytorchs_hook_as_baseline():
     assert all(r["identical"] and r["test_accuracy"] > 50 for r in rows.values())
     assert rows["maxmin4"]["wire_bytes"] < rows["torch-fp16"]["wire_bytes"]
     assert cluster.EmulatedCluster.cleanup(cluster.PREFIX) == []  # nothing left behind
+
+
+def _node_and_cross(rank: int, world: int, numel: int) -> dict:
+    import os
+
+    node = [r for r in range(world) if r // 2 == rank // 2]
+    cross = [r for r in range(world) if r % 2 == rank % 2]
+    groups = {}
+    for name, members in (("node", [[0, 1], [2, 3]]), ("cross", [[0, 2], [1, 3]])):
+        for ranks in members:  # every rank creates every group, in one order
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                groups[name] = g
+    out = {"env": (os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])}
+    for name in ("node", "cross"):
+        t = torch.ones(numel)
+        dist.all_reduce(t, group=groups[name])  # connections
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t, group=groups[name])
+        out[name] = time.perf_counter() - t0
+    assert node and cross
+    return out
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+@pytest.mark.timeout(300)
+def test_ranks_of_a_node_share_its_namespace_and_only_traffic_between_nodes_is_shaped():
+    numel = 2**20 // 4 * 2  # 2 MiB of fp32
+    with cluster.EmulatedCluster(2, "50mbit", prefix=PREFIX, ranks_per_node=2) as c:
+        assert len(c.namespaces) == 2 and [c.namespace_of(r) for r in range(4)] == [c.namespaces[0]] * 2 + [c.namespaces[1]] * 2
+        assert "2 nodes x 2 ranks" in c.describe()
+        results = spawn_local(_node_and_cross, 4, numel, all_ranks=True, cluster=c)
+    assert _leftovers() == []
+    limit = 2 * 2**20 * 8 / 50e6  # 2 ranks: one tensor per rank over the link
+    for rank, r in enumerate(results):
+        assert r["env"] == (str(rank // 2), str(rank % 2), "2")  # told their node as torchrun tells them
+        assert r["cross"] > limit * 0.8, r  # between nodes: the shaped link
+        assert r["node"] < limit / 4, r  # inside a node: loopback, not the link

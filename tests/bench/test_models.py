@@ -220,3 +220,17 @@ def test_collective_options_in_a_spec_go_to_the_collective():
     assert method["options"] == {"bits": 4, "collective": "ps", "collective_options": {"partitions": 8}}
     with pytest.raises(ValueError, match="collective 'ps': partitions must be a positive integer"):
         gradzip.Communicator("maxmin", **method["options"] | {"collective_options": {"partitions": 0}})
+
+
+@pytest.mark.timeout(180)
+def test_nodes_of_several_ranks_exchange_hierarchically_and_count_the_node_link(tmp_path):
+    flat = "maxmin:bits=4:hierarchy=off"
+    report = M.run_models([_tiny_resnet()], configs=[flat], workers=4, rate=None, steps=1, warmup=1, ranks_per_node=2)
+    assert report["ranks_per_node"] == 2
+    (model,) = report["models"]
+    rows = {r["method"]: r for r in model["rows"]}
+    # the same payload; the node's link carries one compressed copy of each group, not L
+    assert rows["maxmin4"]["wire_bytes"] == rows[flat]["wire_bytes"]
+    assert rows["maxmin4"]["traffic_bytes"] < rows[flat]["traffic_bytes"]
+    with pytest.raises(ValueError, match="multiple of ranks_per_node"):
+        M.run_models([_tiny_resnet()], workers=3, rate=None, ranks_per_node=2)
