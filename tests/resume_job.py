@@ -5,7 +5,8 @@ trains four copies of one model side by side, plain DDP and gradzip ``maxmin`` (
 rounding, error feedback), ``topk`` (error feedback) and ``qsgd`` (stochastic), on the same data.
 In its first attempt rank 1 dies at the start of step KILL_AT (-1: never); torchrun restarts every
 rank, which resume from the newest step that every rank has saved. Rank 0 writes the final
-parameters to OUT/final.pt.
+parameters to OUT/final.pt. :func:`train` is the same job for a launcher that has already
+joined the process group (one torchrun per emulated node, ``spawn_local(cluster=...)``).
 """
 from __future__ import annotations
 
@@ -34,10 +35,15 @@ def flat(model: nn.Module) -> torch.Tensor:
 
 def main() -> None:
     out, kill_at, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    train(dist.get_rank(), dist.get_world_size(), out, kill_at, steps)
+    dist.destroy_process_group()
+
+
+def train(rank: int, world: int, out: Path, kill_at: int, steps: int, kill_rank: int = 1) -> dict:
+    """The job on a joined process group; ``kill_rank`` dies at step ``kill_at`` of the first attempt."""
+    out.mkdir(parents=True, exist_ok=True)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     runs = {}
     for name, cfg in CONFIGS.items():
@@ -63,7 +69,7 @@ def main() -> None:
                 state.load_state_dict(ckpt[name]["gradzip"])
 
     for step in range(first, steps):
-        if step == kill_at and rank == 1 and restarts == 0:
+        if step == kill_at and rank == kill_rank and restarts == 0:
             os._exit(1)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
@@ -83,14 +89,15 @@ def main() -> None:
         torch.save(ckpt, tmp)
         os.replace(tmp, out / f"rank{rank}_step_{step}.pt")
 
+    final = {name: flat(model) for name, (model, *_rest) in runs.items()}
+    final.update(start=start, restarts=restarts, resumed_from=first - 1)
+    final["plans"] = {name: state.plan().get("topology") for name, (_, _, state, _) in runs.items() if state is not None}
     if rank == 0:
-        final = {name: flat(model) for name, (model, *_rest) in runs.items()}
-        final.update(start=start, restarts=restarts, resumed_from=first - 1)
         torch.save(final, out / "final.pt")
     for _, _, state, _ in runs.values():
         if state is not None:
             state.close()
-    dist.destroy_process_group()
+    return final
 
 
 if __name__ == "__main__":

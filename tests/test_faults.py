@@ -254,3 +254,71 @@ def test_a_killed_and_restarted_job_ends_where_the_uninterrupted_one_does(tmp_pa
     for name in ("maxmin", "topk", "qsgd"):  # stochastic rounding + residuals; residuals; stochastic
         gap = (straight[name] - killed[name]).abs().max()
         assert gap <= ddp_gap, (name, float(gap), float(ddp_gap))
+
+
+# --------------------------------------------------------------------------- several nodes
+# One torchrun per emulated node (network namespaces, a shaped link between them), as on real
+# machines; gradzip finds the two nodes by itself and exchanges hierarchically.
+def _cluster(prefix: str):
+    from gradzip.bench import cluster
+
+    reason = cluster.available()
+    if reason is not None:
+        pytest.skip(f"no emulated cluster here: {reason}")
+    return cluster.EmulatedCluster(2, "1gbit", prefix=prefix, ranks_per_node=2)
+
+
+def _node_dies(rank: int, world: int, fault: str) -> dict:
+    ddp = DDP(_model(), bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    start = time.monotonic()
+    node = int(os.environ["GROUP_RANK"])
+    try:
+        for step in range(6):
+            if step == 2 and node == 1:  # the whole second node
+                if fault == "dead":
+                    os._exit(0)
+                time.sleep(STALL_S)
+            start = time.monotonic()
+            _step(ddp, opt, rank, step)
+        return {"type": None, "hierarchical": state.plan()["topology"]["hierarchical"]}
+    except Exception as exc:
+        return _failure(exc, start) | {"node": node}
+    finally:
+        if fault == "stall" and node != 1:
+            time.sleep(0.5)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["dead", "stall"])
+def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the_timeout(fault):
+    timeout = 3.0
+    with _cluster("gzfault") as c:
+        results = spawn_local(
+            _node_dies, 4, fault, cluster=c, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=120,
+        )
+    healthy = [r for r in results if r is not None and r.get("node") == 0]
+    assert len(healthy) == 2, results
+    for res in healthy:
+        assert res["type"] == "CommunicationError", res
+        assert "step 2" in res["message"], res["message"]
+        assert res["seconds"] < timeout + 6 < STALL_S, res
+
+
+@pytest.mark.timeout(300)
+def test_on_two_nodes_a_killed_rank_restarts_every_node_and_the_job_ends_where_it_would_have(tmp_path):
+    from .resume_job import train
+
+    steps, kill_at = 6, 3
+    with _cluster("gzresume") as c:
+        straight = spawn_local(train, 4, tmp_path / "straight", -1, steps, 3, cluster=c, max_restarts=1)
+        killed = spawn_local(train, 4, tmp_path / "killed", kill_at, steps, 3, cluster=c, max_restarts=1)
+    assert straight["restarts"] == 0 and killed["restarts"] == 1  # torchrun restarted node 0 too
+    assert killed["resumed_from"] == kill_at - 1
+    assert all(t["hierarchical"] for t in killed["plans"].values()), killed["plans"]
+    ddp_gap = (straight["ddp"] - killed["ddp"]).abs().max()
+    for name in ("maxmin", "topk", "qsgd"):
+        assert (straight[name] - straight["start"]).abs().max() > 0, name
+        gap = (straight[name] - killed[name]).abs().max()
+        assert gap <= ddp_gap, (name, float(gap), float(ddp_gap))

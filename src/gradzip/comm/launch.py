@@ -1,15 +1,23 @@
-"""Start W local gloo ranks with ``torch.multiprocessing`` and collect what they return.
+"""Start W local gloo ranks and collect what they return.
 
 Used by ``gradzip demo``, ``gradzip bench`` and the multi-process tests, so a command-line tool
 can run a distributed job and then report in the parent process (where printing and plotting
 live). Every rank's result (or its traceback) travels back through a file.
+
+On plain loopback the ranks are started with ``torch.multiprocessing``. On an emulated cluster
+they are started as on real machines: one ``torchrun`` per node, inside the node's network
+namespace, meeting the others through a c10d rendezvous on node 0's address; torchrun assigns
+node ranks, sets ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` and the rest, and restarts the whole
+job after a failure when asked to (``max_restarts``).
 """
 from __future__ import annotations
 
-import ctypes
+import json
 import os
 import pickle
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,38 +33,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_CLONE_NEWNET = 0x40000000
-
-
-def enter_namespace(name: str) -> None:
-    """Move the calling thread (and the threads it starts later) into network namespace ``name``.
-
-    Called first thing in a spawned rank, before torch.distributed starts its threads.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
 def _entry(
-    rank: int, world_size: int, port: int, outdir: str, timeout_s: float, network: Optional[Tuple[List[str], str, str]],
-    ranks_per_node: Optional[int], fn: Callable, args: tuple,
+    rank: int, world_size: int, port: int, outdir: str, timeout_s: float, ranks_per_node: Optional[int], fn: Callable,
+    args: tuple,
 ) -> None:
-    master = "127.0.0.1"
     if ranks_per_node:  # what torchrun tells the ranks of a node, one torchrun per node
         os.environ.update(
             GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
             LOCAL_WORLD_SIZE=str(ranks_per_node),
         )
-    if network is not None:  # an emulated cluster: this rank's namespace, gloo on its interface
-        namespaces, master, iface = network
-        enter_namespace(namespaces[rank])
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    _run_rank(rank, world_size, f"tcp://127.0.0.1:{port}", outdir, timeout_s, fn, args)
+
+
+def _torchrun_entry(taskdir: str) -> None:
+    """A rank started by torchrun: the task and the parent's import path come from ``taskdir``."""
+    with open(os.path.join(taskdir, "path.json")) as f:
+        sys.path[:0] = [p for p in json.load(f) if p not in sys.path]
+    with open(os.path.join(taskdir, "task.pkl"), "rb") as f:
+        timeout_s, fn, args = pickle.load(f)
+    _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", taskdir, timeout_s, fn, args)
+
+
+def _run_rank(rank: int, world_size: int, init_method: str, outdir: str, timeout_s: float, fn: Callable, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -68,11 +66,7 @@ def _entry(
     for key in [k for k in os.environ if k.startswith("GRADZIP_")]:
         del os.environ[key]
     dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{master}:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
     )
     try:
         record = {"ok": True, "result": fn(rank, world_size, *args)}
@@ -92,47 +86,99 @@ def _entry(
     os._exit(0 if record["ok"] else 1)
 
 
+def _torchrun_per_node(
+    cluster: Any, world_size: int, outdir: str, timeout_s: float, fn: Callable, args: tuple,
+    deadline_s: Optional[float], max_restarts: int,
+) -> Optional[Exception]:
+    """One ``torchrun`` per node of ``cluster``, each in its node's namespace; None when all ended well."""
+    if world_size != cluster.world_size:
+        raise ValueError(
+            f"the emulated cluster holds {cluster.nodes} nodes x {cluster.ranks_per_node} ranks = "
+            f"{cluster.world_size}, not {world_size}"
+        )
+    with open(os.path.join(outdir, "path.json"), "w") as f:
+        json.dump([p for p in sys.path if p], f)
+    with open(os.path.join(outdir, "task.pkl"), "wb") as f:
+        pickle.dump((timeout_s, fn, args), f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=cluster.iface, PYTHONUNBUFFERED="1")
+    # torchrun shares its rendezvous store with the job by default, and a restarted gloo job may
+    # then read the dead attempt's addresses (pytorch/pytorch#135712): the job gets its own store
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p])  # gradzip and the caller's modules
+    endpoint = f"{cluster.address(0)}:{free_port()}"
+    procs, logs = [], []
+    for node in range(cluster.nodes):
+        cmd = [
+            "ip", "netns", "exec", cluster.namespaces[node], sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={cluster.nodes}", f"--nproc-per-node={cluster.ranks_per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.path.basename(outdir)}",
+            # the namespaces share one host name, so say which node holds the rendezvous store
+            f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={cluster.address(node)}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+            "-m", "gradzip.comm.launch", outdir,
+        ]
+        logs.append(os.path.join(outdir, f"node{node}.log"))
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    start = time.monotonic()
+    failure: Optional[Exception] = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                failure = RuntimeError(f"ranks still running after {deadline_s:g} s: killed (hung)")
+                break
+            time.sleep(0.2)
+    except BaseException as exc:  # an interrupt: nothing may outlive the parent
+        failure = exc
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+    if isinstance(failure, (KeyboardInterrupt, SystemExit)):
+        raise failure
+    bad = [(k, p.returncode) for k, p in enumerate(procs) if p.returncode]
+    if failure is None and bad:
+        tails = []
+        for k, code in bad:
+            with open(logs[k]) as f:
+                tail = f.read()[-3000:]
+            tails.append(f"torchrun of node {k} exited with {code}:\n{tail}")
+        failure = RuntimeError("\n".join(tails))
+    return failure
+
+
 def spawn_local(
     fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None,
     deadline_s: Optional[float] = None, missing_ok: bool = False, ranks_per_node: Optional[int] = None,
+    max_restarts: int = 0,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
     Returns rank 0's result, or the list of every rank's result with ``all_ranks=True``. ``fn``
     must be a module-level function (it is pickled into spawned processes). A failure on any
     rank raises ``RuntimeError`` carrying the failing ranks' tracebacks. With ``cluster`` (an
-    entered :class:`gradzip.bench.cluster.EmulatedCluster`) rank r runs in namespace r and
-    gloo talks over the shaped links. ``timeout_s`` bounds each collective; ``deadline_s``
-    bounds the whole job: ranks still running then are killed and ``RuntimeError`` says so.
+    entered :class:`gradzip.bench.cluster.EmulatedCluster`) one torchrun per node starts the
+    node's ranks in its namespace, and gloo talks over the shaped links; ``max_restarts`` is
+    torchrun's (the job starts again on every node after a rank fails, as often as that).
+    ``timeout_s`` bounds each collective; ``deadline_s`` bounds the whole job: ranks still
+    running then are killed and ``RuntimeError`` says so.
     With ``missing_ok`` a rank that exits with status 0 but no result (one that dies on purpose,
     in a fault test) gives ``None`` instead of an error. ``ranks_per_node``: rank r is told, as
     torchrun tells it, that it is local rank ``r % L`` of node ``r // L`` (``GROUP_RANK``,
-    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); a cluster of nodes puts it in its node's namespace.
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); on a cluster the cluster's layout decides.
     """
-    import torch.multiprocessing as mp
-
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before they import torch
     try:
         with tempfile.TemporaryDirectory(prefix="gradzip-") as outdir:
-            network = None
             if cluster is not None:
-                network = ([cluster.namespace_of(r) for r in range(world_size)], cluster.address(0), cluster.iface)
-                ranks_per_node = ranks_per_node or (cluster.ranks_per_node if cluster.ranks_per_node > 1 else None)
-            args_ = (world_size, free_port(), outdir, timeout_s, network, ranks_per_node, fn, args)
-            failure = None
-            ctx = mp.spawn(_entry, args=args_, nprocs=world_size, join=False)
-            start = time.monotonic()
-            try:
-                while not ctx.join(timeout=1.0):
-                    if deadline_s is not None and time.monotonic() - start > deadline_s:
-                        for proc in ctx.processes:
-                            if proc.is_alive():
-                                proc.kill()
-                        failure = RuntimeError(f"ranks still running after {deadline_s:g} s: killed (hung)")
-                        break
-            except Exception as exc:  # collect every rank's story before raising
-                failure = exc
+                failure = _torchrun_per_node(cluster, world_size, outdir, timeout_s, fn, args, deadline_s, max_restarts)
+            else:
+                failure = _spawn(world_size, outdir, timeout_s, ranks_per_node, fn, args, deadline_s)
             records: List[Any] = []
             for r in range(world_size):
                 path = os.path.join(outdir, f"{r}.pkl")
@@ -153,3 +199,29 @@ def spawn_local(
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = old
+
+
+def _spawn(
+    world_size: int, outdir: str, timeout_s: float, ranks_per_node: Optional[int], fn: Callable, args: tuple,
+    deadline_s: Optional[float],
+) -> Optional[Exception]:
+    """``world_size`` ranks from ``torch.multiprocessing``; None when all ended."""
+    import torch.multiprocessing as mp
+
+    args_ = (world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args)
+    ctx = mp.spawn(_entry, args=args_, nprocs=world_size, join=False)
+    start = time.monotonic()
+    try:
+        while not ctx.join(timeout=1.0):
+            if deadline_s is not None and time.monotonic() - start > deadline_s:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()
+                return RuntimeError(f"ranks still running after {deadline_s:g} s: killed (hung)")
+    except Exception as exc:  # collect every rank's story before raising
+        return exc
+    return None
+
+
+if __name__ == "__main__":  # a rank started by torchrun (see _torchrun_per_node)
+    _torchrun_entry(sys.argv[1])
