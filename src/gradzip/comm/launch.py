@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -48,7 +49,14 @@ def _entry(
 def _torchrun_entry(taskdir: str) -> None:
     """A rank started by torchrun: the task and the parent's import path come from ``taskdir``."""
     with open(os.path.join(taskdir, "path.json")) as f:
-        sys.path[:0] = [p for p in json.load(f) if p not in sys.path]
+        where = json.load(f)
+    sys.path[:0] = [p for p in where["path"] if p not in sys.path]
+    if where["main"]:  # the parent's script, for a task defined in it (as multiprocessing does)
+        main = types.ModuleType("__mp_main__")
+        main.__file__ = where["main"]
+        with open(where["main"]) as f:
+            exec(compile(f.read(), where["main"], "exec"), main.__dict__)
+        sys.modules["__main__"] = sys.modules["__mp_main__"] = main
     with open(os.path.join(taskdir, "task.pkl"), "rb") as f:
         timeout_s, fn, args = pickle.load(f)
     _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", taskdir, timeout_s, fn, args)
@@ -96,8 +104,9 @@ def _torchrun_per_node(
             f"the emulated cluster holds {cluster.nodes} nodes x {cluster.ranks_per_node} ranks = "
             f"{cluster.world_size}, not {world_size}"
         )
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
     with open(os.path.join(outdir, "path.json"), "w") as f:
-        json.dump([p for p in sys.path if p], f)
+        json.dump({"path": [p for p in sys.path if p], "main": main if getattr(fn, "__module__", "") == "__main__" else None}, f)
     with open(os.path.join(outdir, "task.pkl"), "wb") as f:
         pickle.dump((timeout_s, fn, args), f)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=cluster.iface, PYTHONUNBUFFERED="1")

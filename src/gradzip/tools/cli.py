@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--workers", type=_positive, default=4, help="local ranks (default %(default)s)")
     mb.add_argument(
         "--ranks-per-node", type=_positive, default=1,
-        help="ranks per emulated node (default %(default)s): the ranks of a node share its namespace and its one "
-        "shaped link, and are told their node as torchrun tells them, so gradzip exchanges hierarchically",
+        help="ranks per emulated node (default %(default)s): one torchrun per node starts them in the node's "
+        "namespace, where they share its one shaped link, so gradzip exchanges hierarchically",
     )
     mb.add_argument(
         "--rate", type=_link_rate, default="1gbit",
@@ -242,6 +242,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", dest="plot_path",
         help="draw time per step per model and method to this PNG (default: next to the JSON, same name)",
     )
+    sc = bench_sub.add_parser(
+        "scale", help="the scaling model: calibrate it here, check it against saved model runs, predict 2..128 nodes",
+        description="Calibrates the scaling model's rates on this machine (memory copy, sum, codec, the CPU of "
+        "gloo's sockets; the link's efficiency on an emulated cluster where one can be built), predicts every "
+        "row of the given 'bench models' reports beside what they measured, and predicts gradzip's speed-up "
+        "over fp32 DDP and the fp16 hook for 2..128 nodes x 1..8 ranks at 1, 10, 25 and 100 Gbit/s.",
+        epilog="examples:\n"
+        "  gradzip bench scale docs/bench/models-2x2-1gbit.json docs/bench/models-4x2-1gbit.json\n"
+        "  gradzip bench scale --values 124439808 --json out/scale-gpt2.json   # GPT-2's gradient count",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sc.add_argument("reports", nargs="*", help="JSON reports of 'gradzip bench models' to validate against")
+    sc.add_argument("--rate", type=_link_rate, default="1gbit", help="link to calibrate on (default %(default)s)")
+    sc.add_argument(
+        "--values", type=_positive, default=25_557_032, help="gradients per step to predict for (default ResNet-50's)",
+    )
+    sc.add_argument(
+        "--json", dest="json_path", default=os.path.join("bench-results", "scale.json"),
+        help="write the results to this JSON file (default %(default)s)",
+    )
+    sc.add_argument("--plot", dest="plot_path", help="draw the predicted speed-ups to this PNG (default: next to the JSON)")
     from ..bench.memory import DEFAULT_CONFIGS as MEM_CONFIGS
 
     mm = bench_sub.add_parser(
@@ -416,6 +437,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             console.print(report["fallback"])
         console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         _plot(plots.models, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "scale":
+        from ..bench import scaling
+
+        if os.path.dirname(args.json_path):
+            os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
+        report = scaling.run_scale(args.reports, args.rate or "1gbit", args.json_path, values=args.values)
+        console = _console()
+        for t in scaling.tables(report):
+            console.print(t)
+        for per_node, bps in report["break_even_bps_16_nodes"].items():
+            where = "beyond 1 Tbit/s" if bps is None else f"{bps / 1e9:.0f} Gbit/s"
+            console.print(f"16 nodes x {per_node}: gradzip stops beating the fp16 hook at {where}")
+        console.print(f"results: {args.json_path}")
+        _plot(scaling.plot, report, args, console)
         return 0
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory
