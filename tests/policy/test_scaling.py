@@ -83,3 +83,26 @@ def test_the_rates_measured_here_are_positive_and_the_codec_costs_more_than_a_co
     assert rates["encode_s_per_value"] > rates["copy_s_per_byte"] * 4  # it reads, finds min/max, packs
     assert rates["payload_ratio"] == pytest.approx(0.127, abs=0.01)  # 4 bits + two fp32 per 512 values
     assert 0 < bench_scaling.socket_rate(1 << 18, repeats=2) < 1e-6
+
+
+def test_bench_scale_with_saved_rates_checks_a_run_without_calibrating(tmp_path, capsys):
+    import json
+
+    from gradzip.tools import cli
+
+    (tmp_path / "rates.json").write_text(json.dumps({"rates": {**ONE_GBIT.__dict__, "cpu_factor": [1.0] * 4}}))
+    run = {
+        "workers": 4, "ranks_per_node": 2, "rate": "1gbit", "cores": 2,
+        "models": [{"model": "resnet50", "numel": N, "compute_cpu_s": [0.1] * 4, "buckets": 4,
+                    "rows": [{"method": "fp32", "median_s": 1.4}, {"method": "maxmin4", "median_s": 0.6}]}],
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    out = tmp_path / "scale.json"
+    rc = cli.main(["bench", "scale", str(tmp_path / "run.json"), "--rates", str(tmp_path / "rates.json"),
+                   "--json", str(out), "--plot", str(tmp_path / "scale.png")])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [v["method"] for v in report["validation"]] == ["fp32", "maxmin4"]
+    assert report["rates"]["link_efficiency"] == ONE_GBIT.link_efficiency  # not calibrated again
+    text = capsys.readouterr().out
+    assert "stops beating the fp16 hook" in text and "Scaling model against" in text

@@ -29,7 +29,10 @@ from . import write_json
 NODES = (2, 4, 8, 16, 32, 64, 128)
 RANKS = (1, 2, 4, 8)
 LINKS_GBIT = (1, 10, 25, 100)
-ROW_METHOD = {"fp32": "fp32", "torch-fp16": "fp16", "maxmin4": "gradzip", "maxmin:bits=4:hierarchy=off": "gradzip-flat"}
+ROW_METHOD = {
+    "fp32": "fp32", "torch-fp16": "fp16", "maxmin4": "gradzip", "maxmin:bits=4:hierarchy=off": "gradzip-flat",
+    "maxmin:bits=4:memory=residual:hierarchy=off": "gradzip-flat",
+}
 
 
 def _per(op, units: float, repeats: int = 5) -> float:
@@ -110,26 +113,32 @@ def _timed_allreduce(rank: int, world: int, values: int) -> float:
     return statistics.median(times)
 
 
-def cpu_factors(rates: Rates, model: str = "resnet50") -> tuple:
+def cpu_factors(rates: Rates, model: str = "resnet50", repeats: int = 3) -> tuple:
     """Measured over modelled exchange CPU of fp32 DDP, the fp16 hook, gradzip flat and gradzip
     hierarchical: DDP steps over ``model``'s gradients on loopback (no shaped link), 2 ranks flat,
-    then 2 nodes x 2 ranks. What the rates of single operations miss: Python, the autograd hooks,
-    caches and memory shared between processes, fresh pages."""
+    then 2 nodes x 2 ranks, each run ``repeats`` times (the median factor: on a shared machine one
+    run's CPU times vary by tens of percent). What the rates of single operations miss: Python,
+    the autograd hooks, caches and memory bandwidth shared between processes, fresh pages."""
     from .models import run_models
 
-    out = []
-    for workers, per_node, rows in ((2, 1, (("fp32", "fp32"), ("torch-fp16", "fp16"), ("maxmin4", "gradzip-flat"))),
-                                    (4, 2, (("maxmin4", "gradzip"),))):
-        report = run_models([model], workers=workers, rate=None, steps=3, warmup=2, ranks_per_node=per_node)
-        m = report["models"][0]
-        compute = statistics.median(m["compute_cpu_s"])
-        ddp_copies = 2 * 4 * m["numel"] * rates.copy_s_per_byte
-        for row_name, method in rows:
-            row = next(r for r in m["rows"] if r["method"] == row_name)
-            measured = statistics.median(row["cpu_s"]) - compute - ddp_copies
-            modelled = predict(method, workers // per_node, per_node, m["numel"], rates).cpu_s - ddp_copies
-            out.append(max(measured, 0.0) / modelled)
-    return tuple(out)
+    runs: List[List[float]] = []
+    for _ in range(repeats):
+        out = []
+        for workers, per_node, rows in (
+            (2, 1, (("fp32", "fp32"), ("torch-fp16", "fp16"), ("maxmin4", "gradzip-flat"))),
+            (4, 2, (("maxmin4", "gradzip"),)),
+        ):
+            report = run_models([model], workers=workers, rate=None, steps=4, warmup=2, ranks_per_node=per_node)
+            m = report["models"][0]
+            compute = statistics.median(m["compute_cpu_s"])
+            ddp_copies = 2 * 4 * m["numel"] * rates.copy_s_per_byte
+            for row_name, method in rows:
+                row = next(r for r in m["rows"] if r["method"] == row_name)
+                measured = statistics.median(row["cpu_s"]) - compute - ddp_copies
+                modelled = predict(method, workers // per_node, per_node, m["numel"], rates).cpu_s - ddp_copies
+                out.append(max(measured, 0.0) / modelled)
+        runs.append(out)
+    return tuple(statistics.median(run[k] for run in runs) for k in range(len(METHODS)))
 
 
 def calibrate(rate: str = "1gbit") -> Rates:
@@ -168,10 +177,18 @@ def validate(report: Dict[str, Any], rates: Rates) -> List[Dict[str, Any]]:
     return out
 
 
+def load_rates(path: str) -> Rates:
+    """The calibrated rates saved in an earlier ``bench scale`` report."""
+    with open(path) as f:
+        saved = json.load(f)["rates"]
+    return Rates(**{**saved, "cpu_factor": tuple(saved["cpu_factor"])})
+
+
 def run_scale(reports: Sequence[str] = (), rate: str = "1gbit", json_path: Optional[str] = None,
-              values: int = 25_557_032, compute_s: float = 0.0) -> Dict[str, Any]:
-    """Calibrate, validate against ``reports`` (paths of saved model reports), predict the grid."""
-    rates = calibrate(rate)
+              values: int = 25_557_032, compute_s: float = 0.0, rates: Optional[Rates] = None) -> Dict[str, Any]:
+    """Calibrate (unless given ``rates``), validate against ``reports`` (paths of saved model
+    reports), predict the grid."""
+    rates = calibrate(rate) if rates is None else rates
     checks = []
     for path in reports:
         with open(path) as f:

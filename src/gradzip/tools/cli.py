@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
         "over fp32 DDP and the fp16 hook for 2..128 nodes x 1..8 ranks at 1, 10, 25 and 100 Gbit/s.",
         epilog="examples:\n"
         "  gradzip bench scale docs/bench/models-2x2-1gbit.json docs/bench/models-4x2-1gbit.json\n"
-        "  gradzip bench scale --values 124439808 --json out/scale-gpt2.json   # GPT-2's gradient count",
+        "  gradzip bench scale --values 124439808 --json out/scale-gpt2.json   # GPT-2's gradient count\n"
+        "  gradzip bench scale new-run.json --rates docs/bench/scale.json      # the same model, a new run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sc.add_argument("reports", nargs="*", help="JSON reports of 'gradzip bench models' to validate against")
@@ -263,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the results to this JSON file (default %(default)s)",
     )
     sc.add_argument("--plot", dest="plot_path", help="draw the predicted speed-ups to this PNG (default: next to the JSON)")
+    sc.add_argument(
+        "--rates", dest="rates_path",
+        help="take the calibrated rates from this earlier 'bench scale' JSON instead of calibrating again",
+    )
     from ..bench.memory import DEFAULT_CONFIGS as MEM_CONFIGS
 
     mm = bench_sub.add_parser(
@@ -443,7 +448,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if os.path.dirname(args.json_path):
             os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
-        report = scaling.run_scale(args.reports, args.rate or "1gbit", args.json_path, values=args.values)
+        rates = scaling.load_rates(args.rates_path) if args.rates_path else None
+        report = scaling.run_scale(args.reports, args.rate or "1gbit", args.json_path, values=args.values, rates=rates)
         console = _console()
         for t in scaling.tables(report):
             console.print(t)
