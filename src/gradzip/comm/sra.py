@@ -1,7 +1,7 @@
 """CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,17 +99,24 @@ class ScatterReduceAllGather(Collective):
             "start": start, "numel": n, "chunk": chunk,
         }
 
-    def _reduce(self, call: Call, p1: dict, name: str) -> dict:
-        rank, w = call.rank, call.world_size
+    @staticmethod
+    def _received(call: Call, p1: dict) -> Tuple[List[Payload], List[torch.Tensor]]:
+        """Wait for a segment's all-to-all: the W payloads of this rank's chunk (decoded with its
+        own chunk's context) and the non-finite flags their senders put on them."""
         if p1["work"] is not None:
             p1["work"].wait()
-        mine = p1["encoded"][rank].ctx
+        mine = p1["encoded"][call.rank].ctx
         parts: List[Payload] = []
         flags = []
-        for r in range(w):
+        for r in range(call.world_size):
             tensors, f = from_bytes(p1["recv"][r], p1["spec"])
             parts.append(Payload(tensors, mine))
             flags.append(f)
+        return parts, flags
+
+    def _reduce(self, call: Call, p1: dict, name: str) -> dict:
+        rank, w = call.rank, call.world_size
+        parts, flags = self._received(call, p1)
         dest = self._own_chunk_of_out(call, p1)
         if dest is None:
             reduced = call.decode(call.codec.aggregate, parts).reshape(-1)

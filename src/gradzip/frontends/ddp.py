@@ -22,6 +22,7 @@ from ..policy.adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check a
 from ..sync.engine import Batch, Communicator, group_key
 from ..config import AUTO, Config
 from ..errors import SettingsMismatchError
+from ..codecs import codec as codec_named, names as codec_names
 from ..comm.base import traffic_factor
 from ..sync.metrics import CSVLogger, format_table, scalars, summary_table
 from ..policy import planner
@@ -590,8 +591,18 @@ def register(
     the model's process group, as given to ``init_process_group``); then ``backward()`` raises
     :class:`~gradzip.errors.CommunicationError` naming the step and the bucket.
     """
-    if not isinstance(model, DistributedDataParallel):
-        raise ValueError(f"register() needs a DistributedDataParallel model, got {type(model).__name__}")
+    from . import fsdp
+
+    if fsdp.is_fsdp1(model):
+        raise ValueError(
+            "register() takes FSDP2 (torch.distributed.fsdp.fully_shard), not FullyShardedDataParallel (FSDP1): "
+            "shard the model with fully_shard"
+        )
+    sharded = fsdp.is_fsdp2(model)
+    if not isinstance(model, DistributedDataParallel) and not sharded:
+        raise ValueError(
+            f"register() needs a DistributedDataParallel model or an FSDP2 module (fully_shard), got {type(model).__name__}"
+        )
     cfg = config or Config()
     fields: Dict[str, Any] = {}
     if codec is not None:
@@ -621,6 +632,8 @@ def register(
     given.update({f"collective.{k}": "argument" for k in collective_options or {}})
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
     cfg = replace(cfg, given=given).with_env().resolved()
+    if sharded:
+        return _register_fsdp(model, cfg, group, memory_options)
     try:
         adaptive_check(cfg.codec, cfg.adaptive, cfg.ramp)
         comm = Communicator(
@@ -666,4 +679,45 @@ def register(
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))
+    return state
+
+
+def _register_fsdp(model: Any, cfg: Config, group: Optional[dist.ProcessGroup], memory_options) -> Any:
+    """:func:`register` for an FSDP2 model: the engine on the units' group, their reduce-scatters."""
+    from ..comm.reducescatter import CompressedReduceScatter
+    from . import fsdp
+
+    odd = [k for k in fsdp.DDP_ONLY if cfg.origin(k) not in ("default", "config")]  # given, or from the environment
+    if odd:
+        raise ValueError(
+            f"register(): {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not supported on an FSDP2 model "
+            f"(set by {', '.join(sorted({cfg.origin(k) for k in odd}))}); there gradzip takes the codec and its "
+            "options, memory, min_numel, timeout and group"
+        )
+    units = [m for m in model.modules() if fsdp.is_fsdp2(m)]
+    groups = [g for g in (fsdp.shard_group(m) for m in units) if g is not None]
+    if group is None and groups:
+        group = groups[0]
+    try:
+        comm = Communicator(
+            cfg.codec, memory=cfg.memory, group=group, memory_options=memory_options, timeout=cfg.timeout,
+            hierarchy="off", fusion=False, pipeline=False, settings_extra={"min_numel": cfg.min_numel, "front_end": "fsdp2"},
+            settings_sources=cfg.sources, **cfg.options,
+        )
+    except ValueError as exc:
+        note = cfg.environment_note()
+        if not note or isinstance(exc, SettingsMismatchError):
+            raise
+        raise type(exc)(f"{exc}{note}") from exc
+    if not CompressedReduceScatter(None).supports(comm.codec):
+        comm.close()
+        able = [n for n in codec_names() if CompressedReduceScatter(None).supports(codec_named(n))]
+        raise ValueError(
+            f"register(): codec {comm.codec.name!r} cannot compress a sharded reduce-scatter (its payload size "
+            f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
+            f"that can: {', '.join(able)}"
+        )
+    state = fsdp.install(model, comm, cfg.min_numel)
+    if comm.rank == 0:
+        logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg), len(state.units))
     return state

@@ -178,6 +178,7 @@ class Communicator:
         self._node_memory: Optional[NodeSharedMemory] = None
         self._plain_codec = _registry.codec("none")
         self._plain = _collectives.get("allreduce")(self.group)
+        self._reduce_scatter: Optional[Collective] = None  # made on first use (sharded front ends)
         self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
         self._plain_memory = _memory.memory("none")
         # levels other than the codec's own (gradzip.policy.adaptive), set by register(): per parameter
@@ -461,6 +462,44 @@ class Communicator:
         """Encode, exchange and decode ``t`` in the calling thread (the worker's job); into ``out``
         if given. ``step``: the step it belongs to (default: see :meth:`next_step`)."""
         return drive(self._reduce_one(t, name, compress, out, self._step_of([name]) if step is None else step))
+
+    def reduce_scatter(
+        self, x: torch.Tensor, out: torch.Tensor, name: str, step: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Average ``x`` over the group and write this rank's chunk of the average into ``out``.
+
+        ``x`` holds every rank's chunk in rank order (``W × out.numel()`` values, any shape), as
+        a sharded front end hands its unsharded gradient over (FSDP2's reduce-scatter). The
+        chunks are compressed with the codec and exchanged by one all-to-all
+        (:class:`~gradzip.comm.reducescatter.CompressedReduceScatter`); with error feedback the
+        memory keeps what this rank's input lost, all of it, under ``name``. In the calling
+        thread; all-NaN where any rank's input was not finite. Returns ``out``."""
+        w = self.world_size
+        if x.numel() != w * out.numel():
+            raise ValueError(f"reduce_scatter: input has {x.numel()} values, needs {w} x {out.numel()}")
+        if self._reduce_scatter is None:
+            from ..comm.reducescatter import CompressedReduceScatter
+
+            self._reduce_scatter = CompressedReduceScatter(self.group)
+        step = self._step_of([name]) if step is None else step
+        codec, mem, coll = self.codec_for(name), self.memory, self._reduce_scatter
+
+        def run() -> torch.Tensor:
+            inp = mem.compensate(x.reshape(-1).contiguous(), name)
+            dest = out if out.dtype == inp.dtype and out.is_contiguous() and not overlaps(out, inp) else None
+            res = drive(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
+            if mem.stateful:
+                mem.update(name, inp, res.own, skip=res.nonfinite)
+            avg = _poison_if(res.avg, res.nonfinite)
+            if dest is None:
+                out.copy_(avg.view(out.shape))
+            wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
+            self.metrics.record(
+                name, x.numel() * x.element_size(), **_metrics_of(res, wire, coll.traffic_factor(w), True, codec),
+            )
+            return out
+
+        return self._guarded(run, f"step {step}, reduce-scatter of {name}")
 
     def next_step(self) -> int:
         """End the current step: later exchanges belong to the next one. The step so ended.

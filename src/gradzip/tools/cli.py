@@ -101,6 +101,27 @@ def _method_list(text: str) -> List[str]:
     return _checked(text, resolve)
 
 
+def _fsdp_methods(text: str) -> List[str]:
+    """``fp32``, ``bf16-reduce`` or codec specs, separated by commas; a codec must exist."""
+    from ..bench.micro import parse_spec
+    from ..codecs import names
+
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for spec in out:
+        if spec not in ("fp32", "bf16-reduce"):
+            try:
+                codec, _ = parse_spec(spec)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+            if codec not in names():
+                raise argparse.ArgumentTypeError(
+                    f"unknown method {spec!r}: fp32, bf16-reduce, or a codec spec ({', '.join(names())})"
+                )
+    if not out:
+        raise argparse.ArgumentTypeError("no methods given")
+    return out
+
+
 def _link_rate(text: str) -> Optional[str]:
     """A link rate for the emulated cluster (``100mbit``, ``1gbit``), or None for ``loopback``."""
     from ..bench.cluster import parse_rate
@@ -268,6 +289,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--rates", dest="rates_path",
         help="take the calibrated rates from this earlier 'bench scale' JSON instead of calibrating again",
     )
+    from ..bench.sharded import DEFAULT_CONFIGS as FSDP_CONFIGS
+
+    fb = bench_sub.add_parser(
+        "fsdp", help="FSDP2 steps over a real model's gradient set: fp32, bf16 reduce and gradzip's reduce-scatter",
+        description="FSDP2 (fully_shard per block, reshard_after_forward off) over a model's parameter shapes with "
+        "a forward that costs next to nothing, so a step is the weight all-gather and the gradient reduce-scatter: "
+        "fp32 FSDP2, FSDP2 with a bf16 reduce, and gradzip codec specs, on the emulated cluster.",
+        epilog="examples:\n"
+        "  gradzip bench fsdp                                    # ResNet-50, 4 hosts at 1 Gbit/s\n"
+        "  gradzip bench fsdp --configs fp32,maxmin:bits=4 --rate 100mbit",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    fb.add_argument("--model", choices=list(MODELS), default="resnet50", help="gradient set (default %(default)s)")
+    fb.add_argument(
+        "--configs", type=_fsdp_methods, default=list(FSDP_CONFIGS),
+        help=f"methods (default {','.join(FSDP_CONFIGS)}): fp32, bf16-reduce or codec specs as in bench models",
+    )
+    fb.add_argument("--workers", type=_positive, default=4, help="ranks, one per emulated host (default %(default)s)")
+    fb.add_argument("--rate", type=_link_rate, default="1gbit", help="link rate, or loopback (default %(default)s)")
+    fb.add_argument("--steps", type=_positive, default=3, help="timed steps per method (default %(default)s)")
+    fb.add_argument("--warmup", type=_positive, default=2, help="untimed steps first (default %(default)s)")
+    fb.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     from ..bench.memory import DEFAULT_CONFIGS as MEM_CONFIGS
 
     mm = bench_sub.add_parser(
@@ -458,6 +501,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             console.print(f"16 nodes x {per_node}: gradzip stops beating the fp16 hook at {where}")
         console.print(f"results: {args.json_path}")
         _plot(scaling.plot, report, args, console)
+        return 0
+    if args.command == "bench" and args.bench == "fsdp":
+        from ..bench import sharded
+
+        report = sharded.run_fsdp(args.model, args.configs, args.workers, args.rate, args.steps, args.warmup, args.json_path)
+        console = _console()
+        console.print(sharded.table(report))
+        if args.json_path:
+            console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         return 0
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory

@@ -1,0 +1,149 @@
+"""FSDP2: gradzip's compressed reduce-scatter on every ``fully_shard`` unit.
+
+FSDP2 reduces each unit's gradients with one reduce-scatter per backward: its input is every
+rank's chunk in rank order (each chunk the unit's parameters' padded flat shards), its output
+this rank's shard of the reduced gradient. ``FSDPModule.set_custom_reduce_scatter`` lets a
+:class:`~torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter` take its place. gradzip's
+compresses each chunk with the codec, exchanges the chunks by one all-to-all and averages only
+this rank's (:meth:`gradzip.sync.engine.Communicator.reduce_scatter`), with error feedback kept
+per rank for the whole unit, keyed by the unit's name. A unit smaller than ``min_numel`` values
+per rank goes through a plain reduce-scatter.
+
+FSDP2 hands over the reduce operation it wants (``AVG``; ``SUM`` with
+``set_force_sum_reduction_for_comms`` or fp16, where it divides itself; ``PREMUL_SUM(f)`` with
+``set_gradient_divide_factor``): gradzip averages and scales the shard to match, on gloo too,
+which has no ``PREMUL_SUM`` of its own. The call returns when the shard is reduced (FSDP reads it
+right after).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+try:  # FSDP2 (fully_shard) and its communication seam
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+except ImportError:  # an older torch: no FSDP2 seam
+    FSDPModule = None  # type: ignore[assignment,misc]
+    ReduceScatter = object  # type: ignore[assignment,misc]
+
+from ..sync.engine import Communicator
+
+# register() settings that only the DDP hook has (fused groups, pipelining, the planner...)
+DDP_ONLY = ("collective", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan", "warmup", "ramp",
+            "adaptive", "adaptive_every", "hierarchy")
+
+
+def is_fsdp2(model: Any) -> bool:
+    """Whether ``model`` is the root (or any unit) of an FSDP2 ``fully_shard``."""
+    return FSDPModule is not None and isinstance(model, FSDPModule)
+
+
+def is_fsdp1(model: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def shard_group(unit: Any) -> Optional[dist.ProcessGroup]:
+    """The process group a unit reduce-scatters over (None: it holds no parameters)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError(
+            f"register(): FSDP unit {type(unit).__name__} has {len(groups)} parameter groups (a per-parameter "
+            "mesh from shard_placement_fn); FSDP2's custom reduce-scatter takes one: shard it without "
+            "shard_placement_fn, or leave this model uncompressed"
+        )
+    return groups[0].mesh_info.shard_process_group if groups else None
+
+
+def _reduce_scatter_plain(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        single(output, input, op=dist.ReduceOp.SUM, group=group)
+    else:  # torch < 2.10
+        dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+class GradzipReduceScatter(ReduceScatter):
+    """One unit's reduce-scatter through the engine (see the module's notes)."""
+
+    def __init__(self, state: "FSDPState", name: str) -> None:
+        self.state = state
+        self.name = name
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> None:
+        state = self.state
+        w = group.size()
+        if group is not state.group and w != state.comm.world_size:
+            raise RuntimeError(
+                f"gradzip: unit {self.name!r} reduce-scatters over a group of {w} ranks, gradzip was registered "
+                f"on {state.comm.world_size}"
+            )
+        if output_tensor.numel() < state.min_numel:
+            _reduce_scatter_plain(output_tensor, input_tensor, group)
+            output_tensor.div_(w)
+            state.plain_calls += 1
+        else:
+            state.comm.reduce_scatter(input_tensor, output_tensor, self.name)
+            state.compressed_calls += 1
+        # the engine averages; FSDP may want the sum, or a sum scaled by its own factor
+        if isinstance(op, dist.ReduceOp.RedOpType):
+            if op == dist.ReduceOp.SUM:
+                output_tensor.mul_(w)
+            elif op != dist.ReduceOp.AVG:
+                raise ValueError(f"gradzip: FSDP asked for a {op} reduce-scatter; gradzip reduces by SUM or AVG")
+        elif op.op == dist.ReduceOp.PREMUL_SUM:
+            output_tensor.mul_(w * float(op.factor))
+        else:
+            raise ValueError(f"gradzip: FSDP asked for a {op} reduce-scatter; gradzip reduces by SUM or AVG")
+        return None
+
+
+class FSDPState:
+    """What :func:`gradzip.register` returns for an FSDP2 model: the engine, the units it
+    reduces, and the stats, checkpoint and close of the DDP state."""
+
+    def __init__(self, comm: Communicator, min_numel: int, group: Optional[dist.ProcessGroup]) -> None:
+        self.comm = comm
+        self.min_numel = min_numel
+        self.group = group
+        self.units: Dict[str, Any] = {}
+        self.compressed_calls = 0
+        self.plain_calls = 0
+
+    def stats(self) -> Dict[str, Any]:
+        out = self.comm.stats()
+        out.update(units=len(self.units), compressed_calls=self.compressed_calls, plain_calls=self.plain_calls)
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.comm.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        self.comm.load_state_dict(state, strict=strict)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def install(model: Any, comm: Communicator, min_numel: int) -> FSDPState:
+    """Give every FSDP2 unit of ``model`` (the root included) gradzip's reduce-scatter."""
+    units: List[tuple] = [(name or "root", m) for name, m in model.named_modules() if is_fsdp2(m)]
+    groups = {name: shard_group(m) for name, m in units}
+    state = FSDPState(comm, min_numel, next((g for g in groups.values() if g is not None), None))
+    for name, unit in units:
+        if groups[name] is None:
+            continue  # no parameters of its own: nothing to reduce
+        handler = GradzipReduceScatter(state, name)
+        unit.set_custom_reduce_scatter(handler)
+        state.units[name] = handler
+    return state

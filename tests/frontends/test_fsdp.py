@@ -1,0 +1,125 @@
+"""gradzip.register on FSDP2 (fully_shard) models, on real gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gradzip
+
+from ..dist_utils import run_workers
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard") or not hasattr(fsdp.FSDPModule, "set_custom_reduce_scatter"):
+    pytest.skip("this torch has no FSDP2 custom reduce-scatter", allow_module_level=True)
+
+WORLD = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _shard(model: nn.Module, **kw) -> nn.Module:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fsdp.fully_shard(layer, **kw)
+    return fsdp.fully_shard(model, **kw)
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+def _compare(rank: int, world: int, codec: str, opts: dict, factor=None) -> dict:
+    """Default FSDP2 and FSDP2 with gradzip, one backward on the same batch; ``factor``: a
+    gradient divide factor on gradzip's side only (FSDP then asks for PREMUL_SUM, which gloo
+    itself cannot do)."""
+    plain, zipped = _shard(_model()), _shard(_model())
+    state = gradzip.register(zipped, codec, min_numel=64, **opts)
+    if factor is not None:
+        for unit in zipped.modules():
+            if isinstance(unit, fsdp.FSDPModule):
+                unit.set_gradient_divide_factor(factor)
+    x, y = _batch(rank, 0)
+    for m in (plain, zipped):
+        nn.functional.cross_entropy(m(x), y).backward()
+    stats = state.stats()
+    state.close()
+    return {"plain": _grads(plain), "zipped": _grads(zipped), "stats": stats}
+
+
+@pytest.mark.parametrize("factor", [None, 4.0])
+def test_a_lossless_codec_gives_fsdps_own_gradients_whatever_the_divide_factor(factor):
+    results = run_workers(_compare, WORLD, "none", {}, factor)
+    scale = 1.0 if factor is None else WORLD / factor  # the default divides the sum by the world size
+    for res in results:
+        torch.testing.assert_close(res["zipped"], res["plain"] * scale)
+        assert res["stats"]["compressed_calls"] >= 2 and res["stats"]["units"] == 3
+
+
+def _train(rank: int, world: int, codec: str, opts: dict, steps: int) -> dict:
+    model = _shard(_model())
+    state = gradzip.register(model, codec, min_numel=64, **opts) if codec else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(rank, step % 4)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    full = _full(model)
+    everyone = [torch.empty_like(full) for _ in range(world)]
+    dist.all_gather(everyone, full)
+    out = {"losses": losses, "identical": all(torch.equal(full, e) for e in everyone)}
+    if state is not None:
+        out["stats"] = state.stats()
+        out["state"] = state.state_dict()
+        state.close()
+    return out
+
+
+def test_four_bit_max_min_with_error_feedback_trains_like_fsdp():
+    steps = 30
+    base = run_workers(_train, WORLD, None, {}, steps)
+    zipped = run_workers(_train, WORLD, "maxmin", {"bits": 4, "memory": "residual"}, steps)
+    for b, z in zip(base, zipped):
+        assert z["identical"]
+        assert z["losses"][-1] < z["losses"][0] - 0.1 and b["losses"][-1] < b["losses"][0] - 0.1
+        assert abs(z["losses"][-1] - b["losses"][-1]) < 0.1 * b["losses"][-1] + 0.05
+        assert z["stats"]["wire_bytes"] > 0 and z["state"]["memory"]["residuals"]
+
+
+def _bad(rank: int, world: int) -> dict:
+    out = {}
+    for name, call in (
+        ("powersgd", lambda: gradzip.register(_shard(_model()), "powersgd")),
+        ("plan", lambda: gradzip.register(_shard(_model()), "maxmin", plan="auto")),
+        ("module", lambda: gradzip.register(_model(), "maxmin")),
+    ):
+        try:
+            call().close()
+            out[name] = None
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_bad_input_is_named_at_register():
+    for res in run_workers(_bad, WORLD):
+        assert "cannot compress a sharded reduce-scatter" in res["powersgd"] and "maxmin" in res["powersgd"]
+        assert "plan is not supported on an FSDP2 model" in res["plan"]
+        assert "DistributedDataParallel model or an FSDP2 module" in res["module"]
