@@ -109,6 +109,8 @@ def _bad(rank: int, world: int) -> dict:
         ("powersgd", lambda: gradzip.register(_shard(_model()), "powersgd")),
         ("plan", lambda: gradzip.register(_shard(_model()), "maxmin", plan="auto")),
         ("module", lambda: gradzip.register(_model(), "maxmin")),
+        ("bits", lambda: gradzip.register(_shard(_model()), "maxmin", weight_bits=12)),
+        ("ddp", lambda: gradzip.register(nn.parallel.DistributedDataParallel(_model()), "maxmin", weight_bits=8)),
     ):
         try:
             call().close()
@@ -123,3 +125,34 @@ def test_bad_input_is_named_at_register():
         assert "cannot compress a sharded reduce-scatter" in res["powersgd"] and "maxmin" in res["powersgd"]
         assert "plan is not supported on an FSDP2 model" in res["plan"]
         assert "DistributedDataParallel model or an FSDP2 module" in res["module"]
+        assert "weight_bits must be an integer in 2..8" in res["bits"]
+        assert "a DDP model has none" in res["ddp"]
+
+
+def _weights(rank: int, world: int, bits: int) -> dict:
+    ref, zipped = _shard(_model()), _shard(_model())
+    state = gradzip.register(zipped, "maxmin", bits=4, weight_bits=bits, min_numel=64)
+    x, _ = _batch(0, 0)  # the same input on every rank
+    with torch.no_grad():
+        a, b = ref(x), zipped(x)
+    everyone = [torch.empty_like(b) for _ in range(world)]
+    dist.all_gather(everyone, b)
+    out = {"gap": float((a - b).abs().max()), "scale": float(a.abs().max()),
+           "same": all(torch.equal(b, e) for e in everyone), "gathers": state.stats()["weight_gathers"]}
+    state.close()
+    return out
+
+
+def test_quantised_weight_all_gather_gives_every_rank_the_same_weights():
+    for res in run_workers(_weights, WORLD, 8):
+        assert res["same"] and res["gathers"] >= 3
+        assert 0 < res["gap"] < 0.05 * res["scale"], res  # quantised, and close
+
+
+def test_eight_bit_weights_and_four_bit_gradients_train_like_fsdp():
+    steps = 30
+    base = run_workers(_train, WORLD, None, {}, steps)
+    zipped = run_workers(_train, WORLD, "maxmin", {"bits": 4, "memory": "residual", "weight_bits": 8}, steps)
+    for b, z in zip(base, zipped):
+        assert z["identical"] and z["stats"]["weight_gathers"] > 0
+        assert abs(z["losses"][-1] - b["losses"][-1]) < 0.1 * b["losses"][-1] + 0.05

@@ -25,7 +25,7 @@ import torch.nn as nn
 from . import write_json
 from .models import MODELS
 
-DEFAULT_CONFIGS = ("fp32", "bf16-reduce", "maxmin:bits=4:memory=residual")
+DEFAULT_CONFIGS = ("fp32", "bf16-reduce", "maxmin:bits=4:memory=residual", "maxmin:bits=4:memory=residual:weight_bits=8")
 
 
 class Block(nn.Module):

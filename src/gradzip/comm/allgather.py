@@ -13,7 +13,28 @@ from .base import (
     register_collective,
     spec_of,
     to_bytes,
+    world,
 )
+
+
+def gather_encoded(codec, shard: torch.Tensor, out: torch.Tensor, group, name: str = "", step: int = 0) -> None:
+    """A compressed all-gather: every rank's ``shard`` encoded by its owner, gathered, and
+    decoded by every rank into ``out`` (``W × shard``, rank-major), its own shard included, so
+    every rank holds the same values. ``shard`` may be a view of ``out`` (FSDP2 copies a rank's
+    shard into its slot of the output): it is encoded before anything is decoded. For weights:
+    ZeRO++'s qwZ (Wang et al., 2023) gathers int8 blocks the same way."""
+    _, w = world(group)
+    payload = codec.encode(shard.reshape(-1), name, step)
+    buf = to_bytes(payload.tensors, torch.zeros((), dtype=torch.bool, device=shard.device))
+    gathered = buf.new_empty(w, buf.numel())
+    if w == 1:
+        gathered[0] = buf
+    else:
+        all_gather_flat(gathered.view(-1), buf, group)
+    spec = spec_of(payload.tensors)
+    for r, dst in enumerate(out.view(w, -1)):
+        tensors, _ = from_bytes(gathered[r], spec)
+        codec.decode_into(Payload(tensors, payload.ctx), dst)
 
 
 @register_collective

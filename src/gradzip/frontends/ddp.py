@@ -572,6 +572,7 @@ def register(
     adaptive: Union[str, bool, None] = None,
     adaptive_every: Optional[int] = None,
     hierarchy: Optional[str] = None,
+    weight_bits: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
     memory_options: Optional[Dict[str, Any]] = None,
@@ -590,6 +591,10 @@ def register(
     collectives time out after ``timeout`` (seconds or a ``timedelta``; default: the timeout of
     the model's process group, as given to ``init_process_group``); then ``backward()`` raises
     :class:`~gradzip.errors.CommunicationError` naming the step and the bucket.
+
+    On an FSDP2 model (``fully_shard``) it compresses every unit's gradient reduce-scatter
+    instead (:mod:`gradzip.frontends.fsdp`), and with ``weight_bits`` (2..8) the weights'
+    all-gather too.
     """
     from . import fsdp
 
@@ -599,6 +604,10 @@ def register(
             "shard the model with fully_shard"
         )
     sharded = fsdp.is_fsdp2(model)
+    if weight_bits is not None and not sharded:
+        raise ValueError("register(): weight_bits compresses FSDP2's weight all-gather; a DDP model has none")
+    if weight_bits is not None and (isinstance(weight_bits, bool) or weight_bits not in range(2, 9)):
+        raise ValueError(f"register(): weight_bits must be an integer in 2..8, got {weight_bits!r}")
     if not isinstance(model, DistributedDataParallel) and not sharded:
         raise ValueError(
             f"register() needs a DistributedDataParallel model or an FSDP2 module (fully_shard), got {type(model).__name__}"
@@ -633,7 +642,7 @@ def register(
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
     cfg = replace(cfg, given=given).with_env().resolved()
     if sharded:
-        return _register_fsdp(model, cfg, group, memory_options)
+        return _register_fsdp(model, cfg, group, memory_options, weight_bits)
     try:
         adaptive_check(cfg.codec, cfg.adaptive, cfg.ramp)
         comm = Communicator(
@@ -682,7 +691,9 @@ def register(
     return state
 
 
-def _register_fsdp(model: Any, cfg: Config, group: Optional[dist.ProcessGroup], memory_options) -> Any:
+def _register_fsdp(
+    model: Any, cfg: Config, group: Optional[dist.ProcessGroup], memory_options, weight_bits: Optional[int],
+) -> Any:
     """:func:`register` for an FSDP2 model: the engine on the units' group, their reduce-scatters."""
     from ..comm.reducescatter import CompressedReduceScatter
     from . import fsdp
@@ -692,7 +703,7 @@ def _register_fsdp(model: Any, cfg: Config, group: Optional[dist.ProcessGroup], 
         raise ValueError(
             f"register(): {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not supported on an FSDP2 model "
             f"(set by {', '.join(sorted({cfg.origin(k) for k in odd}))}); there gradzip takes the codec and its "
-            "options, memory, min_numel, timeout and group"
+            "options, memory, min_numel, weight_bits, timeout and group"
         )
     units = [m for m in model.modules() if fsdp.is_fsdp2(m)]
     groups = [g for g in (fsdp.shard_group(m) for m in units) if g is not None]
@@ -701,7 +712,7 @@ def _register_fsdp(model: Any, cfg: Config, group: Optional[dist.ProcessGroup], 
     try:
         comm = Communicator(
             cfg.codec, memory=cfg.memory, group=group, memory_options=memory_options, timeout=cfg.timeout,
-            hierarchy="off", fusion=False, pipeline=False, settings_extra={"min_numel": cfg.min_numel, "front_end": "fsdp2"},
+            hierarchy="off", fusion=False, pipeline=False, settings_extra={"min_numel": cfg.min_numel, "front_end": "fsdp2", "weight_bits": weight_bits},
             settings_sources=cfg.sources, **cfg.options,
         )
     except ValueError as exc:
@@ -717,7 +728,7 @@ def _register_fsdp(model: Any, cfg: Config, group: Optional[dist.ProcessGroup], 
             f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
             f"that can: {', '.join(able)}"
         )
-    state = fsdp.install(model, comm, cfg.min_numel)
+    state = fsdp.install(model, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:
         logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg), len(state.units))
     return state

@@ -14,6 +14,12 @@ FSDP2 hands over the reduce operation it wants (``AVG``; ``SUM`` with
 ``set_gradient_divide_factor``): gradzip averages and scales the shard to match, on gloo too,
 which has no ``PREMUL_SUM`` of its own. The call returns when the shard is reduced (FSDP reads it
 right after).
+
+With ``weight_bits`` the weights' all-gather is compressed too (``set_custom_all_gather``): each
+rank's shard is quantised to ``weight_bits`` bits in blocks of 1024 values, each with its own
+minimum and scale, rounded to nearest (ZeRO++'s qwZ), gathered, and decoded by every rank alike,
+its own shard included. The sharded parameters, which the optimizer updates, stay in full
+precision; only the unsharded copy used by forward and backward is quantised.
 """
 from __future__ import annotations
 
@@ -22,12 +28,12 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-try:  # FSDP2 (fully_shard) and its communication seam
+try:  # FSDP2 (fully_shard) and its communication seams
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # an older torch: no FSDP2 seam
     FSDPModule = None  # type: ignore[assignment,misc]
-    ReduceScatter = object  # type: ignore[assignment,misc]
+    AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
 
 from ..sync.engine import Communicator
 
@@ -108,6 +114,29 @@ class GradzipReduceScatter(ReduceScatter):
         return None
 
 
+class GradzipAllGather(AllGather):
+    """One unit's weight all-gather, quantised (see the module's notes)."""
+
+    def __init__(self, codec: Any, name: str) -> None:
+        self.codec = codec
+        self.name = name
+        self.calls = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        from ..comm.allgather import gather_encoded
+
+        if not output_tensor.is_floating_point():  # FSDP's byte-typed gathers: as they are
+            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            return None
+        gather_encoded(self.codec, input_tensor, output_tensor, group, self.name, self.calls)
+        self.calls += 1
+        return None  # done: FSDP waits on a handle only when it gets one
+
+
 class FSDPState:
     """What :func:`gradzip.register` returns for an FSDP2 model: the engine, the units it
     reduces, and the stats, checkpoint and close of the DDP state."""
@@ -117,12 +146,14 @@ class FSDPState:
         self.min_numel = min_numel
         self.group = group
         self.units: Dict[str, Any] = {}
+        self.gathers: Dict[str, Any] = {}
         self.compressed_calls = 0
         self.plain_calls = 0
 
     def stats(self) -> Dict[str, Any]:
         out = self.comm.stats()
-        out.update(units=len(self.units), compressed_calls=self.compressed_calls, plain_calls=self.plain_calls)
+        out.update(units=len(self.units), compressed_calls=self.compressed_calls, plain_calls=self.plain_calls,
+                   weight_gathers=sum(g.calls for g in self.gathers.values()))
         return out
 
     def state_dict(self) -> Dict[str, Any]:
@@ -135,8 +166,9 @@ class FSDPState:
         self.comm.close()
 
 
-def install(model: Any, comm: Communicator, min_numel: int) -> FSDPState:
-    """Give every FSDP2 unit of ``model`` (the root included) gradzip's reduce-scatter."""
+def install(model: Any, comm: Communicator, min_numel: int, weight_bits: Optional[int] = None) -> FSDPState:
+    """Give every FSDP2 unit of ``model`` (the root included) gradzip's reduce-scatter, and with
+    ``weight_bits`` its quantised weight all-gather."""
     units: List[tuple] = [(name or "root", m) for name, m in model.named_modules() if is_fsdp2(m)]
     groups = {name: shard_group(m) for name, m in units}
     state = FSDPState(comm, min_numel, next((g for g in groups.values() if g is not None), None))
@@ -146,4 +178,10 @@ def install(model: Any, comm: Communicator, min_numel: int) -> FSDPState:
         handler = GradzipReduceScatter(state, name)
         unit.set_custom_reduce_scatter(handler)
         state.units[name] = handler
+        if weight_bits is not None:
+            from ..codecs import codec
+
+            gather = GradzipAllGather(codec("maxmin", bits=weight_bits, mode="nearest"), f"{name}.weights")
+            unit.set_custom_all_gather(gather)
+            state.gathers[name] = gather
     return state
