@@ -74,8 +74,10 @@ def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]]
     torch.set_num_threads(1)
     x = torch.tensor(1.0 + rank / world)  # the ranks' gradients differ
     rows = []
+    numel = units = 0
     for m in methods:
         module = BlockModel(MODELS[model].shapes())
+        numel, units = sum(p.numel() for p in module.parameters()), len(module.blocks) + 1
         kw: Dict[str, Any] = {"reshard_after_forward": False}
         if m["kind"] == "bf16-reduce":
             kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
@@ -103,8 +105,7 @@ def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]]
             state.close()
         rows.append(row)
         del module
-    numel = sum(p.numel() for p in BlockModel(MODELS[model].shapes()).parameters())
-    return {"model": model, "numel": numel, "units": len(BlockModel(MODELS[model].shapes()).blocks) + 1, "rows": rows}
+    return {"model": model, "numel": numel, "units": units, "rows": rows}
 
 
 def run_fsdp(model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 4,

@@ -8,6 +8,7 @@ from .base import (
     Call,
     Collective,
     Exchanged,
+    all_gather_bytes,
     all_gather_flat,
     from_bytes,
     register_collective,
@@ -25,12 +26,7 @@ def gather_encoded(codec, shard: torch.Tensor, out: torch.Tensor, group, name: s
     ZeRO++'s qwZ (Wang et al., 2023) gathers int8 blocks the same way."""
     _, w = world(group)
     payload = codec.encode(shard.reshape(-1), name, step)
-    buf = to_bytes(payload.tensors, torch.zeros((), dtype=torch.bool, device=shard.device))
-    gathered = buf.new_empty(w, buf.numel())
-    if w == 1:
-        gathered[0] = buf
-    else:
-        all_gather_flat(gathered.view(-1), buf, group)
+    gathered = all_gather_bytes(to_bytes(payload.tensors, torch.zeros((), dtype=torch.bool, device=shard.device)), w, group)
     spec = spec_of(payload.tensors)
     for r, dst in enumerate(out.view(w, -1)):
         tensors, _ = from_bytes(gathered[r], spec)

@@ -39,6 +39,16 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.P
     return _all_gather_flat(out, inp, group=group, async_op=async_op)
 
 
+def all_gather_bytes(buf: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""
+    out = buf.new_empty(world_size, buf.numel())
+    if world_size == 1:
+        out[0] = buf
+    else:
+        all_gather_flat(out.view(-1), buf, group)
+    return out
+
+
 @dataclass
 class Result:
     """Outcome of one collective call on one tensor."""
@@ -436,13 +446,8 @@ class Collective(Configurable):
         return own
 
     def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
-        """All-gather equal-length byte buffers into a ``(world_size, len)`` tensor."""
-        out = buf.new_empty(world_size, buf.numel())
-        if world_size == 1:
-            out[0] = buf
-        else:
-            all_gather_flat(out.view(-1), buf, self.group)
-        return out
+        """:func:`all_gather_bytes` over this collective's group."""
+        return all_gather_bytes(buf, world_size, self.group)
 
 
 _COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")

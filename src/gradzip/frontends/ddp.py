@@ -705,10 +705,9 @@ def _register_fsdp(
             f"(set by {', '.join(sorted({cfg.origin(k) for k in odd}))}); there gradzip takes the codec and its "
             "options, memory, min_numel, weight_bits, timeout and group"
         )
-    units = [m for m in model.modules() if fsdp.is_fsdp2(m)]
-    groups = [g for g in (fsdp.shard_group(m) for m in units) if g is not None]
-    if group is None and groups:
-        group = groups[0]
+    units = fsdp.units_of(model)
+    if group is None and units:
+        group = units[0][2]
     try:
         comm = Communicator(
             cfg.codec, memory=cfg.memory, group=group, memory_options=memory_options, timeout=cfg.timeout,
@@ -728,7 +727,7 @@ def _register_fsdp(
             f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
             f"that can: {', '.join(able)}"
         )
-    state = fsdp.install(model, comm, cfg.min_numel, weight_bits)
+    state = fsdp.install(units, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:
         logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg), len(state.units))
     return state

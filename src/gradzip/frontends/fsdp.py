@@ -23,7 +23,7 @@ precision; only the unsharded copy used by forward and backward is quantised.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -166,15 +166,25 @@ class FSDPState:
         self.comm.close()
 
 
-def install(model: Any, comm: Communicator, min_numel: int, weight_bits: Optional[int] = None) -> FSDPState:
-    """Give every FSDP2 unit of ``model`` (the root included) gradzip's reduce-scatter, and with
-    ``weight_bits`` its quantised weight all-gather."""
-    units: List[tuple] = [(name or "root", m) for name, m in model.named_modules() if is_fsdp2(m)]
-    groups = {name: shard_group(m) for name, m in units}
-    state = FSDPState(comm, min_numel, next((g for g in groups.values() if g is not None), None))
-    for name, unit in units:
-        if groups[name] is None:
-            continue  # no parameters of its own: nothing to reduce
+def units_of(model: Any) -> List[Tuple[str, Any, dist.ProcessGroup]]:
+    """(name, unit, the group it reduce-scatters over) of every FSDP2 unit of ``model`` that
+    holds parameters (the root included, named ``root``)."""
+    out = []
+    for name, m in model.named_modules():
+        if is_fsdp2(m):
+            group = shard_group(m)
+            if group is not None:  # a unit with no parameters of its own has nothing to reduce
+                out.append((name or "root", m, group))
+    return out
+
+
+def install(
+    units: List[Tuple[str, Any, dist.ProcessGroup]], comm: Communicator, min_numel: int, weight_bits: Optional[int] = None,
+) -> FSDPState:
+    """Give every unit (:func:`units_of`) gradzip's reduce-scatter, and with ``weight_bits`` its
+    quantised weight all-gather."""
+    state = FSDPState(comm, min_numel, units[0][2] if units else None)
+    for name, unit, _ in units:
         handler = GradzipReduceScatter(state, name)
         unit.set_custom_reduce_scatter(handler)
         state.units[name] = handler

@@ -486,17 +486,10 @@ class Communicator:
 
         def run() -> torch.Tensor:
             inp = mem.compensate(x.reshape(-1).contiguous(), name)
-            dest = out if out.dtype == inp.dtype and out.is_contiguous() and not overlaps(out, inp) else None
-            res = drive(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
-            if mem.stateful:
-                mem.update(name, inp, res.own, skip=res.nonfinite)
-            avg = _poison_if(res.avg, res.nonfinite)
+            avg, dest, record = drive(self._exchange(coll, codec, mem, inp, name, step, out, True))
             if dest is None:
                 out.copy_(avg.view(out.shape))
-            wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
-            self.metrics.record(
-                name, x.numel() * x.element_size(), **_metrics_of(res, wire, coll.traffic_factor(w), True, codec),
-            )
+            self.metrics.record(name, x.numel() * x.element_size(), **record)
             return out
 
         return self._guarded(run, f"step {step}, reduce-scatter of {name}")
@@ -540,6 +533,20 @@ class Communicator:
         inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
         if compress and self.levels is not None and self.levels.sampling:
             self.levels.observe(name, inp, step)
+        avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
+        if out is None:
+            return avg.view(t.shape).to(t.dtype), record
+        if dest is None:
+            out.copy_(avg.view(t.shape))
+        return out, record
+
+    def _exchange(
+        self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, step: int,
+        out: Optional[torch.Tensor], compress: bool,
+    ) -> Stages:
+        """``inp`` (compensated by ``mem``) through ``coll``, error feedback settled: returns
+        (the result, all-NaN where some rank's input was not; where it went: ``out`` flat when
+        the collective could write there, else None; the metrics of the call)."""
         # the collective writes straight into ``out`` when it can; not while the memory still has
         # to read an input that aliases it
         dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
@@ -550,12 +557,7 @@ class Communicator:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
-        record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
-        if out is None:
-            return avg.view(t.shape).to(t.dtype), record
-        if dest is None:
-            out.copy_(avg.view(t.shape))
-        return out, record
+        return avg, dest, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
 
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
