@@ -111,3 +111,68 @@ def test_every_codec_that_can_shard_gives_every_rank_its_chunk(codec, opts):
         torch.testing.assert_close(whole, exact, atol=0.02, rtol=0.02)
     else:  # lossy, but it points the same way as the exact average
         assert torch.dot(whole, exact) > 0
+
+
+# ------------------------------------------------------------- on two nodes of two ranks (qgZ)
+def _hier_inputs(rank: int, chunk: int, step: int) -> torch.Tensor:
+    return torch.randn(4 * chunk, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _hier(rank: int, world: int, chunk: int, steps: int, nan_at: int, intra: str) -> dict:
+    from gradzip.comm.hierarchy import HierarchicalReduceScatter
+
+    comm = gradzip.Communicator("maxmin", bits=4, memory="residual")
+    rs = comm._make_reduce_scatter()
+    if intra != "shared":  # gloo's all-reduce in place of the node's shared memory
+        rs.shared = None
+    comm._reduce_scatter = rs
+    outs, residuals, inputs = [], [], []
+    for step in range(steps):
+        x = _hier_inputs(rank, chunk, step)
+        if step == nan_at and rank == 2:
+            x[7] = float("nan")
+        before = comm.memory.residuals.get("unit")
+        inputs.append(x + (before.reshape(-1) if before is not None else 0))  # what the exchange compressed
+        out = torch.empty(chunk)
+        comm.reduce_scatter(x, out, "unit")
+        outs.append(out)
+        residuals.append(comm.memory.residuals["unit"].reshape(-1).clone())
+    res = {
+        "hier": isinstance(rs, HierarchicalReduceScatter), "outs": outs, "residuals": residuals, "inputs": inputs,
+        "topology": comm.describe_topology(reduce_scatter=True), "local": int(__import__("os").environ["LOCAL_RANK"]),
+    }
+    comm.close()
+    return res
+
+
+@pytest.mark.parametrize("intra", ["shared", "all-reduce"])
+def test_on_two_nodes_the_reduce_scatter_is_plain_inside_the_node_and_compressed_across(intra):
+    from gradzip.comm.launch import spawn_local
+
+    chunk, steps, nan_at = 3000, 3, 1
+    res = spawn_local(_hier, 4, chunk, steps, nan_at, intra, all_ranks=True, timeout_s=120, ranks_per_node=2)
+    assert all(r["hier"] for r in res)
+    topo = res[0]["topology"]
+    assert topo["topology"] == "2 nodes x 2 ranks"
+    assert [(s["stage"], s["link"]) for s in topo["stages"]] == [
+        ("reduce-scatter", "intra-node"), ("reduce-scatter", "inter-node"),
+    ]
+    for step in range(steps):
+        if step == nan_at:  # a NaN on one rank: every rank's shard all NaN, no residual changed
+            assert all(torch.isnan(r["outs"][step]).all() for r in res)
+            assert all(torch.equal(r["residuals"][step], r["residuals"][step - 1]) for r in res)
+            continue
+        exact = torch.stack([_hier_inputs(r, chunk, step) for r in range(4)]).mean(0)
+        sent = torch.stack([r["inputs"][step] - r["residuals"][step] for r in res]).mean(0)
+        for rank, r in enumerate(res):
+            mine = slice(rank * chunk, (rank + 1) * chunk)
+            # this rank's chunk of the average: near the exact one, and exactly what the ranks'
+            # inputs less their residuals average to (error feedback loses nothing)
+            spread = float(exact.max() - exact.min())
+            assert 0 < (r["outs"][step] - exact[mine]).abs().max() < 3 * spread / 15
+            torch.testing.assert_close(r["outs"][step], sent[mine], rtol=0, atol=1e-5)
+            # the residual lives only at the chunks of this rank's share (its peers' across nodes)
+            share = {r["local"], r["local"] + 2}  # ranks with this local rank on nodes 0 and 1
+            for j in range(4):
+                part = r["residuals"][step][j * chunk : (j + 1) * chunk]
+                assert (torch.count_nonzero(part) > 0) == (j in share), (rank, j)

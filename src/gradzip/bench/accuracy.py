@@ -62,6 +62,10 @@ DEFAULTS = dict(seeds=3, workers=4, rate="1gbit")
 QUICK = dict(steps=40, eval_every=10, seeds=2)
 # The link that loopback runs estimate their wire time on.
 REFERENCE_RATE = "1gbit"
+# What the ranks train: DDP (gradzip's all-reduce hook) or FSDP2 (its reduce-scatter, fully_shard).
+FRONTENDS = ("ddp", "fsdp")
+# The FSDP2 front end's default rows: plain, FSDP2's own bf16 reduce, gradzip on gradients, and on weights too.
+FSDP_CONFIGS = ["fp32", "bf16-reduce", "maxmin4", "maxmin:bits=4:memory=residual:weight_bits=8"]
 # Keys of a spec that go to the optimizer rather than to gradzip.
 OPTIMIZER_KEYS = {"opt.lr": "lr", "opt.momentum": "momentum"}
 # PyTorch's PowerSGD hook issues all-reduces from Future callbacks: with several DDP buckets on
@@ -121,6 +125,10 @@ class Digits:
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y)
+
+    def units(self, model: nn.Module) -> List[nn.Module]:
+        """The modules sharded as FSDP2 units (the root is one too): every linear layer."""
+        return [m for m in model if isinstance(m, nn.Linear)]
 
     def evaluate(self, model: nn.Module, data: Dict[str, Any], rank: int, world: int) -> Dict[str, float]:
         x, y = data["x_te"][rank::world], data["y_te"][rank::world]
@@ -244,6 +252,10 @@ class CharLM:
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
+    def units(self, model: nn.Module) -> List[nn.Module]:
+        """The FSDP2 units besides the root: the transformer blocks, as one shards any transformer."""
+        return list(model.blocks)
+
     def evaluate(self, model: nn.Module, data: Dict[str, Any], rank: int, world: int) -> Dict[str, float]:
         windows = data["heldout"][rank::world]
         with torch.no_grad():
@@ -278,27 +290,40 @@ def _collective_keys() -> Tuple[str, ...]:
     return tuple(getattr(config, "COLLECTIVE_OPTIONS", ()))
 
 
-def resolve(config: str) -> Dict[str, Any]:
-    """A configuration: a demo config name or a codec spec ``name[:key=value...]``.
+def resolve(config: str, frontend: str = "ddp") -> Dict[str, Any]:
+    """A configuration: a demo config name or a codec spec ``name[:key=value...]``; on the
+    ``fsdp`` front end also ``bf16-reduce`` (FSDP2's own bf16 reduce).
 
-    Returns ``{"config", "label", "kind" ("fp32", "torch" or "gradzip"), "codec", "register"
-    (keywords of gradzip.register), "optimizer" (overrides)}``; ``ValueError`` for an unknown name,
-    option or value (the codec is built once to check it).
+    Returns ``{"config", "label", "kind" ("fp32", "torch", "bf16-reduce" or "gradzip"), "codec",
+    "register" (keywords of gradzip.register), "optimizer" (overrides)}``; ``ValueError`` for an
+    unknown name, option or value (the codec is built once to check it), or one the front end
+    does not take.
     """
     from ..codecs import codec as make_codec
     from ..config import Config
     from .methods import CONFIGS, OPTIMIZER_OVERRIDES, describe
     from .micro import parse_spec
 
+    if frontend not in FRONTENDS:
+        raise ValueError(f"unknown front end {frontend!r}; choose from: {', '.join(FRONTENDS)}")
     config = config.strip()
     if config in UNSUPPORTED:
         raise ValueError(f"{config}: {UNSUPPORTED[config]}")
+    if config == "bf16-reduce":
+        if frontend != "fsdp":
+            raise ValueError("bf16-reduce is FSDP2's bf16 reduce (MixedPrecisionPolicy): run it with the fsdp front "
+                             "end; on DDP compare with fp16 or torch-fp16")
+        return {"config": config, "label": "FSDP2 reduce-scatter in bf16 (MixedPrecisionPolicy)", "kind": "bf16-reduce",
+                "register": {}, "optimizer": {}}
     if config in CONFIGS:
         spec = CONFIGS[config]
         if spec is None:
-            return {"config": config, "label": "DDP all-reduce (fp32)", "kind": "fp32", "register": {}, "optimizer": {}}
+            label = "FSDP2 reduce-scatter (fp32)" if frontend == "fsdp" else "DDP all-reduce (fp32)"
+            return {"config": config, "label": label, "kind": "fp32", "register": {}, "optimizer": {}}
         name, opts = spec[0], dict(spec[1])
         if name.startswith("torch:"):
+            if frontend == "fsdp":
+                raise ValueError(f"{config} is a DDP communication hook; FSDP2 has none (compare with bf16-reduce)")
             return {"config": config, "label": describe(config), "kind": "torch", "hook": name[len("torch:"):],
                     "register": {}, "optimizer": dict(OPTIMIZER_OVERRIDES.get(config, {}))}
         optimizer = dict(OPTIMIZER_OVERRIDES.get(config, {}))
@@ -310,8 +335,19 @@ def resolve(config: str) -> Dict[str, Any]:
     register_keys, collective_keys = _register_keys(), _collective_keys()
     codec_opts = {k: v for k, v in opts.items() if k not in register_keys and k not in collective_keys}
     resolved = Config(codec=name).resolved()  # "auto": maxmin under the planner
-    make_codec(resolved.codec, **{**resolved.options, **codec_opts})  # ValueError naming the valid codecs or options
+    built = make_codec(resolved.codec, **{**resolved.options, **codec_opts})  # ValueError naming the valid codecs or options
     kwargs = {k: v for k, v in opts.items() if k not in collective_keys}  # register passes codec options on
+    if frontend == "fsdp":
+        from ..comm.reducescatter import CompressedReduceScatter
+        from ..frontends.fsdp import DDP_ONLY
+
+        odd = sorted(k for k in opts if k in DDP_ONLY or k in collective_keys)
+        if odd:
+            raise ValueError(f"{config}: {', '.join(odd)} only apply to DDP, not to an FSDP2 model")
+        if name == "auto" or not CompressedReduceScatter(None).supports(built):
+            raise ValueError(f"{config}: codec {name!r} cannot compress FSDP2's reduce-scatter")
+    elif "weight_bits" in opts:
+        raise ValueError(f"{config}: weight_bits compresses FSDP2's weight all-gather: run it with the fsdp front end")
     coll = {k: v for k, v in opts.items() if k in collective_keys}
     if coll:
         kwargs["collective_options"] = coll
@@ -349,8 +385,10 @@ def replica_check(flats: Sequence[torch.Tensor]) -> Dict[str, Any]:
 
 
 def replicas(model: nn.Module) -> Dict[str, Any]:
-    """:func:`replica_check` over every rank's parameters (an all-gather; call on every rank)."""
-    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    """:func:`replica_check` over every rank's parameters (an all-gather; call on every rank).
+    Sharded (FSDP2) parameters are compared whole: each rank's all-gather of them."""
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in full])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return replica_check(gathered)
@@ -382,14 +420,17 @@ def _bytes(method: Dict[str, Any], model: nn.Module, state: Any, world: int) -> 
             "params_compressed": stats["params_compressed"], "params_uncompressed": stats["params_uncompressed"],
         }
     params = list(model.parameters())
+    sharded = method.get("frontend") == "fsdp"
     raw = sum(p.numel() * 4 for p in params)
-    raw_c = sum(p.numel() * 4 for p in params if _eligible(p))
-    half = method["kind"] == "torch" and method.get("hook") == "fp16_compress_hook"
+    raw_c = sum(p.numel() * 4 for p in params if sharded or _eligible(p))
+    half = method["kind"] == "bf16-reduce" or (method["kind"] == "torch" and method.get("hook") == "fp16_compress_hook")
     wire, wire_c = (raw / 2, raw_c / 2) if half else (raw, raw_c)
+    collective = "reducescatter" if sharded else "allreduce"
+    factor = (world - 1) / world if sharded else traffic_factor(collective, world)  # a reduce-scatter: half an all-reduce
     return {
-        "raw_per_step": raw, "wire_per_step": wire, "sent_per_step": traffic_factor("allreduce", world) * wire,
+        "raw_per_step": raw, "wire_per_step": wire, "sent_per_step": factor * wire,
         "raw_per_step_compressed": raw_c, "wire_per_step_compressed": wire_c, "ratio": raw / wire,
-        "collective": "allreduce", "memory": "none",
+        "collective": collective, "memory": "none",
         "params_compressed": sum(1 for p in params if _eligible(p)) if half else 0,
         "params_uncompressed": sum(1 for p in params if not (half and _eligible(p))),
     }
@@ -401,24 +442,45 @@ def _sent_so_far(state: Any, per_step: Optional[float], step: int) -> float:
     return float(state.stats()["sent_bytes"])
 
 
-def _train_one(
-    task, data, method: Dict[str, Any], seed: int, steps: int, eval_every: int, rank: int, world: int,
-) -> Dict[str, Any]:
-    """One configuration, one seed, from scratch; every rank returns the same record."""
+def _ddp(model: nn.Module, method: Dict[str, Any]) -> nn.Module:
+    """``model`` in DDP with several buckets, PyTorch's hook on it where the method is one."""
     from torch.nn.parallel import DistributedDataParallel
 
-    import gradzip
-
-    model = task.model(seed, data)
     grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     ddp = DistributedDataParallel(model, bucket_cap_mb=grad_mb / BUCKETS)
-    state = None
     if method["kind"] == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(None, getattr(default_hooks, method["hook"]))
-    elif method["kind"] == "gradzip":
-        state = gradzip.register(ddp, method["codec"], **method["register"])
+    return ddp
+
+
+def _fsdp(task, model: nn.Module, method: Dict[str, Any]) -> nn.Module:
+    """``model`` sharded with FSDP2: the task's units, then the root; a bf16 reduce where asked."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import warnings
+
+    # FSDP2 warns that a root returning a view loses its pre-backward hook to an in-place op; none follows here
+    warnings.filterwarnings("ignore", message=".*returned a view tensor")
+    kw: Dict[str, Any] = {}
+    if method["kind"] == "bf16-reduce":
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    for unit in task.units(model):
+        fully_shard(unit, **kw)
+    return fully_shard(model, **kw)
+
+
+def _train_one(
+    task, data, method: Dict[str, Any], seed: int, steps: int, eval_every: int, rank: int, world: int,
+) -> Dict[str, Any]:
+    """One configuration, one seed, from scratch; every rank returns the same record."""
+    import gradzip
+
+    model = task.model(seed, data)
+    sharded = method.get("frontend") == "fsdp"
+    ddp = _fsdp(task, model, method) if sharded else _ddp(model, method)
+    state = gradzip.register(ddp, method["codec"], **method["register"]) if method["kind"] == "gradzip" else None
     optim = task.optimizer(ddp.parameters(), method["optimizer"])
     per_step = None
     if state is None:  # fixed: what plain DDP or PyTorch's hook send every step
@@ -464,7 +526,7 @@ def _train_one(
 def _levels(state: Any) -> Optional[Dict[str, Any]]:
     """Adaptive levels at the end of a run: how many parameters at each, the planned bytes of
     the compressed parameters and the uniform level's; None without adaptive levels."""
-    if state is None or state.levels is None:
+    if getattr(state, "levels", None) is None:
         return None
     lv = state.plan()["levels"]
     counts: Dict[str, int] = {}
@@ -629,9 +691,13 @@ def run_accuracy(
     tasks: Sequence[str] = DEFAULT_TASKS, configs: Sequence[str] = DEFAULT_CONFIGS, seeds: int = DEFAULTS["seeds"],
     steps: Optional[int] = None, eval_every: Optional[int] = None, workers: int = DEFAULTS["workers"],
     rate: Optional[str] = DEFAULTS["rate"], tolerance: float = 0.0, json_path: Optional[str] = None,
-    timeout_s: float = 300,
+    timeout_s: float = 300, frontend: str = "ddp",
 ) -> Dict[str, Any]:
     """Train every task × seed × configuration on ``workers`` local gloo ranks; return the report.
+
+    ``frontend``: ``ddp`` (DistributedDataParallel, gradzip's hook) or ``fsdp`` (FSDP2, each task's
+    units and the root ``fully_shard``-ed, gradzip's reduce-scatter; ``bf16-reduce`` is FSDP2's
+    own bf16 reduce).
 
     ``steps`` / ``eval_every`` override every task's own; ``rate`` runs on an emulated cluster of
     that link rate where root and iproute2 allow (else on loopback, and ``fallback`` says why).
@@ -649,7 +715,7 @@ def run_accuracy(
         raise ValueError(f"unknown task(s) {', '.join(unknown) or '(none given)'}; choose from: {', '.join(TASKS)}")
     if seeds < 1 or workers < 1 or (steps is not None and steps < 1) or (eval_every is not None and eval_every < 1):
         raise ValueError("seeds, workers, steps and eval_every must be at least 1")
-    methods = [resolve(c) for c in configs]
+    methods = [dict(resolve(c, frontend), frontend=frontend) for c in configs]
     objs = {t: _task(t) for t in tasks}
     for t in objs.values():
         if t.batch < workers:
@@ -661,7 +727,7 @@ def run_accuracy(
     data = {t: objs[t].load() for t in tasks}  # in the parent: the ranks need no scikit-learn
     cores = usable_cores()
     report: Dict[str, Any] = {
-        "tasks": tasks, "configs": configs, "seeds": seed_list, "workers": workers, "rate": rate,
+        "tasks": tasks, "configs": configs, "frontend": frontend, "seeds": seed_list, "workers": workers, "rate": rate,
         "steps": n_steps, "eval_every": every, "tolerance": tolerance, "cores": cores, "emulated": False,
         "network": "loopback", "fallback": None, "link_rate": REFERENCE_RATE,
         "methods": {m["config"]: m["label"] for m in methods},
@@ -763,7 +829,9 @@ def caption(report: Dict[str, Any]) -> str:
         f" {len(report['seeds'])} seed(s); min–max over the seeds; Δ fp32: mean over seeds of this config's held-out"
         f" loss minus the baseline's ({base}) for the same seed; acc / bpc: held-out accuracy (digits) or bits per"
         " character (charlm); kB/step: payload bytes each rank contributes per step (one encoding of each gradient),"
-        " for the tensors gradzip compresses (2-D, ≥ 1024 values) and for all; ratio: raw / payload bytes, all"
+        + (" for the units gradzip compresses and for all (the gradients' reduce-scatter; weights' all-gather not"
+           " counted)" if report.get("frontend") == "fsdp" else " for the tensors gradzip compresses (2-D, ≥ 1024 values)"
+           " and for all") + "; ratio: raw / payload bytes, all"
         " tensors; train s: training wall time, evaluation excluded (mean); s to target: training seconds until the"
         f" held-out loss first reached the baseline's final held-out loss{f' × {1 + tol:g}' if tol else ''} of the"
         " same seed (checked every eval step), mean over the seeds that reached it (reached/seeds); identical: every"
@@ -776,7 +844,8 @@ def caption(report: Dict[str, Any]) -> str:
 
 def title(report: Dict[str, Any]) -> str:
     steps = ", ".join(f"{t} {n} steps (eval every {report['eval_every'][t]})" for t, n in report["steps"].items())
-    return f"Held-out loss at equal steps, {report['workers']} gloo ranks, {steps}; {report['network']}"
+    how = "FSDP2" if report.get("frontend") == "fsdp" else "DDP"
+    return f"Held-out loss at equal steps, {how} on {report['workers']} gloo ranks, {steps}; {report['network']}"
 
 
 def table(report: Dict[str, Any]):

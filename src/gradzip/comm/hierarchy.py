@@ -21,7 +21,7 @@ it contributed reached the sum exactly.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -229,3 +229,125 @@ class Hierarchical(Collective):
             avg.copy_(whole[:n])
         payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
         return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)
+
+
+class HierarchicalReduceScatter(Hierarchical):
+    """A reduce-scatter in two stages: plain inside the node, compressed across nodes (ZeRO++'s qgZ).
+
+    The input holds every rank's chunk in the group's rank order (``W × c`` values, W = N × L),
+    the output is this rank's averaged chunk. Local rank i's *share* is the N chunks of its peers
+    across nodes (:meth:`~gradzip.comm.topology.Topology.cross`), in node order:
+
+    1. the input is gathered share by share (one reordering copy, into the node's shared memory
+       on CPU) and reduced over the node: rank i gets the node's average of its share, exactly;
+    2. ``inner`` (a :class:`~gradzip.comm.reducescatter.CompressedReduceScatter` on the group
+       across nodes) averages that share over the nodes, compressed, and leaves chunk i of it,
+       which is this rank's chunk of the whole group's average;
+    3. the node ORs its non-finite flags, so every rank of the group learns the same flag.
+
+    A rank sends (N−1)/N of one encoding of its share, 1/L of the input, over the slow link.
+    As for :class:`Hierarchical`, information is lost only in stage 2: this rank's error feedback
+    keeps L × (its share − its own payloads decoded), at its share's chunks of the input.
+    """
+
+    name = "hierarchical-reduce-scatter"
+
+    def __init__(
+        self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology,
+        shared: Optional[NodeSharedMemory] = None, chunk_of: Optional[Callable[[int], int]] = None,
+    ) -> None:
+        super().__init__(inner, node_group, topology, shared)
+        where = chunk_of or (lambda rank: rank)  # a global rank's chunk: its rank in the group
+        local = topology.local_size
+        # the input's chunks in the order of the node's reduce-scatter: share by share, in each the node order
+        self.order = torch.tensor([where(ranks[i]) for i in range(local) for ranks in topology.nodes])
+
+    def input_buffer(self, name, numel, dtype, device, step, align=1) -> Optional[torch.Tensor]:
+        return None  # the input is reordered on its way into shared memory
+
+    def describe(self) -> Dict[str, Any]:
+        nodes, local = len(self.topology.nodes), self.topology.local_size
+        return {
+            "topology": f"{nodes} nodes x {local} ranks",
+            "stages": [
+                {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
+                {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
+            ],
+        }
+
+    def exchange(self, call: Call) -> Stages:
+        x = call.flat
+        n = x.numel()
+        nodes, local, i = len(self.topology.nodes), self.topology.local_size, self.topology.local_rank
+        if n % (nodes * local):
+            raise ValueError(f"reduce-scatter: {n} values do not split into {nodes * local} equal chunks")
+        c = n // (nodes * local)
+        span = nodes * c  # one share
+        exact = x.dtype == torch.float32
+        order = self.order.to(x.device)
+
+        def gather_in(dst: torch.Tensor) -> None:
+            torch.index_select(x.view(-1, c), 0, order, out=dst.view(-1, c))
+            if not exact:  # half precision: divided before the sum, as DDP does, so sums stay in range
+                dst.div_(local)
+
+        # 1. the node's average of this rank's share
+        shared = self.shared if x.device.type == "cpu" else None
+        if shared is not None:  # every rank writes its slot; after a barrier each sums its share
+            slots, _ = shared.buffers(call.name, n, x.dtype, call.step)
+            gather_in(slots[i])
+            work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
+            yield  # the barrier: every slot of the node written
+            work.wait()
+            shared.mapped(call.name)
+            share = self._values(call, span, x)
+            mine = slots[:, i * span : (i + 1) * span]
+            torch.add(mine[0], mine[1], out=share)
+            for row in mine[2:]:
+                share.add_(row)
+        else:
+            src = self._values(call, n, x)
+            gather_in(src)
+            if self.by_all_reduce:  # gloo: see Hierarchical
+                work = dist.all_reduce(src, group=self.node_group, async_op=True)
+                share = src[i * span : (i + 1) * span]
+            else:
+                share = self._values(call, span, x)
+                work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
+            yield  # the intra-node sum is on the wire
+            work.wait()
+        if exact:
+            share.div_(local)
+
+        # 2. the share across nodes, compressed: this rank's chunk of the average
+        loss: Dict[str, torch.Tensor] = {}
+
+        def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
+            if call.need_own:
+                decoded = self._values(call, span, x)
+                inner.decode_own_into(decoded)
+                loss["share"] = torch.sub(share, decoded, out=decoded).mul_(local)  # in the input's units
+
+        out = call.out if call.out is not None else torch.empty(c, dtype=x.dtype, device=x.device)
+        res = yield from staged(self.inner.stages(
+            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=out,
+            on_release=keep_loss if call.need_own else None,
+        ))
+        for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
+            setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
+        if call.need_own:
+            mine_at = order[i * nodes : (i + 1) * nodes]
+
+            def loss_into(dst: torch.Tensor) -> None:
+                dst.view(-1, c).index_copy_(0, mine_at, loss["share"].view(nodes, c))
+
+            call.loss_into = loss_into
+
+        # 3. one flag for the node (with shared memory, the barrier before the slots are reused)
+        flag = res.nonfinite.to(torch.float32).reshape(1)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group, async_op=True)
+        yield
+        work.wait()
+        nonfinite = flag[0] > 0
+        payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
+        return Exchanged(res.avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)

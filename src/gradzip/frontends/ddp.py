@@ -703,7 +703,7 @@ def _register_fsdp(
         raise ValueError(
             f"register(): {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not supported on an FSDP2 model "
             f"(set by {', '.join(sorted({cfg.origin(k) for k in odd}))}); there gradzip takes the codec and its "
-            "options, memory, min_numel, weight_bits, timeout and group"
+            "options, memory, min_numel, hierarchy, weight_bits, timeout and group"
         )
     units = fsdp.units_of(model)
     if group is None and units:
@@ -711,7 +711,7 @@ def _register_fsdp(
     try:
         comm = Communicator(
             cfg.codec, memory=cfg.memory, group=group, memory_options=memory_options, timeout=cfg.timeout,
-            hierarchy="off", fusion=False, pipeline=False, settings_extra={"min_numel": cfg.min_numel, "front_end": "fsdp2", "weight_bits": weight_bits},
+            hierarchy=cfg.hierarchy, fusion=False, pipeline=False, settings_extra={"min_numel": cfg.min_numel, "front_end": "fsdp2", "weight_bits": weight_bits},
             settings_sources=cfg.sources, **cfg.options,
         )
     except ValueError as exc:

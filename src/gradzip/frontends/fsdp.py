@@ -39,7 +39,7 @@ from ..sync.engine import Communicator
 
 # register() settings that only the DDP hook has (fused groups, pipelining, the planner...)
 DDP_ONLY = ("collective", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan", "warmup", "ramp",
-            "adaptive", "adaptive_every", "hierarchy")
+            "adaptive", "adaptive_every")
 
 
 def is_fsdp2(model: Any) -> bool:
@@ -81,6 +81,7 @@ class GradzipReduceScatter(ReduceScatter):
     def __init__(self, state: "FSDPState", name: str) -> None:
         self.state = state
         self.name = name
+        self.how = "not run yet"  # "compressed" or "plain", once called
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -98,9 +99,13 @@ class GradzipReduceScatter(ReduceScatter):
             _reduce_scatter_plain(output_tensor, input_tensor, group)
             output_tensor.div_(w)
             state.plain_calls += 1
+            self.how = "plain"
+            raw = input_tensor.numel() * input_tensor.element_size()
+            state.comm.metrics.record(self.name, raw, raw, 0.0, 0.0, compressed=False, sent=raw * (w - 1) / w)
         else:
             state.comm.reduce_scatter(input_tensor, output_tensor, self.name)
             state.compressed_calls += 1
+            self.how = "compressed"
         # the engine averages; FSDP may want the sum, or a sum scaled by its own factor
         if isinstance(op, dist.ReduceOp.RedOpType):
             if op == dist.ReduceOp.SUM:
@@ -150,11 +155,21 @@ class FSDPState:
         self.compressed_calls = 0
         self.plain_calls = 0
 
-    def stats(self) -> Dict[str, Any]:
-        out = self.comm.stats()
+    def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
+        """The engine's figures (per unit with ``per_tensor``; plain units count at their fp32
+        bytes), plus the units and how many of their calls were compressed."""
+        out = self.comm.stats(per_tensor)
         out.update(units=len(self.units), compressed_calls=self.compressed_calls, plain_calls=self.plain_calls,
-                   weight_gathers=sum(g.calls for g in self.gathers.values()))
+                   weight_gathers=sum(g.calls for g in self.gathers.values()), codec=self.comm.codec.name,
+                   memory=self.comm.memory.name, collective="reducescatter")
         return out
+
+    def plan(self) -> Dict[str, Any]:
+        """Each unit's reduce-scatter (compressed, or plain below ``min_numel``, once it has run)
+        and the topology: on several nodes of several ranks, the two stages and their links."""
+        units = {name: handler.how for name, handler in self.units.items()}
+        return {"front_end": "fsdp2", "codec": self.comm.codec.name, "units": units,
+                "topology": self.comm.describe_topology(reduce_scatter=True)}
 
     def state_dict(self) -> Dict[str, Any]:
         return self.comm.state_dict()

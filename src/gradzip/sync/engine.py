@@ -258,6 +258,19 @@ class Communicator:
         coll.group = cross
         return Hierarchical(coll, node, self.topology, self._node_memory)
 
+    def _make_reduce_scatter(self) -> Collective:
+        """The compressed reduce-scatter: flat, or on a hierarchical layout plain inside the node and
+        compressed across nodes (:class:`~gradzip.comm.hierarchy.HierarchicalReduceScatter`)."""
+        from ..comm.hierarchy import HierarchicalReduceScatter
+        from ..comm.reducescatter import CompressedReduceScatter
+
+        if self._node_groups is None or self.topology is None:
+            return CompressedReduceScatter(self.group)
+        node, cross = self._node_groups
+        group = self.group
+        chunk_of = None if group is None or group == dist.group.WORLD else (lambda r: dist.get_group_rank(group, r))
+        return HierarchicalReduceScatter(CompressedReduceScatter(cross), node, self.topology, self._node_memory, chunk_of)
+
     def use_topology_of(self, other: "Communicator") -> None:
         """Exchange as ``other`` does across nodes, on its node groups (which stay ``other``'s):
         a probe of the same job (the planner's calibration) measures the same exchange."""
@@ -267,13 +280,17 @@ class Communicator:
             self._node_memory = other._node_memory
             self.collective = self._hierarchical(self.collective)
 
-    def describe_topology(self) -> Dict[str, Any]:
-        """The nodes found, whether the exchange is hierarchical, and which link each stage uses."""
+    def describe_topology(self, reduce_scatter: bool = False) -> Dict[str, Any]:
+        """The nodes found, whether the exchange is hierarchical, and which link each stage uses
+        (of the all-reduce, or with ``reduce_scatter`` of :meth:`reduce_scatter`'s exchange)."""
         if self.topology is None:
             return {"hierarchical": False, "flat_because": "hierarchy='off'"}
         out = self.topology.describe()
-        if isinstance(self.collective, Hierarchical):
-            out.update(self.collective.describe())
+        if reduce_scatter and self._reduce_scatter is None:
+            self._reduce_scatter = self._make_reduce_scatter()
+        coll = self._reduce_scatter if reduce_scatter else self.collective
+        if isinstance(coll, Hierarchical):
+            out.update(coll.describe())
         return out
 
     @property
@@ -478,9 +495,7 @@ class Communicator:
         if x.numel() != w * out.numel():
             raise ValueError(f"reduce_scatter: input has {x.numel()} values, needs {w} x {out.numel()}")
         if self._reduce_scatter is None:
-            from ..comm.reducescatter import CompressedReduceScatter
-
-            self._reduce_scatter = CompressedReduceScatter(self.group)
+            self._reduce_scatter = self._make_reduce_scatter()
         step = self._step_of([name]) if step is None else step
         codec, mem, coll = self.codec_for(name), self.memory, self._reduce_scatter
 

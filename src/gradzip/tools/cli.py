@@ -81,10 +81,17 @@ def _accuracy_tasks(text: str) -> List[str]:
 
 
 def _accuracy_configs(text: str) -> List[str]:
-    """Demo config names or codec specs separated by commas, each checked (``bench.accuracy.resolve``)."""
+    """Demo config names or codec specs separated by commas, each checked (``bench.accuracy.resolve``)
+    against the front end that takes it; the chosen ``--frontend`` checks them again."""
     from ..bench.accuracy import resolve
 
-    return list(dict.fromkeys(_checked(text, resolve)))
+    def check(config: str) -> None:
+        try:
+            resolve(config, "ddp")
+        except ValueError:
+            resolve(config, "fsdp")  # a config of FSDP2 alone (bf16-reduce, weight_bits)
+
+    return list(dict.fromkeys(_checked(text, check)))
 
 
 def _model_list(text: str) -> List[str]:
@@ -340,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
 
     from ..bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
-    from ..bench.accuracy import DEFAULT_TASKS, QUICK, TASKS
+    from ..bench.accuracy import DEFAULT_TASKS, FRONTENDS, FSDP_CONFIGS, QUICK, TASKS
 
     acc = bench_sub.add_parser(
         "accuracy", help="held-out loss at equal steps, bytes and time-to-target per method, on real data, over seeds",
@@ -352,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  gradzip bench accuracy --json docs/bench/accuracy.json             # defaults: both tasks, 3 seeds\n"
         "  gradzip bench accuracy --quick --rate loopback\n"
         "  gradzip bench accuracy --tasks charlm --configs fp32,maxmin2,qsgd4,topk:ratio=0.05,powersgd:rank=8\n"
-        "  gradzip bench accuracy --configs fp32,signsgd:opt.lr=0.002:opt.momentum=0 --seeds 5",
+        "  gradzip bench accuracy --configs fp32,signsgd:opt.lr=0.002:opt.momentum=0 --seeds 5\n"
+        "  gradzip bench accuracy --frontend fsdp            # fp32 FSDP2, bf16 reduce, gradzip, gradzip + 8-bit weights",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     acc.add_argument(
@@ -360,10 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated tasks (default {','.join(DEFAULT_TASKS)}); all: {','.join(TASKS)}",
     )
     acc.add_argument(
-        "--configs", type=_accuracy_configs, default=ACC_CONFIGS,
-        help=f"comma-separated methods (default {','.join(ACC_CONFIGS)}): demo config names (fp32, fp16, maxmin4, "
+        "--configs", type=_accuracy_configs, default=None,
+        help=f"comma-separated methods (default {','.join(ACC_CONFIGS)}; with --frontend fsdp "
+        f"{','.join(FSDP_CONFIGS)}): demo config names (fp32, fp16, maxmin4, "
         "qsgd4, topk, powersgd, torch-fp16, ...) or codec specs name[:key=value...]; keys of gradzip.register "
-        "(memory, collective, min_numel, ...) go to it, opt.lr / opt.momentum to the optimizer, others to the codec",
+        "(memory, collective, min_numel, weight_bits, ...) go to it, opt.lr / opt.momentum to the optimizer, others "
+        "to the codec; bf16-reduce is FSDP2's own bf16 reduce",
+    )
+    acc.add_argument(
+        "--frontend", choices=FRONTENDS, default="ddp",
+        help="train with DistributedDataParallel (gradzip's all-reduce hook) or FSDP2 (fully_shard per block, "
+        "gradzip's reduce-scatter); default %(default)s",
     )
     acc.add_argument("--seeds", type=_positive, default=None, help="seeds 0..N-1 (default 3; --quick: 2)")
     acc.add_argument("--steps", type=_positive, default=None, help="training steps of every task (default: per task, "
@@ -533,9 +548,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         quick = accuracy.QUICK if args.quick else {}
         try:
             report = accuracy.run_accuracy(
-                args.tasks, args.configs, seeds=args.seeds or quick.get("seeds", accuracy.DEFAULTS["seeds"]),
+                args.tasks, args.configs or (accuracy.FSDP_CONFIGS if args.frontend == "fsdp" else accuracy.DEFAULT_CONFIGS),
+                seeds=args.seeds or quick.get("seeds", accuracy.DEFAULTS["seeds"]),
                 steps=args.steps or quick.get("steps"), eval_every=args.eval_every or quick.get("eval_every"),
                 workers=args.workers, rate=args.rate, tolerance=args.tolerance, json_path=args.json_path,
+                frontend=args.frontend,
             )
         except ImportError as exc:  # the digits data set needs scikit-learn (the 'demo' extra)
             raise SystemExit(f"gradzip bench accuracy: {exc}")
