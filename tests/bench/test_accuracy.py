@@ -253,3 +253,40 @@ def test_the_wide_digits_task_is_communication_bound_by_size_alone():
     assert "64-2048-2048-10" in wide.about({"x_tr": torch.zeros(3, 64), "x_te": torch.zeros(2, 64)})["model"]
     with pytest.raises(ValueError, match="choose from: digits, charlm, digits-wide"):
         A.run_accuracy(tasks=["digits-huge"])
+
+
+@pytest.mark.timeout(150)
+def test_fsdp_front_end_trains_sharded_with_its_own_rows(tmp_path):
+    path = tmp_path / "acc.json"
+    configs = "fp32,bf16-reduce,maxmin4,maxmin:bits=4:memory=residual:weight_bits=8"
+    rc = cli.main([
+        "bench", "accuracy", "--frontend", "fsdp", "--tasks", "digits", "--workers", "2", "--steps", "16",
+        "--eval-every", "8", "--seeds", "1", "--configs", configs, "--rate", "loopback", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["frontend"] == "fsdp"
+    rows = {r["config"]: r for r in report["results"]["digits"]["rows"]}
+    assert list(rows) == configs.split(",")
+    raw = rows["fp32"]["bytes_per_step"]["raw_per_step"]
+    for r in rows.values():
+        assert r["final_loss"]["mean"] < 0.8 * r["initial_loss"]["mean"] and r["identical"] is True
+        assert abs(r["final_loss"]["mean"] - rows["fp32"]["final_loss"]["mean"]) < 0.1 * rows["fp32"]["final_loss"]["mean"]
+        assert r["bytes_per_step"]["raw_per_step"] == raw
+        # a reduce-scatter on two ranks sends half of one encoding
+        assert r["bytes_per_step"]["sent_per_step"] == pytest.approx(r["bytes_per_step"]["wire_per_step"] / 2, rel=1e-6)
+    assert rows["bf16-reduce"]["bytes_per_step"]["wire_per_step"] == raw / 2
+    assert rows["maxmin4"]["bytes_per_step"]["wire_per_step"] < raw / 6
+
+
+@pytest.mark.parametrize("config, frontend, message", [
+    ("bf16-reduce", "ddp", "fsdp front end"),
+    ("torch-fp16", "fsdp", "DDP communication hook"),
+    ("powersgd", "fsdp", "cannot compress FSDP2's reduce-scatter"),
+    ("maxmin:bits=4:fusion=off", "fsdp", "only apply to DDP"),
+    ("maxmin:bits=4:weight_bits=8", "ddp", "weight all-gather"),
+    ("maxmin4", "zero", "ddp, fsdp"),
+])
+def test_a_config_the_front_end_cannot_run_is_refused_before_any_rank_starts(config, frontend, message):
+    with pytest.raises(ValueError, match=message):
+        A.resolve(config, frontend)

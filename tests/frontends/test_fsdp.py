@@ -100,7 +100,7 @@ def test_four_bit_max_min_with_error_feedback_trains_like_fsdp():
         assert z["identical"]
         assert z["losses"][-1] < z["losses"][0] - 0.1 and b["losses"][-1] < b["losses"][0] - 0.1
         assert abs(z["losses"][-1] - b["losses"][-1]) < 0.1 * b["losses"][-1] + 0.05
-        assert z["stats"]["wire_bytes"] > 0 and z["state"]["memory"]["residuals"]
+        assert z["stats"]["wire_bytes"] > 0 and z["state"]["parameter_residuals"]
 
 
 def _bad(rank: int, world: int) -> dict:
@@ -215,3 +215,96 @@ def test_on_two_nodes_fsdp_reduce_scatters_hierarchically_and_trains_like_flat()
         assert abs(h["losses"][-1] - f["losses"][-1]) < 0.1 * f["losses"][-1] + 0.05
     # a rank sends (N-1)/N of an encoding of 1/L of its input, against (W-1)/W of all of it: 1/3 here
     assert hier[0]["stats"]["sent_bytes"] < 0.4 * flat[0]["stats"]["sent_bytes"]
+
+
+# ----------------------------------------------------------- residuals by parameter name
+def test_pack_and_unpack_follow_fsdps_own_chunk_layout():
+    from gradzip.frontends.fsdp import pack, unpack
+
+    w = 3
+    grads = [torch.randn(7, 5), torch.randn(4), torch.randn(3, 2, 2)]  # dim 0 not a multiple of w
+    sizes = [tuple(g.shape) for g in grads]
+    rows = [-(-s[0] // w) * int(torch.tensor(s[1:]).prod()) if len(s) > 1 else -(-s[0] // w) for s in sizes]
+    flat = torch.full((w * sum(rows),), float("nan"))
+    torch._chunk_cat(grads, 0, w, out=flat.view(w, -1))  # what FSDP2 hands its reduce-scatter
+    layout = (w, tuple((f"p{i}", s, k) for i, (s, k) in enumerate(zip(sizes, rows))))
+    back = unpack(flat, layout)
+    for i, g in enumerate(grads):
+        assert torch.equal(back[f"p{i}"], g)
+    again = pack(back, layout, torch.device("cpu"))
+    torch.testing.assert_close(again, torch.nan_to_num(flat, nan=0.0), rtol=0, atol=0)  # padding zero
+    partial = pack({"p1": grads[1]}, layout, torch.device("cpu"))
+    assert torch.equal(unpack(partial, layout)["p1"], grads[1]) and torch.count_nonzero(unpack(partial, layout)["p0"]) == 0
+
+
+class _Branches(nn.Module):
+    """One unit whose ``b`` is used on even steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h + self.b(x) if use_b else h)
+
+
+def _unused(rank: int, world: int) -> dict:
+    model = fsdp.fully_shard(_Branches())
+    state = gradzip.register(model, "maxmin", bits=2, memory="residual", min_numel=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    saved = []
+    for step in range(3):
+        x, _ = _batch(rank, step)
+        opt.zero_grad()
+        model(x, step % 2 == 0).square().mean().backward()
+        opt.step()
+        saved.append(state.state_dict())
+    state.close()
+    return {"saved": saved, "shapes": {n: tuple(p.shape) for n, p in _Branches().named_parameters()}}
+
+
+def test_an_unused_parameter_keeps_its_residual_and_checkpoints_hold_residuals_by_parameter():
+    for res in run_workers(_unused, WORLD):
+        s0, s1, s2 = (s["parameter_residuals"] for s in res["saved"])
+        assert {k: tuple(v.shape) for k, v in s0.items()} == res["shapes"]  # every parameter, in its own shape
+        assert all(not s["memory"]["residuals"] for s in res["saved"])  # none left by unit
+        assert torch.equal(s1["b.weight"], s0["b.weight"]) and torch.count_nonzero(s0["b.weight"]) > 0  # b unused: kept
+        assert not torch.equal(s1["a.weight"], s0["a.weight"])  # a was reduced again, with its residual
+        assert not torch.equal(s2["b.weight"], s1["b.weight"])  # b back: its residual went into the exchange
+
+
+def _resume(rank: int, world: int, saved: list, strict: bool) -> dict:
+    model = _shard(_model())
+    state = gradzip.register(model, "maxmin", bits=4, memory="residual", min_numel=64)
+    out: dict = {}
+    try:
+        with __import__("warnings").catch_warnings(record=True) as caught:
+            __import__("warnings").simplefilter("always")
+            state.load_state_dict(saved[rank] if rank < len(saved) else saved[0], strict=strict)
+        out["warned"] = [str(w.message) for w in caught]
+        out["parked"] = sorted(state.parked)
+        x, y = _batch(rank, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        out["after"] = state.state_dict()["parameter_residuals"]
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    state.close()
+    return out
+
+
+def test_residuals_by_parameter_load_on_another_world_size_only_when_asked():
+    saved = [r["state"] for r in run_workers(_train, WORLD, "maxmin", {"bits": 4, "memory": "residual"}, 3)]
+    names = {n for n, _ in _model().named_parameters()}
+    assert all(set(s["parameter_residuals"]) == names for s in saved)
+    strict = run_workers(_resume, 3, saved, True)
+    assert all("CheckpointError" in r["error"] and "world size 2" in r["error"] for r in strict)
+    loose = run_workers(_resume, 3, saved, False)
+    for rank, r in enumerate(loose):
+        assert "error" not in r, r.get("error")
+        if rank < WORLD:  # the ranks of an index that was saved carry its residuals over, and say so
+            assert r["parked"] == sorted(names) and any("carried over" in w for w in r["warned"])
+        else:
+            assert r["parked"] == []
+        assert set(r["after"]) == names  # every unit reduced, its residual by parameter again

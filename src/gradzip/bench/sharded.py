@@ -101,6 +101,8 @@ def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]]
         if state is not None:
             stats = state.stats()
             row["wire_bytes"] = stats["wire_bytes"] / (warmup + steps)
+            row["sent_bytes"] = stats["sent_bytes"] / (warmup + steps)  # over the slow link, where hierarchical
+            row["topology"] = state.plan()["topology"]
             row["units"] = stats["units"]
             state.close()
         rows.append(row)
@@ -109,25 +111,34 @@ def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]]
 
 
 def run_fsdp(model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 4,
-             rate: Optional[str] = "1gbit", steps: int = 3, warmup: int = 2, json_path: Optional[str] = None) -> Dict[str, Any]:
-    """Every method on ``workers`` ranks (an emulated cluster of that many hosts where it can)."""
+             rate: Optional[str] = "1gbit", steps: int = 3, warmup: int = 2, json_path: Optional[str] = None,
+             ranks_per_node: int = 1) -> Dict[str, Any]:
+    """Every method on ``workers`` ranks (an emulated cluster of ``workers / ranks_per_node``
+    nodes where it can; the ranks of a node share its link and are told their node as torchrun
+    tells them)."""
     from ..comm.launch import spawn_local
     from . import cluster
 
+    if workers % ranks_per_node:
+        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_node ({ranks_per_node})")
     methods = [_method(c) for c in configs]
-    report: Dict[str, Any] = {"workers": workers, "rate": rate, "network": "loopback", "steps": steps}
+    report: Dict[str, Any] = {"workers": workers, "ranks_per_node": ranks_per_node, "rate": rate, "network": "loopback",
+                              "steps": steps}
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         emu = None
         if rate:
             reason = cluster.available()
             if reason is None:
-                emu = stack.enter_context(cluster.EmulatedCluster(workers, rate, prefix="gzfsdp"))
+                emu = stack.enter_context(
+                    cluster.EmulatedCluster(workers // ranks_per_node, rate, prefix="gzfsdp", ranks_per_node=ranks_per_node)
+                )
                 report["network"] = emu.describe()
             else:
                 report["network"] = f"loopback (no emulation: {reason})"
                 print(f"gradzip bench fsdp: no emulated {rate} cluster ({reason}); running on loopback", file=sys.stderr)
-        result = spawn_local(fsdp_worker, workers, model, methods, steps, warmup, cluster=emu)
+        result = spawn_local(fsdp_worker, workers, model, methods, steps, warmup, cluster=emu,
+                             ranks_per_node=ranks_per_node if ranks_per_node > 1 else None)
     fp32 = next((r["median_s"] for r in result["rows"] if r["method"] == "fp32"), None)
     bf16 = next((r["median_s"] for r in result["rows"] if r["method"] == "bf16-reduce"), None)
     raw = result["numel"] * 4 * (workers - 1) / workers  # fp32 reduce-scatter bytes a rank sends
@@ -135,8 +146,8 @@ def run_fsdp(model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, 
         r["vs_fp32"] = fp32 / r["median_s"] if fp32 else None
         r["vs_bf16"] = bf16 / r["median_s"] if bf16 else None
         sent = {"fp32": raw, "bf16-reduce": raw / 2}.get(r["method"])
-        if sent is None and "wire_bytes" in r:
-            sent = r["wire_bytes"] * (workers - 1) / workers
+        if sent is None and "sent_bytes" in r:
+            sent = r["sent_bytes"]
         r["reduce_scatter_bytes"] = sent
     report.update(result, wall_s=time.perf_counter() - t0)
     return write_json(report, json_path)

@@ -6,8 +6,11 @@ this rank's shard of the reduced gradient. ``FSDPModule.set_custom_reduce_scatte
 :class:`~torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter` take its place. gradzip's
 compresses each chunk with the codec, exchanges the chunks by one all-to-all and averages only
 this rank's (:meth:`gradzip.sync.engine.Communicator.reduce_scatter`), with error feedback kept
-per rank for the whole unit, keyed by the unit's name. A unit smaller than ``min_numel`` values
-per rank goes through a plain reduce-scatter.
+per rank for the whole unit. The residual is laid out as the unit's input, and known parameter by
+parameter (FSDP2's post-backward is watched for which parameters it reduces): an unused
+parameter keeps its residual until it is reduced again, and checkpoints hold residuals by
+parameter name, so they load whatever the units or the world size. A unit smaller than
+``min_numel`` values per rank goes through a plain reduce-scatter.
 
 FSDP2 hands over the reduce operation it wants (``AVG``; ``SUM`` with
 ``set_force_sum_reduction_for_comms`` or fp16, where it divides itself; ``PREMUL_SUM(f)`` with
@@ -23,6 +26,8 @@ precision; only the unsharded copy used by forward and backward is quantised.
 """
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -75,13 +80,84 @@ def _reduce_scatter_plain(output: torch.Tensor, input: torch.Tensor, group: dist
         dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group)
 
 
+# One unit's reduce-scatter input, parameter by parameter: (world size, ((name, unsharded size,
+# values per chunk), ...)). FSDP2 pads each gradient's dim 0 to a multiple of W, cuts it into W
+# chunks and lays out row j as chunk j of every gradient in turn (``torch._chunk_cat``).
+Layout = Tuple[int, Tuple[Tuple[str, Tuple[int, ...], int], ...]]
+
+
+def unpack(flat: torch.Tensor, layout: Layout) -> Dict[str, torch.Tensor]:
+    """A unit's flat reduce-scatter-shaped tensor as one tensor per parameter, in its own shape."""
+    w, entries = layout
+    rows = flat.reshape(w, -1)
+    out, at = {}, 0
+    for name, size, k in entries:
+        padded = rows[:, at : at + k].reshape((-1,) + size[1:])
+        out[name] = padded[: size[0]].clone()
+        at += k
+    return out
+
+
+def pack(params: Dict[str, torch.Tensor], layout: Layout, device: torch.device) -> torch.Tensor:
+    """:func:`unpack` reversed: zeros where ``params`` has no tensor (and in the padding)."""
+    w, entries = layout
+    rows = torch.zeros(w, sum(k for _, _, k in entries), dtype=torch.float32, device=device)
+    at = 0
+    for name, size, k in entries:
+        t = params.get(name)
+        if t is not None:  # padded to W chunks of k values, then into column block [at, at + k) of the rows
+            padded = torch.zeros((w * k,), dtype=torch.float32, device=device)
+            padded[: t.numel()].copy_(t.reshape(-1))
+            rows[:, at : at + k].copy_(padded.view(w, k))
+        at += k
+    return rows.reshape(-1)
+
+
 class GradzipReduceScatter(ReduceScatter):
     """One unit's reduce-scatter through the engine (see the module's notes)."""
 
-    def __init__(self, state: "FSDPState", name: str) -> None:
+    def __init__(self, state: "FSDPState", name: str, param_group: Any = None) -> None:
         self.state = state
         self.name = name
         self.how = "not run yet"  # "compressed" or "plain", once called
+        self.layout: Optional[Layout] = None  # that of the residual kept under ``name``
+        self.reduced: Optional[List[Any]] = None  # FSDP's parameters in the coming reduce-scatter, in order
+        if param_group is not None:
+            self._watch(param_group)
+
+    def _watch(self, group: Any) -> None:
+        """Note, as FSDP2's post-backward starts, which of the unit's parameters it will reduce
+        (those with a gradient: an unused parameter is left out of the reduce-scatter's input)."""
+        post_backward = group.post_backward
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            unused = getattr(group, "reduce_scatter_unused_params", False)
+            self.reduced = [
+                fp for fp in group.fsdp_params if hasattr(fp, "_unsharded_param") and (
+                    fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                    or (unused and fp.unsharded_param.requires_grad)
+                )
+            ]
+            return post_backward(*args, **kwargs)
+
+        group.post_backward = noted
+
+    def _layout(self, w: int, chunk: int) -> Optional[Layout]:
+        """The input's parameters, or None where they cannot be told (a parameter sharded on
+        another dimension, or the sizes do not add up: the residual then stays whole, by unit)."""
+        if self.reduced is None:
+            return None
+        entries = []
+        for fp in self.reduced:
+            size = tuple(getattr(fp, "_orig_size", ()))
+            placement = getattr(getattr(fp, "fsdp_placement", None), "dim", None)
+            if not size or placement != 0 or not getattr(fp, "_param_fqn", None):
+                return None
+            rows = -(-size[0] // w)
+            entries.append((fp._param_fqn, size, rows * math.prod(size[1:])))
+        if sum(k for _, _, k in entries) != chunk:
+            return None
+        return (w, tuple(entries))
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -103,6 +179,10 @@ class GradzipReduceScatter(ReduceScatter):
             raw = input_tensor.numel() * input_tensor.element_size()
             state.comm.metrics.record(self.name, raw, raw, 0.0, 0.0, compressed=False, sent=raw * (w - 1) / w)
         else:
+            layout = self._layout(w, output_tensor.numel())
+            if layout != self.layout:  # other parameters than last time: move the residual over
+                state.relayout(self.name, self.layout, layout, input_tensor.device)
+                self.layout = layout
             state.comm.reduce_scatter(input_tensor, output_tensor, self.name)
             state.compressed_calls += 1
             self.how = "compressed"
@@ -154,6 +234,7 @@ class FSDPState:
         self.gathers: Dict[str, Any] = {}
         self.compressed_calls = 0
         self.plain_calls = 0
+        self.parked: Dict[str, torch.Tensor] = {}  # residuals by parameter, of parameters not in a unit's layout
 
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
         """The engine's figures (per unit with ``per_tensor``; plain units count at their fp32
@@ -171,11 +252,53 @@ class FSDPState:
         return {"front_end": "fsdp2", "codec": self.comm.codec.name, "units": units,
                 "topology": self.comm.describe_topology(reduce_scatter=True)}
 
+    def relayout(self, name: str, old: Optional[Layout], new: Optional[Layout], device: torch.device) -> None:
+        """Unit ``name`` now reduces the parameters of ``new``: its residual (laid out as ``old``)
+        is kept per parameter, and rebuilt for ``new`` from what its parameters are owed. A
+        parameter left out (unused this step) keeps its residual until it is reduced again."""
+        residuals = getattr(self.comm.memory, "residuals", None)
+        if residuals is None:
+            return
+        kept = residuals.pop(name, None)
+        if kept is not None and old is not None:
+            self.parked.update(unpack(kept, old))
+        if new is not None and any(p in self.parked for p, _, _ in new[1]):
+            residuals[name] = pack({p: self.parked.pop(p) for p, _, _ in new[1] if p in self.parked}, new, device)
+
     def state_dict(self) -> Dict[str, Any]:
-        return self.comm.state_dict()
+        """The engine's state, with error-feedback residuals by parameter name
+        (``parameter_residuals``, each in its parameter's unsharded shape): they load whatever
+        the units, their padding or the parameters used in the last step."""
+        state = self.comm.state_dict()
+        residuals = state.get("memory", {}).get("residuals")
+        if residuals is not None:
+            params = {k: v.detach().to("cpu", copy=True) for k, v in self.parked.items()}
+            for handler in self.units.values():
+                if handler.layout is not None and handler.name in residuals:
+                    params.update(unpack(residuals.pop(handler.name), handler.layout))
+            state["parameter_residuals"] = params  # what stays in ``residuals``: units of a layout not known
+        return state
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict`, as the engine does. Residuals by parameter name are kept
+        for the same rank of the same world size; with ``strict=False`` also on another world size
+        (resharded), where this rank takes those saved by the rank of its index: each is a
+        replica's own unsent gradient, in the parameter's full shape, whatever the sharding."""
+        state = dict(state)
+        params = state.pop("parameter_residuals", None) or {}
+        problems, same_rank, same = self.comm._compare_owner(state)
         self.comm.load_state_dict(state, strict=strict)
+        self.parked = {}
+        if params and same("memory") and (same_rank or state.get("rank") == self.comm.rank):
+            self.parked = {k: v.clone() for k, v in params.items()}
+            if not same_rank:
+                warnings.warn(
+                    f"gradzip (rank {self.comm.rank} of {self.comm.world_size}): carried over the error-feedback "
+                    f"residuals rank {state.get('rank')} saved on world size {state.get('world_size')}, by parameter",
+                    stacklevel=2,
+                )
+        for handler in self.units.values():  # rebuilt from ``parked`` at each unit's next call
+            handler.layout = None
 
     def close(self) -> None:
         self.comm.close()
@@ -200,7 +323,8 @@ def install(
     quantised weight all-gather."""
     state = FSDPState(comm, min_numel, units[0][2] if units else None)
     for name, unit, _ in units:
-        handler = GradzipReduceScatter(state, name)
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        handler = GradzipReduceScatter(state, name, groups[0] if groups else None)
         unit.set_custom_reduce_scatter(handler)
         state.units[name] = handler
         if weight_bits is not None:

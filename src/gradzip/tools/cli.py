@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fp32 FSDP2, FSDP2 with a bf16 reduce, and gradzip codec specs, on the emulated cluster.",
         epilog="examples:\n"
         "  gradzip bench fsdp                                    # ResNet-50, 4 hosts at 1 Gbit/s\n"
-        "  gradzip bench fsdp --configs fp32,maxmin:bits=4 --rate 100mbit",
+        "  gradzip bench fsdp --configs fp32,maxmin:bits=4 --rate 100mbit\n"
+        "  gradzip bench fsdp --workers 4 --ranks-per-node 2   # 2 nodes of 2 ranks: hierarchical reduce-scatter",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fb.add_argument("--model", choices=list(MODELS), default="resnet50", help="gradient set (default %(default)s)")
@@ -313,7 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs", type=_fsdp_methods, default=list(FSDP_CONFIGS),
         help=f"methods (default {','.join(FSDP_CONFIGS)}): fp32, bf16-reduce or codec specs as in bench models",
     )
-    fb.add_argument("--workers", type=_positive, default=4, help="ranks, one per emulated host (default %(default)s)")
+    fb.add_argument("--workers", type=_positive, default=4, help="ranks (default %(default)s)")
+    fb.add_argument(
+        "--ranks-per-node", type=_positive, default=1,
+        help="ranks per emulated node, sharing its link (default %(default)s); above 1 gradzip reduce-scatters "
+        "hierarchically (plain inside the node, compressed across) unless a spec says hierarchy=off",
+    )
     fb.add_argument("--rate", type=_link_rate, default="1gbit", help="link rate, or loopback (default %(default)s)")
     fb.add_argument("--steps", type=_positive, default=3, help="timed steps per method (default %(default)s)")
     fb.add_argument("--warmup", type=_positive, default=2, help="untimed steps first (default %(default)s)")
@@ -520,7 +526,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench" and args.bench == "fsdp":
         from ..bench import sharded
 
-        report = sharded.run_fsdp(args.model, args.configs, args.workers, args.rate, args.steps, args.warmup, args.json_path)
+        try:
+            report = sharded.run_fsdp(args.model, args.configs, args.workers, args.rate, args.steps, args.warmup,
+                                      args.json_path, ranks_per_node=args.ranks_per_node)
+        except ValueError as exc:
+            raise SystemExit(f"gradzip bench fsdp: {exc}")
         console = _console()
         console.print(sharded.table(report))
         if args.json_path:
