@@ -18,17 +18,23 @@ import pickle
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from gradzip.comm.launch import free_port, spawn_local
 
 TIMEOUT_S = 120  # a collective that waits longer has hung
 
 
-def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
+def _serve(rank: int, world_size: int, port: int, ranks_per_node: Optional[int], conn: Any) -> None:
     """One kept rank: join the job, then run each function sent until told to stop."""
     import torch
     import torch.distributed as dist
+
+    if ranks_per_node:  # told its node as torchrun tells the ranks of one (spawn_local's ranks_per_node)
+        os.environ.update(
+            GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
+            LOCAL_WORLD_SIZE=str(ranks_per_node),
+        )
 
     torch.set_num_threads(1)  # as spawn_local's ranks: several share few cores
     for key in [k for k in os.environ if k.startswith("GRADZIP_")]:
@@ -59,13 +65,13 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
 class _Pool:
     """W kept ranks and a pipe to each."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, ranks_per_node: Optional[int]) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, ranks_per_node, child), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -120,7 +126,7 @@ class _Pool:
             proc.join()
 
 
-_POOLS: Dict[int, _Pool] = {}
+_POOLS: Dict[Tuple[int, Optional[int]], _Pool] = {}
 
 
 @atexit.register
@@ -129,23 +135,25 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].close()
 
 
-def run_workers(fn: Callable, world_size: int, *args: Any) -> List[Any]:
+def run_workers(fn: Callable, world_size: int, *args: Any, ranks_per_node: Optional[int] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; every rank's result.
+    ``ranks_per_node``: rank r is told it is local rank r mod L of node r // L, as torchrun tells it.
 
     A failure (or a hang past two minutes of a collective) on any rank raises with its traceback.
     """
     if os.environ.get("GRADZIP_FRESH_WORKERS") == "1":
-        return spawn_local(fn, world_size, *args, all_ranks=True, timeout_s=TIMEOUT_S)
-    pool = _POOLS.get(world_size)
+        return spawn_local(fn, world_size, *args, all_ranks=True, timeout_s=TIMEOUT_S, ranks_per_node=ranks_per_node)
+    key = (world_size, ranks_per_node)
+    pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, ranks_per_node)
     try:
         records = pool.run(fn, args)
     except BaseException:
-        _POOLS.pop(world_size).kill()
+        _POOLS.pop(key).kill()
         raise
     failures = [(r, rec["error"]) for r, rec in enumerate(records) if not rec["ok"]]
     if failures:
-        _POOLS.pop(world_size).kill()  # its ranks may be stuck in a collective
+        _POOLS.pop(key).kill()  # its ranks may be stuck in a collective
         raise RuntimeError("local ranks failed:\n" + "\n".join(f"rank {r}:\n{err}" for r, err in failures))
     return [rec["result"] for rec in records]

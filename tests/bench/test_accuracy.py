@@ -16,7 +16,7 @@ import torch
 
 from gradzip.tools import cli
 from gradzip.bench import accuracy as A
-from gradzip.comm.launch import spawn_local
+from ..dist_utils import run_workers
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -188,7 +188,7 @@ def _drift_worker(rank: int, world: int):
 
 @pytest.mark.timeout(60)
 def test_replicas_across_ranks_reports_the_drifted_rank():
-    out = spawn_local(_drift_worker, 2, all_ranks=True)
+    out = run_workers(_drift_worker, 2)
     assert out[0] == out[1]  # every rank reaches the same verdict
     assert out[0]["identical"] is False and out[0]["differing_ranks"] == [1]
     assert out[0]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-2)

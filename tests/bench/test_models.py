@@ -17,7 +17,7 @@ import torch.distributed as dist
 import gradzip
 from gradzip.tools import cli
 from gradzip.bench import models as M
-from gradzip.comm.launch import spawn_local
+from ..dist_utils import run_workers
 
 # published parameter counts and tensor counts of the reference implementations
 PUBLISHED = {
@@ -98,7 +98,7 @@ def _rebuilt_bucket_order(rank: int, world: int) -> str:
 
 @pytest.mark.timeout(60)
 def test_gradients_arrive_last_parameter_first_as_in_a_real_backward():
-    order = spawn_local(_rebuilt_bucket_order, 1)
+    order = run_workers(_rebuilt_bucket_order, 1)[0]
     flat = [int(i) for i in order.replace(",", " ").split()]
     assert flat == list(range(39, -1, -1))
 

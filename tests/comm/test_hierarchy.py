@@ -14,12 +14,13 @@ import torch.distributed as dist
 
 import gradzip
 from gradzip.comm.hierarchy import Hierarchical
-from gradzip.comm.launch import spawn_local
 from gradzip.comm.topology import Topology, layout, node_key
+
+from ..dist_utils import run_workers
 
 
 def _run(fn, world: int, per_node: int, *args):
-    return spawn_local(fn, world, *args, all_ranks=True, timeout_s=120, ranks_per_node=per_node)
+    return run_workers(fn, world, *args, ranks_per_node=per_node)
 
 
 # --------------------------------------------------------------------- layouts (no processes)
@@ -157,7 +158,7 @@ def _hierarchy_on_flat(rank: int, world: int) -> str:
 
 
 def test_hierarchy_on_where_the_layout_is_flat_says_why():
-    msgs = spawn_local(_hierarchy_on_flat, 2, all_ranks=True, timeout_s=60)
+    msgs = run_workers(_hierarchy_on_flat, 2)
     assert all("one node" in m and "hierarchy='auto'" in m for m in msgs)
 
 

@@ -147,10 +147,9 @@ def _hier(rank: int, world: int, chunk: int, steps: int, nan_at: int, intra: str
 
 @pytest.mark.parametrize("intra", ["shared", "all-reduce"])
 def test_on_two_nodes_the_reduce_scatter_is_plain_inside_the_node_and_compressed_across(intra):
-    from gradzip.comm.launch import spawn_local
 
     chunk, steps, nan_at = 3000, 3, 1
-    res = spawn_local(_hier, 4, chunk, steps, nan_at, intra, all_ranks=True, timeout_s=120, ranks_per_node=2)
+    res = run_workers(_hier, 4, chunk, steps, nan_at, intra, ranks_per_node=2)
     assert all(r["hier"] for r in res)
     topo = res[0]["topology"]
     assert topo["topology"] == "2 nodes x 2 ranks"

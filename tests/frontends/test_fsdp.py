@@ -197,10 +197,8 @@ def _plan_on_nodes(rank: int, world: int) -> dict:
 
 
 def test_on_two_nodes_fsdp_reduce_scatters_hierarchically_and_trains_like_flat():
-    from gradzip.comm.launch import spawn_local
-
     def run(fn, *args):
-        return spawn_local(fn, 4, *args, all_ranks=True, timeout_s=120, ranks_per_node=2)
+        return run_workers(fn, 4, *args, ranks_per_node=2)
 
     plan = run(_plan_on_nodes)[0]
     assert plan["front_end"] == "fsdp2" and set(plan["units"].values()) == {"compressed"}
