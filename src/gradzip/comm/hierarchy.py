@@ -98,17 +98,18 @@ class Hierarchical(Collective):
         super().release()
         self.inner.release()
 
+    spreads = True  # stage 3: the averaged shares all-gathered inside the node
+
     def describe(self) -> Dict[str, Any]:
         """The stages and the link each one uses."""
         nodes, local = len(self.topology.nodes), self.topology.local_size
-        return {
-            "topology": f"{nodes} nodes x {local} ranks",
-            "stages": [
-                {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
-                {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
-                {"stage": "all-gather", "link": "intra-node", "values": "plain"},
-            ],
-        }
+        stages = [
+            {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
+            {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
+        ]
+        if self.spreads:
+            stages.append({"stage": "all-gather", "link": "intra-node", "values": "plain"})
+        return {"topology": f"{nodes} nodes x {local} ranks", "stages": stages}
 
     def _values(self, call: Call, numel: int, like: torch.Tensor) -> torch.Tensor:
         """``numel`` values of ``like``'s dtype, lent for the call (as bytes from the collective's pool)."""
@@ -124,6 +125,53 @@ class Hierarchical(Collective):
             torch.div(x, self.topology.local_size, out=dst[:n])
         dst[n:].zero_()
 
+    def _node_sum_shared(self, call: Call, x: torch.Tensor, span: int, fill: Callable[[torch.Tensor], None]) -> Stages:
+        """Stage 1 through the node's shared memory: ``fill`` writes this rank's slot (L shares of
+        ``span`` values); after a barrier this rank sums its share over the slots. Returns (the
+        node's sum of this rank's share, the shared output buffer)."""
+        i = self.topology.local_rank
+        slots, spread = self.shared.buffers(call.name, span * self.topology.local_size, x.dtype, call.step)
+        fill(slots[i])
+        work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
+        yield  # the barrier: every slot of the node written
+        work.wait()
+        self.shared.mapped(call.name)
+        share = self._values(call, span, x)
+        mine = slots[:, i * span : (i + 1) * span]
+        torch.add(mine[0], mine[1], out=share)  # row by row: twice as fast as a sum over dim 0
+        for row in mine[2:]:
+            share.add_(row)
+        return share, spread
+
+    def _node_sum_collective(self, call: Call, src: torch.Tensor, span: int, by_all_reduce: bool) -> Stages:
+        """Stage 1 through the node group: ``src`` (L shares of ``span`` values) summed over the
+        node, this rank's share returned (on gloo an all-reduce of it all: see the class notes)."""
+        i = self.topology.local_rank
+        if by_all_reduce:
+            work = dist.all_reduce(src, group=self.node_group, async_op=True)
+            share = src[i * span : (i + 1) * span]
+        else:
+            share = self._values(call, span, src)
+            work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
+        yield  # the intra-node sum is on the wire
+        work.wait()
+        return share
+
+    def _loss_keeper(self, call: Call, share: torch.Tensor, loss: Dict[str, torch.Tensor], scale: int):
+        """The inner exchange's ``on_release``: ``loss["share"]`` = scale × (the share − this
+        rank's own payloads of it decoded), what error feedback keeps (None without it)."""
+        if not call.need_own:
+            return None
+
+        def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
+            decoded = self._values(call, share.numel(), share)
+            inner.decode_own_into(decoded)
+            loss["share"] = torch.sub(share, decoded, out=decoded)
+            if scale != 1:
+                loss["share"].mul_(scale)
+
+        return keep_loss
+
     def exchange(self, call: Call) -> Stages:
         x = call.flat
         n = x.numel()
@@ -136,19 +184,8 @@ class Hierarchical(Collective):
         exact = x.dtype == torch.float32
         shared = self.shared if x.device.type == "cpu" else None
         by_all_reduce = shared is None and self.by_all_reduce
-        if shared is not None:  # every rank writes its slot; after a barrier each sums its share
-            slots, spread = shared.buffers(call.name, chunk * local, x.dtype, call.step)
-            src = slots[i]
-            self._copy_in(x, src, exact)  # nothing to copy where the caller wrote there (input_buffer)
-            work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
-            yield  # the barrier: every slot of the node written
-            work.wait()
-            shared.mapped(call.name)
-            share = self._values(call, chunk, x)
-            mine = slots[:, i * chunk : (i + 1) * chunk]
-            torch.add(mine[0], mine[1], out=share)  # row by row: twice as fast as a sum over dim 0
-            for row in mine[2:]:
-                share.add_(row)
+        if shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
+            share, spread = yield from self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
         else:
             # on gloo the input is summed in place only where the average overwrites it anyway
             # and the frame will not read it after the exchange (this rank's share of the
@@ -161,32 +198,20 @@ class Hierarchical(Collective):
             else:
                 src = self._values(call, chunk * local, x)
                 self._copy_in(x, src, exact)
-            if by_all_reduce:
-                work = dist.all_reduce(src, group=self.node_group, async_op=True)
-                share = src[i * chunk : (i + 1) * chunk]
-            else:
-                share = self._values(call, chunk, x)
-                work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
-            yield  # the intra-node sum is on the wire
-            work.wait()
+            share = yield from self._node_sum_collective(call, src, chunk, by_all_reduce)
         if exact:
             share.div_(local)
 
         # 2. the share across nodes, compressed; what this rank's encoding lost is kept for
         # error feedback when the inner exchange releases its input
         loss: Dict[str, torch.Tensor] = {}
-
-        def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
-            if call.need_own:
-                decoded = self._values(call, chunk, x)
-                inner.decode_own_into(decoded)
-                loss["share"] = torch.sub(share, decoded, out=decoded)
+        keep_loss = self._loss_keeper(call, share, loss, 1)
 
         # the average of the share goes where stage 3 spreads it from: the shared output, or in place
         dest = share if shared is None else spread[i * chunk : (i + 1) * chunk]
         res = yield from staged(self.inner.stages(
             call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=dest,
-            align=call.align, on_release=keep_loss if call.need_own else None,
+            align=call.align, on_release=keep_loss,
         ))
         for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
             setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
@@ -265,15 +290,7 @@ class HierarchicalReduceScatter(Hierarchical):
     def input_buffer(self, name, numel, dtype, device, step, align=1) -> Optional[torch.Tensor]:
         return None  # the input is reordered on its way into shared memory
 
-    def describe(self) -> Dict[str, Any]:
-        nodes, local = len(self.topology.nodes), self.topology.local_size
-        return {
-            "topology": f"{nodes} nodes x {local} ranks",
-            "stages": [
-                {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
-                {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
-            ],
-        }
+    spreads = False  # each rank keeps its own chunk: no all-gather
 
     def exchange(self, call: Call) -> Stages:
         x = call.flat
@@ -293,45 +310,22 @@ class HierarchicalReduceScatter(Hierarchical):
 
         # 1. the node's average of this rank's share
         shared = self.shared if x.device.type == "cpu" else None
-        if shared is not None:  # every rank writes its slot; after a barrier each sums its share
-            slots, _ = shared.buffers(call.name, n, x.dtype, call.step)
-            gather_in(slots[i])
-            work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
-            yield  # the barrier: every slot of the node written
-            work.wait()
-            shared.mapped(call.name)
-            share = self._values(call, span, x)
-            mine = slots[:, i * span : (i + 1) * span]
-            torch.add(mine[0], mine[1], out=share)
-            for row in mine[2:]:
-                share.add_(row)
+        if shared is not None:
+            share, _ = yield from self._node_sum_shared(call, x, span, gather_in)
         else:
             src = self._values(call, n, x)
             gather_in(src)
-            if self.by_all_reduce:  # gloo: see Hierarchical
-                work = dist.all_reduce(src, group=self.node_group, async_op=True)
-                share = src[i * span : (i + 1) * span]
-            else:
-                share = self._values(call, span, x)
-                work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
-            yield  # the intra-node sum is on the wire
-            work.wait()
+            share = yield from self._node_sum_collective(call, src, span, self.by_all_reduce)
         if exact:
             share.div_(local)
 
         # 2. the share across nodes, compressed: this rank's chunk of the average
         loss: Dict[str, torch.Tensor] = {}
-
-        def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
-            if call.need_own:
-                decoded = self._values(call, span, x)
-                inner.decode_own_into(decoded)
-                loss["share"] = torch.sub(share, decoded, out=decoded).mul_(local)  # in the input's units
-
+        keep_loss = self._loss_keeper(call, share, loss, local)  # in the input's units
         out = call.out if call.out is not None else torch.empty(c, dtype=x.dtype, device=x.device)
         res = yield from staged(self.inner.stages(
             call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=out,
-            on_release=keep_loss if call.need_own else None,
+            on_release=keep_loss,
         ))
         for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
             setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
