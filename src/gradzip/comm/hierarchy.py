@@ -21,7 +21,7 @@ it contributed reached the sum exactly.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,16 +125,22 @@ class Hierarchical(Collective):
             torch.div(x, self.topology.local_size, out=dst[:n])
         dst[n:].zero_()
 
-    def _node_sum_shared(self, call: Call, x: torch.Tensor, span: int, fill: Callable[[torch.Tensor], None]) -> Stages:
+    def _node_sum_shared(
+        self, call: Call, x: torch.Tensor, span: int, fill: Callable[[torch.Tensor], None],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Stage 1 through the node's shared memory: ``fill`` writes this rank's slot (L shares of
         ``span`` values); after a barrier this rank sums its share over the slots. Returns (the
-        node's sum of this rank's share, the shared output buffer)."""
+        node's sum of this rank's share, the shared output buffer).
+
+        The barrier (every slot of the node written) is waited for at once, not yielded to the
+        pipeline: the node's ranks reach it together, and the compressed stage after it is the
+        first to use the slow link. Yielded, a job put its payloads on the wire only when the next
+        job arrived (the pipeline advances older jobs a stage per arrival), and the last jobs of a
+        step one after another."""
         i = self.topology.local_rank
         slots, spread = self.shared.buffers(call.name, span * self.topology.local_size, x.dtype, call.step)
         fill(slots[i])
-        work = dist.all_reduce(torch.zeros(1), group=self.node_group, async_op=True)
-        yield  # the barrier: every slot of the node written
-        work.wait()
+        dist.all_reduce(torch.zeros(1), group=self.node_group)
         self.shared.mapped(call.name)
         share = self._values(call, span, x)
         mine = slots[:, i * span : (i + 1) * span]
@@ -185,7 +191,7 @@ class Hierarchical(Collective):
         shared = self.shared if x.device.type == "cpu" else None
         by_all_reduce = shared is None and self.by_all_reduce
         if shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
-            share, spread = yield from self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
+            share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
         else:
             # on gloo the input is summed in place only where the average overwrites it anyway
             # and the frame will not read it after the exchange (this rank's share of the
@@ -311,7 +317,7 @@ class HierarchicalReduceScatter(Hierarchical):
         # 1. the node's average of this rank's share
         shared = self.shared if x.device.type == "cpu" else None
         if shared is not None:
-            share, _ = yield from self._node_sum_shared(call, x, span, gather_in)
+            share, _ = self._node_sum_shared(call, x, span, gather_in)
         else:
             src = self._values(call, n, x)
             gather_in(src)
