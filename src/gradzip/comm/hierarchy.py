@@ -149,18 +149,17 @@ class Hierarchical(Collective):
             share.add_(row)
         return share, spread
 
-    def _node_sum_collective(self, call: Call, src: torch.Tensor, span: int, by_all_reduce: bool) -> Stages:
+    def _node_sum_collective(self, call: Call, src: torch.Tensor, span: int, by_all_reduce: bool) -> torch.Tensor:
         """Stage 1 through the node group: ``src`` (L shares of ``span`` values) summed over the
-        node, this rank's share returned (on gloo an all-reduce of it all: see the class notes)."""
+        node, this rank's share returned (on gloo an all-reduce of it all: see the class notes).
+        Waited for at once, as :meth:`_node_sum_shared` is: both ways of stage 1 have the same
+        stages (none), so every node's pipeline issues the same collectives in the same order."""
         i = self.topology.local_rank
         if by_all_reduce:
-            work = dist.all_reduce(src, group=self.node_group, async_op=True)
-            share = src[i * span : (i + 1) * span]
-        else:
-            share = self._values(call, span, src)
-            work = dist.reduce_scatter_tensor(share, src, group=self.node_group, async_op=True)
-        yield  # the intra-node sum is on the wire
-        work.wait()
+            dist.all_reduce(src, group=self.node_group)
+            return src[i * span : (i + 1) * span]
+        share = self._values(call, span, src)
+        dist.reduce_scatter_tensor(share, src, group=self.node_group)
         return share
 
     def _loss_keeper(self, call: Call, share: torch.Tensor, loss: Dict[str, torch.Tensor], scale: int):
@@ -204,7 +203,7 @@ class Hierarchical(Collective):
             else:
                 src = self._values(call, chunk * local, x)
                 self._copy_in(x, src, exact)
-            share = yield from self._node_sum_collective(call, src, chunk, by_all_reduce)
+            share = self._node_sum_collective(call, src, chunk, by_all_reduce)
         if exact:
             share.div_(local)
 
@@ -321,7 +320,7 @@ class HierarchicalReduceScatter(Hierarchical):
         else:
             src = self._values(call, n, x)
             gather_in(src)
-            share = yield from self._node_sum_collective(call, src, span, self.by_all_reduce)
+            share = self._node_sum_collective(call, src, span, self.by_all_reduce)
         if exact:
             share.div_(local)
 
