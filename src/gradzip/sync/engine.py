@@ -488,7 +488,9 @@ class Communicator:
         ``x`` holds every rank's chunk in rank order (``W × out.numel()`` values, any shape), as
         a sharded front end hands its unsharded gradient over (FSDP2's reduce-scatter). The
         chunks are compressed with the codec and exchanged by one all-to-all
-        (:class:`~gradzip.comm.reducescatter.CompressedReduceScatter`); with error feedback the
+        (:class:`~gradzip.comm.reducescatter.CompressedReduceScatter`); on several nodes of
+        several ranks summed exactly inside the node first and compressed across nodes only
+        (:class:`~gradzip.comm.hierarchy.HierarchicalReduceScatter`). With error feedback the
         memory keeps what this rank's input lost, all of it, under ``name``. In the calling
         thread; all-NaN where any rank's input was not finite. Returns ``out``."""
         w = self.world_size
