@@ -175,3 +175,28 @@ def test_on_two_nodes_the_reduce_scatter_is_plain_inside_the_node_and_compressed
             for j in range(4):
                 part = r["residuals"][step][j * chunk : (j + 1) * chunk]
                 assert (torch.count_nonzero(part) > 0) == (j in share), (rank, j)
+
+
+def _in_place(rank: int, world: int) -> dict:
+    comm = gradzip.Communicator("maxmin", bits=2, mode="nearest", memory="residual")
+    chunk, same, grew = 700, [], []
+    for step in range(3):
+        outs = []
+        for name, in_place in (("copy", False), ("here", True)):
+            x = _inputs(rank, chunk, step)
+            before = x.clone()
+            owed = comm.memory.residuals.get(name)
+            owed = None if owed is None else owed.clone()  # updated in place by the call
+            out = torch.empty(chunk)
+            comm.reduce_scatter(x, out, name, in_place=in_place)
+            outs.append(out)
+            expect = before + owed.reshape(-1) if in_place and owed is not None else before
+            grew.append(torch.equal(x, expect))  # in place: the input now holds input + residual
+        same.append(torch.equal(outs[0], outs[1]))
+    comm.close()
+    return {"same": same, "grew": grew}
+
+
+def test_in_place_adds_the_residual_to_the_callers_input_and_changes_nothing_else():
+    for res in run_workers(_in_place, WORLD):
+        assert all(res["same"]) and all(res["grew"])

@@ -183,7 +183,7 @@ class GradzipReduceScatter(ReduceScatter):
             if layout != self.layout:  # other parameters than last time: move the residual over
                 state.relayout(self.name, self.layout, layout, input_tensor.device)
                 self.layout = layout
-            state.comm.reduce_scatter(input_tensor, output_tensor, self.name)
+            state.comm.reduce_scatter(input_tensor, output_tensor, self.name, in_place=True)  # FSDP drops the input after
             state.compressed_calls += 1
             self.how = "compressed"
         # the engine averages; FSDP may want the sum, or a sum scaled by its own factor

@@ -481,7 +481,7 @@ class Communicator:
         return drive(self._reduce_one(t, name, compress, out, self._step_of([name]) if step is None else step))
 
     def reduce_scatter(
-        self, x: torch.Tensor, out: torch.Tensor, name: str, step: Optional[int] = None,
+        self, x: torch.Tensor, out: torch.Tensor, name: str, step: Optional[int] = None, in_place: bool = False,
     ) -> torch.Tensor:
         """Average ``x`` over the group and write this rank's chunk of the average into ``out``.
 
@@ -492,7 +492,9 @@ class Communicator:
         several ranks summed exactly inside the node first and compressed across nodes only
         (:class:`~gradzip.comm.hierarchy.HierarchicalReduceScatter`). With error feedback the
         memory keeps what this rank's input lost, all of it, under ``name``. In the calling
-        thread; all-NaN where any rank's input was not finite. Returns ``out``."""
+        thread; all-NaN where any rank's input was not finite. Returns ``out``. ``in_place``:
+        ``x`` is the caller's to overwrite (FSDP2's reduce-scatter input, which it drops after):
+        the residual is added to it where it stands, with no new tensor of its size."""
         w = self.world_size
         if x.numel() != w * out.numel():
             raise ValueError(f"reduce_scatter: input has {x.numel()} values, needs {w} x {out.numel()}")
@@ -502,7 +504,11 @@ class Communicator:
         codec, mem, coll = self.codec_for(name), self.memory, self._reduce_scatter
 
         def run() -> torch.Tensor:
-            inp = mem.compensate(x.reshape(-1).contiguous(), name)
+            flat = x.reshape(-1)
+            if in_place and mem.stateful and flat.is_contiguous() and flat.dtype == mem.input_dtype(flat.dtype):
+                inp = mem.compensate_into(flat, name, flat)
+            else:
+                inp = mem.compensate(flat.contiguous(), name)
             avg, dest, record = drive(self._exchange(coll, codec, mem, inp, name, step, out, True))
             if dest is None:
                 out.copy_(avg.view(out.shape))

@@ -117,7 +117,7 @@ class ResidualMemory(Memory):
         if self.gamma != 1.0:
             return super().compensate_into(t, name, out)
         if res is None:
-            return out.copy_(src)
+            return out if out.data_ptr() == src.data_ptr() else out.copy_(src)  # in place: nothing to add
         return torch.add(src, res.reshape(out.shape), alpha=self.beta, out=out)  # one pass, no temporary
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
