@@ -162,20 +162,33 @@ class Hierarchical(Collective):
         dist.reduce_scatter_tensor(share, src, group=self.node_group)
         return share
 
-    def _loss_keeper(self, call: Call, share: torch.Tensor, loss: Dict[str, torch.Tensor], scale: int):
-        """The inner exchange's ``on_release``: ``loss["share"]`` = scale × (the share − this
-        rank's own payloads of it decoded), what error feedback keeps (None without it)."""
-        if not call.need_own:
-            return None
+    def _across_nodes(self, call: Call, share: torch.Tensor, out: torch.Tensor, align: int) -> Stages:
+        """Stage 2: ``share`` (the node's average of it) through ``inner`` with this rank's peers
+        on the other nodes, compressed, the result in ``out``; the inner call's times count as
+        this call's. Returns (the inner result, ``{"share": ...}`` = L × (the share − this
+        rank's own payloads of it decoded), in the input's units: what error feedback keeps,
+        filled when the inner exchange releases its input; empty without error feedback)."""
+        local = self.topology.local_size
+        loss: Dict[str, torch.Tensor] = {}
 
         def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
             decoded = self._values(call, share.numel(), share)
             inner.decode_own_into(decoded)
-            loss["share"] = torch.sub(share, decoded, out=decoded)
-            if scale != 1:
-                loss["share"].mul_(scale)
+            loss["share"] = torch.sub(share, decoded, out=decoded).mul_(local)
 
-        return keep_loss
+        res = yield from staged(self.inner.stages(
+            call.codec, share, f"{call.name}@{self.topology.local_rank}/{local}", call.step, need_own=call.need_own,
+            out=out, align=align, on_release=keep_loss if call.need_own else None,
+        ))
+        for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
+            setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
+        return res, loss
+
+    def _exchanged(self, avg: torch.Tensor, nonfinite: torch.Tensor, res: Any) -> Exchanged:
+        """The call's outcome: the inner exchange's bytes; one encoding of the whole input is L
+        encodings of a share."""
+        payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
+        return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * self.topology.local_size)
 
     def exchange(self, call: Call) -> Stages:
         x = call.flat
@@ -209,21 +222,13 @@ class Hierarchical(Collective):
 
         # 2. the share across nodes, compressed; what this rank's encoding lost is kept for
         # error feedback when the inner exchange releases its input
-        loss: Dict[str, torch.Tensor] = {}
-        keep_loss = self._loss_keeper(call, share, loss, 1)
-
         # the average of the share goes where stage 3 spreads it from: the shared output, or in place
         dest = share if shared is None else spread[i * chunk : (i + 1) * chunk]
-        res = yield from staged(self.inner.stages(
-            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=dest,
-            align=call.align, on_release=keep_loss,
-        ))
-        for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
-            setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
+        res, loss = yield from self._across_nodes(call, share, dest, call.align)
 
         if call.need_own:
             def loss_into(dst: torch.Tensor) -> None:
-                dst[lo:hi].copy_(loss["share"][: hi - lo]).mul_(local)  # in the input's units: L × the node average
+                dst[lo:hi].copy_(loss["share"][: hi - lo])  # in the input's units: L × the node average
 
             call.loss_into = loss_into
 
@@ -238,8 +243,7 @@ class Hierarchical(Collective):
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
         if shared is not None:  # every share is in the shared output: the same bytes for every rank
             avg.copy_(spread[:n])
-            payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
-            return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)
+            return self._exchanged(avg, nonfinite, res)
         if chunk * local == n:
             whole = avg
         else:  # padded: gathered apart, then cut (on gloo into the summed copy, which holds the share)
@@ -257,8 +261,7 @@ class Hierarchical(Collective):
         work.wait()
         if whole is not avg:
             avg.copy_(whole[:n])
-        payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
-        return Exchanged(avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)
+        return self._exchanged(avg, nonfinite, res)
 
 
 class HierarchicalReduceScatter(Hierarchical):
@@ -325,15 +328,8 @@ class HierarchicalReduceScatter(Hierarchical):
             share.div_(local)
 
         # 2. the share across nodes, compressed: this rank's chunk of the average
-        loss: Dict[str, torch.Tensor] = {}
-        keep_loss = self._loss_keeper(call, share, loss, local)  # in the input's units
         out = call.out if call.out is not None else torch.empty(c, dtype=x.dtype, device=x.device)
-        res = yield from staged(self.inner.stages(
-            call.codec, share, f"{call.name}@{i}/{local}", call.step, need_own=call.need_own, out=out,
-            on_release=keep_loss,
-        ))
-        for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
-            setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
+        res, loss = yield from self._across_nodes(call, share, out, 1)  # equal chunks: no alignment
         if call.need_own:
             mine_at = order[i * nodes : (i + 1) * nodes]
 
@@ -347,6 +343,4 @@ class HierarchicalReduceScatter(Hierarchical):
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.node_group, async_op=True)
         yield
         work.wait()
-        nonfinite = flag[0] > 0
-        payload = res.payload_bytes if res.payload_bytes is not None else res.wire_bytes
-        return Exchanged(res.avg, nonfinite, res.wire_bytes, payload_bytes=payload * local)
+        return self._exchanged(res.avg, flag[0] > 0, res)
