@@ -457,18 +457,13 @@ def _ddp(model: nn.Module, method: Dict[str, Any]) -> nn.Module:
 
 def _fsdp(task, model: nn.Module, method: Dict[str, Any]) -> nn.Module:
     """``model`` sharded with FSDP2: the task's units, then the root; a bf16 reduce where asked."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import warnings
+
+    from .sharded import shard
 
     # FSDP2 warns that a root returning a view loses its pre-backward hook to an in-place op; none follows here
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
-    kw: Dict[str, Any] = {}
-    if method["kind"] == "bf16-reduce":
-        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-    for unit in task.units(model):
-        fully_shard(unit, **kw)
-    return fully_shard(model, **kw)
+    return shard(model, task.units(model), method["kind"] == "bf16-reduce")
 
 
 def _train_one(

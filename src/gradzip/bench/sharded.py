@@ -57,6 +57,18 @@ class BlockModel(nn.Module):
         return sum(b(x) for b in self.blocks)
 
 
+def shard(model: nn.Module, units: Sequence[nn.Module], bf16_reduce: bool = False, **options: Any) -> nn.Module:
+    """``model`` in FSDP2: each of ``units`` ``fully_shard``-ed, then the root (the benchmarks'
+    wrapping); ``bf16_reduce``: FSDP2's own bf16 reduce (``MixedPrecisionPolicy``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if bf16_reduce:
+        options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    for unit in units:
+        fully_shard(unit, **options)
+    return fully_shard(model, **options)
+
+
 def _method(spec: str) -> Dict[str, Any]:
     from .micro import parse_spec
 
@@ -67,8 +79,6 @@ def _method(spec: str) -> Dict[str, Any]:
 
 
 def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]], steps: int, warmup: int) -> Dict[str, Any]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     import gradzip
 
     torch.set_num_threads(1)
@@ -78,12 +88,7 @@ def fsdp_worker(rank: int, world: int, model: str, methods: List[Dict[str, Any]]
     for m in methods:
         module = BlockModel(MODELS[model].shapes())
         numel, units = sum(p.numel() for p in module.parameters()), len(module.blocks) + 1
-        kw: Dict[str, Any] = {"reshard_after_forward": False}
-        if m["kind"] == "bf16-reduce":
-            kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
-        for block in module.blocks:
-            fully_shard(block, **kw)
-        fully_shard(module, **kw)
+        shard(module, module.blocks, m["kind"] == "bf16-reduce", reshard_after_forward=False)
         state = gradzip.register(module, m["codec"], **m["options"]) if m["kind"] == "gradzip" else None
         times, cpu = [], []
         for i in range(warmup + steps):
