@@ -309,7 +309,9 @@ class HierarchicalReduceScatter(Hierarchical):
         c = n // (nodes * local)
         span = nodes * c  # one share
         exact = x.dtype == torch.float32
-        order = self.order.to(x.device)
+        if self.order.device != x.device:  # moved once, not copied to the device at every call
+            self.order = self.order.to(x.device)
+        order = self.order
 
         def gather_in(dst: torch.Tensor) -> None:
             torch.index_select(x.view(-1, c), 0, order, out=dst.view(-1, c))
