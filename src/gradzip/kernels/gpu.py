@@ -28,6 +28,10 @@ default it does, in encode and decode alike). On GPU the results are then expect
 reference bit for bit as well: the PTX for sm_90 has only ``add/sub/mul.rn.f32``, ``div.rn.f32``,
 ``sqrt.rn.f64`` and ``cvt.rmi`` (floor; its flush-to-zero cannot matter as ``v + u >= 0``), each
 a single correctly rounded IEEE operation. In the interpreter they are numpy's float32 operations.
+The reference divides by 0-dim tensors on the input's device (:func:`.reference.divide`): PyTorch's
+CUDA kernels turn a division by a Python number into a multiplication by its reciprocal, which
+made the reference itself differ from the kernels (and from its own CPU results) in the last bit
+of max-min scales, QSGD decode factors and fp8 scales.
 QSGD norms are summed in float64 and rounded once, as in the reference and the C kernels (the
 order of the sum differs, so the last bit may now and then); the levels use the reference's ``(1 / norm) * s`` (two
 roundings, what torch's ``s / tensor`` computes), so given equal norms the codes are equal too.
@@ -68,6 +72,7 @@ _lock = threading.Lock()
 _loaded = False
 _interpreted = False  # whether the kernels were decorated for Triton's interpreter
 _error: str | None = None
+_interpreter_fault: str | None = None  # why Triton's interpreter cannot run the kernels here
 
 
 # ------------------------------------------------------------------------------ device functions
@@ -581,8 +586,18 @@ def _mx_decode_kernel(
         tl.store(out_ptr + offs, val, mask=valid)
 
 
+def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
+    """Counts, per lane, the steps of a loop with a run-time bound (as the decoders walk a bucket):
+    the construct that Triton 3.6's interpreter cannot run under NumPy 2.4 or later."""
+    lanes = tl.arange(0, BLOCK)
+    count = tl.zeros((BLOCK,), tl.float32)
+    for c in tl.range(0, n, BLOCK):
+        count += tl.where(c + lanes < n, 1.0, 0.0)
+    tl.store(out_ptr + lanes, count)
+
+
 _JIT = (
-    "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
+    "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
     "_sign_encode_kernel", "_sign_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
@@ -618,7 +633,7 @@ def _missing_features(tl_module: Any) -> str | None:
 
 def _load() -> bool:
     """Import Triton and decorate the kernels, once; False (and ``_error`` set) when impossible."""
-    global triton, tl, _loaded, _interpreted, _error
+    global triton, tl, _loaded, _interpreted, _error, _interpreter_fault
     with _lock:
         if _loaded:
             return _error is None
@@ -642,7 +657,41 @@ def _load() -> bool:
         scope = globals()
         for name in _JIT:
             scope[name] = triton_module.jit(scope[name])
-        return True
+        if _interpreted:
+            _interpreter_fault = _probe_interpreter(triton_module)
+            _error = _interpreter_fault
+        return _error is None
+
+
+def _probe_interpreter(triton_module: Any) -> str | None:
+    """None when the interpreter runs a loop with a run-time bound correctly; otherwise why not.
+
+    Triton 3.6's interpreter converts one-element arrays to Python integers with ``int()``,
+    which NumPy 2.4 refuses, so every kernel that loops over a bucket fails there. Finding that
+    once, at load time, turns a failure inside each kernel into one clear reason.
+    """
+    out = torch.zeros(8)
+    try:
+        _interpreter_probe_kernel[(1,)](out, 10, BLOCK=8)
+    except Exception as exc:  # noqa: BLE001 - any failure means the interpreter cannot be used
+        import numpy
+
+        return (
+            f"Triton {getattr(triton_module, '__version__', '?')}'s interpreter fails with NumPy "
+            f"{numpy.__version__} ({type(exc).__name__}: {str(exc)[:160]}); upgrade Triton (3.9 works), "
+            "use numpy<2.4, or run the kernels compiled on a GPU (TRITON_INTERPRET=0)"
+        )
+    expected = torch.tensor([2.0, 2.0] + [1.0] * 6)
+    if not torch.equal(out, expected):
+        return f"Triton {getattr(triton_module, '__version__', '?')}'s interpreter ran a loop wrongly ({out.tolist()})"
+    return None
+
+
+def interpreter_fault() -> str | None:
+    """Why Triton's interpreter cannot run the kernels on this machine, or None (also when the
+    kernels run compiled). Tests skip on it: the fault is the installed Triton's, not gradzip's."""
+    _load()
+    return _interpreter_fault
 
 
 def available() -> str | None:

@@ -30,6 +30,14 @@ def store(values: torch.Tensor, out: Optional[torch.Tensor], accumulate: bool) -
     return out.add_(values) if accumulate else out.copy_(values)
 
 
+def divide(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` rounded once (IEEE division) on every device. On CUDA, torch divides by a
+    Python number as ``a * (1 / b)`` (two roundings, so the last bit may differ from the CPU's
+    and the Triton kernels' ``div_rn``); dividing by a 0-dim tensor on ``a``'s device is a true
+    division everywhere."""
+    return a / torch.full((), b, dtype=a.dtype, device=a.device)
+
+
 def _round(v: torch.Tensor, key: Optional[int], numel: int) -> torch.Tensor:
     """Round the bucketed ``v`` to integers: up with probability frac(v) when keyed, else nearest.
 
@@ -59,7 +67,7 @@ def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -
     q = (1 << bits) - 1
     span = hi - lo
     big = torch.isinf(span) & torch.isfinite(lo) & torch.isfinite(hi)
-    scale = torch.where(big, (hi / q - lo / q).clamp_(max=FLT_MAX), span / q)
+    scale = torch.where(big, (divide(hi, q) - divide(lo, q)).clamp_(max=FLT_MAX), divide(span, q))
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = torch.where(
         big[:, None],
@@ -121,7 +129,7 @@ def qsgd_decode(
     signs = 1.0 - 2.0 * (codes >> (bits - 1)).float()
     vals = bucket_view(levels * signs, bucket)
     norms = norms[: vals.shape[0]]
-    vals = vals * (norms / s)[:, None]
+    vals = vals * divide(norms, s)[:, None]
     vals = torch.where(torch.isfinite(norms)[:, None], vals.clamp(-FLT_MAX, FLT_MAX), vals)
     return store(vals.reshape(-1)[:numel], out, accumulate)
 
@@ -211,7 +219,7 @@ def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, tor
     n = x.numel()
     buckets = bucket_view(x.float(), block)
     amax = buckets.abs().amax(dim=1)
-    scale = (amax / fmax).clamp_(min=FLT_MIN)
+    scale = divide(amax, fmax).clamp_(min=FLT_MIN)
     inv = torch.reciprocal(scale)
     v = (buckets * inv[:, None]).clamp_(-fmax, fmax)
     return element_codes(v, fmt).reshape(-1)[:n], scale
