@@ -170,7 +170,19 @@ def test_ddp_features_keep_replicas_identical():
     assert results[0]["no_sync"]["steps"] == 4 and results[0]["fp16"]["steps"] == 8, "no_sync must skip communication"
 
 
-def _nan_step(rank: int, world: int, in_place: bool = False) -> dict:
+def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False) -> dict:
+    from gradzip.sync import engine
+
+    reads = engine._reads_flag_on_host
+    if device_flag:  # as on a GPU: the agreed flag stays on the device and picks the residual there
+        engine._reads_flag_on_host = lambda device: False
+    try:
+        return _nan_steps(rank, world, in_place)
+    finally:
+        engine._reads_flag_on_host = reads
+
+
+def _nan_steps(rank: int, world: int, in_place: bool) -> dict:
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0.01)
@@ -190,6 +202,7 @@ def _nan_step(rank: int, world: int, in_place: bool = False) -> dict:
             continue
         opt.step()
     res = {"skipped": skipped, "kept": kept, "identical": _identical(model, world), "finite": bool(torch.isfinite(_flat_params(model)).all())}
+    res["params"] = _flat_params(model)
     res["residuals_finite"] = all(bool(torch.isfinite(v).all()) for v in state.comm.memory.residuals.values())
     if in_place:
         res["in_place_buckets"] = len(state.in_place_buckets) > 0
@@ -203,7 +216,20 @@ def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory(in_place)
     if in_place:  # the bucket averaged in its own memory: the residual kept from the agreed flag
         expected["in_place_buckets"] = True
     for res in run_workers(_nan_step, 2, in_place):
+        res.pop("params")
         assert res == expected
+
+
+def test_the_flag_read_on_the_device_keeps_the_residual_as_reading_it_on_the_host_does():
+    """On an accelerator the in-place path never reads the agreed non-finite flag on the host:
+    it computes the new residual aside and lets the flag pick old or new on the device. Forced
+    on the CPU, that gives the same skipped step, the same kept residual and the same bits."""
+    on_host = run_workers(_nan_step, 2, True, False)
+    on_device = run_workers(_nan_step, 2, True, True)
+    for host, device in zip(on_host, on_device):
+        assert device["kept"] and device["skipped"] == 1 and device["identical"] and device["in_place_buckets"]
+        assert torch.equal(host.pop("params"), device.pop("params"))
+        assert host == device
 
 
 def _env_and_state(rank: int, world: int) -> dict:

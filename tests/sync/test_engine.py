@@ -1,9 +1,14 @@
-"""The Communicator's plain path: uncompressed gradients summed as DDP sums them."""
+"""The Communicator: uncompressed gradients summed as DDP sums them; a bucket averaged in place."""
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradzip
+from gradzip.sync.pipeline import drive
 
 from ..dist_utils import run_workers
 
@@ -33,3 +38,73 @@ def test_uncompressed_sums_carry_nan_and_inf_elementwise_like_ddp_and_compressed
     assert torch.equal(p[finite], (torch.arange(8, dtype=torch.float32)[finite] * 2 + 1) / 2)
     # a compressed gradient's average is all-NaN on every rank, and its memory is spared
     assert all(r["compressed_all_nan"] for r in results)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operators that do work (views excluded) and the allocations among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.work: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.work[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _bucket(count: int, total: int = 1 << 14):
+    """A DDP-like bucket of ``count`` gradients of ``total`` values in all: compressed ones and
+    8-value uncompressed ones taking turns, the same total for every ``count``."""
+    plain_n = 8
+    comp_n = (total - count // 2 * plain_n) // (count // 2)
+    buffer = torch.randn(total, generator=torch.Generator().manual_seed(count))
+    tensors, compress, offset = [], [], 0
+    for i in range(count):
+        n = comp_n if i % 2 == 0 else plain_n
+        tensors.append(buffer[offset : offset + n].view(n // 8, 8))
+        compress.append(i % 2 == 0)
+        offset += n
+    return buffer, tensors, [f"layer{i}.weight" for i in range(count)], compress
+
+
+def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool) -> dict:
+    from gradzip.sync import engine
+
+    reads = engine._reads_flag_on_host
+    if device_flag:  # the accelerator's way on the CPU: the flag stays a tensor, the residual is picked by it
+        engine._reads_flag_on_host = lambda device: False
+    try:
+        out = {}
+        for count in (8, 64):
+            comm = gradzip.Communicator("maxmin", bits=4, memory=memory)
+            buffer, tensors, names, compress = _bucket(count)
+            assert comm.in_place(buffer, tensors, names, compress)
+            counts = []
+            for step in range(3):  # the first step makes the residual, the pool's buffers, the index
+                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+                with _Ops() as ops:
+                    drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+                counts.append(ops.work)
+            out[count] = {"ops": counts[1:], "residuals": sorted(getattr(comm.memory, "residuals", {}))}
+            comm.close()
+        return out
+    finally:
+        engine._reads_flag_on_host = reads
+
+
+@pytest.mark.parametrize("memory,device_flag", [("none", False), ("residual", False), ("residual", True)])
+def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device_flag):
+    """The in-place bucket path works on the bucket as a whole: eight times the gradients (half
+    of them uncompressed, gathered and scattered back) cost not one operation more. With the
+    flag left on the device (as on a GPU), error feedback reads nothing back to the host."""
+    for res in run_workers(_bucket_ops, 2, memory, device_flag):
+        few, many = res[8], res[64]
+        assert few["ops"] == many["ops"], (few["ops"], many["ops"])
+        assert few["ops"][0] == few["ops"][1]  # every step alike
+        assert few["ops"][0]["index_select"] == 1 and few["ops"][0]["index_copy_"] == 1  # the plain ones at once
+        if device_flag:
+            assert few["ops"][0]["_local_scalar_dense"] == 0, few["ops"][0]  # no host read of a device value
+            assert few["ops"][0]["where"] == 1  # the flag picks the residual on the device
+        if memory == "residual":
+            assert len(many["residuals"]) == 32  # the compressed gradients' residuals, by name

@@ -163,18 +163,22 @@ def spec_bytes(spec: Spec) -> int:
 
 
 def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if given)."""
-    parts = []
+    """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if
+    given: then nothing is allocated, each part is copied to its place and the gaps zeroed)."""
+    spec = spec_of(tensors)
+    if out is None:
+        out = torch.empty(spec_bytes(spec), dtype=torch.uint8, device=flag.device)
+    offset = 0
     for t in tensors:
         raw = t.contiguous().reshape(-1).view(torch.uint8)
-        parts.append(raw)
-        pad = _padded(raw.numel()) - raw.numel()
-        if pad:
-            parts.append(raw.new_zeros(pad))
-    flag_bytes = torch.zeros(_ALIGN, dtype=torch.uint8, device=flag.device)
-    flag_bytes[0] = flag
-    parts.append(flag_bytes)
-    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
+        out[offset : offset + raw.numel()].copy_(raw)
+        end = offset + _padded(raw.numel())
+        if end > offset + raw.numel():
+            out[offset + raw.numel() : end].zero_()
+        offset = end
+    out[offset + 1 : offset + _ALIGN].zero_()
+    out[offset : offset + 1].copy_(flag.reshape(1))
+    return out
 
 
 def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:

@@ -28,6 +28,7 @@ from ..version import __version__
 from .metrics import Metrics
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
 from .groups import padding
+from .places import Places
 from .worker import OrderedWorker
 
 # error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
@@ -197,6 +198,7 @@ class Communicator:
         self._group_residuals: Dict[str, torch.Tensor] = {}  # residual buffers per group key (see _group_residual)
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
+        self._places: Dict[Tuple[Any, ...], Places] = {}  # uncompressed places of in-place buckets, per layout
         # the one step counter: it keys every exchange's shared and private randomness (with the
         # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
         self.step = 0
@@ -657,7 +659,7 @@ class Communicator:
             return False
         first = tensors[0]
         if len(tensors) == 1 and not (
-            self.memory.stateful and self._residual_settles(self.memory, torch.float32, first.device)
+            self.memory.stateful and self._residual_settles(self.memory, torch.float32)
             and first.numel() % self.codec.fusion_block() == 0
         ):
             return False  # alone, without error feedback or not a whole number of blocks: exchanged where it lies
@@ -687,8 +689,7 @@ class Communicator:
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
         key = group_key([names[i] for i in order])
-        pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
-        pool.new_step(step)
+        pool = self._pool(dtype, step)
         lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
         # the collective's own staging memory where it has some (the node's shared memory of a
         # hierarchical exchange), else a buffer of the pool
@@ -707,9 +708,9 @@ class Communicator:
             # the average overwrites the input buffer when the collective has read it by then and
             # error feedback, if any, is a residual settled at that moment (see _settle_residual)
             settle = None
-            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype, flat.device):
+            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype):
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
-                settle = _settle_residual(self._group_residual(key, flat, members))
+                settle = _settle_residual(self._group_residual(key, flat, members), self._scratch(flat, pool, lent))
             if coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
@@ -742,8 +743,7 @@ class Communicator:
         It needs the gradients to be the bucket (DDP's views, back to back), one codec and one
         collective for every compressed gradient, a codec whose blocks are independent
         (``fusion_block() > 0``), a collective that releases its input before writing the
-        average, and an error feedback that is a plain residual. On accelerators, error
-        feedback still takes the copying path (its skip on a non-finite step reads the flag).
+        average, and an error feedback that is a plain residual kept in fp32, as the bucket.
         """
         comp = [names[i] for i, c in enumerate(compress) if c]
         if not comp or not self.fusion or self.levels is not None or not buffer.is_contiguous() or buffer.dtype not in FLOAT_DTYPES:
@@ -753,7 +753,7 @@ class Communicator:
             return False
         if any(self.codec_for(n) is not codec or self.collective_for(n) is not coll for n in comp):
             return False
-        if mem.stateful and (buffer.dtype != torch.float32 or buffer.device.type != "cpu"):
+        if mem.stateful and buffer.dtype != torch.float32:
             return False
         span = _contiguous_span(tensors)
         return span is not None and span.data_ptr() == buffer.data_ptr() and span.numel() == buffer.numel()
@@ -773,7 +773,9 @@ class Communicator:
         one plain all-reduce beside the compressed exchange and written back at the end; their
         places in the bucket are encoded as zeros. Blocks of the codec run across gradient
         boundaries, as in CGX's fused buffers; no copy of the bucket is kept from step to step,
-        only the residual (with error feedback) and the collective's payload buffers.
+        only the residual (with error feedback) and the collective's payload buffers. The number
+        of operations does not grow with the number of gradients (:mod:`gradzip.sync.places`),
+        and on an accelerator nothing waits for the device (:func:`_settle_residual`).
         """
         started = time.perf_counter()
         comp = [i for i, c in enumerate(compress) if c]
@@ -784,37 +786,39 @@ class Communicator:
         where = [(t.storage_offset() - base, t.numel()) for t in tensors]
         key = group_key(sorted(names[i] for i in comp))
         parts = []
-        if plain:  # copied out before the bucket is touched: they are summed exactly
-            flat_plain = torch.cat([tensors[i].reshape(-1) for i in plain])
-            parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
-        residual = None
-        if mem.stateful:
-            # the layout is part of the key: a bucket with the same members in another order
-            # (DDP's rebuild) gets a buffer of its own, filled from the old one
-            layout = stable_hash(*(f"{names[i]}:{where[i][0]}" for i in comp))
-            residual = self._group_residual(f"{key}@{layout:08x}", span, [(names[i], where[i], tensors[i].shape) for i in comp])
-            if mem.gamma != 1.0:
-                span.mul_(mem.gamma)
-            span.add_(residual, alpha=mem.beta)
-        for i in plain:
-            start, n = where[i]
-            span[start : start + n].zero_()
+        lent: List[torch.Tensor] = []
+        try:
+            places = None
+            if plain:  # copied out before the bucket is touched: they are summed exactly
+                places = self._plain_places(span.device, [where[i] for i in plain])
+                pool = self._pool(span.dtype, step)
+                flat_plain = places.gather(span, pool.lend((places.numel,), span.device, lent))
+                parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
+            settle = None
+            if mem.stateful:
+                # the layout is part of the key: a bucket with the same members in another order
+                # (DDP's rebuild) gets a buffer of its own, filled from the old one
+                layout = stable_hash(*(f"{names[i]}:{where[i][0]}" for i in comp))
+                members = [(names[i], where[i], tensors[i].shape) for i in comp]
+                residual = self._group_residual(f"{key}@{layout:08x}", span, members)
+                if mem.gamma != 1.0:
+                    span.mul_(mem.gamma)
+                span.add_(residual, alpha=mem.beta)
+                settle = _settle_residual(residual, self._scratch(span, self._pool(torch.float32, step), lent))
+            if places is not None:
+                places.fill_(span, 0)
 
-        parts.append(coll.stages(
-            codec, span, key, step, need_own=residual is not None, out=span,
-            on_release=None if residual is None else _settle_residual(residual),
-        ))
-        results = yield from lockstep(parts)
-        res = results[-1]
-        _poison_if(span, res.nonfinite)
-        if plain:
-            avg_plain, plain_record = results[0]
-            offset = 0
-            for i in plain:
-                start, n = where[i]
-                span[start : start + n].copy_(avg_plain[offset : offset + n])
-                offset += n
-            self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain], **plain_record)
+            parts.append(coll.stages(codec, span, key, step, need_own=settle is not None, out=span, on_release=settle))
+            results = yield from lockstep(parts)
+            res = results[-1]
+            _poison_if(span, res.nonfinite)
+            if places is not None:
+                avg_plain, plain_record = results[0]
+                places.scatter_(span, avg_plain)
+                self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain], **plain_record)
+        finally:
+            for buf in lent:  # each to the pool of its dtype
+                self._flat_pools[buf.dtype].give_back([buf])
         # one encoding of the bucket (its uncompressed places included): independent of how
         # the collective cuts it, so the ratio does not move with the world size
         wire = codec.wire_bytes(span.numel(), span.dtype)
@@ -824,10 +828,33 @@ class Communicator:
         return list(tensors)
 
     @staticmethod
-    def _residual_settles(mem: Any, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether ``mem``'s state is a plain residual that :func:`_settle_residual` can update
-        from the agreed flag (read on the CPU; accelerators keep the memory's own update)."""
-        return mem.name in IN_PLACE_MEMORIES and dtype == torch.float32 and device.type == "cpu"
+    def _residual_settles(mem: Any, dtype: torch.dtype) -> bool:
+        """Whether ``mem``'s state is a plain fp32 residual that :func:`_settle_residual` can
+        update from the agreed flag."""
+        return mem.name in IN_PLACE_MEMORIES and dtype == torch.float32
+
+    def _pool(self, dtype: torch.dtype, step: int) -> BufferPool:
+        """The buffers of ``dtype`` lent to this step's exchanges (kept from step to step)."""
+        pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
+        pool.new_step(step)
+        return pool
+
+    @staticmethod
+    def _scratch(flat: torch.Tensor, pool: BufferPool, lent: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where :func:`_settle_residual` computes the new residual before the agreed flag picks
+        it: on an accelerator, a pool buffer as long as ``flat`` (reading the flag on the host
+        would stall the device's queue); None on the CPU, which reads the flag for free."""
+        return None if _reads_flag_on_host(flat.device) else pool.lend((flat.numel(),), flat.device, lent)
+
+    def _plain_places(self, device: torch.device, where: Sequence[Tuple[int, int]]) -> Places:
+        """The :class:`Places` of a bucket's uncompressed gradients, made once per layout."""
+        key = (str(device), tuple(where))
+        places = self._places.get(key)
+        if places is None:
+            if len(self._places) >= 256:  # layouts of buckets DDP no longer uses
+                self._places.clear()
+            places = self._places[key] = Places(where, device)
+        return places
 
     def _group_residual(self, key: str, span: torch.Tensor, members) -> torch.Tensor:
         """One fp32 residual as long as the group's buffer, ``members``' parts (name, (start,
@@ -839,11 +866,12 @@ class Communicator:
         buf = self._group_residuals.get(key)
         if buf is None or buf.numel() != span.numel() or buf.device != span.device:
             buf = self._group_residuals[key] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
+        base, size = buf.data_ptr(), buf.element_size()
         for name, (start, n), shape in members:
-            view = buf[start : start + n].view(shape)
             cur = mem.residuals.get(name)
-            if cur is not None and cur.data_ptr() == view.data_ptr() and cur.shape == view.shape:
-                continue
+            if cur is not None and cur.data_ptr() == base + start * size and cur.shape == shape:
+                continue  # registered at an earlier step (checked without making a view: no work per gradient)
+            view = buf[start : start + n].view(shape)
             if cur is None or cur.numel() != n:
                 view.zero_()
             else:
@@ -990,6 +1018,7 @@ class Communicator:
         # buffers several times the gradients' size: free them now, not when the state is collected
         self._group_residuals.clear()
         self._flat_pools.clear()
+        self._places.clear()
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
@@ -1086,13 +1115,19 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
 
 
-def _settle_residual(residual: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
+def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[[Call, torch.Tensor], None]:
     """The ``on_release`` of an exchange whose average overwrites its input: there and then,
     residual = input − this rank's share as counted (its own payloads decoded into the
     residual, then one subtraction; :meth:`Call.residual_into`); kept as it was on a non-finite
-    step (every rank alike, from the agreed flag)."""
+    step (every rank alike, from the agreed flag). With a ``scratch`` buffer (accelerators) the
+    new residual is computed there and the flag, left on the device, picks old or new: one pass
+    more, no wait for the device."""
 
     def settle(call: Call, nonfinite: torch.Tensor) -> None:
+        if scratch is not None:
+            call.residual_into(scratch)
+            torch.where(nonfinite, residual, scratch, out=residual)
+            return
         if bool(nonfinite):
             return
         call.residual_into(residual)
@@ -1100,9 +1135,15 @@ def _settle_residual(residual: torch.Tensor) -> Callable[[Call, torch.Tensor], N
     return settle
 
 
+def _reads_flag_on_host(device: torch.device) -> bool:
+    """Whether the agreed non-finite flag of an exchange on ``device`` is read on the host: free
+    on the CPU; on an accelerator it would wait until the device's queue has run dry."""
+    return device.type == "cpu"
+
+
 def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
     """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome)."""
-    if avg.device.type == "cpu":  # reading the flag is free here; skip a pass over the result
+    if _reads_flag_on_host(avg.device):  # free here; skip a pass over the result
         return avg.fill_(float("nan")) if bool(nonfinite) else avg
     return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators
 
