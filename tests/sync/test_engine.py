@@ -68,7 +68,7 @@ def _bucket(count: int, total: int = 1 << 14):
     return buffer, tensors, [f"layer{i}.weight" for i in range(count)], compress
 
 
-def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool) -> dict:
+def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place: bool = True) -> dict:
     from gradzip.sync import engine
 
     reads = engine._reads_flag_on_host
@@ -80,11 +80,15 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool) -> dict:
             comm = gradzip.Communicator("maxmin", bits=4, memory=memory)
             buffer, tensors, names, compress = _bucket(count)
             assert comm.in_place(buffer, tensors, names, compress)
+            if in_place:
+                stages = lambda step: comm.bucket_stages(buffer, tensors, names, compress, step)  # noqa: E731
+            else:  # the default path: the plain ones in one all-reduce, the compressed ones in one fused group
+                stages = lambda step: comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step)  # noqa: E731
             counts = []
             for step in range(3):  # the first step makes the residual, the pool's buffers, the index
                 buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
                 with _Ops() as ops:
-                    drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+                    drive(stages(step))
                 counts.append(ops.work)
             out[count] = {"ops": counts[1:], "residuals": sorted(getattr(comm.memory, "residuals", {}))}
             comm.close()
@@ -93,18 +97,25 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool) -> dict:
         engine._reads_flag_on_host = reads
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "fused"])
 @pytest.mark.parametrize("memory,device_flag", [("none", False), ("residual", False), ("residual", True)])
-def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device_flag):
-    """The in-place bucket path works on the bucket as a whole: eight times the gradients (half
-    of them uncompressed, gathered and scattered back) cost not one operation more. With the
-    flag left on the device (as on a GPU), error feedback reads nothing back to the host."""
-    for res in run_workers(_bucket_ops, 2, memory, device_flag):
+def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device_flag, in_place):
+    """A bucket is averaged as a whole: eight times the gradients (half of them uncompressed)
+    cost not one operation more. In place, the uncompressed ones are gathered and scattered back
+    through one index; on the default path (a fused group beside one plain all-reduce) they and
+    the compressed ones move with multi-tensor copies. With the flag left on the device (as on
+    a GPU), error feedback reads nothing back to the host."""
+    for res in run_workers(_bucket_ops, 2, memory, device_flag, in_place):
         few, many = res[8], res[64]
         assert few["ops"] == many["ops"], (few["ops"], many["ops"])
-        assert few["ops"][0] == few["ops"][1]  # every step alike
-        assert few["ops"][0]["index_select"] == 1 and few["ops"][0]["index_copy_"] == 1  # the plain ones at once
+        ops = few["ops"][0]
+        assert ops == few["ops"][1]  # every step alike
+        if in_place:
+            assert ops["index_select"] == 1 and ops["index_copy_"] == 1, ops
+        else:
+            assert ops["_foreach_copy_"] == 3, ops  # into the group, out of it, out of the plain sum
         if device_flag:
-            assert few["ops"][0]["_local_scalar_dense"] == 0, few["ops"][0]  # no host read of a device value
-            assert few["ops"][0]["where"] == 1  # the flag picks the residual on the device
+            assert ops["_local_scalar_dense"] == 0, ops  # no host read of a device value
+            assert ops["where"] == 1, ops  # the flag picks the residual on the device
         if memory == "residual":
             assert len(many["residuals"]) == 32  # the compressed gradients' residuals, by name

@@ -648,10 +648,12 @@ class Communicator:
         self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
         out, offset = [], 0
         for t in tensors:
-            part = avg[offset : offset + t.numel()].view(t.shape).to(t.dtype)
-            out.append(t.copy_(part) if inplace else part)
+            out.append(avg[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
-        return out
+        if inplace:  # one multi-tensor copy into the gradients (converting dtypes where they differ)
+            torch._foreach_copy_(list(tensors), out)
+            return list(tensors)
+        return [part.to(t.dtype) for part, t in zip(out, tensors)]
 
     def _fusable(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`)."""
@@ -697,20 +699,29 @@ class Communicator:
         if flat is None:
             flat = pool.lend((total,), tensors[0].device, lent)
         try:
-            inputs = []
-            for i, (start, n) in zip(order, spans):
-                inputs.append(mem.compensate_into(tensors[i], names[i], flat[start : start + n]).view(tensors[i].shape))
-                if padding(n, block):
-                    flat[start + n : start + n + padding(n, block)].zero_()
+            inputs = [flat[start : start + n].view(tensors[i].shape) for i, (start, n) in zip(order, spans)]
+            # the average overwrites the input buffer when the collective has read it by then and
+            # error feedback, if any, is a residual settled at that moment (see _settle_residual)
+            settle = residual = None
+            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype):
+                members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
+                residual = self._group_residual(key, flat, members)
+                settle = _settle_residual(residual, self._scratch(flat, pool, lent))
+            # the codec's input: a few operations for the whole group, whatever its size, where
+            # the memory is none or the group's residual; else the memory's own, gradient by gradient
+            if residual is not None or not mem.stateful:
+                torch._foreach_copy_(inputs, [tensors[i] for i in order])
+                if residual is not None:
+                    if mem.gamma != 1.0:
+                        flat.mul_(mem.gamma)
+                    flat.add_(residual, alpha=mem.beta)
+            else:
+                for x, i in zip(inputs, order):
+                    mem.compensate_into(tensors[i], names[i], x)
+            self._places_of(flat.device, [(start + n, padding(n, block)) for start, n in spans]).fill_(flat, 0)
             if self.levels is not None and self.levels.sampling:
                 for x, i in zip(inputs, order):
                     self.levels.observe(names[i], x, step)
-            # the average overwrites the input buffer when the collective has read it by then and
-            # error feedback, if any, is a residual settled at that moment (see _settle_residual)
-            settle = None
-            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype):
-                members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
-                settle = _settle_residual(self._group_residual(key, flat, members), self._scratch(flat, pool, lent))
             if coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
@@ -723,11 +734,14 @@ class Communicator:
                 for x, (start, n), i in zip(inputs, spans, order):
                     mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
             avg = _poison_if(res.avg, res.nonfinite)
+            if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
+                avg = avg.to(tensors[0].dtype, copy=True)
             results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
             for (start, n), i in zip(spans, order):
-                t = tensors[i]
-                part = avg[start : start + n].view(t.shape)
-                results[i] = t.copy_(part) if inplace else part.to(t.dtype).clone()
+                results[i] = avg[start : start + n].view(tensors[i].shape)
+            if inplace:  # one multi-tensor copy into DDP's views
+                torch._foreach_copy_([tensors[i] for i in order], [results[i] for i in order])
+                results = list(tensors)
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
             record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
             self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
@@ -790,7 +804,7 @@ class Communicator:
         try:
             places = None
             if plain:  # copied out before the bucket is touched: they are summed exactly
-                places = self._plain_places(span.device, [where[i] for i in plain])
+                places = self._places_of(span.device, [where[i] for i in plain])
                 pool = self._pool(span.dtype, step)
                 flat_plain = places.gather(span, pool.lend((places.numel,), span.device, lent))
                 parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
@@ -846,8 +860,9 @@ class Communicator:
         would stall the device's queue); None on the CPU, which reads the flag for free."""
         return None if _reads_flag_on_host(flat.device) else pool.lend((flat.numel(),), flat.device, lent)
 
-    def _plain_places(self, device: torch.device, where: Sequence[Tuple[int, int]]) -> Places:
-        """The :class:`Places` of a bucket's uncompressed gradients, made once per layout."""
+    def _places_of(self, device: torch.device, where: Sequence[Tuple[int, int]]) -> Places:
+        """The :class:`Places` ``where`` in a flat buffer on ``device`` (a bucket's uncompressed
+        gradients, a group's padding), made once per layout."""
         key = (str(device), tuple(where))
         places = self._places.get(key)
         if places is None:
