@@ -392,3 +392,52 @@ def test_floatx_decode_into_out_and_accumulate():
         assert _same_bits(acc, base + expected)
     with pytest.raises(ValueError):
         gpu.mx_encode(x, "e4m3", 48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_saturating_cast_matches_reference(dtype):
+    """The fp16/bf16 codecs' encode in one pass: rounding to nearest even, finite values beyond
+    the type's range clamped to its largest value, NaN and ±inf kept, bit for bit as torch."""
+    top = torch.finfo(dtype).max
+    special = torch.tensor([
+        0.0, -0.0, 1e-8, -3e-45, 65504.0, 65519.0, 65520.0, -7e4, 1e5, top, 3.39e38, -3.4e38,
+        float("inf"), float("-inf"), float("nan"), 1.0 + 2**-11, 1.0 + 3 * 2**-11, 1.0 + 2**-8,
+    ])
+    for x in (special, _randn(5000, seed=3) * 3e4, _randn(4097, seed=4)):
+        x = x.to(DEVICE)
+        got, ref = gpu.saturate(x, dtype), reference.saturate(x, dtype)
+        assert got.dtype == dtype and got.shape == x.shape
+        nan = torch.isnan(ref)
+        assert torch.equal(torch.isnan(got), nan)  # NaN stays NaN (its payload bits are unspecified)
+        assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16)), (x[~nan][got[~nan] != ref[~nan]])
+    view = _randn(64, seed=5).view(8, 8).t()  # non-contiguous
+    assert torch.equal(gpu.saturate(view, dtype).view(torch.int16), reference.saturate(view, dtype).view(torch.int16))
+    with pytest.raises(ValueError, match="fp32 to fp16 or bf16"):
+        gpu.saturate(_randn(8, seed=1).double(), dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares the torch reference on a CUDA device with the CPU's")
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_reference_gives_the_same_bits_on_cuda_and_cpu(bits):
+    """The specification itself is device-independent: it divides by 0-dim tensors on the
+    input's device, as torch's CUDA kernels otherwise turn ``a / 3.0`` into ``a * (1 / 3.0)``."""
+    cuda = torch.device("cuda")
+    for n, bucket in CASES:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n * 7 + bits))
+        for key in KEYS:
+            packed, stats = reference.maxmin_encode(x, bits, bucket, key)
+            packed_c, stats_c = reference.maxmin_encode(x.to(cuda), bits, bucket, key)
+            assert torch.equal(packed, packed_c.cpu()) and _same_bits(stats, stats_c.cpu()), (n, bucket, key)
+            out = reference.maxmin_decode(packed, stats, bits, bucket, n)
+            out_c = reference.maxmin_decode(packed.to(cuda), stats.to(cuda), bits, bucket, n)
+            assert _same_bits(out, out_c.cpu())
+        # QSGD's norms are sums whose order differs between devices; given the same payload
+        # the decoded values are the same bits
+        packed, norms = reference.qsgd_encode(x, bits, bucket, 7)
+        out = reference.qsgd_decode(packed, norms, bits, bucket, n)
+        assert _same_bits(out, reference.qsgd_decode(packed.to(cuda), norms.to(cuda), bits, bucket, n).cpu())
+    for fmt in ("e4m3", "e5m2"):
+        x = torch.randn(3000, generator=torch.Generator().manual_seed(bits)) * 100
+        codes, scales = reference.fp8_encode(x, fmt, 32)
+        codes_c, scales_c = reference.fp8_encode(x.to(cuda), fmt, 32)
+        assert torch.equal(codes, codes_c.cpu()) and _same_bits(scales, scales_c.cpu()), fmt

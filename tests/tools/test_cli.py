@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gradzip.tools import cli, demo
 from gradzip.bench import cluster
@@ -106,7 +107,7 @@ def test_commands_run_without_the_optional_extras(tmp_path):
     lines = proc.stdout.splitlines()
     header = next(ln for ln in lines if ln.split()[:3] == ["codec", "family", "bits/elem"])
     row = next(ln for ln in lines if ln.split()[:1] == ["maxmin:bits=2"])
-    assert len(row.split()) == 9 and "enc+new dec ms" in header  # one cell per column, aligned under it
+    assert len(row.split()) == 11 and "enc+new dec ms" in header  # one cell per column, aligned under it
     assert len(row.rstrip()) == len(header.rstrip())  # the last column right-aligned under its header
     assert "━" not in proc.stdout and "─" not in proc.stdout  # no rich rendering
     assert "pip install gradzip[bench]" in proc.stdout  # names the extra
@@ -231,6 +232,31 @@ def test_bench_codecs(tmp_path):
     assert all(r["encode_decode_ms"] > 0 for r in rows.values())
     assert report["copy_gbps"] > 0
     assert _is_png(plot) and not (tmp_path / "codecs.png").exists()  # --plot wins over the JSON's name
+    assert report["device"] == "cpu"
+    assert all(r["encode_vs_copy"] > 0 and r["decode_vs_copy"] > 0 for r in rows.values())
+
+
+def test_bench_codecs_device(capsys):
+    """``--device`` takes cpu or cuda[:index], one this machine has; anything else is refused
+    at the command line with the reason."""
+    for device in ("tpu", "cuda:99" if torch.cuda.is_available() else "cuda"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "codecs", "--device", device])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--device" in err and ("cpu or cuda" in err or "CUDA device" in err), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_codecs_on_cuda(tmp_path):
+    path = tmp_path / "codecs.json"
+    rc = cli.main(["bench", "codecs", "--device", "cuda", "--codecs", "fp16,maxmin", "--numel", "1048576",
+                   "--repeats", "3", "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["device"].startswith("cuda") and "triton" in report["kernels"]
+    assert all(r["encode_vs_copy"] > 0 for r in report["rows"])
 
 
 def _hang(rank: int, world: int) -> None:

@@ -1,4 +1,4 @@
-"""``gradzip bench codecs``: wire size and encode+decode speed of every codec, on one core.
+"""``gradzip bench codecs``: wire size and encode+decode speed of every codec, on one core or a GPU.
 
 For each codec (default options unless given as ``name:key=value``) on a float32 gradient of
 ``numel`` elements shaped like a weight matrix: the payload's bytes per element (measured on the
@@ -6,7 +6,10 @@ encoded payload; for multi-round codecs from ``wire_bytes``), and the median enc
 over ``repeats`` runs, next to a same-size memory copy timed in the same run — the roofline a
 fused codec would approach (``gradzip bench codecs --plot`` draws it as a line). Decoding is
 timed into a preallocated tensor (``decode_into``, what the collectives do), like the copy; the
-time with a freshly allocated result, page faults included, is reported beside it.
+time with a freshly allocated result, page faults included, is reported beside it. With
+``device="cuda"`` the tensors live on the GPU and every timed call ends with a synchronisation
+(so a time is the kernels', not their launch's); encode and decode are also given as fractions
+of the copy's speed, the share of the memory bandwidth each reaches.
 """
 from __future__ import annotations
 
@@ -22,28 +25,59 @@ from . import write_json
 from .micro import parse_spec
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, device: torch.device) -> float:
+    if device.type == "cuda":  # the kernels' time: wait for them inside the timed call
+        call = fn
+
+        def fn():
+            call()
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up
     return median_seconds(fn, repeats)
 
 
-def _kernels() -> str:
-    """Which kernel versions ran: the setting, and why the fused CPU ones did not if they did not."""
+def _kernels(device: torch.device) -> str:
+    """Which kernel versions ran: the setting, and why the fused ones did not if they did not."""
+    if device.type == "cuda":
+        active = fused.active()
+        why = active.get("cuda_why")
+        return f"{fused.setting()}; {active.get('cuda')} kernels on {torch.cuda.get_device_name(device)}" + (
+            "" if why is None else f" ({why})"
+        )
     why = native.available()
     return f"{fused.setting()}; fused CPU kernels " + ("built" if why is None else f"unavailable ({why})")
 
 
-def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1) -> Dict[str, Any]:
-    """Measure every codec in ``specs`` (default: all registered, default options)."""
+def check_device(device: "str | torch.device") -> torch.device:
+    """``device`` as a torch device; ValueError for one this machine cannot run the benchmark on."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be cpu or cuda[:index], got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda[:index], got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {dev}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def measure(
+    specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1, device: "str | torch.device" = "cpu",
+) -> Dict[str, Any]:
+    """Measure every codec in ``specs`` (default: all registered, default options) on ``device``."""
     specs = list(specs) or gradzip.codecs.names()
+    dev = check_device(device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cols = 1024 if numel % 1024 == 0 else 1
         shape = (numel // cols, cols)
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dev)
         out = torch.empty_like(x)  # preallocated: a copy into fresh memory would time page faults
-        copy_s = _median_time(lambda: out.copy_(x), repeats)
+        copy_s = _median_time(lambda: out.copy_(x), repeats, dev)
         rows: List[Dict[str, Any]] = []
         for spec in specs:
             name, opts = parse_spec(spec)
@@ -52,9 +86,9 @@ def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, t
             multi_round = type(codec).next_round is not gradzip.Codec.next_round
             wire = codec.wire_bytes(numel, x.dtype, shape=shape) if multi_round else payload.nbytes
             flat = out.view(-1)
-            encode_s = _median_time(lambda: codec.encode(x, name="w"), repeats)
-            decode_s = _median_time(lambda: codec.decode_into(payload, flat), repeats)
-            alloc_s = _median_time(lambda: codec.decode(codec.encode(x, name="w")), repeats)
+            encode_s = _median_time(lambda: codec.encode(x, name="w"), repeats, dev)
+            decode_s = _median_time(lambda: codec.decode_into(payload, flat), repeats, dev)
+            alloc_s = _median_time(lambda: codec.decode(codec.encode(x, name="w")), repeats, dev)
             seconds = encode_s + decode_s
             rows.append({
                 "codec": spec,
@@ -67,17 +101,22 @@ def measure(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, t
                 "encode_decode_alloc_ms": alloc_s * 1e3,
                 "gbps": 4 * numel / seconds / 1e9,
                 "vs_copy": copy_s / seconds,
+                "encode_vs_copy": copy_s / encode_s,
+                "decode_vs_copy": copy_s / decode_s,
             })
     finally:
         torch.set_num_threads(before)
     return {
-        "numel": numel, "repeats": repeats, "threads": threads, "kernels": _kernels(),
+        "numel": numel, "repeats": repeats, "threads": threads, "device": str(dev), "kernels": _kernels(dev),
         "copy_ms": copy_s * 1e3, "copy_gbps": 4 * numel / copy_s / 1e9, "rows": rows,
     }
 
 
-def run(specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1, json_path: Optional[str] = None) -> Dict[str, Any]:
-    return write_json(measure(specs, numel, repeats, threads), json_path)
+def run(
+    specs: Sequence[str] = (), numel: int = 1 << 20, repeats: int = 5, threads: int = 1, json_path: Optional[str] = None,
+    device: "str | torch.device" = "cpu",
+) -> Dict[str, Any]:
+    return write_json(measure(specs, numel, repeats, threads, device), json_path)
 
 
 def table(report: Dict[str, Any]):
@@ -85,20 +124,25 @@ def table(report: Dict[str, Any]):
     from .tables import table as new_table
 
     t = new_table(
-        title=f"codecs on {report['numel']:,} fp32 values, {report['threads']} thread(s), median of {report['repeats']}",
+        title=(
+            f"codecs on {report['numel']:,} fp32 values, "
+            + (f"{report['threads']} thread(s)" if report.get("device", "cpu") == "cpu" else report["device"])
+            + f", median of {report['repeats']}"
+        ),
         caption=(
             f"memory copy of the same tensor into a preallocated one: {report['copy_ms']:.2f} ms; decode writes into a "
             "preallocated tensor too, as the collectives do; vs copy = copy time / (encode + decode); "
+            "enc/dec vs copy: copy time / encode (decode) time; "
             f"enc+new dec: decode into a fresh tensor (page faults included); kernels: {report.get('kernels', '-')}"
         ),
     )
-    cols = ("codec", "family", "bits/elem", "ratio", "enc ms", "dec ms", "GB/s", "vs copy", "enc+new dec ms")
+    cols = ("codec", "family", "bits/elem", "ratio", "enc ms", "dec ms", "GB/s", "vs copy", "enc vs copy", "dec vs copy", "enc+new dec ms")
     for col in cols:
         t.add_column(col, justify="left" if col in ("codec", "family") else "right", no_wrap=True)
     for r in report["rows"]:
         t.add_row(
             r["codec"], r["family"], f"{r['bits_per_element']:.3f}", f"{32 / r['bits_per_element']:.1f}×",
             f"{r['encode_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
-            f"{r['encode_decode_alloc_ms']:.2f}",
+            f"{r['encode_vs_copy']:.0%}", f"{r['decode_vs_copy']:.0%}", f"{r['encode_decode_alloc_ms']:.2f}",
         )
     return t

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..kernels import store_into
+from ..kernels.fused import saturate  # noqa: F401  (re-exported: the codecs' saturating cast)
 from ..options import Configurable, Option, float_in, int_in, one_of  # noqa: F401  (re-exported)
 from ..kernels.rng import keyed_generator, private_key
 
@@ -74,23 +75,6 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool, device=x.device)
     lo, hi = torch.aminmax(x.reshape(-1))
     return torch.isfinite(lo) & torch.isfinite(hi)
-
-
-def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``y`` cast to ``dtype``, finite values beyond its range clamped to its largest finite value.
-
-    A decoded value may land just beyond the range of a 16-bit input dtype (QSGD's levels, natural
-    compression's power of two above 2**15, bf16 rounding of a value near 65504): cast as it is,
-    finite input would come back as ±inf. NaN and ±inf stay as they are.
-    """
-    if y.dtype == dtype:
-        return y
-    if not (dtype.is_floating_point and y.dtype.is_floating_point) or torch.finfo(y.dtype).max <= torch.finfo(dtype).max:
-        return y.to(dtype)
-    if y.dtype not in (torch.float32, torch.float64):
-        y = y.float()  # the bound itself must be exact: 65504 is not a bf16 value
-    big = torch.finfo(dtype).max
-    return torch.where(torch.isinf(y), y, y.clamp(-big, big)).to(dtype)
 
 
 def empty_result(meta: "Meta") -> torch.Tensor:

@@ -151,6 +151,18 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
     return backend(x).sign_encode(x)
 
 
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` cast to ``dtype`` with finite values beyond its range clamped (see
+    ``reference.saturate``): one pass on a GPU for fp32 to fp16/bf16 (the fp16 and bf16 codecs'
+    encode, a plain copy's worth of memory traffic), torch's four elsewhere."""
+    if y.device.type == "cuda" and y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16):
+        if setting() in ("auto", "triton"):
+            gpu = _gpu()
+            if gpu is not None and gpu.available() is None:
+                return gpu.saturate(y, dtype)
+    return reference.saturate(y, dtype)
+
+
 def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = backend(packed)
     return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))

@@ -327,6 +327,25 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
 
 
+def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 to fp16 (or to bf16's bits, ``out_ptr`` then int16), rounded to nearest even; finite
+    values beyond ``±TOP`` (the type's largest value) become ``±TOP``, NaN and ±inf stay NaN
+    and ±inf. bf16 is rounded on the bits (``u + 0x7FFF + lsb``, exact): Triton's interpreter
+    truncates instead."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    beyond = (tl.abs(x) > TOP) & (tl.abs(x) < float("inf"))
+    x = tl.where(beyond, tl.where(x > 0, TOP, -TOP), x)
+    if BF16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, 0x7FC0, r)  # NaN: the quiet one (a payload could round to inf)
+        tl.store(out_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
+    else:
+        tl.store(out_ptr + offs, x.to(tl.float16, fp_downcast_rounding="rtne"), mask=valid)
+
+
 def _sign_decode_kernel(
     packed_ptr, scale_ptr, out_ptr, numel,
     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -599,7 +618,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -876,6 +895,26 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
             BLOCK=_SIGN_BLOCK, TO_F32=x.dtype != torch.float64, num_warps=_WARPS,
         )
     return packed
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
+    its largest value (``reference.saturate``, bit for bit: both round to nearest even)."""
+    _require()
+    if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
+    flat = y.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    n = flat.numel()
+    if n:
+        bf16 = dtype == torch.bfloat16
+        _launch(
+            _saturate_kernel, (-(-n // _SIGN_BLOCK),), y.device, flat, out.view(torch.int16) if bf16 else out, n,
+            TOP=torch.finfo(dtype).max, BF16=bf16, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+        )
+    return out
 
 
 def sign_decode(

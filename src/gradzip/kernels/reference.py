@@ -38,6 +38,23 @@ def divide(a: torch.Tensor, b: float) -> torch.Tensor:
     return a / torch.full((), b, dtype=a.dtype, device=a.device)
 
 
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` cast to ``dtype``, finite values beyond its range clamped to its largest finite value.
+
+    A decoded value may land just beyond the range of a 16-bit input dtype (QSGD's levels, natural
+    compression's power of two above 2**15, bf16 rounding of a value near 65504): cast as it is,
+    finite input would come back as ±inf. NaN and ±inf stay as they are.
+    """
+    if y.dtype == dtype:
+        return y
+    if not (dtype.is_floating_point and y.dtype.is_floating_point) or torch.finfo(y.dtype).max <= torch.finfo(dtype).max:
+        return y.to(dtype)
+    if y.dtype not in (torch.float32, torch.float64):
+        y = y.float()  # the bound itself must be exact: 65504 is not a bf16 value
+    big = torch.finfo(dtype).max
+    return torch.where(torch.isinf(y), y, y.clamp(-big, big)).to(dtype)
+
+
 def _round(v: torch.Tensor, key: Optional[int], numel: int) -> torch.Tensor:
     """Round the bucketed ``v`` to integers: up with probability frac(v) when keyed, else nearest.
 

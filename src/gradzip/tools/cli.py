@@ -66,6 +66,16 @@ def _size_list(text: str) -> List[float]:
     return list(dict.fromkeys(_size_mb(p) for p in parts))
 
 
+def _bench_device(text: str) -> str:
+    """``cpu`` or ``cuda[:index]``, one this machine has."""
+    from ..bench.codecs import check_device
+
+    try:
+        return str(check_device(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -216,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--numel", type=_positive, default=1 << 20, help="elements (default %(default)s)")
     cb.add_argument("--repeats", type=_positive, default=5, help="timed runs after one warm-up (default %(default)s)")
     cb.add_argument("--threads", type=_positive, default=1, help="torch threads (default %(default)s)")
+    cb.add_argument(
+        "--device", type=_bench_device, default="cpu",
+        help="where the tensors live: cpu (fused C kernels) or cuda[:index] (Triton kernels; default %(default)s)",
+    )
     cb.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
     cb.add_argument(
         "--plot", dest="plot_path",
@@ -486,7 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..bench import codecs as codec_bench
         from ..bench import plots
 
-        report = codec_bench.run(args.codecs, args.numel, args.repeats, args.threads, args.json_path)
+        report = codec_bench.run(args.codecs, args.numel, args.repeats, args.threads, args.json_path, args.device)
         console = _console()
         console.print(codec_bench.table(report))
         _plot(plots.codecs, report, args, console)

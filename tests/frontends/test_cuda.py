@@ -1,0 +1,71 @@
+"""DDP with gradzip on CUDA tensors: over NCCL (one rank, one GPU) and over gloo (two ranks
+sharing one GPU). Run on a GPU machine with ``pytest -m gpu``; skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip
+from gradzip.kernels import fused
+
+from ..dist_utils import run_workers
+from .test_ddp import Net, _batches, _flat_params
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool) -> dict:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    group = dist.new_group(list(range(world)), backend="nccl") if backend == "nccl" else None
+    torch.manual_seed(0)
+    model = Net().to(device)
+    ddp = DDP(model, device_ids=[0], process_group=group, bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory=memory, min_numel=64, in_place=in_place)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    skipped = 0
+    for i, (x, y) in enumerate(_batches(rank, 6)):
+        loss = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device))
+        if i == 3 and rank == world - 1:
+            loss = loss * float("inf")  # a non-finite step, as an fp16 overflow gives one
+        opt.zero_grad()
+        loss.backward()
+        if not all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            skipped += 1
+            continue
+        opt.step()
+    torch.cuda.synchronize()
+    flat = _flat_params(model).cpu()
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)  # over the default (gloo) group, on the CPU
+    stats = state.stats()
+    kernels = fused.name(model.fc1.weight.detach(), 4, 1024)
+    residuals_finite = all(bool(torch.isfinite(v).all()) for v in getattr(state.comm.memory, "residuals", {}).values())
+    state.close()
+    if group is not None:
+        dist.destroy_process_group(group)
+    return {
+        "identical": all(torch.equal(gathered[0], g) for g in gathered), "finite": bool(torch.isfinite(flat).all()),
+        "skipped": skipped, "compressed": stats["params_compressed"] > 0, "kernels": kernels,
+        "residuals_finite": residuals_finite,
+    }
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["fused", "in-place"])
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_ddp_over_nccl_on_one_gpu(memory, in_place):
+    (res,) = run_workers(_cuda_job, 1, "nccl", memory, in_place)
+    assert res == {"identical": True, "finite": True, "skipped": 1, "compressed": True, "kernels": res["kernels"],
+                   "residuals_finite": True}
+    assert res["kernels"] in ("triton", "torch")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["fused", "in-place"])
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_ddp_over_gloo_with_cuda_tensors_on_two_ranks_sharing_a_gpu(memory, in_place):
+    for res in run_workers(_cuda_job, 2, "gloo", memory, in_place):
+        assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
+        assert res["skipped"] == 1  # every rank skips the step one rank overflowed
