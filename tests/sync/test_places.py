@@ -48,6 +48,6 @@ def test_gather_fill_scatter_match_the_gradients_one_by_one(layout, dtype):
 
 def test_adjacent_places_merge_and_long_runs_move_as_slices():
     p = Places([(0, 4), (4, 4), (10, 100), (200, 3)], torch.device("cpu"), long_run=50)
-    assert p.long == [(10, 100)]  # one slice for the long run
+    assert p.long == [(10, 100, 0)]  # one slice for the long run, first in the packed values
     assert p.index.tolist() == list(range(8)) + [200, 201, 202]  # one index for the short ones, merged
     assert Places([], torch.device("cpu")).index is None

@@ -37,9 +37,15 @@ class Places:
                 runs[-1][1] += n
             else:
                 runs.append([start, n])
-        self.long = [(start, n) for start, n in runs if n >= long_run]
+        # the long runs as (start in the buffer, length, start in the packed tensor)
+        self.long: List[Tuple[int, int, int]] = []
+        offset = 0
+        for start, n in runs:
+            if n >= long_run:
+                self.long.append((start, n, offset))
+                offset += n
         short = [(start, n) for start, n in runs if n < long_run]
-        self.long_numel = sum(n for _, n in self.long)
+        self.long_numel = offset
         self.numel = self.long_numel + sum(n for _, n in short)
         self.index = None
         if short:
@@ -47,17 +53,15 @@ class Places:
 
     def gather(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (:attr:`numel` values) = the values of ``flat`` at these places."""
-        offset = 0
-        for start, n in self.long:
-            out[offset : offset + n].copy_(flat[start : start + n])
-            offset += n
+        for start, n, at in self.long:
+            out[at : at + n].copy_(flat[start : start + n])
         if self.index is not None:
-            torch.index_select(flat, 0, self.index, out=out[offset:])
+            torch.index_select(flat, 0, self.index, out=out[self.long_numel :])
         return out
 
     def fill_(self, flat: torch.Tensor, value: float) -> torch.Tensor:
         """``flat`` with ``value`` at these places."""
-        for start, n in self.long:
+        for start, n, _ in self.long:
             flat[start : start + n].fill_(value)
         if self.index is not None:
             flat.index_fill_(0, self.index, value)
@@ -65,10 +69,8 @@ class Places:
 
     def scatter_(self, flat: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """``flat`` with the values of ``packed`` (laid out by :meth:`gather`) at these places."""
-        offset = 0
-        for start, n in self.long:
-            flat[start : start + n].copy_(packed[offset : offset + n])
-            offset += n
+        for start, n, at in self.long:
+            flat[start : start + n].copy_(packed[at : at + n])
         if self.index is not None:
-            flat.index_copy_(0, self.index, packed[offset:])
+            flat.index_copy_(0, self.index, packed[self.long_numel :])
         return flat
