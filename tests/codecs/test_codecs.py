@@ -570,6 +570,24 @@ def test_powersgd_rank_r_exact(rank):
     torch.testing.assert_close(_round_trip(gradzip.codec("powersgd", rank=rank), t), t, rtol=1e-4, atol=1e-4)
 
 
+def test_powersgd_decodes_into_out_as_decode_does():
+    """The last round's product goes straight into the collective's output: the same bits as
+    decode(); adding into an output, or a 16-bit one, takes the general path."""
+    c = gradzip.codec("powersgd", rank=2)
+    x = torch.randn(48, 3, 5, generator=torch.Generator().manual_seed(3))
+    p = c.encode(x, name="w")
+    nxt = c.next_round(p, [t.clone() for t in p.tensors])
+    final = Payload([t.clone() for t in nxt.tensors], nxt.ctx)
+    assert c.next_round(nxt, final.tensors) is None
+    expected = c.decode(final).reshape(-1)
+    out = torch.full((x.numel(),), float("nan"))
+    assert c.decode_into(final, out) is out and torch.equal(out, expected)
+    base = torch.randn(x.numel(), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(c.decode_into(final, base.clone(), accumulate=True), base + expected)
+    half = torch.empty(x.numel(), dtype=torch.float16)
+    assert torch.equal(c.decode_into(final, half), expected.half())
+
+
 def _decaying_spectrum(n: int, m: int, seed: int = 0) -> Tuple[torch.Tensor, float]:
     g = torch.Generator().manual_seed(seed)
     u, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))

@@ -11,6 +11,14 @@ from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, 
 from .registry import register_codec
 
 
+def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``m @ v`` for a thin ``v`` (``k × r``, r small), computed as ``(vᵀ mᵀ)ᵀ`` (contiguous):
+    one row of r outputs per stride of ``m`` is what BLAS does worst; a short, wide product is
+    what it does best (on one CPU core 1.5–10× faster for gradient-sized matrices, and on a
+    GPU as fast). ``m`` may be a transposed view (``Mᵀ P``)."""
+    return (v.T @ m.T).T.contiguous()
+
+
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     """An ``n × r`` matrix whose orthonormal columns span the columns of ``p`` (``r ≤ n``).
 
@@ -97,14 +105,14 @@ class PowerSGD(Codec):
         n, m, r = dims
         mat = x.float().view(n, m).contiguous()  # BLAS rounds by layout: one layout on every rank
         meta.extra.update(round=1, M=mat)
-        return [mat @ self._initial_q(meta, m, r)]
+        return [times(mat, self._initial_q(meta, m, r))]
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         meta = payload.ctx
         if meta.extra["round"] == 1:
             p_hat = orthogonalize(reduced[0])
             meta.extra.update(round=2, P=p_hat)
-            return Payload([meta.extra["M"].T @ p_hat], meta)
+            return Payload([times(meta.extra["M"].T, p_hat)], meta)
         if meta.extra["round"] == 2 and self.warm_start:
             # a non-finite step (NaN/Inf on any rank: the sum is then non-finite everywhere) must
             # not become the next warm start, or every later step would be NaN too
@@ -119,8 +127,17 @@ class PowerSGD(Codec):
             return tensors[0]
         if rnd == 1:  # a local round trip without a collective: finish the power step here
             p_hat = orthogonalize(tensors[0].clone())
-            return (p_hat @ (meta.extra["M"].T @ p_hat).T).reshape(-1)
+            return (p_hat @ times(meta.extra["M"].T, p_hat).T).reshape(-1)
         return (meta.extra["P"] @ tensors[0].T).reshape(-1)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        # the product written straight into ``out``: no matrix-sized temporary and no copy
+        if (meta.extra["round"] == 2 and not accumulate and out.numel() == meta.numel and out.is_contiguous()
+                and out.dtype == torch.float32):
+            n, m = meta.extra["M"].shape
+            torch.mm(meta.extra["P"], tensors[0].T, out=out.view(n, m))
+            return out
+        return super()._decode_into(tensors, meta, out, accumulate)
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
         """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D)."""
