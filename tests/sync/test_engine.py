@@ -119,3 +119,45 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
             assert ops["where"] == 1, ops  # the flag picks the residual on the device
         if memory == "residual":
             assert len(many["residuals"]) == 32  # the compressed gradients' residuals, by name
+
+
+def _batched(rank: int, world: int, codec: str, options: dict) -> dict:
+    g = torch.Generator().manual_seed(10 + rank)
+    shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64), (50, 7)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    names = [f"layer{i}.weight" for i in range(len(shapes))]
+    out = {}
+    for fusion in (True, False):
+        comm = gradzip.Communicator(codec, fusion=fusion, **options)
+        groups = [[i] for i in range(len(grads))]  # what the plan makes of a codec that cannot fuse
+        avgs = []
+        with _Ops() as ops:
+            for step in range(3):
+                avgs.append(drive(comm.reduce_many_stages([t.clone() for t in grads], names, [True] * len(grads),
+                                                          groups=groups, step=step)))
+        # a non-finite gradient on one rank: every gradient of the batch comes back NaN
+        bad = [t.clone() for t in grads]
+        if rank == 1:
+            bad[2][0, 0] = float("nan")
+        nan = drive(comm.reduce_many_stages(bad, names, [True] * len(grads), groups=groups, step=3))
+        out[fusion] = {"avgs": avgs, "allreduce": ops.work["allreduce_"], "all_nan": [bool(t.isnan().all()) for t in nan]}
+        comm.close()
+    return out
+
+
+@pytest.mark.parametrize("codec,options", [("powersgd", {"rank": 2}), ("randomk", {"ratio": 0.1})])
+def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, options):
+    """PowerSGD's matrices (two rounds) and random-k's values are encoded one by one but summed
+    together: one all-reduce per round (and one for the flag) for them all, where one per
+    gradient and round was made before, with the same averages on 2 ranks."""
+    results = run_workers(_batched, 2, codec, options)
+    for res in results:
+        batched, alone = res[True], res[False]
+        for a, b in zip(batched["avgs"], alone["avgs"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        rounds = 2 if codec == "powersgd" else 1
+        assert batched["allreduce"] == 3 * (rounds + 1)  # 3 steps: the rounds and the flag
+        assert alone["allreduce"] > 3 * 6  # at least one per gradient and step
+        assert all(batched["all_nan"])  # one flag covers the batch
+        assert alone["all_nan"] == [i == 2 for i in range(6)]  # alone, only the gradient that held it
+    assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))

@@ -1,7 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,8 @@ class AllReduce(Collective):
         return codec.summable and super().supports(codec)
 
     def exchange(self, call: Call) -> Stages:
-        x, w, out = call.x, call.world_size, call.out
-        if w > 1 and out is not None and not call.need_own and _same_memory(out, x):
-            scaled = x.view(-1).div_(w)  # in place: the caller wants x overwritten with the average
-        else:
-            scaled = x / w if w > 1 else x
-        payload = call.encode(scaled)
+        w = call.world_size
+        payload = call.encode(_scaled(call))
         flag = call.flag.to(torch.float32).reshape(1)  # read after encoding: it covers the input
         wire = 0
         first = True
@@ -55,13 +51,70 @@ class AllReduce(Collective):
             if nxt is None:
                 break
             payload = nxt
-        call.keep_own(payload, scale=float(w))  # the last round's own payload, before the sum
-        call.release_input(flag[0] > 0)
-        if out is None:
-            avg = call.decode(call.codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
-        else:
-            avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), out)
-        return Exchanged(avg, flag[0] > 0, wire)
+        return _finish(call, payload, reduced, flag[0] > 0, wire)
+
+    def exchange_many(self, calls: Sequence[Call]) -> Stages:
+        """Several tensors' payloads summed together: per round, one all-reduce of all their
+        payload tensors of a dtype, packed into one buffer (PyTorch's PowerSGD hook packs a
+        bucket's factors the same way), and one of the non-finite flag for them all."""
+        if len(calls) == 1:
+            return [(yield from self.exchange(calls[0]))]
+        w = calls[0].world_size
+        payloads = [call.encode(_scaled(call)) for call in calls]
+        flag = torch.stack([call.flag for call in calls]).any().to(torch.float32).reshape(1)
+        flag_work = dist.all_reduce(flag, group=self.group, async_op=True) if w > 1 and self.flagged else None
+        wire = [0] * len(calls)
+        reduced: List[List[torch.Tensor]] = [[] for _ in calls]
+        live = list(range(len(calls)))
+        while live:
+            entries = [(i, t) for i in live for t in payloads[i].tensors]
+            for i, t in entries:
+                wire[i] += t.numel() * t.element_size()
+            # one buffer per dtype (a copy: this rank's payloads stay intact for error feedback)
+            packed = {}
+            for dtype in dict.fromkeys(t.dtype for _, t in entries):
+                packed[dtype] = torch.cat([t.reshape(-1) for _, t in entries if t.dtype == dtype])
+            works = [dist.all_reduce(buf, group=self.group, async_op=True) for buf in packed.values()] if w > 1 else []
+            yield  # the sums are on the wire
+            for work in works:
+                work.wait()
+            offsets = dict.fromkeys(packed, 0)
+            for i in live:
+                reduced[i] = []
+                for t in payloads[i].tensors:
+                    at = offsets[t.dtype]
+                    reduced[i].append(packed[t.dtype][at : at + t.numel()].view(t.shape))
+                    offsets[t.dtype] = at + t.numel()
+            going = []
+            for i in live:
+                nxt = calls[i].timer.encode(calls[i].codec.next_round, payloads[i], reduced[i])
+                if nxt is not None:
+                    payloads[i] = nxt
+                    going.append(i)
+            live = going
+        if flag_work is not None:
+            flag_work.wait()
+        return [_finish(call, payloads[i], reduced[i], flag[0] > 0, wire[i]) for i, call in enumerate(calls)]
+
+
+def _scaled(call: Call) -> torch.Tensor:
+    """The input divided by the world size before encoding, so sums stay in range and decode to
+    the average (in place where the caller wants its input overwritten with the average)."""
+    x, w, out = call.x, call.world_size, call.out
+    if w > 1 and out is not None and not call.need_own and _same_memory(out, x):
+        return x.view(-1).div_(w)
+    return x / w if w > 1 else x
+
+
+def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite: torch.Tensor, wire: int) -> Exchanged:
+    """The last round's own payload kept (before the sum), the input released, the sum decoded."""
+    call.keep_own(payload, scale=float(call.world_size))
+    call.release_input(nonfinite)
+    if call.out is None:
+        avg = call.decode(call.codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
+    else:
+        avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), call.out)
+    return Exchanged(avg, nonfinite, wire)
 
 
 def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from ..kernels import store_into
 from ..options import Registry
 from ..options import Configurable
 from .pool import BufferPool
-from .stages import Stages, drive, staged
+from .stages import Stages, drive, lockstep, staged
 
 _ALIGN = 8
 
@@ -414,18 +414,51 @@ class Collective(Configurable):
         turn, so one call's payloads are on the wire while another is encoded or decoded. The
         stages are those of :meth:`exchange`, framed by the steps every collective shares.
         """
-        rank, w = world(self.group)
-        self._evict(step)
-        flag = torch.zeros((), dtype=torch.bool, device=x.device)
-        call = Call(codec, x, name, step, need_own, out, align, rank, w, flag, Timer(), self.flagged, on_release=on_release)
+        (call,) = self._calls(codec, [x], [name], step, need_own, [out], align, on_release)
         try:
             got = yield from staged(self.exchange(call))
-            call.release_input(got.nonfinite)
-            avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
-            # an on_release that took this rank's own payloads has decoded them already
-            own = self._decode_own(call) if need_own and on_release is None else None
+            return self._result(call, got)
         finally:
             self._pool.give_back(call.lent)  # every transfer of the call has completed (or failed)
+
+    def stages_many(
+        self, codec: Codec, xs: Sequence[torch.Tensor], names: Sequence[str], step: int, need_own: bool,
+        outs: Sequence[Optional[torch.Tensor]],
+    ) -> Stages:
+        """:meth:`stages` of several tensors at once: one :class:`Result` each. A collective
+        whose :meth:`exchange_many` batches them (the all-reduce: one sum per round for all)
+        saves a collective per tensor; the others exchange them side by side."""
+        calls = self._calls(codec, xs, names, step, need_own, outs, 1, None)
+        try:
+            gots = yield from self.exchange_many(calls)
+            return [self._result(call, got) for call, got in zip(calls, gots)]
+        finally:
+            for call in calls:
+                self._pool.give_back(call.lent)
+
+    def exchange_many(self, calls: Sequence[Call]) -> Stages:
+        """:meth:`exchange` of several calls: a list of :class:`Exchanged`. By default the calls'
+        own exchanges, advanced in lockstep; a collective that can move them together overrides it."""
+        return (yield from lockstep([staged(self.exchange(call)) for call in calls]))
+
+    def _calls(
+        self, codec: Codec, xs: Sequence[torch.Tensor], names: Sequence[str], step: int, need_own: bool,
+        outs: Sequence[Optional[torch.Tensor]], align: int, on_release: Optional[Callable[[Call, torch.Tensor], None]],
+    ) -> List[Call]:
+        rank, w = world(self.group)
+        self._evict(step)
+        return [
+            Call(codec, x, name, step, need_own, out, align, rank, w, torch.zeros((), dtype=torch.bool, device=x.device),
+                 Timer(), self.flagged, on_release=on_release)
+            for x, name, out in zip(xs, names, outs)
+        ]
+
+    def _result(self, call: Call, got: Exchanged) -> Result:
+        """What every call ends with: the input released, the average in ``out``, this rank's own
+        payloads decoded (unless an ``on_release`` took them already)."""
+        call.release_input(got.nonfinite)
+        avg = got.avg if call.out is None else store_into(got.avg, call.out, accumulate=False)
+        own = self._decode_own(call) if call.need_own and call.on_release is None else None
         return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
 
     def exchange(self, call: Call) -> Union[Stages, Exchanged]:

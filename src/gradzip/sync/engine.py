@@ -572,17 +572,56 @@ class Communicator:
         """``inp`` (compensated by ``mem``) through ``coll``, error feedback settled: returns
         (the result, all-NaN where some rank's input was not; where it went: ``out`` flat when
         the collective could write there, else None; the metrics of the call)."""
-        # the collective writes straight into ``out`` when it can; not while the memory still has
-        # to read an input that aliases it
-        dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-        if dest is not None and mem.stateful and overlaps(dest, inp):
-            dest = None
+        dest = _dest(out, inp, mem)
         res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
+        avg, record = self._settled(coll, codec, mem, inp, name, res, compress)
+        return avg, dest, record
+
+    def _settled(self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, res: Any, compress: bool):
+        """After one tensor's exchange: its memory updated (kept on a non-finite step), the
+        average (all-NaN where some rank's input was not finite) and the metrics of the call."""
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
-        return avg, dest, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
+        return avg, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
+
+    def _batchable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
+        """Whether these gradients, which cannot share one encoding, can share one collective
+        call (:meth:`_reduce_batched`): one codec and one collective that moves several tensors
+        together, and none empty."""
+        if not self.fusion or len(tensors) < 2 or any(t.numel() == 0 for t in tensors):
+            return False
+        codec, coll = self.codec_for(names[0]), self.collective_for(names[0])
+        if type(coll).exchange_many is Collective.exchange_many:
+            return False  # it would exchange them one by one anyway
+        return all(self.codec_for(n) is codec and self.collective_for(n) is coll for n in names)
+
+    def _reduce_batched(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
+        """Gradients that cannot share one encoding (PowerSGD's matrices, random-k) in one call
+        of a collective that moves them together (:meth:`Collective.stages_many`): each encoded
+        and decoded on its own, their payloads summed in one all-reduce per round, not one per
+        gradient. One non-finite flag covers them, as it covers a fused group."""
+        started = time.perf_counter()
+        codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
+        inputs = [mem.compensate(t.contiguous(), name) for t, name in zip(tensors, names)]  # shaped: PowerSGD needs it
+        if self.levels is not None and self.levels.sampling:
+            for x, name in zip(inputs, names):
+                self.levels.observe(name, x, step)
+        dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
+        results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
+        out = []
+        for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
+            avg, record = self._settled(coll, codec, mem, x, name, res, True)
+            if not inplace:
+                out.append(avg.view(t.shape).to(t.dtype))
+            else:
+                if dest is None:
+                    t.copy_(avg.view(t.shape))
+                out.append(t)
+            self.metrics.record(name, t.numel() * t.element_size(), **record)
+        self.metrics.record_group_time(group_key(sorted(names)), time.perf_counter() - started)
+        return out
 
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
@@ -616,14 +655,20 @@ class Communicator:
         if plain:
             parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace, step))
             owners.append(plain)
+        alone = []  # gradients that cannot share an encoding
         for group in groups:
             if self._fusable([tensors[i] for i in group]):
                 parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace, step))
                 owners.append(list(group))
             else:
-                for i in group:
-                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
-                    owners.append(i)
+                alone.extend(group)
+        if self._batchable([tensors[i] for i in alone], [names[i] for i in alone]):
+            parts.append(self._reduce_batched([tensors[i] for i in alone], [names[i] for i in alone], inplace, step))
+            owners.append(alone)
+        else:
+            for i in alone:
+                parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
+                owners.append(i)
         results = yield from lockstep(parts)
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         for owner, result in zip(owners, results):
@@ -1154,6 +1199,15 @@ def _reads_flag_on_host(device: torch.device) -> bool:
     """Whether the agreed non-finite flag of an exchange on ``device`` is read on the host: free
     on the CPU; on an accelerator it would wait until the device's queue has run dry."""
     return device.type == "cpu"
+
+
+def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[torch.Tensor]:
+    """Where a collective may write ``inp``'s average: ``out`` flat, when it is contiguous and of
+    the input's dtype, and not while the memory still has to read an input that aliases it."""
+    dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
+    if dest is not None and mem.stateful and overlaps(dest, inp):
+        return None
+    return dest
 
 
 def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
