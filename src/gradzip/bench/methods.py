@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+import torch.distributed as dist
+
 # config name -> (codec, keyword arguments of gradzip.register); None means plain fp32 DDP.
 CONFIGS: Dict[str, Optional[Tuple[str, Dict[str, Any]]]] = {
     "fp32": None,
@@ -60,3 +62,28 @@ def describe(name: str) -> str:
     optim = OPTIMIZER_OVERRIDES.get(name, {})
     sgd = [f"(SGD {' '.join(f'{k}={v:g}' for k, v in optim.items())})"] if optim else []
     return " ".join([codec] + [f"{k}={v}" for k, v in opts.items()] + sgd)
+
+
+def attach(ddp: Any, name: str, group: Optional[dist.ProcessGroup] = None, start_powersgd_iter: int = 2) -> Any:
+    """Put method ``name`` (a :data:`CONFIGS` key) on the DDP model: nothing for fp32 DDP,
+    PyTorch's hook (on ``group``, the DDP model's process group), or ``gradzip.register``.
+    Returns gradzip's state, or None. PyTorch's PowerSGD hook starts compressing at
+    ``start_powersgd_iter`` (its default: 10)."""
+    spec = CONFIGS[name]
+    if spec is None:
+        return None
+    codec, opts = spec
+    if codec == "torch:powerSGD_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        hook_state = psgd.PowerSGDState(group, matrix_approximation_rank=opts["rank"], start_powerSGD_iter=start_powersgd_iter)
+        ddp.register_comm_hook(hook_state, psgd.powerSGD_hook)
+        return None
+    if codec.startswith("torch:"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(group, getattr(default_hooks, codec[len("torch:"):]))
+        return None
+    import gradzip
+
+    return gradzip.register(ddp, codec, **opts)

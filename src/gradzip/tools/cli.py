@@ -366,6 +366,32 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--steps", type=_positive, default=3, help="measured steps after the warm-up (default %(default)s)")
     mm.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
 
+    from ..bench import overhead as oh
+
+    ov = bench_sub.add_parser(
+        "overhead", help="what each hook adds to a real training step on one rank (a GPU with --device cuda)",
+        description="One rank (NCCL on a GPU, gloo on the CPU), so nothing crosses a wire: each method's median "
+        "step over a real model's forward/backward beside fp32 DDP's, the difference (the hook's own work) and "
+        "the link rate at which the method's exchange would hide behind the step.",
+        epilog="examples:\n"
+        "  gradzip bench overhead --device cuda                   # ResNet-50 32x224², GPT-2 small 4x1024\n"
+        "  gradzip bench overhead --models resnet18 --configs fp32,maxmin4 --steps 3   # a quick CPU run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ov.add_argument(
+        "--models", type=lambda t: _names(t, oh.MODELS, "model"), default=list(oh.DEFAULT_MODELS),
+        help=f"comma-separated models (default {','.join(oh.DEFAULT_MODELS)}; of {','.join(oh.MODELS)}); "
+        "batches: 32x224² images and 4x1024 tokens on a GPU, small ones on the CPU",
+    )
+    ov.add_argument(
+        "--configs", type=_config_list, default=list(oh.DEFAULT_CONFIGS),
+        help=f"methods (default {','.join(oh.DEFAULT_CONFIGS)}); fp32 is always measured",
+    )
+    ov.add_argument("--device", type=_bench_device, default="cpu", help="cpu or cuda[:index] (default %(default)s)")
+    ov.add_argument("--steps", type=_positive, default=10, help="timed steps per method (default %(default)s)")
+    ov.add_argument("--warmup", type=_positive, default=3, help="untimed steps first, at least 2 (default %(default)s)")
+    ov.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+
     from ..bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
     from ..bench.accuracy import DEFAULT_TASKS, FRONTENDS, FSDP_CONFIGS, QUICK, TASKS
 
@@ -549,6 +575,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console.print(sharded.table(report))
         if args.json_path:
             console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
+        return 0
+    if args.command == "bench" and args.bench == "overhead":
+        from ..bench import overhead
+
+        report = overhead.run(args.models, args.configs, args.device, args.steps, args.warmup, args.json_path)
+        console = _console()
+        console.print(overhead.table(report))
+        if args.json_path:
+            console.print(f"results: {args.json_path}")
         return 0
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory

@@ -31,11 +31,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-import gradzip
-
 from ..bench import cluster
 from ..bench.digits import load_digits_split, make_model
-from ..bench.methods import CONFIGS, OPTIMIZER_OVERRIDES, describe
+from ..bench.methods import CONFIGS, OPTIMIZER_OVERRIDES, attach, describe
 from ..comm.launch import spawn_local
 
 # Configs run in a spawn of their own with a short collective timeout, so that a failure (or a
@@ -120,18 +118,7 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
     grad_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     ddp = DistributedDataParallel(model, bucket_cap_mb=grad_mb / BUCKETS)
     spec = CONFIGS[name]
-    state = None
-    if spec is not None and spec[0] == "torch:powerSGD_hook":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-        hook_state = psgd.PowerSGDState(None, matrix_approximation_rank=spec[1]["rank"], start_powerSGD_iter=2)
-        ddp.register_comm_hook(hook_state, psgd.powerSGD_hook)
-    elif spec is not None and spec[0].startswith("torch:"):
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, getattr(default_hooks, spec[0][len("torch:"):]))
-    elif spec is not None:
-        state = gradzip.register(ddp, spec[0], **spec[1])
+    state = attach(ddp, name)
     sgd = {"lr": opts["lr"], "momentum": opts["momentum"], **OPTIMIZER_OVERRIDES.get(name, {})}
     optim = torch.optim.SGD(ddp.parameters(), **sgd)
     loss_fn = nn.CrossEntropyLoss()

@@ -1,0 +1,192 @@
+"""``gradzip bench overhead``: what a communication hook adds to a real training step, on one rank.
+
+One process (NCCL on a GPU, gloo on the CPU) sends nothing over a wire, so a DDP step with a
+hook costs the step of plain fp32 DDP plus the hook's own work: encoding, decoding, copies and
+launches. That is the cost compression must earn back on a real link. For each model (a real
+ResNet-50 forward/backward, GPT-2 small from ``transformers`` under bf16 autocast on a GPU) and
+method (fp32 DDP, PyTorch's fp16 and PowerSGD hooks, gradzip's methods) this measures the
+median step, the overhead over fp32 DDP (milliseconds and share of the step), and the link
+rate at which the method's exchange would hide behind the step: a rank of a large ring sends
+about twice its payload per step, so ``2 · payload · 8 / step`` bits per second (the payload as
+gradzip counts it; the gradients' bytes for fp32, half for the fp16 hook).
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import write_json
+from .codecs import check_device
+from .methods import CONFIGS, attach, describe
+
+MODELS = ("resnet50", "gpt2", "resnet18")
+DEFAULT_MODELS = ["resnet50", "gpt2"]
+DEFAULT_CONFIGS = ["fp32", "torch-fp16", "torch-powersgd", "maxmin4", "powersgd"]
+# the batches of the GPU measurements (ResNet-50 at 32 × 224², GPT-2 small at 4 × 1024 tokens),
+# and small ones for the CPU, where a step of the GPU batch would take minutes
+BATCHES = {"cuda": {"resnet50": (32, 224), "gpt2": (4, 1024), "resnet18": (32, 224)},
+           "cpu": {"resnet50": (2, 64), "gpt2": (1, 128), "resnet18": (2, 32)}}
+
+
+def check_models(names: Sequence[str]) -> List[str]:
+    """The models, each one of :data:`MODELS`; ValueError naming them otherwise."""
+    bad = [n for n in names if n not in MODELS]
+    if bad:
+        raise ValueError(f"unknown model(s) {', '.join(bad)}; choose from {', '.join(MODELS)}")
+    return list(names)
+
+
+def check_configs(names: Sequence[str]) -> List[str]:
+    """The methods, each a name of :data:`~gradzip.bench.methods.CONFIGS`; ValueError otherwise."""
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
+    return list(names)
+
+
+def _build(name: str, device: torch.device, batch: int, size: int) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """The model on ``device`` (the same weights every time) and its loss on a fixed batch."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "gpt2":
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError as exc:
+            raise RuntimeError("the gpt2 model needs transformers (pip install transformers)") from exc
+        model = GPT2LMHeadModel(GPT2Config()).to(device)
+        ids = torch.randint(0, model.config.vocab_size, (batch, size), generator=gen).to(device)
+
+        def loss(m: nn.Module) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                return m(input_ids=ids, labels=ids).loss
+
+        return model, loss
+    from .models import resnet18, resnet50
+
+    model = (resnet50 if name == "resnet50" else resnet18)().to(device)
+    images = torch.randn(batch, 3, size, size, generator=gen).to(device)
+    labels = torch.randint(0, 1000, (batch,), generator=gen).to(device)
+    return model, lambda m: F.cross_entropy(m(images), labels)
+
+
+def _median_step(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
+    for _ in range(warmup):  # DDP rebuilds its buckets after the first step; caches warm up
+        step()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optional[float]:
+    """Bytes a rank contributes to the exchange per step, or None where not known."""
+    raw = sum(p.numel() * p.element_size() for p in model.parameters())
+    if state is not None:
+        return state.stats()["wire_bytes"] / steps
+    spec = CONFIGS[name]
+    if spec is None:
+        return float(raw)
+    return raw / 2 if spec[0] == "torch:fp16_compress_hook" else None
+
+
+def _measure(rank: int, world: int, device_name: str, models: Sequence[str], configs: Sequence[str],
+             steps: int, warmup: int, batches: Dict[str, Tuple[int, int]]) -> Dict[str, Any]:
+    """One rank: every model with every method, and each model's step without DDP."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = torch.device(device_name)
+    group = None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        group = dist.new_group([0], backend="nccl")
+    report: Dict[str, Any] = {"models": []}
+    for model_name in models:
+        batch, size = batches[model_name]
+        model, loss_of = _build(model_name, device, batch, size)
+        compute = _median_step(lambda: loss_of(model).backward(), device, steps, warmup)
+        numel = sum(p.numel() for p in model.parameters())
+        del model
+        rows = []
+        for name in configs:
+            model, loss_of = _build(model_name, device, batch, size)
+            ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                                          process_group=group)
+            state = attach(ddp, name, group)
+            try:
+                step_s = _median_step(lambda: loss_of(ddp).backward(), device, 1, warmup)  # the warm-up
+                if state is not None:
+                    state.comm.metrics.reset()
+                step_s = _median_step(lambda: loss_of(ddp).backward(), device, steps, 0)
+                rows.append({"method": name, "label": describe(name), "step_s": step_s,
+                             "payload_bytes": _payload_bytes(name, model, state, steps)})
+            finally:
+                if state is not None:
+                    state.close()
+                del ddp, model, state
+                gc.collect()
+        fp32 = next((r["step_s"] for r in rows if r["method"] == "fp32"), None)
+        for r in rows:
+            r["overhead_s"] = None if fp32 is None else r["step_s"] - fp32
+            r["overhead_share"] = None if fp32 is None else (r["step_s"] - fp32) / r["step_s"]
+            # a rank of a large ring sends about twice its payload per step
+            r["hide_gbps"] = None if r["payload_bytes"] is None else 2 * r["payload_bytes"] * 8 / r["step_s"] / 1e9
+        report["models"].append({"model": model_name, "batch": batch, "size": size, "numel": numel,
+                                 "compute_s": compute, "rows": rows})
+    if group is not None:
+        dist.destroy_process_group(group)
+    return report
+
+
+def run(models: Sequence[str] = DEFAULT_MODELS, configs: Sequence[str] = DEFAULT_CONFIGS, device: str = "cpu",
+        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None) -> Dict[str, Any]:
+    """Measure in one spawned rank (gloo; NCCL for the model on a GPU) and write the report."""
+    from ..comm.launch import spawn_local
+
+    dev = check_device(device)
+    warmup = max(warmup, 2)  # PyTorch's PowerSGD hook compresses from the second step on
+    models, configs = check_models(models), check_configs(list(dict.fromkeys(["fp32", *configs])))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    batches = BATCHES[dev.type]
+    report = spawn_local(_measure, 1, str(dev), models, configs, steps, warmup, batches, timeout_s=600)
+    report.update(device=str(dev), steps=steps, warmup=warmup,
+                  device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (one rank, gloo)")
+    return write_json(report, json_path)
+
+
+def table(report: Dict[str, Any]):
+    """The report as a ``rich`` table (plain text without rich)."""
+    from .tables import table as new_table
+
+    t = new_table(
+        title=f"what a hook adds to a step: one rank on {report['device_name']}, median of {report['steps']}",
+        caption=("overhead: step − fp32 DDP's step, and its share of the step; hides at: the link rate at which a "
+                 "rank's exchange (about twice its payload per step on a large ring) fits in the step"),
+    )
+    for col in ("model", "method", "step ms", "overhead ms", "share", "payload MB", "hides at Gbit/s"):
+        t.add_column(col, justify="left" if col in ("model", "method") else "right", no_wrap=True)
+    for m in report["models"]:
+        first = f"{m['model']} ({m['batch']}×{m['size']})"
+        t.add_row(first, "no DDP (forward+backward)", f"{m['compute_s'] * 1e3:.1f}", "-", "-", "-", "-")
+        for r in m["rows"]:
+            t.add_row(
+                "", r["method"], f"{r['step_s'] * 1e3:.1f}",
+                "-" if r["overhead_s"] is None else f"{r['overhead_s'] * 1e3:+.1f}",
+                "-" if r["overhead_share"] is None else f"{r['overhead_share']:.0%}",
+                "-" if r["payload_bytes"] is None else f"{r['payload_bytes'] / 1e6:.1f}",
+                "-" if r["hide_gbps"] is None else f"{r['hide_gbps']:.1f}",
+            )
+    return t
