@@ -273,6 +273,8 @@ def test_bench_overhead_rejects_unknown_models_and_methods(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "choose from" in err and argv[1] in err
+    with pytest.raises(SystemExit, match="hangs with several DDP buckets on gloo"):  # refused before it starts
+        cli.main(["bench", "overhead", "--device", "cpu", "--configs", "torch-powersgd"])
 
 
 @pytest.mark.gpu

@@ -28,6 +28,9 @@ from .methods import CONFIGS, attach, describe
 MODELS = ("resnet50", "gpt2", "resnet18")
 DEFAULT_MODELS = ["resnet50", "gpt2"]
 DEFAULT_CONFIGS = ["fp32", "torch-fp16", "torch-powersgd", "maxmin4", "powersgd"]
+# PyTorch's PowerSGD hook chains its all-reduces in future callbacks; on gloo with several DDP
+# buckets that deadlocks, even on one rank, so it is measured over NCCL only
+GLOO_UNSUPPORTED = {"torch-powersgd": "PyTorch's PowerSGD hook hangs with several DDP buckets on gloo; measure it with --device cuda"}
 # the batches of the GPU measurements (ResNet-50 at 32 × 224², GPT-2 small at 4 × 1024 tokens),
 # and small ones for the CPU, where a step of the GPU batch would take minutes
 BATCHES = {"cuda": {"resnet50": (32, 224), "gpt2": (4, 1024), "resnet18": (32, 224)},
@@ -150,18 +153,25 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
     return report
 
 
-def run(models: Sequence[str] = DEFAULT_MODELS, configs: Sequence[str] = DEFAULT_CONFIGS, device: str = "cpu",
+def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
         steps: int = 10, warmup: int = 3, json_path: Optional[str] = None) -> Dict[str, Any]:
-    """Measure in one spawned rank (gloo; NCCL for the model on a GPU) and write the report."""
+    """Measure in one spawned rank (gloo; NCCL for the model on a GPU) and write the report.
+    ``configs``: default :data:`DEFAULT_CONFIGS` (without PyTorch's PowerSGD hook on the CPU)."""
     from ..comm.launch import spawn_local
 
     dev = check_device(device)
     warmup = max(warmup, 2)  # PyTorch's PowerSGD hook compresses from the second step on
+    if configs is None:
+        configs = [c for c in DEFAULT_CONFIGS if dev.type == "cuda" or c not in GLOO_UNSUPPORTED]
     models, configs = check_models(models), check_configs(list(dict.fromkeys(["fp32", *configs])))
+    if dev.type != "cuda":
+        for name in configs:
+            if name in GLOO_UNSUPPORTED:
+                raise ValueError(f"{name}: {GLOO_UNSUPPORTED[name]}")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     batches = BATCHES[dev.type]
-    report = spawn_local(_measure, 1, str(dev), models, configs, steps, warmup, batches, timeout_s=600)
+    report = spawn_local(_measure, 1, str(dev), models, configs, steps, warmup, batches, timeout_s=600, deadline_s=3600)
     report.update(device=str(dev), steps=steps, warmup=warmup,
                   device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (one rank, gloo)")
     return write_json(report, json_path)

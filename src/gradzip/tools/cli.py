@@ -384,8 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batches: 32x224² images and 4x1024 tokens on a GPU, small ones on the CPU",
     )
     ov.add_argument(
-        "--configs", type=_config_list, default=list(oh.DEFAULT_CONFIGS),
-        help=f"methods (default {','.join(oh.DEFAULT_CONFIGS)}); fp32 is always measured",
+        "--configs", type=_config_list, default=None,
+        help=f"methods (default {','.join(oh.DEFAULT_CONFIGS)}; on the CPU without torch-powersgd, which hangs "
+        "on gloo); fp32 is always measured",
     )
     ov.add_argument("--device", type=_bench_device, default="cpu", help="cpu or cuda[:index] (default %(default)s)")
     ov.add_argument("--steps", type=_positive, default=10, help="timed steps per method (default %(default)s)")
@@ -579,7 +580,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench" and args.bench == "overhead":
         from ..bench import overhead
 
-        report = overhead.run(args.models, args.configs, args.device, args.steps, args.warmup, args.json_path)
+        try:
+            report = overhead.run(args.models, args.configs, args.device, args.steps, args.warmup, args.json_path)
+        except ValueError as exc:
+            raise SystemExit(f"gradzip bench overhead: {exc}")
         console = _console()
         console.print(overhead.table(report))
         if args.json_path:
