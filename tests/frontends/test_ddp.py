@@ -173,13 +173,14 @@ def test_ddp_features_keep_replicas_identical():
 def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False) -> dict:
     from gradzip.sync import engine
 
-    reads = engine._reads_flag_on_host
-    if device_flag:  # as on a GPU: the agreed flag stays on the device and picks the residual there
-        engine._reads_flag_on_host = lambda device: False
+    reads, multi = engine._reads_flag_on_host, engine._multi_tensor
+    if device_flag:  # as on a GPU: the agreed flag stays on the device and picks the residual there,
+        engine._reads_flag_on_host = lambda device: False  # and groups are filled by multi-tensor copies
+        engine._multi_tensor = lambda device: True
     try:
         return _nan_steps(rank, world, in_place)
     finally:
-        engine._reads_flag_on_host = reads
+        engine._reads_flag_on_host, engine._multi_tensor = reads, multi
 
 
 def _nan_steps(rank: int, world: int, in_place: bool) -> dict:
@@ -220,14 +221,17 @@ def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory(in_place)
         assert res == expected
 
 
-def test_the_flag_read_on_the_device_keeps_the_residual_as_reading_it_on_the_host_does():
-    """On an accelerator the in-place path never reads the agreed non-finite flag on the host:
-    it computes the new residual aside and lets the flag pick old or new on the device. Forced
-    on the CPU, that gives the same skipped step, the same kept residual and the same bits."""
-    on_host = run_workers(_nan_step, 2, True, False)
-    on_device = run_workers(_nan_step, 2, True, True)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_accelerator_path_keeps_the_residual_and_the_bits_of_the_cpu_path(in_place):
+    """On an accelerator the engine never reads the agreed non-finite flag on the host (it
+    computes the new residual aside and lets the flag pick old or new on the device) and fills
+    a fused group with multi-tensor copies. Forced on the CPU, that gives the same skipped step,
+    the same kept residual and the same bits as the CPU's own path."""
+    on_host = run_workers(_nan_step, 2, in_place, False)
+    on_device = run_workers(_nan_step, 2, in_place, True)
     for host, device in zip(on_host, on_device):
-        assert device["kept"] and device["skipped"] == 1 and device["identical"] and device["in_place_buckets"]
+        assert device["kept"] and device["skipped"] == 1 and device["identical"]
+        assert device.get("in_place_buckets", True)
         assert torch.equal(host.pop("params"), device.pop("params"))
         assert host == device
 

@@ -71,7 +71,8 @@ def _bucket(count: int, total: int = 1 << 14):
 def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place: bool = True) -> dict:
     from gradzip.sync import engine
 
-    reads = engine._reads_flag_on_host
+    reads, multi = engine._reads_flag_on_host, engine._multi_tensor
+    engine._multi_tensor = lambda device: True  # the accelerator's way of filling a group, on the CPU
     if device_flag:  # the accelerator's way on the CPU: the flag stays a tensor, the residual is picked by it
         engine._reads_flag_on_host = lambda device: False
     try:
@@ -94,7 +95,7 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
             comm.close()
         return out
     finally:
-        engine._reads_flag_on_host = reads
+        engine._reads_flag_on_host, engine._multi_tensor = reads, multi
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "fused"])

@@ -752,9 +752,10 @@ class Communicator:
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
                 residual = self._group_residual(key, flat, members)
                 settle = _settle_residual(residual, self._scratch(flat, pool, lent))
-            # the codec's input: a few operations for the whole group, whatever its size, where
-            # the memory is none or the group's residual; else the memory's own, gradient by gradient
-            if residual is not None or not mem.stateful:
+            # the codec's input: on an accelerator a few operations for the whole group, whatever
+            # its size, where the memory is none or the group's residual; else the memory's own,
+            # gradient by gradient (on the CPU one pass each, where a call costs next to nothing)
+            if _multi_tensor(flat.device) and (residual is not None or not mem.stateful):
                 torch._foreach_copy_(inputs, [tensors[i] for i in order])
                 if residual is not None:
                     if mem.gamma != 1.0:
@@ -1193,6 +1194,13 @@ def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = N
         call.residual_into(residual)
 
     return settle
+
+
+def _multi_tensor(device: torch.device) -> bool:
+    """Whether a fused group's gradients are gathered with multi-tensor operations (one launch
+    for many gradients, then the residual added in one more pass) rather than one fused pass
+    per gradient: on accelerators, where a launch costs more than a pass over a small gradient."""
+    return device.type != "cpu"
 
 
 def _reads_flag_on_host(device: torch.device) -> bool:
