@@ -13,6 +13,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gradzip
 from gradzip.kernels import counter_uniform, fused, native
@@ -90,6 +92,23 @@ def test_decode_into_out_and_accumulate(impl, accumulate):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@settings(max_examples=60, deadline=None)
+@given(bits=st.lists(st.integers(-2**31, 2**31 - 1), min_size=1, max_size=300))
+def test_saturating_cast_native_is_bit_identical(dtype, bits):
+    """The fp16/bf16 codecs' encode in one C pass: any fp32 bit pattern (subnormals, the
+    range's edge, beyond it, ±inf, NaN) gives torch's bits; NaN stays NaN."""
+    edges = [65504.0, 65519.0, 65520.0, -7e4, 3.3895e38, 3.4e38, float("inf"), float("-inf"), float("nan"),
+             5.96e-8, 2.98e-8, -2.99e-8, 1e-40, -1e-45, 0.0, -0.0]
+    x = torch.cat([torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32), torch.tensor(edges)])
+    got, want = native.saturate(x, dtype), ref.saturate(x, dtype)
+    nan = torch.isnan(want)
+    assert got.dtype == dtype and torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert fused.saturate(x, dtype).dtype == dtype  # the codecs' entry point takes it on the CPU
+
+
+@needs_native
 def test_native_takes_other_dtypes_and_views():
     x = _x(4096 * 2).view(2, 4096).t()[:, 0]  # a strided view of 4096 values
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
@@ -120,7 +139,7 @@ def test_kernels_setting_is_checked(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"mode": "nearest"}), ("qsgd", {}),
-                                  ("signsgd", {}), ("efsignsgd", {})])
+                                  ("signsgd", {}), ("efsignsgd", {}), ("fp16", {}), ("bf16", {})])
 def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
     name, opts = spec
     x = _x(5000, seed=3)

@@ -153,10 +153,13 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
 
 def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``y`` cast to ``dtype`` with finite values beyond its range clamped (see
-    ``reference.saturate``): one pass on a GPU for fp32 to fp16/bf16 (the fp16 and bf16 codecs'
-    encode, a plain copy's worth of memory traffic), torch's four elsewhere."""
-    if y.device.type == "cuda" and y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16):
-        if setting() in ("auto", "triton"):
+    ``reference.saturate``): one pass for fp32 to fp16/bf16 (the fp16 and bf16 codecs' encode, a
+    copy's worth of memory traffic) with the fused kernels of the device, torch's four elsewhere."""
+    if y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16):
+        choice = setting()
+        if y.device.type == "cpu" and choice in ("auto", "native") and native.available() is None:
+            return native.saturate(y, dtype)
+        if y.device.type == "cuda" and choice in ("auto", "triton"):
             gpu = _gpu()
             if gpu is not None and gpu.available() is None:
                 return gpu.saturate(y, dtype)

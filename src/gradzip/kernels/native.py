@@ -48,6 +48,7 @@ _SIGNATURES = {
     "gz_fp8_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
     "gz_mx_encode": [_f32p, _i64, _int, _i64, _u8p, _u8p],
     "gz_mx_decode": [_u8p, _u8p, _i64, _int, _i64, _f32p, _int],
+    "gz_saturate": [_f32p, _i64, _int, ctypes.c_void_p],
 }
 
 
@@ -196,6 +197,17 @@ def qsgd_decode(
 ) -> torch.Tensor:
     packed, norms, out = packed.contiguous(), norms.contiguous(), _out(out, numel)
     _kernels().gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate))
+    return out
+
+
+def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
+    its largest value (``reference.saturate``, bit for bit; NaN stays NaN)."""
+    if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
+    x = y.reshape(-1).contiguous()
+    out = torch.empty(y.shape, dtype=dtype)
+    _kernels().gz_saturate(x.data_ptr(), x.numel(), int(dtype == torch.bfloat16), out.data_ptr())
     return out
 
 
