@@ -162,3 +162,24 @@ def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, option
         assert all(batched["all_nan"])  # one flag covers the batch
         assert alone["all_nan"] == [i == 2 for i in range(6)]  # alone, only the gradient that held it
     assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))
+
+
+def _plain_mixed(rank: int, world: int) -> list:
+    comm = gradzip.Communicator("maxmin", bits=4)
+    tensors = [torch.arange(8, dtype=torch.float32) + rank, torch.arange(5).to(torch.float16) * (rank + 1),
+               torch.arange(3).to(torch.bfloat16) - rank, torch.full((2, 2), 3.0 * rank)[:, :1]]
+    out = comm.reduce_many_now(tensors, ["a", "b", "c", "d"], [False] * 4, inplace=True)
+    comm.close()
+    assert all(o is t for o, t in zip(out, tensors))
+    return tensors
+
+
+def test_uncompressed_gradients_of_several_dtypes_are_averaged_in_place_each_in_its_own():
+    """fp32, fp16, bf16 and a non-contiguous view in one plain sum: each gets the average back
+    in its own dtype and place (the copy back is one multi-tensor copy only where dtypes agree)."""
+    for res in run_workers(_plain_mixed, 2):
+        a, b, c, d = res
+        assert torch.equal(a, torch.arange(8, dtype=torch.float32) + 0.5)
+        assert b.dtype == torch.float16 and torch.equal(b, (torch.arange(5) * 1.5).half())
+        assert c.dtype == torch.bfloat16 and torch.equal(c, (torch.arange(3) - 0.5).bfloat16())
+        assert torch.equal(d, torch.full((2, 1), 1.5))

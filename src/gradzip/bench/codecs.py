@@ -143,6 +143,7 @@ def table(report: Dict[str, Any]):
         t.add_row(
             r["codec"], r["family"], f"{r['bits_per_element']:.3f}", f"{32 / r['bits_per_element']:.1f}×",
             f"{r['encode_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
-            f"{r['encode_vs_copy']:.0%}", f"{r['decode_vs_copy']:.0%}", f"{r['encode_decode_alloc_ms']:.2f}",
+            *(f"{r[k]:.0%}" if k in r else "-" for k in ("encode_vs_copy", "decode_vs_copy")),
+            f"{r['encode_decode_alloc_ms']:.2f}",
         )
     return t

@@ -155,14 +155,10 @@ def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``y`` cast to ``dtype`` with finite values beyond its range clamped (see
     ``reference.saturate``): one pass for fp32 to fp16/bf16 (the fp16 and bf16 codecs' encode, a
     copy's worth of memory traffic) with the fused kernels of the device, torch's four elsewhere."""
-    if y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16):
-        choice = setting()
-        if y.device.type == "cpu" and choice in ("auto", "native") and native.available() is None:
-            return native.saturate(y, dtype)
-        if y.device.type == "cuda" and choice in ("auto", "triton"):
-            gpu = _gpu()
-            if gpu is not None and gpu.available() is None:
-                return gpu.saturate(y, dtype)
+    if y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16) and y.device.type in ("cpu", "cuda"):
+        impl = backend(y)  # raises where GRADZIP_KERNELS forces a version that cannot run here
+        if impl is not reference:
+            return impl.saturate(y, dtype)
     return reference.saturate(y, dtype)
 
 

@@ -899,7 +899,8 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
 
 def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
-    its largest value (``reference.saturate``, bit for bit: both round to nearest even)."""
+    its largest value (``reference.saturate``, bit for bit: both round to nearest even; a NaN
+    stays NaN, its payload bits unspecified)."""
     _require()
     if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")

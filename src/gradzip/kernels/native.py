@@ -202,7 +202,8 @@ def qsgd_decode(
 
 def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
-    its largest value (``reference.saturate``, bit for bit; NaN stays NaN)."""
+    its largest value (``reference.saturate``, bit for bit; a NaN stays NaN, the quiet one of
+    its sign, where torch's CPU cast may drop the sign)."""
     if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
     x = y.reshape(-1).contiguous()

@@ -696,7 +696,7 @@ class Communicator:
             out.append(avg[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
         if inplace:  # one multi-tensor copy into the gradients (converting dtypes where they differ)
-            torch._foreach_copy_(list(tensors), out)
+            _copy_all(tensors, out)
             return list(tensors)
         return [part.to(t.dtype) for part, t in zip(out, tensors)]
 
@@ -756,7 +756,7 @@ class Communicator:
             # its size, where the memory is none or the group's residual; else the memory's own,
             # gradient by gradient (on the CPU one pass each, where a call costs next to nothing)
             if _multi_tensor(flat.device) and (residual is not None or not mem.stateful):
-                torch._foreach_copy_(inputs, [tensors[i] for i in order])
+                _copy_all(inputs, [tensors[i] for i in order])
                 if residual is not None:
                     if mem.gamma != 1.0:
                         flat.mul_(mem.gamma)
@@ -786,7 +786,7 @@ class Communicator:
             for (start, n), i in zip(spans, order):
                 results[i] = avg[start : start + n].view(tensors[i].shape)
             if inplace:  # one multi-tensor copy into DDP's views
-                torch._foreach_copy_([tensors[i] for i in order], [results[i] for i in order])
+                _copy_all([tensors[i] for i in order], [results[i] for i in order])
                 results = list(tensors)
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
             record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
@@ -1194,6 +1194,18 @@ def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = N
         call.residual_into(residual)
 
     return settle
+
+
+def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair: one multi-tensor copy where every tensor has one dtype,
+    else a copy each (the CUDA fast path of ``torch._foreach_copy_`` takes its kernel from the
+    first destination's dtype, and before PyTorch 2.11 did not check that the others match)."""
+    dtype = dsts[0].dtype if dsts else None
+    if all(t.dtype == dtype for t in dsts) and all(t.dtype == dtype for t in srcs):
+        torch._foreach_copy_(list(dsts), list(srcs))
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
 
 
 def _multi_tensor(device: torch.device) -> bool:
