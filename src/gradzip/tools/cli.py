@@ -76,6 +76,20 @@ def _bench_device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _bench_report(what: str, run: Callable[[], Dict[str, Any]], table: Callable[[Dict[str, Any]], Any],
+                  json_path: Optional[str]) -> int:
+    """Run a benchmark and print its table; a bad setting found on the way ends the command with it."""
+    try:
+        report = run()
+    except ValueError as exc:
+        raise SystemExit(f"gradzip bench {what}: {exc}")
+    console = _console()
+    console.print(table(report))
+    if json_path:
+        console.print(f"results: {json_path}" + (f" ({report['wall_s']:.0f} s)" if "wall_s" in report else ""))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -567,28 +581,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench" and args.bench == "fsdp":
         from ..bench import sharded
 
-        try:
-            report = sharded.run_fsdp(args.model, args.configs, args.workers, args.rate, args.steps, args.warmup,
-                                      args.json_path, ranks_per_node=args.ranks_per_node)
-        except ValueError as exc:
-            raise SystemExit(f"gradzip bench fsdp: {exc}")
-        console = _console()
-        console.print(sharded.table(report))
-        if args.json_path:
-            console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
-        return 0
+        return _bench_report("fsdp", lambda: sharded.run_fsdp(
+            args.model, args.configs, args.workers, args.rate, args.steps, args.warmup, args.json_path,
+            ranks_per_node=args.ranks_per_node,
+        ), sharded.table, args.json_path)
     if args.command == "bench" and args.bench == "overhead":
         from ..bench import overhead
 
-        try:
-            report = overhead.run(args.models, args.configs, args.device, args.steps, args.warmup, args.json_path)
-        except ValueError as exc:
-            raise SystemExit(f"gradzip bench overhead: {exc}")
-        console = _console()
-        console.print(overhead.table(report))
-        if args.json_path:
-            console.print(f"results: {args.json_path}")
-        return 0
+        return _bench_report("overhead", lambda: overhead.run(
+            args.models, args.configs, args.device, args.steps, args.warmup, args.json_path,
+        ), overhead.table, args.json_path)
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory
 
