@@ -247,23 +247,28 @@ def test_bench_codecs_device(capsys):
         assert "--device" in err and ("cpu or cuda" in err or "CUDA device" in err), err
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]),
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("device,workers", [
+    ("cpu", 1), ("cpu", 2), pytest.param("cuda", 1, marks=_CUDA), pytest.param("cuda", 2, marks=_CUDA),
 ])
-def test_bench_overhead(tmp_path, device):
-    """One rank, a real ResNet-18 step per method beside fp32 DDP's: what each hook adds."""
+def test_bench_overhead(tmp_path, device, workers):
+    """A real ResNet-18 step per method beside fp32 DDP's: what each hook adds on one rank, and
+    the speed against fp32 DDP where ranks share the device and exchange over gloo."""
     path = tmp_path / "overhead.json"
     rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16",
-                   "--steps", "1", "--warmup", "2", "--json", str(path)])
+                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path)])
     assert rc == 0
     report = json.loads(path.read_text())
+    assert report["workers"] == workers and ("NCCL" in report["device_name"]) == (device == "cuda" and workers == 1)
     (model,) = report["models"]
     rows = {r["method"]: r for r in model["rows"]}
     assert list(rows) == ["fp32", "maxmin4", "torch-fp16"]  # fp32 first, always
     assert rows["fp32"]["overhead_s"] == 0 and model["compute_s"] > 0
     assert rows["fp32"]["payload_bytes"] == 4 * model["numel"] == 2 * rows["torch-fp16"]["payload_bytes"]
     assert 0 < rows["maxmin4"]["payload_bytes"] < rows["torch-fp16"]["payload_bytes"]  # 4 bits and the plain ones
-    assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 for r in rows.values())
+    assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 and r["vs_fp32"] > 0 for r in rows.values())
 
 
 def test_bench_overhead_rejects_unknown_models_and_methods(capsys):

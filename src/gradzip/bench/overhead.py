@@ -1,8 +1,10 @@
-"""``gradzip bench overhead``: what a communication hook adds to a real training step, on one rank.
+"""``gradzip bench overhead``: what a communication hook adds to a real training step.
 
 One process (NCCL on a GPU, gloo on the CPU) sends nothing over a wire, so a DDP step with a
 hook costs the step of plain fp32 DDP plus the hook's own work: encoding, decoding, copies and
-launches. That is the cost compression must earn back on a real link. For each model (a real
+launches. That is the cost compression must earn back on a real link. With ``workers > 1`` the
+ranks share the device and exchange over gloo (CUDA tensors on a GPU), so the step includes a
+real exchange and the speed-up over fp32 DDP is the measure. For each model (a real
 ResNet-50 forward/backward, GPT-2 small from ``transformers`` under bf16 autocast on a GPU) and
 method (fp32 DDP, PyTorch's fp16 and PowerSGD hooks, gradzip's methods) this measures the
 median step, the overhead over fp32 DDP (milliseconds and share of the step), and the link
@@ -53,10 +55,11 @@ def check_configs(names: Sequence[str]) -> List[str]:
     return list(names)
 
 
-def _build(name: str, device: torch.device, batch: int, size: int) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """The model on ``device`` (the same weights every time) and its loss on a fixed batch."""
+def _build(name: str, device: torch.device, batch: int, size: int, rank: int = 0) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """The model on ``device`` (the same weights every time, on every rank) and its loss on a
+    fixed batch of this rank's."""
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + rank)
     if name == "gpt2":
         try:
             from transformers import GPT2Config, GPT2LMHeadModel
@@ -114,17 +117,18 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
     group = None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        group = dist.new_group([0], backend="nccl")
+        if world == 1:  # NCCL takes one rank per GPU; ranks sharing one exchange over gloo
+            group = dist.new_group([0], backend="nccl")
     report: Dict[str, Any] = {"models": []}
     for model_name in models:
         batch, size = batches[model_name]
-        model, loss_of = _build(model_name, device, batch, size)
+        model, loss_of = _build(model_name, device, batch, size, rank)
         compute = _median_step(lambda: loss_of(model).backward(), device, steps, warmup)
         numel = sum(p.numel() for p in model.parameters())
         del model
         rows = []
         for name in configs:
-            model, loss_of = _build(model_name, device, batch, size)
+            model, loss_of = _build(model_name, device, batch, size, rank)
             ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                                           process_group=group)
             state = attach(ddp, name, group)
@@ -142,6 +146,7 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
                 gc.collect()
         fp32 = next((r["step_s"] for r in rows if r["method"] == "fp32"), None)
         for r in rows:
+            r["vs_fp32"] = None if fp32 is None else fp32 / r["step_s"]
             r["overhead_s"] = None if fp32 is None else r["step_s"] - fp32
             r["overhead_share"] = None if fp32 is None else (r["step_s"] - fp32) / r["step_s"]
             # a rank of a large ring sends about twice its payload per step
@@ -154,26 +159,33 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
 
 
 def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
-        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None) -> Dict[str, Any]:
-    """Measure in one spawned rank (gloo; NCCL for the model on a GPU) and write the report.
-    ``configs``: default :data:`DEFAULT_CONFIGS` (without PyTorch's PowerSGD hook on the CPU)."""
+        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1) -> Dict[str, Any]:
+    """Measure on ``workers`` spawned ranks sharing ``device`` (one rank on a GPU: NCCL; else
+    gloo) and write rank 0's report. ``configs``: default :data:`DEFAULT_CONFIGS` (without
+    PyTorch's PowerSGD hook where the exchange is gloo's)."""
     from ..comm.launch import spawn_local
 
     dev = check_device(device)
     warmup = max(warmup, 2)  # PyTorch's PowerSGD hook compresses from the second step on
+    if workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers}")
+    nccl = dev.type == "cuda" and workers == 1
     if configs is None:
-        configs = [c for c in DEFAULT_CONFIGS if dev.type == "cuda" or c not in GLOO_UNSUPPORTED]
+        configs = [c for c in DEFAULT_CONFIGS if nccl or c not in GLOO_UNSUPPORTED]
     models, configs = check_models(models), check_configs(list(dict.fromkeys(["fp32", *configs])))
-    if dev.type != "cuda":
+    if not nccl:
         for name in configs:
             if name in GLOO_UNSUPPORTED:
                 raise ValueError(f"{name}: {GLOO_UNSUPPORTED[name]}")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     batches = BATCHES[dev.type]
-    report = spawn_local(_measure, 1, str(dev), models, configs, steps, warmup, batches, timeout_s=600, deadline_s=3600)
-    report.update(device=str(dev), steps=steps, warmup=warmup,
-                  device_name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (one rank, gloo)")
+    report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, timeout_s=600,
+                         deadline_s=3600)
+    backend = "NCCL" if nccl else "gloo"
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
+    report.update(device=str(dev), steps=steps, warmup=warmup, workers=workers,
+                  device_name=f"{where}, {workers} rank{'s' if workers > 1 else ''} over {backend}")
     return write_json(report, json_path)
 
 
@@ -182,18 +194,19 @@ def table(report: Dict[str, Any]):
     from .tables import table as new_table
 
     t = new_table(
-        title=f"what a hook adds to a step: one rank on {report['device_name']}, median of {report['steps']}",
+        title=f"what a hook adds to a step: {report['device_name']}, median of {report['steps']}",
         caption=("overhead: step − fp32 DDP's step, and its share of the step; hides at: the link rate at which a "
                  "rank's exchange (about twice its payload per step on a large ring) fits in the step"),
     )
-    for col in ("model", "method", "step ms", "overhead ms", "share", "payload MB", "hides at Gbit/s"):
+    for col in ("model", "method", "step ms", "vs fp32", "overhead ms", "share", "payload MB", "hides at Gbit/s"):
         t.add_column(col, justify="left" if col in ("model", "method") else "right", no_wrap=True)
     for m in report["models"]:
         first = f"{m['model']} ({m['batch']}×{m['size']})"
-        t.add_row(first, "no DDP (forward+backward)", f"{m['compute_s'] * 1e3:.1f}", "-", "-", "-", "-")
+        t.add_row(first, "no DDP (forward+backward)", f"{m['compute_s'] * 1e3:.1f}", "-", "-", "-", "-", "-")
         for r in m["rows"]:
             t.add_row(
                 "", r["method"], f"{r['step_s'] * 1e3:.1f}",
+                "-" if r.get("vs_fp32") is None else f"{r['vs_fp32']:.2f}×",
                 "-" if r["overhead_s"] is None else f"{r['overhead_s'] * 1e3:+.1f}",
                 "-" if r["overhead_share"] is None else f"{r['overhead_share']:.0%}",
                 "-" if r["payload_bytes"] is None else f"{r['payload_bytes'] / 1e6:.1f}",

@@ -389,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the link rate at which the method's exchange would hide behind the step.",
         epilog="examples:\n"
         "  gradzip bench overhead --device cuda                   # ResNet-50 32x224², GPT-2 small 4x1024\n"
+        "  gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs maxmin4,fp16\n"
         "  gradzip bench overhead --models resnet18 --configs fp32,maxmin4 --steps 3   # a quick CPU run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -403,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
         "on gloo); fp32 is always measured",
     )
     ov.add_argument("--device", type=_bench_device, default="cpu", help="cpu or cuda[:index] (default %(default)s)")
+    ov.add_argument(
+        "--workers", type=_positive, default=1,
+        help="ranks sharing the device (default %(default)s: NCCL on a GPU; more: gloo, a real exchange)",
+    )
     ov.add_argument("--steps", type=_positive, default=10, help="timed steps per method (default %(default)s)")
     ov.add_argument("--warmup", type=_positive, default=3, help="untimed steps first, at least 2 (default %(default)s)")
     ov.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
@@ -589,7 +594,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from ..bench import overhead
 
         return _bench_report("overhead", lambda: overhead.run(
-            args.models, args.configs, args.device, args.steps, args.warmup, args.json_path,
+            args.models, args.configs, args.device, args.steps, args.warmup, args.json_path, args.workers,
         ), overhead.table, args.json_path)
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory
