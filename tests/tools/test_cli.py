@@ -257,14 +257,15 @@ def test_bench_overhead(tmp_path, device, workers):
     """A real ResNet-18 step per method beside fp32 DDP's: what each hook adds on one rank, and
     the speed against fp32 DDP where ranks share the device and exchange over gloo."""
     path = tmp_path / "overhead.json"
-    rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16",
+    rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16,maxmin:bits=2",
                    "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path)])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["workers"] == workers and ("NCCL" in report["device_name"]) == (device == "cuda" and workers == 1)
     (model,) = report["models"]
     rows = {r["method"]: r for r in model["rows"]}
-    assert list(rows) == ["fp32", "maxmin4", "torch-fp16"]  # fp32 first, always
+    assert list(rows) == ["fp32", "maxmin4", "torch-fp16", "maxmin:bits=2"]  # fp32 first, always
+    assert rows["maxmin:bits=2"]["payload_bytes"] < rows["maxmin4"]["payload_bytes"]  # a codec spec, 2 bits
     assert rows["fp32"]["overhead_s"] == 0 and model["compute_s"] > 0
     assert rows["fp32"]["payload_bytes"] == 4 * model["numel"] == 2 * rows["torch-fp16"]["payload_bytes"]
     assert 0 < rows["maxmin4"]["payload_bytes"] < rows["torch-fp16"]["payload_bytes"]  # 4 bits and the plain ones
@@ -277,7 +278,7 @@ def test_bench_overhead_rejects_unknown_models_and_methods(capsys):
             cli.main(["bench", "overhead", *argv])
         assert exc.value.code == 2
         err = capsys.readouterr().err
-        assert "choose from" in err and argv[1] in err
+        assert ("choose from" in err or "one of" in err) and argv[1] in err
     with pytest.raises(SystemExit, match="hangs with several DDP buckets on gloo"):  # refused before it starts
         cli.main(["bench", "overhead", "--device", "cpu", "--configs", "torch-powersgd"])
 

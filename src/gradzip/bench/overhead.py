@@ -47,12 +47,29 @@ def check_models(names: Sequence[str]) -> List[str]:
     return list(names)
 
 
-def check_configs(names: Sequence[str]) -> List[str]:
-    """The methods, each a name of :data:`~gradzip.bench.methods.CONFIGS`; ValueError otherwise."""
-    bad = [n for n in names if n not in CONFIGS]
-    if bad:
-        raise ValueError(f"unknown method(s) {', '.join(bad)}; choose from {', '.join(CONFIGS)}")
-    return list(names)
+def check_config(name: str) -> str:
+    """A method: a name of :data:`~gradzip.bench.methods.CONFIGS` (``maxmin4``, ``torch-powersgd``)
+    or a codec spec as in ``bench models`` (``maxmin:bits=4``); ValueError naming the choices."""
+    if name not in CONFIGS:
+        from .models import resolve
+
+        try:
+            resolve(name)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; or one of {', '.join(CONFIGS)}") from None
+    return name
+
+
+def _attach(ddp: Any, name: str, group: Any) -> Any:
+    """The method on the DDP model (see :func:`check_config`); gradzip's state or None."""
+    if name in CONFIGS:
+        return attach(ddp, name, group)
+    import gradzip
+
+    from .models import resolve
+
+    method = resolve(name)
+    return gradzip.register(ddp, method["codec"], **method["options"])
 
 
 def _build(name: str, device: torch.device, batch: int, size: int, rank: int = 0) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -101,10 +118,10 @@ def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optio
     raw = sum(p.numel() * p.element_size() for p in model.parameters())
     if state is not None:
         return state.stats()["wire_bytes"] / steps
-    spec = CONFIGS[name]
-    if spec is None:
+    spec = CONFIGS.get(name)
+    if name == "fp32":
         return float(raw)
-    return raw / 2 if spec[0] == "torch:fp16_compress_hook" else None
+    return raw / 2 if spec is not None and spec[0] == "torch:fp16_compress_hook" else None
 
 
 def _measure(rank: int, world: int, device_name: str, models: Sequence[str], configs: Sequence[str],
@@ -125,24 +142,24 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
         model, loss_of = _build(model_name, device, batch, size, rank)
         compute = _median_step(lambda: loss_of(model).backward(), device, steps, warmup)
         numel = sum(p.numel() for p in model.parameters())
-        del model
+        model = None  # before the next copy is built
         rows = []
         for name in configs:
             model, loss_of = _build(model_name, device, batch, size, rank)
             ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
                                           process_group=group)
-            state = attach(ddp, name, group)
+            state = _attach(ddp, name, group)
             try:
                 step_s = _median_step(lambda: loss_of(ddp).backward(), device, 1, warmup)  # the warm-up
                 if state is not None:
                     state.comm.metrics.reset()
                 step_s = _median_step(lambda: loss_of(ddp).backward(), device, steps, 0)
-                rows.append({"method": name, "label": describe(name), "step_s": step_s,
+                rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}", "step_s": step_s,
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
             finally:
                 if state is not None:
                     state.close()
-                del ddp, model, state
+                ddp = model = state = None  # before collecting: the next method needs the memory
                 gc.collect()
         fp32 = next((r["step_s"] for r in rows if r["method"] == "fp32"), None)
         for r in rows:
@@ -172,7 +189,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]]
     nccl = dev.type == "cuda" and workers == 1
     if configs is None:
         configs = [c for c in DEFAULT_CONFIGS if nccl or c not in GLOO_UNSUPPORTED]
-    models, configs = check_models(models), check_configs(list(dict.fromkeys(["fp32", *configs])))
+    models, configs = check_models(models), [check_config(c) for c in dict.fromkeys(["fp32", *configs])]
     if not nccl:
         for name in configs:
             if name in GLOO_UNSUPPORTED:

@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the link rate at which the method's exchange would hide behind the step.",
         epilog="examples:\n"
         "  gradzip bench overhead --device cuda                   # ResNet-50 32x224², GPT-2 small 4x1024\n"
-        "  gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs maxmin4,fp16\n"
+        "  gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs maxmin4,maxmin:bits=4\n"
         "  gradzip bench overhead --models resnet18 --configs fp32,maxmin4 --steps 3   # a quick CPU run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -399,9 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batches: 32x224² images and 4x1024 tokens on a GPU, small ones on the CPU",
     )
     ov.add_argument(
-        "--configs", type=_config_list, default=None,
-        help=f"methods (default {','.join(oh.DEFAULT_CONFIGS)}; on the CPU without torch-powersgd, which hangs "
-        "on gloo); fp32 is always measured",
+        "--configs", type=lambda t: _checked(t, oh.check_config), default=None,
+        help=f"methods: demo config names or codec specs as in bench models (default {','.join(oh.DEFAULT_CONFIGS)}; "
+        "over gloo without torch-powersgd, which hangs there); fp32 is always measured",
     )
     ov.add_argument("--device", type=_bench_device, default="cpu", help="cpu or cuda[:index] (default %(default)s)")
     ov.add_argument(
