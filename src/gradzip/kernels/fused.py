@@ -151,6 +151,11 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
     return backend(x).sign_encode(x)
 
 
+def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = backend(packed)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))
+
+
 def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``y`` cast to ``dtype`` with finite values beyond its range clamped (see
     ``reference.saturate``): one pass for fp32 to fp16/bf16 (the fp16 and bf16 codecs' encode, a
@@ -160,11 +165,6 @@ def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if impl is not reference:
             return impl.saturate(y, dtype)
     return reference.saturate(y, dtype)
-
-
-def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
-    impl = backend(packed)
-    return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))
 
 
 def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -555,15 +555,17 @@ class Communicator:
             codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
-        inp = mem.compensate(t.contiguous(), name)  # keeps the shape: low-rank codecs need it
+        inp = self._compensated(mem, t, name, step, compress)
+        avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
+        return _delivered(t, out, avg, dest), record
+
+    def _compensated(self, mem: Any, t: torch.Tensor, name: str, step: int, compress: bool) -> torch.Tensor:
+        """The codec's input for one gradient: ``mem``'s compensation, in the gradient's shape
+        (low-rank codecs need it); observed for adaptive levels on their sampled steps."""
+        inp = mem.compensate(t.contiguous(), name)
         if compress and self.levels is not None and self.levels.sampling:
             self.levels.observe(name, inp, step)
-        avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
-        if out is None:
-            return avg.view(t.shape).to(t.dtype), record
-        if dest is None:
-            out.copy_(avg.view(t.shape))
-        return out, record
+        return inp
 
     def _exchange(
         self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, step: int,
@@ -604,21 +606,13 @@ class Communicator:
         gradient. One non-finite flag covers them, as it covers a fused group."""
         started = time.perf_counter()
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
-        inputs = [mem.compensate(t.contiguous(), name) for t, name in zip(tensors, names)]  # shaped: PowerSGD needs it
-        if self.levels is not None and self.levels.sampling:
-            for x, name in zip(inputs, names):
-                self.levels.observe(name, x, step)
+        inputs = [self._compensated(mem, t, name, step, True) for t, name in zip(tensors, names)]
         dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
         results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
         out = []
         for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
             avg, record = self._settled(coll, codec, mem, x, name, res, True)
-            if not inplace:
-                out.append(avg.view(t.shape).to(t.dtype))
-            else:
-                if dest is None:
-                    t.copy_(avg.view(t.shape))
-                out.append(t)
+            out.append(_delivered(t, t if inplace else None, avg, dest))
             self.metrics.record(name, t.numel() * t.element_size(), **record)
         self.metrics.record_group_time(group_key(sorted(names)), time.perf_counter() - started)
         return out
@@ -1219,6 +1213,16 @@ def _reads_flag_on_host(device: torch.device) -> bool:
     """Whether the agreed non-finite flag of an exchange on ``device`` is read on the host: free
     on the CPU; on an accelerator it would wait until the device's queue has run dry."""
     return device.type == "cpu"
+
+
+def _delivered(t: torch.Tensor, out: Optional[torch.Tensor], avg: torch.Tensor, dest: Optional[torch.Tensor]) -> torch.Tensor:
+    """The average of ``t`` as the caller gets it: in ``out`` (copied there unless the collective
+    wrote it there, ``dest``), else a tensor of ``t``'s shape and dtype."""
+    if out is None:
+        return avg.view(t.shape).to(t.dtype)
+    if dest is None:
+        out.copy_(avg.view(t.shape))
+    return out
 
 
 def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[torch.Tensor]:
