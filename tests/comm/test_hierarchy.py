@@ -199,15 +199,78 @@ def _planned(rank: int, world: int) -> dict:
         ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
         opt.step()
     plan = state.plan()
-    return {"params": [p.detach().clone() for p in model.parameters()], "routes": sorted(plan["costs"]["routes"])}
+    return {"params": [p.detach().clone() for p in model.parameters()], "routes": sorted(plan["costs"]["routes"]),
+            "costs": plan["costs"], "from": state.comm.plain_hierarchy_from}
 
 
 def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
     res = _run(_planned, 4, 2)
     assert "sra:hierarchy=0" in res[0]["routes"]  # measured on this layout, chosen where cheaper
+    costs = res[0]["costs"]  # both link classes calibrated on the real groups, and the plain exchange both ways
+    assert set(costs["links"]) == {"intra-node", "inter-node"}
+    assert costs["links"]["inter-node"]["s_per_value"] > 0 and costs["plain_hierarchical_s_per_value"] > 0
+    assert res[0]["from"] == costs["plain_hierarchy_from"]  # what the engine applies
     for r in res[1:]:
-        assert r["routes"] == res[0]["routes"]
+        assert r["routes"] == res[0]["routes"] and r["costs"] == costs and r["from"] == res[0]["from"]
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+
+
+def _wholly_plain(rank: int, world: int) -> dict:
+    """DDP steps that compress nothing, with plain exchanges put through the nodes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1200))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)  # buckets: [2.*] (1.2 MB), [0.*]
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=10**9)  # nothing large enough to compress
+    state.comm.plain_hierarchy_from = 100_000  # the small bucket stays DDP's flat sum
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        if step == 1:  # DDP's buckets as rebuilt after the first step
+            state.comm.metrics.reset()
+        opt.zero_grad()
+        ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+        opt.step()
+    stats = state.stats(per_tensor=True)["per_tensor"]
+    return {"params": [p.detach().clone() for p in model.parameters()], "sent": {k: v["sent_bytes"] for k, v in stats.items()}}
+
+
+def test_steps_that_compress_nothing_take_the_hierarchical_plain_exchange_and_stay_identical():
+    res = _run(_wholly_plain, 4, 2)
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+    sent = res[0]["sent"]  # bytes over the slow link per byte: 1/2 hierarchically, 2(W-1)/W = 1.5 flat
+    assert sent["2.weight"] == pytest.approx(0.5 * 256 * 1200 * 4 * 2) and sent["0.weight"] == pytest.approx(1.5 * 64 * 256 * 4 * 2)
+
+
+def _plain_exchanges(rank: int, world: int) -> dict:
+    """Plain (uncompressed) exchanges flat and hierarchically, and one with a NaN on rank 3."""
+    comm = gradzip.Communicator("maxmin", bits=4)
+    out = {}
+    for label, start in (("flat", None), ("hier", 0)):
+        comm.plain_hierarchy_from = start
+        comm.metrics.reset()
+        xs = [_values(rank, 3001, 1), _values(rank, 5000, 2)]  # one plain, one compressed, side by side
+        avgs = comm.reduce_many_now(xs, ["plain", "packed"], [False, True])
+        out[label] = {"avg": avgs[0].clone(), "sent": comm.stats(per_tensor=True)["per_tensor"]["plain"]["sent_bytes"],
+                      "coll": type(comm.plain_collective(3001)).__name__}
+    x = _values(rank, 777, 3)
+    if rank == 3:
+        x[7] = float("inf")
+    out["inf"] = comm.reduce_many_now([x], ["odd"], [False])[0]
+    comm.close()
+    return out
+
+
+def test_plain_exchanges_go_through_the_nodes_exactly_when_planned():
+    res = _run(_plain_exchanges, 4, 2)
+    exact = torch.stack([_values(r, 3001, 1).double() for r in range(4)]).mean(0)
+    for r in res:
+        assert (r["flat"]["coll"], r["hier"]["coll"]) == ("AllReduce", "Hierarchical")
+        assert torch.equal(r["hier"]["avg"], res[0]["hier"]["avg"])  # the same bytes on every rank
+        torch.testing.assert_close(r["hier"]["avg"].double(), exact, rtol=0, atol=1e-6)  # summed exactly
+        # a rank sends 1/L of the values across nodes, once reduced and once gathered: half of flat's 2(W-1)/W
+        assert r["hier"]["sent"] < 0.7 * r["flat"]["sent"]
+        assert torch.isinf(r["inf"][7]) and torch.isfinite(r["inf"][:7]).all()  # sums carry Inf, as DDP's do
 
 
 def _in_flight(rank: int, world: int) -> dict:

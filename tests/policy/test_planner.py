@@ -58,6 +58,24 @@ def test_groups_are_priced_at_their_padded_size_and_16_bit_plain_at_half():
     assert GIGABIT.plain_s(1000, 2) == pytest.approx(GIGABIT.plain.at(500))
 
 
+def test_plain_exchanges_go_hierarchically_only_from_where_that_saves_a_tenth():
+    flat = planner.Line(1e-4, 12e-9)  # 2 nodes x 2 ranks at 1 Gbit/s: the node's link carries 1.5x the values flat
+    hier = planner.Line(4e-4, 8e-9)  # 1x hierarchically, after more rounds of latency
+    costs = planner.Costs(flat, planner.Line(0.0, 1.0), world_size=4, plain_hierarchical=hier,
+                          inter_node=planner.Line(2e-4, 7e-9), nodes=2)
+    start = costs.plain_hierarchy_from
+    assert start is not None and start > 0
+    for n in (start - 1, start):  # the threshold is where hier < 0.9 x flat begins
+        assert (hier.at(n) < (1 - planner.PLAIN_ROUTE_MARGIN) * flat.at(n)) == (n >= start)
+    assert costs.plain_s(start - 1) == flat.at(start - 1) and costs.plain_s(start) == hier.at(start)
+    links = costs.as_dict()["links"]  # the intra-node stages cost the difference, per value of the tensor
+    assert links["intra-node"]["s_per_value"] == pytest.approx(1e-9) and links["intra-node"]["alpha_s"] == pytest.approx(2e-4)
+    assert links["inter-node"]["gbit_per_s"] == pytest.approx(4 * 8 / 7e-9 / 1e9)  # 2(N-1)/N x 4 bytes a value
+    # never cheaper by a tenth, or only for small tensors: always flat; flat layouts have no hierarchical line
+    assert planner.Costs(flat, flat, world_size=4, plain_hierarchical=planner.Line(0.0, 11e-9)).plain_hierarchy_from is None
+    assert GIGABIT.plain_hierarchy_from is None and "links" not in GIGABIT.as_dict()
+
+
 def test_without_a_model_every_group_is_compressed_unpredicted():
     decisions = planner.decide([["a", "b"]], _params(a=10, b=20), MAXMIN4, None)
     assert decisions[0].compress and decisions[0].numel == 30 and math.isnan(decisions[0].plain_s)

@@ -138,6 +138,7 @@ class GradzipState:
         compressed = {n for d in decisions if d.compress for n in d.members}
         self._compressed = [(n, p) for n, p in self.params.items() if n in compressed]
         self.comm.routes = {n: d.route for d in decisions if d.compress and d.route is not None for n in d.members}
+        self.comm.plain_hierarchy_from = costs.plain_hierarchy_from if costs is not None else None
         self._flush = (self._flush | (before - compressed)) - compressed
         cfg = self.config
         if cfg.adaptive != "off" and self._compressed:  # measured and planned once the ramp is over
@@ -365,7 +366,11 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum
         _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
     compress = [i not in plain for i in range(len(grads))]
-    if dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
+    if not dense and not state.fusion_plan.groups and state.comm.plain_goes_hierarchical(buffer.numel()):
+        # nothing compressed, on several nodes: the planner's exact hierarchical all-reduce; each
+        # job drains at once, since a later (smaller) bucket may take DDP's sum instead of the worker
+        waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
+    elif dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
         waits = [_plain_bucket(state, buffer, names, grads, what, step)]
     elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)

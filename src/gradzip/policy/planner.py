@@ -68,6 +68,7 @@ GROUPS = 4  # groups exchanged side by side per timing
 REPEATS = 3
 MARGIN = 0.6  # compression must save this fraction of the plain all-reduce's predicted time
 ROUTE_MARGIN = 0.25  # another collective must save this fraction of the configured one's predicted time
+PLAIN_ROUTE_MARGIN = 0.1  # the hierarchical plain all-reduce must save this fraction of the flat one's
 CHECK_EVERY = 50  # steps between two checks of measured against predicted times
 DRIFT = 1.5  # the factor by which measured/predicted may move from its baseline before re-calibrating
 
@@ -93,10 +94,51 @@ class Costs:
     compressed: Line
     world_size: int
     routes: Dict[str, Line] = field(default_factory=dict)
+    # on several nodes of several ranks (gloo): the exact hierarchical all-reduce, and the plain
+    # all-reduce of the shares across nodes alone (the inter-node link), both per value of the
+    # whole tensor; the intra-node stages cost the difference (see :meth:`links`)
+    plain_hierarchical: Optional[Line] = None
+    inter_node: Optional[Line] = None
+    nodes: int = 1
+
+    @property
+    def plain_hierarchy_from(self) -> Optional[int]:
+        """From how many values on a plain exchange goes hierarchically: where the hierarchical
+        line is below ``1 - PLAIN_ROUTE_MARGIN`` of the flat one (None: nowhere, or only below
+        some size, where it does not matter)."""
+        hier, flat = self.plain_hierarchical, self.plain
+        if hier is None:
+            return None
+        k = 1 - PLAIN_ROUTE_MARGIN
+        gap = hier.alpha - k * flat.alpha  # hier < k·flat  <=>  gap < slope·n
+        slope = k * flat.beta - hier.beta
+        if slope <= 0:
+            return None
+        return max(0, math.floor(gap / slope) + 1)
 
     def plain_s(self, numel: int, element_size: int = 4) -> float:
-        """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes."""
-        return self.plain.at(numel * element_size / 4)
+        """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes
+        (hierarchical from :attr:`plain_hierarchy_from` values on)."""
+        start = self.plain_hierarchy_from
+        line = self.plain_hierarchical if start is not None and numel >= start else self.plain
+        return line.at(numel * element_size / 4)
+
+    def links(self) -> Dict[str, Dict[str, float]]:
+        """The two link classes as calibrated: seconds per value of a plain exchange inside the
+        node (the hierarchical all-reduce less its inter-node part) and across nodes, and the
+        rates they come to (the node's link carries 2(N−1)/N × 4 bytes a value, all L ranks of
+        the node sending their shares at once); empty on a flat layout."""
+        if self.plain_hierarchical is None or self.inter_node is None:
+            return {}
+        intra = Line(max(0.0, self.plain_hierarchical.alpha - self.inter_node.alpha),
+                     max(0.0, self.plain_hierarchical.beta - self.inter_node.beta))
+        crossing = 2 * (self.nodes - 1) / self.nodes * 4
+        return {
+            "intra-node": {"alpha_s": intra.alpha, "s_per_value": intra.beta,
+                           "gb_per_s": 4 / intra.beta / 1e9 if intra.beta else float("inf")},
+            "inter-node": {"alpha_s": self.inter_node.alpha, "s_per_value": self.inter_node.beta,
+                           "gbit_per_s": crossing * 8 / self.inter_node.beta / 1e9 if self.inter_node.beta else float("inf")},
+        }
 
     def compressed_s(self, numel: int, route: Optional[str] = None) -> float:
         """Predicted seconds of one compressed exchange of ``numel`` values (padding included),
@@ -124,6 +166,11 @@ class Costs:
         }
         if self.routes:
             out["routes"] = {r: {"alpha_s": line.alpha, "s_per_value": line.beta} for r, line in self.routes.items()}
+        if self.plain_hierarchical is not None:
+            out["plain_hierarchical_alpha_s"] = self.plain_hierarchical.alpha
+            out["plain_hierarchical_s_per_value"] = self.plain_hierarchical.beta
+            out["plain_hierarchy_from"] = self.plain_hierarchy_from
+            out["links"] = self.links()
         return out
 
 
@@ -181,7 +228,12 @@ def calibrate(
     w = probe.world_size
     ways: List[Tuple[str, bool, Optional[str]]] = [("plain", False, None), ("compressed", True, None)]
     ways += [(f"route{i}", True, route) for i, route in enumerate(routes)]
+    # several nodes on gloo: the plain exchange hierarchically too, and its inter-node part alone
+    layered = probe._plain_hierarchical is not None
+    if layered:
+        ways.append(("plain-hierarchical", False, None))
     points: Dict[str, List[Tuple[float, float]]] = {way: [] for way, _, _ in ways}
+    points["inter-node"] = []
     try:
         for n in SIZES:
             x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
@@ -191,6 +243,7 @@ def calibrate(
                 names = [f"planner.{n}.{way}.{i}" for i in range(GROUPS)]
                 if route is not None:
                     probe.routes.update({name: route for name in names})
+                probe.plain_hierarchy_from = 0 if way == "plain-hierarchical" else None
 
                 def once() -> None:
                     drive(probe.reduce_many_stages(
@@ -207,14 +260,26 @@ def calibrate(
                 if w > 1:
                     dist.barrier(group=comm.group)
                 points[way].append((n, median_seconds(once, repeats, before=fresh) / GROUPS))
+            if layered:  # the inter-node link alone: every rank's share across nodes at once, as in the exchange
+                share = torch.ones(GROUPS * -(-n // probe.topology.local_size), device=device)
+                cross = probe._node_groups[1]
+                dist.barrier(group=comm.group)
+                seconds = median_seconds(lambda: dist.all_reduce(share, group=cross), repeats)
+                points["inter-node"].append((n, seconds / GROUPS))
     finally:
         probe.close()
-    figures = torch.tensor([v for way, _, _ in ways for v in fit(points[way])], dtype=torch.float64, device=device)
+    names = [way for way, _, _ in ways] + (["inter-node"] if layered else [])
+    figures = torch.tensor([v for way in names for v in fit(points[way])], dtype=torch.float64, device=device)
     if w > 1:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
     values = figures.cpu().tolist()
-    lines = [Line(values[2 * i], values[2 * i + 1]) for i in range(len(ways))]
-    return Costs(lines[0], lines[1], world_size=w, routes=dict(zip(routes, lines[2:])))
+    lines = dict(zip(names, (Line(values[2 * i], values[2 * i + 1]) for i in range(len(names)))))
+    return Costs(
+        lines["plain"], lines["compressed"], world_size=w,
+        routes={route: lines[f"route{i}"] for i, route in enumerate(routes)},
+        plain_hierarchical=lines.get("plain-hierarchical"), inter_node=lines.get("inter-node"),
+        nodes=len(probe.topology.nodes) if layered else 1,
+    )
 
 
 def median_seconds(fn, repeats: int, before=None) -> float:

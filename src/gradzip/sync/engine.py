@@ -182,6 +182,12 @@ class Communicator:
         self._reduce_scatter: Optional[Collective] = None  # made on first use (sharded front ends)
         self._plain.flagged = False  # uncompressed: sums carry NaN/Inf to every rank alike, as DDP's do
         self._plain_memory = _memory.memory("none")
+        # plain exchanges of at least this many values go hierarchically (exact: the node's sum,
+        # a plain all-reduce of each share across nodes, the shares spread inside the node), on
+        # a hierarchical gloo layout only; None: always flat. The planner sets it from its model
+        # of the two links (gradzip.policy.planner.Costs.plain_hierarchy_from)
+        self.plain_hierarchy_from: Optional[int] = None
+        self._plain_hierarchical: Optional[Collective] = None
         # levels other than the codec's own (gradzip.policy.adaptive), set by register(): per parameter
         # (adaptive), or one for every parameter during a ramp (ramp_level, set step by step)
         self.level_codecs: Any = None  # gradzip.policy.adaptive.LevelCodecs
@@ -226,6 +232,7 @@ class Communicator:
                 if dist.get_backend(self.group) == "gloo":  # CPU tensors: the node's shared memory
                     self._node_memory = NodeSharedMemory(self._node_groups[0], self.topology)
                 self.collective = self._hierarchical(self.collective)
+                self._plain_hierarchical = self._hierarchical_plain()
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
@@ -260,6 +267,28 @@ class Communicator:
         coll.group = cross
         return Hierarchical(coll, node, self.topology, self._node_memory)
 
+    def _hierarchical_plain(self) -> Optional[Collective]:
+        """The exact hierarchical all-reduce for plain exchanges, on gloo (CPU ranks) only: NCCL's
+        own algorithms already keep most bytes inside the node, gloo's ring does not (2 nodes ×
+        2 ranks at 1 Gbit/s: a node's link carries 1.5× the gradients flat, 1× hierarchically)."""
+        if self._node_groups is None or dist.get_backend(self.group) != "gloo":
+            return None
+        inner = _collectives.get("allreduce")(None)
+        inner.flagged = False  # uncompressed: NaN/Inf reach every rank through the sums
+        return self._hierarchical(inner)
+
+    def plain_goes_hierarchical(self, numel: int) -> bool:
+        """Whether a plain exchange of ``numel`` values is hierarchical: from
+        :attr:`plain_hierarchy_from` values on, where the layout allows."""
+        start = self.plain_hierarchy_from
+        return self._plain_hierarchical is not None and start is not None and numel >= start
+
+    def plain_collective(self, numel: int) -> Collective:
+        """The collective of a plain exchange of ``numel`` values (see :meth:`plain_goes_hierarchical`)."""
+        if self.plain_goes_hierarchical(numel):
+            return self._plain_hierarchical
+        return self._plain
+
     def _make_reduce_scatter(self) -> Collective:
         """The compressed reduce-scatter: flat, or on a hierarchical layout plain inside the node and
         compressed across nodes (:class:`~gradzip.comm.hierarchy.HierarchicalReduceScatter`)."""
@@ -281,6 +310,7 @@ class Communicator:
             self._node_groups, self._owns_node_groups = other._node_groups, False
             self._node_memory = other._node_memory
             self.collective = self._hierarchical(self.collective)
+            self._plain_hierarchical = self._hierarchical_plain()
 
     def describe_topology(self, reduce_scatter: bool = False) -> Dict[str, Any]:
         """The nodes found, whether the exchange is hierarchical, and which link each stage uses
@@ -552,7 +582,7 @@ class Communicator:
         if compress:
             codec, coll, mem = self.codec_for(name), self.collective_for(name), self.memory
         else:
-            codec, coll, mem = self._plain_codec, self._plain, self._plain_memory
+            codec, coll, mem = self._plain_codec, self.plain_collective(t.numel()), self._plain_memory
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
         inp = self._compensated(mem, t, name, step, compress)
@@ -1077,6 +1107,8 @@ class Communicator:
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
+        if self._plain_hierarchical is not None:
+            self._plain_hierarchical.release()
         if self._node_memory is not None and self._owns_node_groups:
             self._node_memory.release()
         self._node_memory = None
