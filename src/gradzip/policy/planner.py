@@ -43,6 +43,16 @@ a near tie is no reason to leave the default: in a run where ``ps`` with 8 parti
 5% under ``sra``, BERT-base took it for 36 of its 52 groups and ran 35% slower than with
 ``sra`` (2.98 against 2.21 s a step at 1 Gbit/s).
 
+On several nodes of several CPU ranks the two link classes are calibrated apart, on the real
+groups: the plain all-reduce of the node's shares across nodes alone (every rank with its node
+peers, all at once, as in the exchange: the inter-node line) and the exact hierarchical
+all-reduce (:mod:`gradzip.comm.hierarchy` with codec ``none``); the intra-node stages cost
+the difference (:meth:`Costs.links`). Plain exchanges go hierarchically from the size at which
+that line falls below ``1 - PLAIN_ROUTE_MARGIN`` of the flat one (gloo's ring sends 1.5× the
+gradients over a node's link on 2 × 2, the hierarchy 1×; where 4 ranks share 2 cores at 10
+Gbit/s the node's copies cost more than that saves), and every decision prices the plain side
+with the cheaper of the two. NCCL's all-reduce is topology-aware already and is left as it is.
+
 Online, a :class:`DriftWatch` compares measured with predicted times every ``CHECK_EVERY``
 steps; when their ratio moves by more than ``DRIFT`` from its baseline, every rank calibrates
 again at the same step and the plan is made anew (``GradzipState.replan``). The model does not
