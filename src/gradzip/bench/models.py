@@ -255,12 +255,30 @@ def numel(shapes: ParamList) -> int:
 
 # --------------------------------------------------------------------------------- modules
 
+class _HalfSquaredNorm(torch.autograd.Function):
+    """``x · ½‖p‖²`` whose backward writes ``p``'s gradient ``g·x·p`` in one pass over ``p``
+    (autograd's own norm backward takes four: divide, mask the zero norm, scale, copy)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        flat = p.detach().reshape(-1)
+        half = 0.5 * torch.dot(flat, flat)
+        ctx.save_for_backward(x, p, half)
+        return x * half
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, p, half = ctx.saved_tensors
+        return (g * half if ctx.needs_input_grad[0] else None), torch.mul(p.detach(), g * x)
+
+
 class ShapeModel(nn.Module):
     """Parameters with exactly the given names and shapes, and a forward that costs next to nothing.
 
     ``forward(x)`` is ``x · Σ ½‖p‖²``, so every parameter gets the dense gradient ``x · p`` (as
-    random as its initialisation) for one read of it. Everything is a registered parameter and
-    nothing a buffer: DDP would broadcast buffers from rank 0 at every forward.
+    random as its initialisation), written in one pass over it: the step is the exchange, not
+    the stand-in's backward. Everything is a registered parameter and nothing a buffer: DDP
+    would broadcast buffers from rank 0 at every forward.
     """
 
     def __init__(self, shapes: ParamList, seed: int = 0, std: float = 0.02) -> None:
@@ -282,9 +300,9 @@ class ShapeModel(nn.Module):
         # summed in model order, so backward reaches the last parameter first, as a real one does
         total = None
         for p in self._ordered:
-            term = torch.linalg.vector_norm(p).square()
+            term = _HalfSquaredNorm.apply(x, p)
             total = term if total is None else total + term
-        return 0.5 * x * total
+        return total
 
 
 @dataclass(frozen=True)
