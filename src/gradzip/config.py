@@ -2,7 +2,7 @@
 
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
-``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY``, ``GRADZIP_HIERARCHY`` and ``GRADZIP_TIMEOUT``
+``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY``, ``GRADZIP_HIERARCHY``, ``GRADZIP_NODE_DTYPE`` and ``GRADZIP_TIMEOUT``
 (seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
@@ -17,13 +17,14 @@ from typing import Any, Dict, Mapping, Optional
 
 FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan",
-    "warmup", "ramp", "adaptive", "adaptive_every", "hierarchy", "timeout",
+    "warmup", "ramp", "adaptive", "adaptive_every", "hierarchy", "node_dtype", "timeout",
 )
 COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
 ADAPTIVE = ("off", "bytes", "error")  # see gradzip.policy.adaptive
 HIERARCHY = ("auto", "on", "off")  # see gradzip.comm.hierarchy
+NODE_DTYPES = ("fp32", "bf16", "fp16")  # the intra-node stage's values (gradzip.comm.hierarchy)
 # a ramp's default length in steps, where a method needs one: DGC (Lin et al., ICLR'18) begins
 # with exponentially growing sparsity; 0 for every other codec
 DEFAULT_RAMP = {"dgc": 100}
@@ -74,7 +75,9 @@ class Config:
     ``hierarchy``: ``"auto"`` splits every compressed exchange by node where the job runs on
     several nodes of several ranks each (found from torchrun's variables; plain inside the node,
     compressed across: :mod:`gradzip.comm.hierarchy`), ``"off"`` keeps it flat, ``"on"`` fails
-    where the layout is not hierarchical;
+    where the layout is not hierarchical; ``node_dtype``: the values of the intra-node stage of
+    such an exchange, ``"fp32"`` (exact), or ``"bf16"`` / ``"fp16"`` for half the bytes inside the
+    node (what the rounding loses goes to error feedback; ``plan="auto"`` also times the other);
     ``timeout``: seconds after which a gradient exchange fails (default: the timeout of the
     process group it serves).
     """
@@ -94,6 +97,7 @@ class Config:
     adaptive: Optional[str] = None  # None: "bytes" under codec="auto", else "off"
     adaptive_every: int = 100  # steps
     hierarchy: str = "auto"
+    node_dtype: str = "fp32"
     timeout: Optional[float] = None  # seconds; None: the served process group's timeout
     options: Dict[str, Any] = field(default_factory=dict)
     collective_options: Dict[str, Any] = field(default_factory=dict)
@@ -124,6 +128,8 @@ class Config:
             self.hierarchy = "on" if self.hierarchy else "off"
         if self.hierarchy not in HIERARCHY:
             raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {self.hierarchy!r}")
+        if self.node_dtype not in NODE_DTYPES:
+            raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {self.node_dtype!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (

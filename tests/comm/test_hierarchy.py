@@ -51,6 +51,14 @@ def test_node_key_prefers_the_launchers_node_index_over_the_host_name():
 def test_an_unknown_hierarchy_setting_is_rejected_naming_the_choices():
     with pytest.raises(ValueError, match="auto, on, off"):
         gradzip.Communicator("maxmin", hierarchy="always")
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        gradzip.Communicator("maxmin", node_dtype="int8")
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        gradzip.Config(node_dtype="half")
+    from gradzip.comm.hierarchy import NODE_DTYPES
+    from gradzip.config import NODE_DTYPES as NAMES
+
+    assert tuple(NODE_DTYPES) == NAMES  # the names a user gives, and the dtypes they stand for
 
 
 # --------------------------------------------------------------------- real ranks
@@ -115,6 +123,41 @@ def _residual_check(rank: int, world: int) -> dict:
     return {"avg": avg, "residual": residual, "local": local}
 
 
+def _sixteen_bit_node(rank: int, world: int, node_dtype: str, intra: str) -> dict:
+    """One exchange with a 16-bit intra-node stage and residual error feedback."""
+    comm = gradzip.Communicator("maxmin", bits=8, mode="nearest", memory="residual", node_dtype=node_dtype)
+    if intra != "shared":
+        comm.collective.shared = None
+        comm.collective.by_all_reduce = intra == "all-reduce"
+    x = _values(rank, 4001, 5)  # not a whole number of blocks or shares
+    avg = comm.reduce_many_now([x], ["w"], [True])[0]
+    out = {"avg": avg, "residual": comm.memory.residuals["w"].reshape(-1).clone(), "local": int(os.environ["LOCAL_RANK"]),
+           "stage": comm.describe_topology()["stages"][0]["values"], "slot": comm.collective.input_buffer("w", 4001, torch.float32, "cpu", 0)}
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("node_dtype, intra", [("bf16", "shared"), ("fp16", "shared"), ("bf16", "all-reduce"), ("fp16", "all-reduce")])
+def test_a_16_bit_node_stage_keeps_its_rounding_in_error_feedback_and_replicas_identical(node_dtype, intra):
+    res = _run(_sixteen_bit_node, 4, 2, node_dtype, intra)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[node_dtype]
+    n, per_node = 4001, 2
+    exact = torch.stack([_values(r, n, 5) for r in range(4)]).mean(0)
+    span = exact.abs().max().item()
+    for rank, r in enumerate(res):
+        assert torch.equal(r["avg"], res[0]["avg"])  # every rank holds the same bytes
+        assert (r["avg"] - exact).abs().max().item() < 4 * span / 255
+        assert r["stage"] == f"plain {half}" and r["slot"] is None  # the caller cannot write fp32 into a 16-bit slot
+        x = _values(rank, n, 5)
+        rounded = x - per_node * (x / per_node).to(half).float()  # what the 16-bit stage lost of this rank's input
+        assert torch.count_nonzero(rounded) > 0
+        share = -(-n // per_node)  # one tensor on its own: shares need no alignment
+        lo, hi = r["local"] * share, min(n, (r["local"] + 1) * share)
+        outside = torch.cat([torch.arange(0, lo), torch.arange(hi, n)])
+        torch.testing.assert_close(r["residual"][outside], rounded[outside], rtol=0, atol=0)
+        assert not torch.equal(r["residual"][lo:hi], rounded[lo:hi])  # plus what the compressed stage lost
+
+
 def test_error_feedback_keeps_what_the_compressed_stage_lost_in_this_ranks_share():
     res = _run(_residual_check, 4, 2)
     n, per_node = 4096, 2
@@ -162,11 +205,11 @@ def test_hierarchy_on_where_the_layout_is_flat_says_why():
     assert all("one node" in m and "hierarchy='auto'" in m for m in msgs)
 
 
-def _ddp(rank: int, world: int) -> dict:
+def _ddp(rank: int, world: int, node_dtype: str = "fp32") -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64, node_dtype=node_dtype)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(4):
@@ -179,9 +222,11 @@ def _ddp(rank: int, world: int) -> dict:
             "residuals": sorted(state.comm.memory.residuals)}
 
 
-def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_identical():
-    res = _run(_ddp, 4, 2)
+@pytest.mark.parametrize("node_dtype", ["fp32", "bf16"])
+def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_identical(node_dtype):
+    res = _run(_ddp, 4, 2, node_dtype)
     assert res[0]["topology"]["hierarchical"] and res[0]["topology"]["topology"] == "2 nodes x 2 ranks"
+    assert res[0]["topology"]["stages"][0]["values"] == ("plain" if node_dtype == "fp32" else "plain torch.bfloat16")
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
     assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
@@ -205,7 +250,7 @@ def _planned(rank: int, world: int) -> dict:
 
 def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
     res = _run(_planned, 4, 2)
-    assert "sra:hierarchy=0" in res[0]["routes"]  # measured on this layout, chosen where cheaper
+    assert {"sra:hierarchy=0", "sra:node=bf16"} <= set(res[0]["routes"])  # measured on this layout, chosen where cheaper
     costs = res[0]["costs"]  # both link classes calibrated on the real groups, and the plain exchange both ways
     assert set(costs["links"]) == {"intra-node", "inter-node"}
     assert costs["links"]["inter-node"]["s_per_value"] > 0 and costs["plain_hierarchical_s_per_value"] > 0

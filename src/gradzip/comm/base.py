@@ -504,12 +504,12 @@ def route_label(collective: str, options: Optional[Mapping[str, Any]] = None) ->
 
 
 def parse_route(label: str) -> Tuple[str, Dict[str, Any]]:
-    """Inverse of :func:`route_label` (option values are integers or None)."""
+    """Inverse of :func:`route_label` (option values are integers, None, or else words such as ``bf16``)."""
     name, *pairs = label.split(":")
     options: Dict[str, Any] = {}
     for pair in pairs:
         key, value = pair.split("=", 1)
-        options[key] = None if value == "None" else int(value)
+        options[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else value
     return name, options
 
 

@@ -18,6 +18,13 @@ Information is lost only in stage 2, at local rank i, on the node's average of s
 what this rank's error feedback keeps (:attr:`~gradzip.comm.base.Call.loss_into`): L × (the share
 it encoded − its own payloads decoded) in its own share, zero elsewhere, since every other value
 it contributed reached the sum exactly.
+
+**A 16-bit node stage** (``node_dtype`` bf16 or fp16) halves the bytes stage 1 moves inside the
+node, where that link is the slower one (GPUs on PCIe rather than NVLink): every rank divides its
+fp32 input by L and rounds it to 16 bits (as PyTorch's fp16 hook does across the whole job), the
+node's sum is taken in fp32 from those values in shared memory (NCCL sums in 16 bits), and the
+rest is as above. Each rank's error feedback then also keeps what its rounding lost, everywhere:
+x − L · round16(x / L). Stage 3 stays fp32, so every rank of a node still holds the same bytes.
 """
 from __future__ import annotations
 
@@ -34,6 +41,8 @@ from .sra import chunk_length
 from .shm import NodeSharedMemory
 from .topology import Topology
 
+NODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a node stage's values
+
 
 class Hierarchical(Collective):
     """``inner`` (a collective on the group across nodes) inside an intra-node reduce-scatter and all-gather.
@@ -48,12 +57,13 @@ class Hierarchical(Collective):
 
     def __init__(
         self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology,
-        shared: Optional[NodeSharedMemory] = None,
+        shared: Optional[NodeSharedMemory] = None, node_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__(None)
         self.inner = inner
         self.node_group = node_group
         self.topology = topology
+        self.node_dtype = node_dtype  # of stage 1's values, for fp32 inputs (see the module's notes)
         self.flagged = inner.flagged
         # How the intra-node stages move CPU tensors: through memory the node's ranks share
         # (``shared``, when usable), else, on gloo, as two all-reduces rather than a
@@ -76,7 +86,7 @@ class Hierarchical(Collective):
     ) -> Optional[torch.Tensor]:
         """This rank's slot of the node's shared memory for tensor ``name``: a caller that
         assembles the input there (the engine's fused groups) saves the exchange its copy."""
-        if self.shared is None or torch.device(device).type != "cpu" or dtype != torch.float32:
+        if self.shared is None or torch.device(device).type != "cpu" or dtype != torch.float32 or self._half(dtype):
             return None
         local = self.topology.local_size
         slots, _ = self.shared.buffers(name, chunk_length(numel, local, align) * local, dtype, step)
@@ -103,17 +113,31 @@ class Hierarchical(Collective):
     def describe(self) -> Dict[str, Any]:
         """The stages and the link each one uses."""
         nodes, local = len(self.topology.nodes), self.topology.local_size
+        half = self._half(torch.float32)
         stages = [
-            {"stage": "reduce-scatter", "link": "intra-node", "values": "plain"},
+            {"stage": "reduce-scatter", "link": "intra-node", "values": "plain" if half is None else f"plain {half}"},
             {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
         ]
         if self.spreads:
             stages.append({"stage": "all-gather", "link": "intra-node", "values": "plain"})
         return {"topology": f"{nodes} nodes x {local} ranks", "stages": stages}
 
-    def _values(self, call: Call, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """``numel`` values of ``like``'s dtype, lent for the call (as bytes from the collective's pool)."""
-        return self._lend(call, (numel * like.element_size(),), like.device).view(like.dtype)
+    def _half(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """The 16-bit dtype of stage 1 for inputs of ``dtype`` (fp32 only), None: the input's own."""
+        return self.node_dtype if dtype == torch.float32 and self.node_dtype != torch.float32 else None
+
+    def _values(self, call: Call, numel: int, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``numel`` values of ``dtype`` (default ``like``'s), lent for the call (as bytes from the collective's pool)."""
+        dtype = like.dtype if dtype is None else dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        return self._lend(call, (numel * size,), like.device).view(dtype)
+
+    def _rounding_loss(self, x: torch.Tensor, half: Optional[torch.dtype], dst: torch.Tensor) -> None:
+        """What a 16-bit stage 1 lost of ``x``, in its units, into ``dst``: x − L · round16(x / L);
+        nothing without one."""
+        if half is not None:
+            local = self.topology.local_size
+            torch.sub(x, x.div(local).to(half).to(x.dtype).mul_(local), out=dst[: x.numel()])
 
     def _copy_in(self, x: torch.Tensor, dst: torch.Tensor, exact: bool) -> None:
         """``x`` (divided by the node's size unless ``exact``) into ``dst``, its padding zeroed."""
@@ -127,6 +151,7 @@ class Hierarchical(Collective):
 
     def _node_sum_shared(
         self, call: Call, x: torch.Tensor, span: int, fill: Callable[[torch.Tensor], None],
+        slot_dtype: Optional[torch.dtype] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Stage 1 through the node's shared memory: ``fill`` writes this rank's slot (L shares of
         ``span`` values); after a barrier this rank sums its share over the slots. Returns (the
@@ -138,13 +163,17 @@ class Hierarchical(Collective):
         job arrived (the pipeline advances older jobs a stage per arrival), and the last jobs of a
         step one after another."""
         i = self.topology.local_rank
-        slots, spread = self.shared.buffers(call.name, span * self.topology.local_size, x.dtype, call.step)
+        slot_dtype = x.dtype if slot_dtype is None else slot_dtype
+        slots, spread = self.shared.buffers(call.name, span * self.topology.local_size, slot_dtype, call.step, x.dtype)
         fill(slots[i])
         dist.all_reduce(torch.zeros(1), group=self.node_group)
         self.shared.mapped(call.name)
         share = self._values(call, span, x)
         mine = slots[:, i * span : (i + 1) * span]
-        torch.add(mine[0], mine[1], out=share)  # row by row: twice as fast as a sum over dim 0
+        if slot_dtype == x.dtype:
+            torch.add(mine[0], mine[1], out=share)  # row by row: twice as fast as a sum over dim 0
+        else:  # 16-bit slots summed in x's precision (an add of two 16-bit rows would round to 16 bits)
+            share.copy_(mine[0]).add_(mine[1])
         for row in mine[2:]:
             share.add_(row)
         return share, spread
@@ -198,12 +227,14 @@ class Hierarchical(Collective):
         lo, hi = min(i * chunk, n), min((i + 1) * chunk, n)
 
         # 1. the node's sum of every share, this rank's share kept (divided by L: the node's
-        # average of it; a half-precision input is divided first, as DDP does, so sums stay in range)
-        exact = x.dtype == torch.float32
+        # average of it; a half-precision input, or a 16-bit stage, is divided first, as DDP
+        # does, so sums stay in range)
+        half = self._half(x.dtype)
+        exact = x.dtype == torch.float32 and half is None
         shared = self.shared if x.device.type == "cpu" else None
         by_all_reduce = shared is None and self.by_all_reduce
         if shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
-            share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
+            share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact), half)
         else:
             # on gloo the input is summed in place only where the average overwrites it anyway
             # and the frame will not read it after the exchange (this rank's share of the
@@ -214,9 +245,11 @@ class Hierarchical(Collective):
             if chunk * local == n and exact and (not by_all_reduce or overwritten):
                 src = x
             else:
-                src = self._values(call, chunk * local, x)
+                src = self._values(call, chunk * local, x, half)
                 self._copy_in(x, src, exact)
             share = self._node_sum_collective(call, src, chunk, by_all_reduce)
+            if half is not None:  # compressed from x's precision
+                share = self._values(call, chunk, x).copy_(share)
         if exact:
             share.div_(local)
 
@@ -228,7 +261,8 @@ class Hierarchical(Collective):
 
         if call.need_own:
             def loss_into(dst: torch.Tensor) -> None:
-                dst[lo:hi].copy_(loss["share"][: hi - lo])  # in the input's units: L × the node average
+                self._rounding_loss(x, half, dst)
+                dst[lo:hi].add_(loss["share"][: hi - lo])  # in the input's units: L × the node average
 
             call.loss_into = loss_into
 
@@ -247,7 +281,7 @@ class Hierarchical(Collective):
         if chunk * local == n:
             whole = avg
         else:  # padded: gathered apart, then cut (on gloo into the summed copy, which holds the share)
-            whole = src if by_all_reduce else self._values(call, chunk * local, x)
+            whole = src if by_all_reduce and half is None else self._values(call, chunk * local, x)
         if by_all_reduce:  # every other share zero, summed over the node
             mine = whole[i * chunk : (i + 1) * chunk]
             if mine.data_ptr() != share.data_ptr():

@@ -95,8 +95,11 @@ class NodeSharedMemory:
             _unlink(self._path("check"))
         return bool(ok[0] > 0)
 
-    def buffers(self, key: str, numel: int, dtype: torch.dtype, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(slots: ``(L, numel)``, one per local rank; output: ``numel``) for tensor ``key``.
+    def buffers(
+        self, key: str, numel: int, dtype: torch.dtype, step: int, out_dtype: Optional[torch.dtype] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(slots: ``(L, numel)`` of ``dtype``, one per local rank; output: ``numel`` of
+        ``out_dtype``, default ``dtype``) for tensor ``key``.
 
         Kept from call to call; dropped when no call used them in this step or the one before
         (every rank of the node drops and remakes them at the same calls). New ones stay files
@@ -106,13 +109,14 @@ class NodeSharedMemory:
             self._step = step
             for k in [k for k, (_, _, used) in self._buffers.items() if used < step - 1]:
                 del self._buffers[k]
+        out_dtype = dtype if out_dtype is None else out_dtype
         got = self._buffers.get(key)
-        if got is None or got[1].numel() != numel or got[1].dtype != dtype:
+        if got is None or got[1].numel() != numel or got[0].dtype != dtype or got[1].dtype != out_dtype:
             self._made += 1
             new = [self._path(f"{self._made}-in"), self._path(f"{self._made}-out")]
             self._pending[key] = self._pending.get(key, []) + new
             slots = _map(new[0], self.local_size * numel, dtype).view(self.local_size, numel)
-            got = (slots, _map(new[1], numel, dtype), step)
+            got = (slots, _map(new[1], numel, out_dtype), step)
         self._buffers[key] = (got[0], got[1], step)
         return got[0], got[1]
 

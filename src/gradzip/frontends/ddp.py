@@ -577,6 +577,7 @@ def register(
     adaptive: Union[str, bool, None] = None,
     adaptive_every: Optional[int] = None,
     hierarchy: Optional[str] = None,
+    node_dtype: Optional[str] = None,
     weight_bits: Optional[int] = None,
     group: Optional[dist.ProcessGroup] = None,
     config: Optional[Config] = None,
@@ -627,7 +628,8 @@ def register(
     for key, value in (
         ("memory", memory), ("collective", collective), ("min_numel", min_numel), ("compress_1d", compress_1d),
         ("fusion", fusion), ("fusion_mb", fusion_mb), ("pipeline", pipeline), ("in_place", in_place), ("plan", plan), ("warmup", warmup),
-        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("hierarchy", hierarchy), ("timeout", seconds),
+        ("ramp", ramp), ("adaptive", adaptive), ("adaptive_every", adaptive_every), ("hierarchy", hierarchy), ("node_dtype", node_dtype),
+        ("timeout", seconds),
     ):
         if value is not None:
             fields[key] = value
@@ -658,7 +660,7 @@ def register(
             memory_options=memory_options,
             collective_options=cfg.collective_options,
             timeout=cfg.timeout,
-            hierarchy=cfg.hierarchy,
+            hierarchy=cfg.hierarchy, node_dtype=cfg.node_dtype,
             fusion=cfg.fusion,
             pipeline=cfg.pipeline,
             settings_extra={

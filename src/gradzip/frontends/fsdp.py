@@ -44,7 +44,7 @@ from ..sync.engine import Communicator
 
 # register() settings that only the DDP hook has (fused groups, pipelining, the planner...)
 DDP_ONLY = ("collective", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan", "warmup", "ramp",
-            "adaptive", "adaptive_every")
+            "adaptive", "adaptive_every", "node_dtype")
 
 
 def is_fsdp2(model: Any) -> bool:

@@ -188,8 +188,9 @@ def candidate_routes(comm: Any) -> List[str]:
     """The routes other than ``comm``'s configured collective that could exchange its codec's
     payloads: every collective that supports the codec, and ``ps`` with one and with two
     partitions per rank (multi-round codecs such as PowerSGD have ``allreduce`` only); on a
-    hierarchical layout also the configured collective flat (``hierarchy=0``), so the measured
-    cost decides between flat and hierarchical per group."""
+    hierarchical layout also the configured collective flat (``hierarchy=0``) and with the other
+    precision of its intra-node stage (``node=bf16``, or ``node=fp32`` where bf16 is configured),
+    so the measured cost decides between flat and hierarchical, and the node stage's bytes, per group."""
     from .. import comm as collectives
     from ..comm.base import route_label
 
@@ -197,6 +198,9 @@ def candidate_routes(comm: Any) -> List[str]:
     out = []
     if comm.describe_topology().get("hierarchical"):  # the configured collective flat, over every rank
         out.append(route_label(comm.collective_name, {**_changed(comm.collective), "hierarchy": 0}))
+        # and with the other precision of the intra-node stage: 16 bits where it is fp32, else fp32
+        other = "bf16" if comm._node_dtype == "fp32" else "fp32"
+        out.append(route_label(comm.collective_name, {**_changed(comm.collective), "node": other}))
     for name in collectives.names():
         if not collectives.get(name)(None).supports(comm.codec):
             continue
@@ -232,7 +236,7 @@ def calibrate(
         memory_options=comm.memory.config(),
         collective_options=comm.collective.config(),
         dedicated_group=False, verify_settings=False, fusion=False, pipeline=False, hierarchy="off",
-        **comm.codec.config(),
+        node_dtype=comm._node_dtype, **comm.codec.config(),
     )
     probe.use_topology_of(comm)  # across nodes as the job exchanges, on its node groups
     w = probe.world_size

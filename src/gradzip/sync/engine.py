@@ -18,7 +18,7 @@ from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
 from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
-from ..comm.hierarchy import Hierarchical
+from ..comm.hierarchy import NODE_DTYPES, Hierarchical
 from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
@@ -148,6 +148,7 @@ class Communicator:
         pipeline: bool = True,
         timeout: Timeout = None,
         hierarchy: str = "auto",
+        node_dtype: str = "fp32",
         topology: Optional[Topology] = None,
         verify_settings: bool = True,
         settings_extra: Optional[Mapping[str, Any]] = None,
@@ -158,6 +159,8 @@ class Communicator:
         try:  # every option is checked before the first collective
             if hierarchy not in HIERARCHY:
                 raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {hierarchy!r}")
+            if node_dtype not in NODE_DTYPES:
+                raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {node_dtype!r}")
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
@@ -173,6 +176,7 @@ class Communicator:
         self._owns_group = dedicated_group and self.group is not None
         self.collective.group = self.group
         self._hierarchy = hierarchy
+        self._node_dtype = node_dtype  # of the intra-node stage of compressed exchanges (gradzip.comm.hierarchy)
         self.topology: Optional[Topology] = None
         self._node_groups: Optional[Tuple[Any, Any]] = None  # (this rank's node group, its group across nodes)
         self._owns_node_groups = True
@@ -254,18 +258,20 @@ class Communicator:
         if coll is None:
             coll_name, options = parse_route(label)
             flat = options.pop("hierarchy", 1) == 0  # the planner's flat alternative on a hierarchical layout
+            node_dtype = options.pop("node", None)  # and its other node stage
             coll = self._make_collective(coll_name, self.codec, options, self.group)
-            coll = self._route_collectives[label] = coll if flat else self._hierarchical(coll)
+            coll = self._route_collectives[label] = coll if flat else self._hierarchical(coll, node_dtype)
         return coll
 
-    def _hierarchical(self, coll: Collective) -> Collective:
-        """``coll`` moved across nodes, inside the intra-node stages, where the topology is
-        hierarchical; else ``coll`` as it is."""
+    def _hierarchical(self, coll: Collective, node_dtype: Optional[str] = None) -> Collective:
+        """``coll`` moved across nodes, inside the intra-node stages (of ``node_dtype``, default
+        the communicator's), where the topology is hierarchical; else ``coll`` as it is."""
         if self._node_groups is None or self.topology is None:
             return coll
         node, cross = self._node_groups
         coll.group = cross
-        return Hierarchical(coll, node, self.topology, self._node_memory)
+        dtype = NODE_DTYPES[node_dtype or self._node_dtype]
+        return Hierarchical(coll, node, self.topology, self._node_memory, dtype)
 
     def _hierarchical_plain(self) -> Optional[Collective]:
         """The exact hierarchical all-reduce for plain exchanges, on gloo (CPU ranks) only: NCCL's
@@ -275,7 +281,7 @@ class Communicator:
             return None
         inner = _collectives.get("allreduce")(None)
         inner.flagged = False  # uncompressed: NaN/Inf reach every rank through the sums
-        return self._hierarchical(inner)
+        return self._hierarchical(inner, "fp32")  # exact
 
     def plain_goes_hierarchical(self, numel: int) -> bool:
         """Whether a plain exchange of ``numel`` values is hierarchical: from
@@ -348,6 +354,8 @@ class Communicator:
             out["fusion"] = self.fusion
         if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
             out["hierarchy"] = self._hierarchy
+        if self._node_dtype != "fp32":  # likewise
+            out["node_dtype"] = self._node_dtype
         if self.topology is not None and self.topology.hierarchical:  # the bytes of a hierarchical exchange differ
             out["topology"] = f"{len(self.topology.nodes)}x{self.topology.local_size}"
         out["pipeline"] = self.pipelined  # pipelined ranks issue collectives in another order
