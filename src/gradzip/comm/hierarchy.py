@@ -132,12 +132,15 @@ class Hierarchical(Collective):
         size = torch.empty((), dtype=dtype).element_size()
         return self._lend(call, (numel * size,), like.device).view(dtype)
 
-    def _rounding_loss(self, x: torch.Tensor, half: Optional[torch.dtype], dst: torch.Tensor) -> None:
-        """What a 16-bit stage 1 lost of ``x``, in its units, into ``dst``: x − L · round16(x / L);
-        nothing without one."""
+    def _rounding_loss(self, call: Call, x: torch.Tensor, half: Optional[torch.dtype], dst: torch.Tensor) -> None:
+        """What a 16-bit stage 1 lost of ``x``, in its units, into ``dst``: x − L · round16(x / L)
+        (rounded as stage 1 rounded it, in a buffer lent for the call); nothing without one."""
         if half is not None:
-            local = self.topology.local_size
-            torch.sub(x, x.div(local).to(half).to(x.dtype).mul_(local), out=dst[: x.numel()])
+            local, d = self.topology.local_size, dst[: x.numel()]
+            rounded = self._values(call, x.numel(), x, half)
+            torch.div(x, local, out=rounded)
+            d.copy_(rounded).mul_(local)
+            torch.sub(x, d, out=d)
 
     def _copy_in(self, x: torch.Tensor, dst: torch.Tensor, exact: bool) -> None:
         """``x`` (divided by the node's size unless ``exact``) into ``dst``, its padding zeroed."""
@@ -261,7 +264,7 @@ class Hierarchical(Collective):
 
         if call.need_own:
             def loss_into(dst: torch.Tensor) -> None:
-                self._rounding_loss(x, half, dst)
+                self._rounding_loss(call, x, half, dst)
                 dst[lo:hi].add_(loss["share"][: hi - lo])  # in the input's units: L × the node average
 
             call.loss_into = loss_into
