@@ -17,4 +17,12 @@ if ! log=$("$py" -m pip install -q --disable-pip-version-check -e ".[$extras]" 2
   echo "$log" >&2
   exit 1
 fi
+# CI on Debian as root: SLURM too, so the launch tests run srun on the emulated nodes
+# (tests/test_slurm.py; elsewhere they skip and say what to install)
+if [ "${CI:-}" = "true" ] && [ "$extras" = "test" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+    && ! command -v slurmd >/dev/null && [ ! -x /usr/sbin/slurmd ]; then
+  { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq \
+      --no-install-recommends slurmd slurmctld slurm-client munge; } >/dev/null 2>&1 \
+    || echo "SLURM could not be installed: its launch tests will skip" >&2
+fi
 "$py" -c "import gradzip, torch; print(f'gradzip {gradzip.__version__} with torch {torch.__version__}')"

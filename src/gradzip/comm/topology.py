@@ -99,7 +99,7 @@ def layout(keys: Sequence[Tuple[str, int]], ranks: Sequence[int]) -> Tuple[Tuple
 def detect(group: Optional[dist.ProcessGroup] = None) -> Topology:
     """The topology of ``group`` (default: the whole job), from every rank's environment."""
     key, source = node_key()
-    local = int(os.environ.get("LOCAL_RANK", "-1") or -1)
+    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or -1)  # torchrun's, else srun's
     if not dist.is_available() or not dist.is_initialized():
         return Topology(((0,),), 0, source)
     ranks = dist.get_process_group_ranks(group) if group is not None and group is not dist.group.WORLD else list(
