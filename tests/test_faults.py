@@ -44,7 +44,19 @@ def _failure(exc: BaseException, start: float) -> dict:
 STALL_S = 12.0  # well past the 3 s timeout and its slack (see the assertion below)
 
 
-def _stalled_rank(rank: int, world: int, fault: str, dense: bool = False) -> dict:
+def _stall(marks: str, healthy: int) -> None:
+    """Stall for ``STALL_S``, or until the ``healthy`` ranks have all raised (each leaves a mark in
+    ``marks``): they must raise while this rank stalls, and need not wait for the rest of it."""
+    end = time.monotonic() + STALL_S
+    while time.monotonic() < end and len(os.listdir(marks)) < healthy:
+        time.sleep(0.05)
+
+
+def _raised(marks: str, rank: int) -> None:
+    open(os.path.join(marks, f"rank{rank}"), "w").close()
+
+
+def _stalled_rank(rank: int, world: int, fault: str, dense: bool = False, marks: str = "") -> dict:
     ddp = DDP(_model(), bucket_cap_mb=0.01)  # several buckets in flight
     # dense: warm-up steps, sent by DDP's own kind of all-reduce, not through the worker
     state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, warmup=10 if dense else 0)
@@ -55,22 +67,24 @@ def _stalled_rank(rank: int, world: int, fault: str, dense: bool = False) -> dic
             if step == 2 and rank == 1:
                 if fault == "dead":
                     os._exit(0)  # gone without a word: its sockets close
-                time.sleep(STALL_S)
+                _stall(marks, world - 1)
             start = time.monotonic()
             _step(ddp, opt, rank, step)
         return {"type": None}
     except Exception as exc:
-        return _failure(exc, start)
+        failure = _failure(exc, start)
+        _raised(marks, rank)
+        return failure
     finally:
         if fault == "stall" and rank != 1:
             time.sleep(0.5)  # let the stalled rank find its peers gone rather than waiting its own timeout
 
 
 @pytest.mark.parametrize("fault,dense", [("stall", False), ("dead", False), ("stall", True)])
-def test_a_stalled_or_dead_rank_makes_every_other_rank_raise_within_the_timeout(fault, dense):
+def test_a_stalled_or_dead_rank_makes_every_other_rank_raise_within_the_timeout(fault, dense, tmp_path):
     timeout = 3.0
     results = spawn_local(
-        _stalled_rank, WORLD, fault, dense, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=90,
+        _stalled_rank, WORLD, fault, dense, str(tmp_path), all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=90,
     )
     healthy = [r for i, r in enumerate(results) if i != 1]
     for res in healthy:
@@ -268,7 +282,7 @@ def _cluster(prefix: str):
     return cluster.EmulatedCluster(2, "1gbit", prefix=prefix, ranks_per_node=2)
 
 
-def _node_dies(rank: int, world: int, fault: str) -> dict:
+def _node_dies(rank: int, world: int, fault: str, marks: str) -> dict:
     ddp = DDP(_model(), bucket_cap_mb=0.01)
     state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -279,12 +293,15 @@ def _node_dies(rank: int, world: int, fault: str) -> dict:
             if step == 2 and node == 1:  # the whole second node
                 if fault == "dead":
                     os._exit(0)
-                time.sleep(STALL_S)
+                _stall(marks, 2)  # until both ranks of node 0 have raised
             start = time.monotonic()
             _step(ddp, opt, rank, step)
         return {"type": None, "hierarchical": state.plan()["topology"]["hierarchical"]}
     except Exception as exc:
-        return _failure(exc, start) | {"node": node}
+        failure = _failure(exc, start) | {"node": node}
+        if node == 0:
+            _raised(marks, rank)
+        return failure
     finally:
         if fault == "stall" and node != 1:
             time.sleep(0.5)
@@ -292,11 +309,11 @@ def _node_dies(rank: int, world: int, fault: str) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["dead", "stall"])
-def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the_timeout(fault):
+def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the_timeout(fault, tmp_path):
     timeout = 3.0
     with _cluster("gzfault") as c:
         results = spawn_local(
-            _node_dies, 4, fault, cluster=c, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=120,
+            _node_dies, 4, fault, str(tmp_path), cluster=c, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=120,
         )
     healthy = [r for r in results if r is not None and r.get("node") == 0]
     assert len(healthy) == 2, results
