@@ -145,9 +145,9 @@ class Costs:
         crossing = 2 * (self.nodes - 1) / self.nodes * 4
         return {
             "intra-node": {"alpha_s": intra.alpha, "s_per_value": intra.beta,
-                           "gb_per_s": 4 / intra.beta / 1e9 if intra.beta else float("inf")},
+                           "gb_per_s": 4 / intra.beta / 1e9 if intra.beta else None},  # None: too fast to tell
             "inter-node": {"alpha_s": self.inter_node.alpha, "s_per_value": self.inter_node.beta,
-                           "gbit_per_s": crossing * 8 / self.inter_node.beta / 1e9 if self.inter_node.beta else float("inf")},
+                           "gbit_per_s": crossing * 8 / self.inter_node.beta / 1e9 if self.inter_node.beta else None},
         }
 
     def compressed_s(self, numel: int, route: Optional[str] = None) -> float:
