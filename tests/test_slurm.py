@@ -10,6 +10,7 @@ is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ import torch
 
 from gradzip.comm.launch import free_port
 
-SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "munged")
+SLURM_TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "munged", "munge")
 PACKAGES = "slurmd slurmctld slurm-client munge"
 JOB = Path(__file__).with_name("slurm_job.py")
 
@@ -82,14 +83,44 @@ PartitionName=emu Nodes={','.join(f'node{k}' for k in range(c.nodes))} Default=Y
     return tmp / "slurm.conf"
 
 
-def _munge() -> List[str]:
-    """munged running (started here, as the munge user, when it is not): what to stop after."""
-    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
-        return []
+def _munge(stack: contextlib.ExitStack) -> None:
+    """munged running: started here, in the foreground as the munge user, when it is not, and
+    stopped with the stack."""
+    if _munge_answers():
+        return
     os.makedirs("/run/munge", exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
-    subprocess.run(["runuser", "-u", "munge", "--", _tool("munged")], check=True, capture_output=True)
-    return ["munged"]
+    proc = subprocess.Popen([_tool("munged"), "-F"], user="munge", group="munge",
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stack.callback(_end, [proc])
+    deadline = time.monotonic() + 10
+    while not _munge_answers():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail("munged did not start")
+        time.sleep(0.1)
+
+
+def _munge_answers() -> bool:
+    """Whether a munged answers: a credential can be made."""
+    return subprocess.run([_tool("munge"), "-n"], capture_output=True).returncode == 0
+
+
+def _end(procs: List[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _kill_everything_in(namespaces: List[str]) -> None:
+    """SIGKILL every process in these namespaces: the daemons, job steps, ranks of a job that hung."""
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
@@ -99,45 +130,33 @@ def slurm(tmp_path: Path) -> Iterator[Dict[str, object]]:
         pytest.skip(why)
     from gradzip.bench.cluster import EmulatedCluster
 
-    started = _munge()
-    daemons: List[subprocess.Popen] = []
-    try:
-        with EmulatedCluster(2, "1gbit", prefix="gzslurm", ranks_per_node=2) as c:
-            conf = _conf(tmp_path, c)
-            env = dict(os.environ, SLURM_CONF=str(conf))
+    with contextlib.ExitStack() as stack:  # undone in reverse: processes first, then the namespaces, then munged
+        _munge(stack)
+        c = stack.enter_context(EmulatedCluster(2, "1gbit", prefix="gzslurm", ranks_per_node=2))
+        daemons: List[subprocess.Popen] = []
+        stack.callback(_end, daemons)
+        stack.callback(_kill_everything_in, list(c.namespaces))
+        conf = _conf(tmp_path, c)
+        env = dict(os.environ, SLURM_CONF=str(conf))
 
-            def start(ns: str, *cmd: str) -> None:
-                daemons.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd, "-D", "-f", str(conf)], env=env,
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        def start(ns: str, *cmd: str) -> None:
+            daemons.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd, "-D", "-f", str(conf)], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
-            start(c.namespaces[0], _tool("slurmctld"), "-i")
-            for k, ns in enumerate(c.namespaces):
-                start(ns, _tool("slurmd"), "-N", f"node{k}")
-            deadline = time.monotonic() + 60
-            while True:  # both nodes registered with the controller and free
-                states = subprocess.run(["ip", "netns", "exec", c.namespaces[0], _tool("sinfo"), "-h", "-N", "-o", "%T"],
-                                        env=env, capture_output=True, text=True).stdout.split()
-                if states == ["idle"] * c.nodes:
-                    break
-                if time.monotonic() > deadline:
-                    logs = "".join(p.read_text()[-1500:] for p in tmp_path.glob("slurm*.log"))
-                    pytest.fail(f"SLURM nodes not idle after 60 s ({states}):\n{logs}")
-                time.sleep(0.5)
-            yield {"cluster": c, "env": env, "tmp": tmp_path}
-    finally:
-        for p in daemons:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in daemons:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for name in started:
-            subprocess.run(["pkill", "-x", name], capture_output=True)
+        start(c.namespaces[0], _tool("slurmctld"), "-i")
+        for k, ns in enumerate(c.namespaces):
+            start(ns, _tool("slurmd"), "-N", f"node{k}")
+        deadline = time.monotonic() + 60
+        while True:  # both nodes registered with the controller and free
+            states = subprocess.run(["ip", "netns", "exec", c.namespaces[0], _tool("sinfo"), "-h", "-N", "-o", "%T"],
+                                    env=env, capture_output=True, text=True).stdout.split()
+            if states == ["idle"] * c.nodes:
+                break
+            if time.monotonic() > deadline:
+                logs = "".join(p.read_text()[-1500:] for p in tmp_path.glob("slurm*.log"))
+                pytest.fail(f"SLURM nodes not idle after 60 s ({states}):\n{logs}")
+            time.sleep(0.5)
+        yield {"cluster": c, "env": env, "tmp": tmp_path}
 
 
 def _srun(slurm: Dict[str, object], srun_args: List[str], command: str, **env_vars: str) -> List[dict]:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import gradzip
 from gradzip.comm.hierarchy import Hierarchical
 from gradzip.comm.topology import Topology, layout, node_key
+from gradzip.kernels import reference
+from gradzip.policy import planner
 
 from ..dist_utils import run_workers
 
@@ -124,12 +126,13 @@ def _residual_check(rank: int, world: int) -> dict:
 
 
 def _sixteen_bit_node(rank: int, world: int, node_dtype: str, intra: str) -> dict:
-    """One exchange with a 16-bit intra-node stage and residual error feedback."""
-    comm = gradzip.Communicator("maxmin", bits=8, mode="nearest", memory="residual", node_dtype=node_dtype)
+    """One exchange with a 16-bit intra-node stage and residual error feedback; the average of
+    the all-gather collective is exactly the mean of the nodes' decoded payloads."""
+    comm = gradzip.Communicator("maxmin", bits=8, memory="residual", node_dtype=node_dtype, collective="allgather")
     if intra != "shared":
         comm.collective.shared = None
         comm.collective.by_all_reduce = intra == "all-reduce"
-    x = _values(rank, 4001, 5)  # not a whole number of blocks or shares
+    x = _sixteen_bit_input(rank)
     avg = comm.reduce_many_now([x], ["w"], [True])[0]
     out = {"avg": avg, "residual": comm.memory.residuals["w"].reshape(-1).clone(), "local": int(os.environ["LOCAL_RANK"]),
            "stage": comm.describe_topology()["stages"][0]["values"], "slot": comm.collective.input_buffer("w", 4001, torch.float32, "cpu", 0)}
@@ -137,25 +140,39 @@ def _sixteen_bit_node(rank: int, world: int, node_dtype: str, intra: str) -> dic
     return out
 
 
-@pytest.mark.parametrize("node_dtype, intra", [("bf16", "shared"), ("fp16", "shared"), ("bf16", "all-reduce"), ("fp16", "all-reduce")])
+def _sixteen_bit_input(rank: int) -> torch.Tensor:
+    x = _values(rank, 4001, 5)  # not a whole number of blocks or shares
+    if rank == 1:
+        x[3] = 3e5  # beyond fp16's range once divided by L: saturated, the rest kept by error feedback
+    return x
+
+
+@pytest.mark.parametrize(
+    "node_dtype, intra",
+    [("bf16", "shared"), ("fp16", "shared"), ("bf16", "all-reduce"), ("fp16", "reduce-scatter")],
+)
 def test_a_16_bit_node_stage_keeps_its_rounding_in_error_feedback_and_replicas_identical(node_dtype, intra):
     res = _run(_sixteen_bit_node, 4, 2, node_dtype, intra)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[node_dtype]
-    n, per_node = 4001, 2
-    exact = torch.stack([_values(r, n, 5) for r in range(4)]).mean(0)
-    span = exact.abs().max().item()
+    n, per_node, world = 4001, 2, 4
+    xs = [_sixteen_bit_input(r) for r in range(world)]
+    # what every rank kept and what reached the average add up to the inputs: W x avg = sum(x - residual)
+    kept = sum(x.double() - r["residual"].double() for x, r in zip(xs, res))
+    torch.testing.assert_close(kept, world * res[0]["avg"].double(), rtol=1e-6, atol=1e-3)  # fp32 sums
+    assert torch.isfinite(res[0]["avg"]).all()  # a finite gradient beyond fp16's range is no lost step
     for rank, r in enumerate(res):
         assert torch.equal(r["avg"], res[0]["avg"])  # every rank holds the same bytes
-        assert (r["avg"] - exact).abs().max().item() < 4 * span / 255
         assert r["stage"] == f"plain {half}" and r["slot"] is None  # the caller cannot write fp32 into a 16-bit slot
-        x = _values(rank, n, 5)
-        rounded = x - per_node * (x / per_node).to(half).float()  # what the 16-bit stage lost of this rank's input
+        sent = reference.saturate(xs[rank] / per_node, half).float()
+        rounded = xs[rank] - per_node * sent  # what the 16-bit stage lost of this rank's input
         assert torch.count_nonzero(rounded) > 0
         share = -(-n // per_node)  # one tensor on its own: shares need no alignment
         lo, hi = r["local"] * share, min(n, (r["local"] + 1) * share)
         outside = torch.cat([torch.arange(0, lo), torch.arange(hi, n)])
         torch.testing.assert_close(r["residual"][outside], rounded[outside], rtol=0, atol=0)
         assert not torch.equal(r["residual"][lo:hi], rounded[lo:hi])  # plus what the compressed stage lost
+    if node_dtype == "fp16":
+        assert res[1]["residual"][3] > 1e5  # the saturated part of 3e5
 
 
 def test_error_feedback_keeps_what_the_compressed_stage_lost_in_this_ranks_share():
@@ -236,7 +253,7 @@ def _planned(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = gradzip.register(ddp, "maxmin", bits=4, plan="auto")
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", plan="auto")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -244,13 +261,17 @@ def _planned(rank: int, world: int) -> dict:
         ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
         opt.step()
     plan = state.plan()
+    exact = gradzip.Communicator("maxmin", bits=4, memory="none")  # nothing would keep a 16-bit stage's rounding
+    without_memory = planner.candidate_routes(exact)
+    exact.close()
     return {"params": [p.detach().clone() for p in model.parameters()], "routes": sorted(plan["costs"]["routes"]),
-            "costs": plan["costs"], "from": state.comm.plain_hierarchy_from}
+            "costs": plan["costs"], "from": state.comm.plain_hierarchy_from, "without_memory": without_memory}
 
 
 def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
     res = _run(_planned, 4, 2)
     assert {"sra:hierarchy=0", "sra:node=bf16"} <= set(res[0]["routes"])  # measured on this layout, chosen where cheaper
+    assert "sra:hierarchy=0" in res[0]["without_memory"] and "sra:node=bf16" not in res[0]["without_memory"]
     costs = res[0]["costs"]  # both link classes calibrated on the real groups, and the plain exchange both ways
     assert set(costs["links"]) == {"intra-node", "inter-node"}
     assert costs["links"]["inter-node"]["s_per_value"] > 0 and costs["plain_hierarchical_s_per_value"] > 0
@@ -260,13 +281,19 @@ def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
 
 
-def _wholly_plain(rank: int, world: int) -> dict:
-    """DDP steps that compress nothing, with plain exchanges put through the nodes."""
+def _wholly_plain(rank: int, world: int, planned: bool) -> dict:
+    """DDP steps that compress nothing: plain exchanges through the nodes where the planner's lines
+    say so (``planned``), else all flat."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1200))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)  # buckets: [2.*] (1.2 MB), [0.*]
     state = gradzip.register(ddp, "maxmin", bits=4, min_numel=10**9)  # nothing large enough to compress
-    state.comm.plain_hierarchy_from = 100_000  # the small bucket stays DDP's flat sum
+    if planned:  # lines by which the hierarchy pays from 100,000 values: the small bucket stays DDP's flat sum
+        costs = planner.Costs(planner.Line(0.0, 1e-8), planner.Line(0.0, 1e-8), world_size=world,
+                              plain_hierarchical=planner.Line(4e-4, 0.5e-8))
+        state.apply(state.decisions, costs)
+        start = costs.plain_hierarchy_from
+        assert state.comm.plain_hierarchy_from == start and 99_000 < start < 101_000
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for step in range(3):
@@ -280,11 +307,15 @@ def _wholly_plain(rank: int, world: int) -> dict:
 
 
 def test_steps_that_compress_nothing_take_the_hierarchical_plain_exchange_and_stay_identical():
-    res = _run(_wholly_plain, 4, 2)
+    res = _run(_wholly_plain, 4, 2, True)
+    flat = _run(_wholly_plain, 4, 2, False)
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+    for a, b in zip(res[0]["params"], flat[0]["params"]):  # exact sums both ways, in another order
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     sent = res[0]["sent"]  # bytes over the slow link per byte: 1/2 hierarchically, 2(W-1)/W = 1.5 flat
     assert sent["2.weight"] == pytest.approx(0.5 * 256 * 1200 * 4 * 2) and sent["0.weight"] == pytest.approx(1.5 * 64 * 256 * 4 * 2)
+    assert flat[0]["sent"]["2.weight"] == pytest.approx(1.5 * 256 * 1200 * 4 * 2)
 
 
 def _plain_exchanges(rank: int, world: int) -> dict:
@@ -297,7 +328,7 @@ def _plain_exchanges(rank: int, world: int) -> dict:
         xs = [_values(rank, 3001, 1), _values(rank, 5000, 2)]  # one plain, one compressed, side by side
         avgs = comm.reduce_many_now(xs, ["plain", "packed"], [False, True])
         out[label] = {"avg": avgs[0].clone(), "sent": comm.stats(per_tensor=True)["per_tensor"]["plain"]["sent_bytes"],
-                      "coll": type(comm.plain_collective(3001)).__name__}
+                      "coll": type(comm.plain_collective(xs[0])).__name__}
     x = _values(rank, 777, 3)
     if rank == 3:
         x[7] = float("inf")

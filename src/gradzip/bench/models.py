@@ -256,8 +256,8 @@ def numel(shapes: ParamList) -> int:
 # --------------------------------------------------------------------------------- modules
 
 class _HalfSquaredNorm(torch.autograd.Function):
-    """``x · ½‖p‖²`` whose backward writes ``p``'s gradient ``g·x·p`` in one pass over ``p``
-    (autograd's own norm backward takes four: divide, mask the zero norm, scale, copy)."""
+    """``x · ½‖p‖²`` for a 0-dim ``x``, whose backward writes ``p``'s gradient ``g·x·p`` in one
+    pass over ``p`` (autograd's own norm backward takes four: divide, mask the zero norm, scale, copy)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -509,8 +509,17 @@ def parse_route(label: str) -> Tuple[str, Dict[str, Any]]:
     options: Dict[str, Any] = {}
     for pair in pairs:
         key, value = pair.split("=", 1)
-        options[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else value
+        options[key] = None if value == "None" else int(value) if value.lstrip("-").isdigit() else _word(value)
     return name, options
+
+
+def _word(value: str) -> str:
+    """A route option's word value (``bf16``); a number that is not an integer is no route's."""
+    try:
+        float(value)
+    except ValueError:
+        return value
+    raise ValueError(f"route option values are integers, None or words, got {value!r}")
 
 
 def reencoder(codec: Codec) -> Codec:

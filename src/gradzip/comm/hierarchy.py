@@ -21,9 +21,11 @@ it contributed reached the sum exactly.
 
 **A 16-bit node stage** (``node_dtype`` bf16 or fp16) halves the bytes stage 1 moves inside the
 node, where that link is the slower one (GPUs on PCIe rather than NVLink): every rank divides its
-fp32 input by L and rounds it to 16 bits (as PyTorch's fp16 hook does across the whole job), the
-node's sum is taken in fp32 from those values in shared memory (NCCL sums in 16 bits), and the
-rest is as above. Each rank's error feedback then also keeps what its rounding lost, everywhere:
+fp32 input by L and rounds it to 16 bits (finite values beyond the type's range saturated, so a
+large gradient is clamped rather than turned into a lost step), and the node's sum of each share
+is taken in fp32 from those values: read from shared memory, or received with an all-to-all
+(the bytes of a reduce-scatter; a reduce-scatter would sum, and round, in 16 bits). The rest is
+as above. Each rank's error feedback then also keeps what its rounding lost, everywhere:
 x − L · round16(x / L). Stage 3 stays fp32, so every rank of a node still holds the same bytes.
 """
 from __future__ import annotations
@@ -86,7 +88,7 @@ class Hierarchical(Collective):
     ) -> Optional[torch.Tensor]:
         """This rank's slot of the node's shared memory for tensor ``name``: a caller that
         assembles the input there (the engine's fused groups) saves the exchange its copy."""
-        if self.shared is None or torch.device(device).type != "cpu" or dtype != torch.float32 or self._half(dtype):
+        if self.shared is None or torch.device(device).type != "cpu" or dtype != torch.float32 or self._half(dtype, device):
             return None
         local = self.topology.local_size
         slots, _ = self.shared.buffers(name, chunk_length(numel, local, align) * local, dtype, step)
@@ -113,7 +115,7 @@ class Hierarchical(Collective):
     def describe(self) -> Dict[str, Any]:
         """The stages and the link each one uses."""
         nodes, local = len(self.topology.nodes), self.topology.local_size
-        half = self._half(torch.float32)
+        half = self._half(torch.float32, "cpu")  # CUDA tensors on gloo keep fp32 (see _half)
         stages = [
             {"stage": "reduce-scatter", "link": "intra-node", "values": "plain" if half is None else f"plain {half}"},
             {"stage": self.inner.name, "link": "inter-node", "values": "compressed", "ranks": nodes},
@@ -122,9 +124,14 @@ class Hierarchical(Collective):
             stages.append({"stage": "all-gather", "link": "intra-node", "values": "plain"})
         return {"topology": f"{nodes} nodes x {local} ranks", "stages": stages}
 
-    def _half(self, dtype: torch.dtype) -> Optional[torch.dtype]:
-        """The 16-bit dtype of stage 1 for inputs of ``dtype`` (fp32 only), None: the input's own."""
-        return self.node_dtype if dtype == torch.float32 and self.node_dtype != torch.float32 else None
+    def _half(self, dtype: torch.dtype, device: Any) -> Optional[torch.dtype]:
+        """The 16-bit dtype of stage 1 for inputs of ``dtype`` (fp32 only) on ``device``, None:
+        the input's own (also for CUDA tensors on gloo, whose all-to-all takes CPU tensors only)."""
+        if dtype != torch.float32 or self.node_dtype == torch.float32:
+            return None
+        if torch.device(device).type != "cpu" and self.by_all_reduce:
+            return None
+        return self.node_dtype
 
     def _values(self, call: Call, numel: int, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``numel`` values of ``dtype`` (default ``like``'s), lent for the call (as bytes from the collective's pool)."""
@@ -132,15 +139,35 @@ class Hierarchical(Collective):
         size = torch.empty((), dtype=dtype).element_size()
         return self._lend(call, (numel * size,), like.device).view(dtype)
 
-    def _rounding_loss(self, call: Call, x: torch.Tensor, half: Optional[torch.dtype], dst: torch.Tensor) -> None:
-        """What a 16-bit stage 1 lost of ``x``, in its units, into ``dst``: x − L · round16(x / L)
-        (rounded as stage 1 rounded it, in a buffer lent for the call); nothing without one."""
-        if half is not None:
-            local, d = self.topology.local_size, dst[: x.numel()]
-            rounded = self._values(call, x.numel(), x, half)
-            torch.div(x, local, out=rounded)
-            d.copy_(rounded).mul_(local)
-            torch.sub(x, d, out=d)
+    def _fill_half(self, call: Call, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` (16-bit, the padding zeroed) = x / L rounded, finite values saturated."""
+        from ..kernels import fused
+
+        n = x.numel()
+        scaled = self._values(call, n, x)
+        torch.div(x, self.topology.local_size, out=scaled)
+        dst[:n].copy_(fused.saturate(scaled, dst.dtype))
+        dst[n:].zero_()
+
+    def _rounding_loss(self, x: torch.Tensor, sent: torch.Tensor, dst: torch.Tensor) -> None:
+        """What a 16-bit stage 1 lost of ``x``, in its units, into ``dst``: x − L · ``sent``
+        (the 16-bit values this rank contributed, still intact during the call)."""
+        d = dst[: x.numel()]
+        d.copy_(sent[: x.numel()]).mul_(self.topology.local_size)
+        torch.sub(x, d, out=d)
+
+    def _node_sum_half(self, call: Call, src: torch.Tensor, span: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage 1 in 16 bits through the node group: every rank's 16-bit values of this rank's
+        share received (an all-to-all: a reduce-scatter's bytes) and summed in fp32."""
+        local = self.topology.local_size
+        got = self._values(call, span * local, src)
+        dist.all_to_all_single(got, src, group=self.node_group)
+        rows = got.view(local, span)
+        share = self._values(call, span, x)
+        share.copy_(rows[0])
+        for row in rows[1:]:
+            share.add_(row)
+        return share
 
     def _copy_in(self, x: torch.Tensor, dst: torch.Tensor, exact: bool) -> None:
         """``x`` (divided by the node's size unless ``exact``) into ``dst``, its padding zeroed."""
@@ -232,12 +259,26 @@ class Hierarchical(Collective):
         # 1. the node's sum of every share, this rank's share kept (divided by L: the node's
         # average of it; a half-precision input, or a 16-bit stage, is divided first, as DDP
         # does, so sums stay in range)
-        half = self._half(x.dtype)
+        half = self._half(x.dtype, x.device)
         exact = x.dtype == torch.float32 and half is None
         shared = self.shared if x.device.type == "cpu" else None
         by_all_reduce = shared is None and self.by_all_reduce
-        if shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
-            share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact), half)
+        sent: Optional[torch.Tensor] = None  # this rank's 16-bit values, with a 16-bit stage 1
+        if shared is not None and half is not None:
+            slot_of: Dict[str, torch.Tensor] = {}
+
+            def fill(slot: torch.Tensor) -> None:
+                self._fill_half(call, x, slot)
+                slot_of["sent"] = slot  # read for the rounding loss before the call ends
+
+            share, spread = self._node_sum_shared(call, x, chunk, fill, half)
+            sent = slot_of["sent"]
+        elif shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
+            share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
+        elif half is not None:
+            sent = self._values(call, chunk * local, x, half)
+            self._fill_half(call, x, sent)
+            share = self._node_sum_half(call, sent, chunk, x)
         else:
             # on gloo the input is summed in place only where the average overwrites it anyway
             # and the frame will not read it after the exchange (this rank's share of the
@@ -248,11 +289,9 @@ class Hierarchical(Collective):
             if chunk * local == n and exact and (not by_all_reduce or overwritten):
                 src = x
             else:
-                src = self._values(call, chunk * local, x, half)
+                src = self._values(call, chunk * local, x)
                 self._copy_in(x, src, exact)
             share = self._node_sum_collective(call, src, chunk, by_all_reduce)
-            if half is not None:  # compressed from x's precision
-                share = self._values(call, chunk, x).copy_(share)
         if exact:
             share.div_(local)
 
@@ -264,7 +303,8 @@ class Hierarchical(Collective):
 
         if call.need_own:
             def loss_into(dst: torch.Tensor) -> None:
-                self._rounding_loss(call, x, half, dst)
+                if sent is not None:
+                    self._rounding_loss(x, sent, dst)
                 dst[lo:hi].add_(loss["share"][: hi - lo])  # in the input's units: L × the node average
 
             call.loss_into = loss_into

@@ -366,7 +366,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum
         _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
     compress = [i not in plain for i in range(len(grads))]
-    if not dense and not state.fusion_plan.groups and state.comm.plain_goes_hierarchical(buffer.numel()):
+    if not dense and not state.fusion_plan.groups and state.comm.plain_goes_hierarchical(buffer.numel(), buffer.element_size()):
         # nothing compressed, on several nodes: the planner's exact hierarchical all-reduce; each
         # job drains at once, since a later (smaller) bucket may take DDP's sum instead of the worker
         waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)

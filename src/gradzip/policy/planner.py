@@ -129,9 +129,9 @@ class Costs:
     def plain_s(self, numel: int, element_size: int = 4) -> float:
         """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes
         (hierarchical from :attr:`plain_hierarchy_from` values on)."""
-        start = self.plain_hierarchy_from
-        line = self.plain_hierarchical if start is not None and numel >= start else self.plain
-        return line.at(numel * element_size / 4)
+        start, values = self.plain_hierarchy_from, numel * element_size / 4  # in fp32 values' worth of bytes
+        line = self.plain_hierarchical if start is not None and values >= start else self.plain
+        return line.at(values)
 
     def links(self) -> Dict[str, Dict[str, float]]:
         """The two link classes as calibrated: seconds per value of a plain exchange inside the
@@ -189,7 +189,8 @@ def candidate_routes(comm: Any) -> List[str]:
     payloads: every collective that supports the codec, and ``ps`` with one and with two
     partitions per rank (multi-round codecs such as PowerSGD have ``allreduce`` only); on a
     hierarchical layout also the configured collective flat (``hierarchy=0``) and with the other
-    precision of its intra-node stage (``node=bf16``, or ``node=fp32`` where bf16 is configured),
+    precision of its intra-node stage (``node=bf16`` where error feedback keeps its rounding, or
+    ``node=fp32`` where bf16 is configured),
     so the measured cost decides between flat and hierarchical, and the node stage's bytes, per group."""
     from .. import comm as collectives
     from ..comm.base import route_label
@@ -198,9 +199,11 @@ def candidate_routes(comm: Any) -> List[str]:
     out = []
     if comm.describe_topology().get("hierarchical"):  # the configured collective flat, over every rank
         out.append(route_label(comm.collective_name, {**_changed(comm.collective), "hierarchy": 0}))
-        # and with the other precision of the intra-node stage: 16 bits where it is fp32, else fp32
-        other = "bf16" if comm._node_dtype == "fp32" else "fp32"
-        out.append(route_label(comm.collective_name, {**_changed(comm.collective), "node": other}))
+        # and with the other precision of the intra-node stage: 16 bits where it is fp32 and error
+        # feedback keeps the rounding (never without: that would lose what the user kept exact)
+        if comm._node_dtype != "fp32" or comm.memory.stateful:
+            other = "bf16" if comm._node_dtype == "fp32" else "fp32"
+            out.append(route_label(comm.collective_name, {**_changed(comm.collective), "node": other}))
     for name in collectives.names():
         if not collectives.get(name)(None).supports(comm.codec):
             continue

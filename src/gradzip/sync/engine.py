@@ -283,15 +283,15 @@ class Communicator:
         inner.flagged = False  # uncompressed: NaN/Inf reach every rank through the sums
         return self._hierarchical(inner, "fp32")  # exact
 
-    def plain_goes_hierarchical(self, numel: int) -> bool:
-        """Whether a plain exchange of ``numel`` values is hierarchical: from
-        :attr:`plain_hierarchy_from` values on, where the layout allows."""
+    def plain_goes_hierarchical(self, numel: int, element_size: int = 4) -> bool:
+        """Whether a plain exchange of ``numel`` values of ``element_size`` bytes is hierarchical:
+        from :attr:`plain_hierarchy_from` fp32 values' worth of bytes on, where the layout allows."""
         start = self.plain_hierarchy_from
-        return self._plain_hierarchical is not None and start is not None and numel >= start
+        return self._plain_hierarchical is not None and start is not None and numel * element_size >= 4 * start
 
-    def plain_collective(self, numel: int) -> Collective:
-        """The collective of a plain exchange of ``numel`` values (see :meth:`plain_goes_hierarchical`)."""
-        if self.plain_goes_hierarchical(numel):
+    def plain_collective(self, t: torch.Tensor) -> Collective:
+        """The collective of a plain exchange of ``t`` (see :meth:`plain_goes_hierarchical`)."""
+        if self.plain_goes_hierarchical(t.numel(), t.element_size()):
             return self._plain_hierarchical
         return self._plain
 
@@ -590,7 +590,7 @@ class Communicator:
         if compress:
             codec, coll, mem = self.codec_for(name), self.collective_for(name), self.memory
         else:
-            codec, coll, mem = self._plain_codec, self.plain_collective(t.numel()), self._plain_memory
+            codec, coll, mem = self._plain_codec, self.plain_collective(t), self._plain_memory
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
         inp = self._compensated(mem, t, name, step, compress)
