@@ -281,6 +281,34 @@ def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
 
 
+def _adaptive(rank: int, world: int) -> dict:
+    """Adaptive levels on two nodes: the level of the slow (compressed) stage, per layer, from measured errors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", adaptive="bytes", adaptive_every=2, min_numel=1000)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        opt.zero_grad()
+        ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
+        opt.step()
+    plan = state.plan()
+    return {"params": [p.detach().clone() for p in model.parameters()], "levels": plan.get("levels"),
+            "topology": plan["topology"], "routes": {n: state.comm.collective_for(n).name for n in ("0.weight", "2.weight")}}
+
+
+def test_adaptive_levels_choose_the_slow_stages_level_per_layer_on_two_nodes():
+    res = _run(_adaptive, 4, 2)
+    levels = res[0]["levels"]
+    assert levels is not None and levels["plans"] >= 1 and levels["option"] == "bits"  # planned from measured errors
+    assert set(levels["per_parameter"]) == {"0.weight", "2.weight"}
+    assert res[0]["topology"]["hierarchical"] and set(res[0]["routes"].values()) == {"hierarchical"}
+    for r in res[1:]:
+        assert r["levels"]["per_parameter"] == levels["per_parameter"] and r["routes"] == res[0]["routes"]
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
+
+
 def _wholly_plain(rank: int, world: int, planned: bool) -> dict:
     """DDP steps that compress nothing: plain exchanges through the nodes where the planner's lines
     say so (``planned``), else all flat."""
