@@ -249,17 +249,23 @@ def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_id
     assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
 
 
-def _planned(rank: int, world: int) -> dict:
+def _trained(rank: int, outputs: int, steps: int, **settings):
+    """A two-layer model under DDP and gradzip (``settings``), trained ``steps`` steps on this rank's data."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, outputs))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", plan="auto")
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", **settings)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
+    for _ in range(steps):
         opt.zero_grad()
         ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
         opt.step()
+    return model, state
+
+
+def _planned(rank: int, world: int) -> dict:
+    model, state = _trained(rank, 8, 3, plan="auto")
     plan = state.plan()
     exact = gradzip.Communicator("maxmin", bits=4, memory="none")  # nothing would keep a 16-bit stage's rounding
     without_memory = planner.candidate_routes(exact)
@@ -283,16 +289,7 @@ def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
 
 def _adaptive(rank: int, world: int) -> dict:
     """Adaptive levels on two nodes: the level of the slow (compressed) stage, per layer, from measured errors."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", adaptive="bytes", adaptive_every=2, min_numel=1000)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        opt.zero_grad()
-        ddp(torch.randn(16, 128, generator=g)).square().mean().backward()
-        opt.step()
+    model, state = _trained(rank, 256, 6, adaptive="bytes", adaptive_every=2, min_numel=1000)
     plan = state.plan()
     return {"params": [p.detach().clone() for p in model.parameters()], "levels": plan.get("levels"),
             "topology": plan["topology"], "routes": {n: state.comm.collective_for(n).name for n in ("0.weight", "2.weight")}}
