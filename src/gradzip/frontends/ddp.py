@@ -366,12 +366,13 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum
         _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
     compress = [i not in plain for i in range(len(grads))]
-    if not dense and not state.fusion_plan.groups and state.comm.plain_goes_hierarchical(buffer.numel(), buffer.element_size()):
-        # nothing compressed, on several nodes: the planner's exact hierarchical all-reduce; each
-        # job drains at once, since a later (smaller) bucket may take DDP's sum instead of the worker
-        waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
-    elif dense or not state.fusion_plan.groups:  # nothing compressed in this step: DDP's own sum
-        waits = [_plain_bucket(state, buffer, names, grads, what, step)]
+    if dense or not state.fusion_plan.groups:  # nothing compressed in this step
+        if not dense and state.comm.plain_goes_hierarchical(buffer.numel(), buffer.element_size()):
+            # on several nodes, the planner's exact hierarchical all-reduce; each job drains at
+            # once, since a later (smaller) bucket may take DDP's sum instead of the worker
+            waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
+        else:  # DDP's own sum
+            waits = [_plain_bucket(state, buffer, names, grads, what, step)]
     elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)
         waits = [_in_place_job(state, buffer, names, grads, compress, last, step, what)]

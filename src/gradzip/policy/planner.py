@@ -250,7 +250,7 @@ def calibrate(
     if layered:
         ways.append(("plain-hierarchical", False, None))
     points: Dict[str, List[Tuple[float, float]]] = {way: [] for way, _, _ in ways}
-    points["inter-node"] = []
+    points["inter-node"] = []  # the inter-node link alone, where layered
     try:
         for n in SIZES:
             x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
@@ -285,12 +285,12 @@ def calibrate(
                 points["inter-node"].append((n, seconds / GROUPS))
     finally:
         probe.close()
-    names = [way for way, _, _ in ways] + (["inter-node"] if layered else [])
-    figures = torch.tensor([v for way in names for v in fit(points[way])], dtype=torch.float64, device=device)
+    fitted = [way for way, _, _ in ways] + (["inter-node"] if layered else [])
+    figures = torch.tensor([v for way in fitted for v in fit(points[way])], dtype=torch.float64, device=device)
     if w > 1:
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=comm.group)
     values = figures.cpu().tolist()
-    lines = dict(zip(names, (Line(values[2 * i], values[2 * i + 1]) for i in range(len(names)))))
+    lines = dict(zip(fitted, (Line(values[2 * i], values[2 * i + 1]) for i in range(len(fitted)))))
     return Costs(
         lines["plain"], lines["compressed"], world_size=w,
         routes={route: lines[f"route{i}"] for i, route in enumerate(routes)},
