@@ -113,6 +113,22 @@ def _median_step(step: Callable[[], None], device: torch.device, steps: int, war
     return statistics.median(times)
 
 
+def _profile(step: Callable[[], None], device: torch.device, rows: int = 25) -> str:
+    """The operators of three steps under ``torch.profiler``, the costliest first (device time on a
+    GPU, host time on the CPU): where a method's overhead goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return averages.table(sort_by=by, row_limit=rows) + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optional[float]:
     """Bytes a rank contributes to the exchange per step, or None where not known."""
     raw = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -125,7 +141,7 @@ def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optio
 
 
 def _measure(rank: int, world: int, device_name: str, models: Sequence[str], configs: Sequence[str],
-             steps: int, warmup: int, batches: Dict[str, Tuple[int, int]]) -> Dict[str, Any]:
+             steps: int, warmup: int, batches: Dict[str, Tuple[int, int]], profile: bool = False) -> Dict[str, Any]:
     """One rank: every model with every method, and each model's step without DDP."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -156,6 +172,8 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
                 step_s = _median_step(lambda: loss_of(ddp).backward(), device, steps, 0)
                 rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}", "step_s": step_s,
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
+                if profile and rank == 0:
+                    rows[-1]["profile"] = _profile(lambda: loss_of(ddp).backward(), device)
             finally:
                 if state is not None:
                     state.close()
@@ -176,10 +194,12 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
 
 
 def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
-        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1) -> Dict[str, Any]:
+        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1,
+        profile: bool = False) -> Dict[str, Any]:
     """Measure on ``workers`` spawned ranks sharing ``device`` (one rank on a GPU: NCCL; else
     gloo) and write rank 0's report. ``configs``: default :data:`DEFAULT_CONFIGS` (without
-    PyTorch's PowerSGD hook where the exchange is gloo's)."""
+    PyTorch's PowerSGD hook where the exchange is gloo's). ``profile``: each row also holds the
+    operator tables of three profiled steps after the timed ones (``row["profile"]``)."""
     from ..comm.launch import spawn_local
 
     dev = check_device(device)
@@ -197,7 +217,7 @@ def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]]
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     batches = BATCHES[dev.type]
-    report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, timeout_s=600,
+    report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, profile, timeout_s=600,
                          deadline_s=3600)
     backend = "NCCL" if nccl else "gloo"
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
