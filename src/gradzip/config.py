@@ -19,7 +19,7 @@ FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan",
     "warmup", "ramp", "adaptive", "adaptive_every", "hierarchy", "node_dtype", "timeout",
 )
-COLLECTIVE_OPTIONS = ("partitions", "min_partition")  # GRADZIP_PARTITIONS etc. go to the collective
+COLLECTIVE_OPTIONS = ("partitions", "min_partition", "segment")  # GRADZIP_PARTITIONS etc. go to the collective
 PROCESS_SETTINGS = ("kernels", "cache")  # GRADZIP_KERNELS, GRADZIP_CACHE: read by gradzip.kernels
 PLANS = ("off", "auto")
 ADAPTIVE = ("off", "bytes", "error")  # see gradzip.policy.adaptive

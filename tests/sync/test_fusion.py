@@ -161,3 +161,26 @@ def test_plan_without_a_block_or_filtered_parameters():
     frozen = params[1][1].requires_grad_(False)
     assert FusionPlan.build(params, lambda p: p is not params[2][1], 1, 1 << 30).groups == [["p0"]]
     frozen.requires_grad_(True)
+
+
+def _group_sizes(rank: int, world: int) -> Dict[str, float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for name, kwargs in (("default", {}), ("given", {"fusion_mb": 2.0})):
+        ddp = DDP(torch.nn.Linear(64, 64))
+        state = gradzip.register(ddp, "maxmin", bits=4, **kwargs)
+        out[f"{name} cpu"] = state.group_mb()
+        state.device = torch.device("meta")  # where the gradients would lie on an accelerator
+        out[f"{name} accelerator"] = state.group_mb()
+        state.close()
+    return out
+
+
+def test_groups_are_larger_on_an_accelerator_unless_the_size_is_given():
+    from gradzip.config import Config
+    from gradzip.frontends.ddp import ACCELERATOR_FUSION_MB
+
+    sizes = run_workers(_group_sizes, 1)[0]
+    assert sizes["default cpu"] == Config().fusion_mb < ACCELERATOR_FUSION_MB == sizes["default accelerator"]
+    assert sizes["given cpu"] == sizes["given accelerator"] == 2.0

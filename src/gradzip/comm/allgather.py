@@ -11,6 +11,7 @@ from .base import (
     all_gather_bytes,
     all_gather_flat,
     from_bytes,
+    payload_views,
     register_collective,
     spec_of,
     to_bytes,
@@ -29,7 +30,7 @@ def gather_encoded(codec, shard: torch.Tensor, out: torch.Tensor, group, name: s
     gathered = all_gather_bytes(to_bytes(payload.tensors, torch.zeros((), dtype=torch.bool, device=shard.device)), w, group)
     spec = spec_of(payload.tensors)
     for r, dst in enumerate(out.view(w, -1)):
-        tensors, _ = from_bytes(gathered[r], spec)
+        tensors = payload_views(gathered[r], spec)
         codec.decode_into(Payload(tensors, payload.ctx), dst)
 
 

@@ -31,7 +31,8 @@ class AllReduce(Collective):
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
         payload = call.encode(_scaled(call))
-        flag = call.flag.to(torch.float32).reshape(1)  # read after encoding: it covers the input
+        # read after encoding (it covers the input); summed only where there is more than one rank
+        flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None
         wire = 0
         first = True
         while True:
@@ -40,7 +41,7 @@ class AllReduce(Collective):
             if call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
                 tensors = [t.clone() for t in tensors]
             if w > 1:
-                extra = [flag] if first and self.flagged else []
+                extra = [flag] if first and flag is not None else []
                 works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors + extra]
                 yield  # the sums are on the wire
                 for work in works:
@@ -51,7 +52,7 @@ class AllReduce(Collective):
             if nxt is None:
                 break
             payload = nxt
-        return _finish(call, payload, reduced, flag[0] > 0, wire)
+        return _finish(call, payload, reduced, call.flag if flag is None else flag[0] > 0, wire)
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their

@@ -142,7 +142,9 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
     lo, hi = torch.aminmax(x.reshape(-1))
-    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+    # v * 0 is 0 for a finite v and NaN for ±Inf and NaN: four scalar operations (a kernel launch
+    # each on a GPU) where torch.isfinite takes four per value
+    return (lo * 0 + hi * 0) != 0
 
 
 # ------------------------------------------------------------------------- wire format
@@ -176,19 +178,29 @@ def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[
         if end > offset + raw.numel():
             out[offset + raw.numel() : end].zero_()
         offset = end
-    out[offset + 1 : offset + _ALIGN].zero_()
-    out[offset : offset + 1].copy_(flag.reshape(1))
+    out[offset : offset + _ALIGN].copy_(flag.reshape(1).expand(_ALIGN))  # the flag, repeated over its slot
     return out
 
 
-def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
+def payload_views(buf: torch.Tensor, spec: Spec) -> List[torch.Tensor]:
+    """The payload tensors of a :func:`to_bytes` buffer, as views of it (no work on the device)."""
     out, offset = [], 0
     for dtype, numel in spec:
         nbytes = numel * element_size(dtype)
         out.append(buf[offset : offset + nbytes].view(dtype))
         offset += _padded(nbytes)
-    return out, buf[offset] != 0
+    return out
+
+
+def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
+    return payload_views(buf, spec), buf[spec_bytes(spec) - _ALIGN] != 0
+
+
+def any_flag(rows: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """0-dim bool: the OR of the non-finite flags of ``rows``, a ``(W, spec_bytes(spec))`` uint8
+    tensor of :func:`to_bytes` buffers (one per rank), in one operation."""
+    return rows[:, spec_bytes(spec) - _ALIGN].view(torch.bool).any()
 
 
 # ------------------------------------------------------------------------- one call
@@ -222,7 +234,7 @@ class Call:
     align: int
     rank: int
     world_size: int
-    flag: torch.Tensor  # 0-dim bool: this rank's input encoded so far holds NaN/Inf (see encode)
+    found: Optional[torch.Tensor]  # 0-dim bool: NaN/Inf in what encode saw so far; None: nothing yet
     timer: Timer
     flagged: bool = True  # False: the flag stays False (a plain sum spreads NaN by itself)
     own: List[Tuple[Payload, int, Optional[int], float]] = field(default_factory=list)  # see keep_own
@@ -240,16 +252,27 @@ class Call:
     def flat(self) -> torch.Tensor:
         return self.x.reshape(-1)
 
-    def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None) -> Payload:
+    @property
+    def flag(self) -> torch.Tensor:
+        """0-dim bool: this rank's input encoded so far holds NaN/Inf (see :meth:`encode`)."""
+        if self.found is None:
+            self.found = torch.zeros((), dtype=torch.bool, device=self.x.device)
+        return self.found
+
+    def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None,
+               flag: bool = True) -> Payload:
         """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
         the call's step, timed as encoding; :attr:`flag` then covers ``x`` too, read from the
         payload's statistics where the codec can (:meth:`Codec.nonfinite`), else from ``x``.
-        An exchange puts the flag on the wire after encoding what the message carries."""
+        An exchange puts the flag on the wire after encoding what the message carries.
+        ``flag=False``: ``x`` is not this rank's input (an aggregate of received payloads, whose
+        own flags the exchange carries on), so it is not looked at."""
         codec = codec or self.codec
         payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step)
-        if self.flagged:
+        if self.flagged and flag:
             found = codec.nonfinite(payload)
-            self.flag = self.flag | (nonfinite_flag(x) if found is None else found)
+            found = nonfinite_flag(x) if found is None else found
+            self.found = found if self.found is None else self.found | found
         return payload
 
     def decode(self, fn: Callable, *args: Any) -> Any:
@@ -448,8 +471,7 @@ class Collective(Configurable):
         rank, w = world(self.group)
         self._evict(step)
         return [
-            Call(codec, x, name, step, need_own, out, align, rank, w, torch.zeros((), dtype=torch.bool, device=x.device),
-                 Timer(), self.flagged, on_release=on_release)
+            Call(codec, x, name, step, need_own, out, align, rank, w, None, Timer(), self.flagged, on_release=on_release)
             for x, name, out in zip(xs, names, outs)
         ]
 

@@ -39,8 +39,7 @@ class CompressedReduceScatter(ScatterReduceAllGather):
         chunk = x.numel() // w
         p1 = self._scatter(call, x, 0, call.name)  # chunk j encoded and sent to rank j
         yield  # the all-to-all is on the wire
-        parts, flags = self._received(call, p1)
-        nonfinite = torch.stack(flags).any()
+        parts, nonfinite = self._received(call, p1)
         call.release_input(nonfinite)
         out = call.out if call.out is not None else torch.empty(chunk, dtype=x.dtype, device=x.device)
         call.decode(call.codec.aggregate_into, parts, out)

@@ -7,14 +7,15 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from ..options import Option, int_in
+from ..options import Option, int_in, optional
 from .base import (
     Call,
     Collective,
     Exchanged,
     Stages,
     all_gather_flat,
-    from_bytes,
+    any_flag,
+    payload_views,
     overlaps,
     reencoder,
     register_collective,
@@ -34,16 +35,17 @@ class ScatterReduceAllGather(Collective):
     decodes the same bytes (the owner of a chunk included), and traffic per rank is about
     ``2 · wire_bytes`` whatever the world size.
 
-    Large tensors are processed in segments of ``segment`` values (default 4 M), pipelined as
-    in HiPress's CaSync: while segment s is on the wire (asynchronous collectives), segment s+1
-    is encoded and segment s−1 decoded. Every rank issues the same collectives in the same
+    Large tensors are processed in segments of ``segment`` values (default 4 Mi on the CPU, one
+    segment on a GPU), pipelined as in HiPress's CaSync: while segment s is on the wire
+    (asynchronous collectives), segment s+1 is encoded and segment s−1 decoded. Every rank issues the same collectives in the same
     order: all the all-to-alls, then all the all-gathers.
     """
 
     name = "sra"
     releases_input = True
 
-    options = {"segment": Option(1 << 22, int_in(1), "a positive integer", "values per segment of the gather")}
+    options = {"segment": Option(None, optional(int_in(1)), "a positive integer or None",
+                                 "values per segment (None: 4 Mi on the CPU, the whole tensor on an accelerator)")}
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
@@ -51,7 +53,7 @@ class ScatterReduceAllGather(Collective):
     def exchange(self, call: Call) -> Stages:
         x = call.flat
         n, align = x.numel(), call.align
-        seg = max(align, self.segment // align * align)  # segments start on block boundaries
+        seg = max(align, segment_length(self.segment, x) // align * align)  # segments start on block boundaries
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)]
         tag = (lambda s: call.name) if len(bounds) == 1 else (lambda s: f"{call.name}/{s}")
 
@@ -61,7 +63,8 @@ class ScatterReduceAllGather(Collective):
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
         phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
         yield  # the all-gathers are on the wire
-        nonfinite = torch.stack([self._gathered_flag(call, p2) for p2 in phase2]).any()
+        flags = [self._gathered_flag(call, p2) for p2 in phase2]
+        nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
         call.release_input(nonfinite)  # the input is read no more: the result may overwrite it
         # every rank's decoded chunks land straight in their place in the result
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
@@ -88,52 +91,48 @@ class ScatterReduceAllGather(Collective):
         send = self._lend(call, shape, x.device)
         for j, p in enumerate(encoded):
             to_bytes(p.tensors, call.flag, out=send[j])
-        recv = self._lend(call, shape, x.device)
         work = None
         if w > 1:
+            recv = self._lend(call, shape, x.device)
             work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group, async_op=True)
-        else:
-            recv.copy_(send)
+        else:  # one rank receives what it sent
+            recv = send
         return {
             "encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work,
             "start": start, "numel": n, "chunk": chunk,
         }
 
     @staticmethod
-    def _received(call: Call, p1: dict) -> Tuple[List[Payload], List[torch.Tensor]]:
+    def _received(call: Call, p1: dict) -> Tuple[List[Payload], torch.Tensor]:
         """Wait for a segment's all-to-all: the W payloads of this rank's chunk (decoded with its
-        own chunk's context) and the non-finite flags their senders put on them."""
+        own chunk's context) and the OR of the non-finite flags their senders put on them."""
         if p1["work"] is not None:
             p1["work"].wait()
         mine = p1["encoded"][call.rank].ctx
-        parts: List[Payload] = []
-        flags = []
-        for r in range(call.world_size):
-            tensors, f = from_bytes(p1["recv"][r], p1["spec"])
-            parts.append(Payload(tensors, mine))
-            flags.append(f)
-        return parts, flags
+        parts = [Payload(payload_views(p1["recv"][r], p1["spec"]), mine) for r in range(call.world_size)]
+        return parts, any_flag(p1["recv"], p1["spec"])
 
     def _reduce(self, call: Call, p1: dict, name: str) -> dict:
         rank, w = call.rank, call.world_size
-        parts, flags = self._received(call, p1)
+        parts, flag = self._received(call, p1)
         dest = self._own_chunk_of_out(call, p1)
         if dest is None:
             reduced = call.decode(call.codec.aggregate, parts).reshape(-1)
         else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
             reduced = call.decode(call.codec.aggregate_into, parts, dest)
-        # re-encode under the chunk's own name, with a codec whose state it cannot touch
-        second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec))
+        # re-encode under the chunk's own name, with a codec whose state it cannot touch; the
+        # received flags, not the aggregate's values, say whether some rank's input was not finite
+        second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec), flag=False)
         shape = (w, spec_bytes(spec_of(second.tensors)))
         # the received chunks are decoded: their buffer takes the gathered ones (same size)
         recv = p1["recv"]
         gathered = recv if recv.shape == shape else self._lend(call, shape, reduced.device)
-        buf = to_bytes(second.tensors, torch.stack(flags).any(), out=self._lend(call, (shape[1],), reduced.device))
         work = None
         if w > 1:
+            buf = to_bytes(second.tensors, flag, out=self._lend(call, (shape[1],), reduced.device))
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
-        else:
-            gathered[0] = buf
+        else:  # one rank gathers its own bytes
+            to_bytes(second.tensors, flag, out=gathered[0])
         return {"second": second, "gathered": gathered, "work": work}
 
     @staticmethod
@@ -154,15 +153,26 @@ class ScatterReduceAllGather(Collective):
         """Wait for a segment's all-gather; the OR of the non-finite flags it carried."""
         if p2["work"] is not None:
             p2["work"].wait()
-        spec2 = spec_of(p2["second"].tensors)
-        return torch.stack([from_bytes(p2["gathered"][r], spec2)[1] for r in range(call.world_size)]).any()
+        return any_flag(p2["gathered"], spec_of(p2["second"].tensors))
 
     def _gather(self, call: Call, p1: dict, p2: dict, out: torch.Tensor) -> None:
         """Decode the all-gathered chunks into ``out`` (this segment of the result)."""
         spec2 = spec_of(p2["second"].tensors)
         for r, dst in enumerate(_chunks(out, call.world_size, call.align)):  # the same bytes, same context
-            tensors, _ = from_bytes(p2["gathered"][r], spec2)
+            tensors = payload_views(p2["gathered"][r], spec2)
             call.decode(call.codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
+
+
+CPU_SEGMENT = 1 << 22  # values: segments pipeline the CPU's codec work with the wire
+
+
+def segment_length(segment, x: torch.Tensor) -> int:
+    """Values per segment of ``x``: ``segment`` if given, else :data:`CPU_SEGMENT` on the CPU and
+    the whole tensor elsewhere, where a GPU encodes a segment in microseconds and every segment
+    costs a fixed number of kernel launches (tens of microseconds of host time)."""
+    if segment is not None:
+        return segment
+    return CPU_SEGMENT if x.device.type == "cpu" else max(x.numel(), 1)
 
 
 def chunk_length(n: int, w: int, align: int = 1) -> int:

@@ -1,0 +1,43 @@
+"""The wire format of one message (payload tensors and the non-finite flag) and the SRA's segments."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip.comm.base import any_flag, from_bytes, payload_views, spec_bytes, spec_of, to_bytes
+from gradzip.comm.sra import CPU_SEGMENT, segment_length
+
+
+def _payload():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8), torch.randn(5, generator=g)]
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_message_round_trips_over_a_dirty_buffer(flag):
+    tensors = _payload()
+    spec = spec_of(tensors)
+    out = torch.full((spec_bytes(spec),), 0xAB, dtype=torch.uint8)  # a pool buffer holds old bytes
+    to_bytes(tensors, torch.tensor(flag), out=out)
+    views, got = from_bytes(out, spec)
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors))
+    assert all(torch.equal(v, t) for v, t in zip(payload_views(out, spec), tensors))
+    assert bool(got) is flag
+    assert torch.equal(to_bytes(tensors, torch.tensor(flag)), out)  # the same bytes as a fresh buffer
+
+
+def test_the_flags_of_several_ranks_are_ored_in_one_operation():
+    tensors = _payload()
+    spec = spec_of(tensors)
+    rows = torch.stack([to_bytes(tensors, torch.tensor(False)) for _ in range(4)])
+    assert any_flag(rows, spec).dtype == torch.bool and not any_flag(rows, spec)
+    to_bytes(tensors, torch.tensor(True), out=rows[2])
+    assert any_flag(rows, spec)
+
+
+def test_segments_pipeline_on_the_cpu_and_stay_whole_elsewhere_unless_given():
+    big = CPU_SEGMENT * 3
+    assert segment_length(None, torch.empty(big)) == CPU_SEGMENT
+    assert segment_length(None, torch.empty(big, device="meta")) == big
+    assert segment_length(100, torch.empty(big, device="meta")) == segment_length(100, torch.empty(10)) == 100
+    assert segment_length(None, torch.empty(0, device="meta")) == 1
