@@ -65,16 +65,23 @@ def raw_bytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-def all_finite(x: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on ``x``'s device: no NaN or ±inf in ``x`` (no host sync).
+def nonfinite_poison(x: torch.Tensor) -> torch.Tensor:
+    """0-dim, of ``x``'s floating dtype and device: 0 where every value of ``x`` is finite, NaN
+    where some value is NaN or ±inf (no host sync); adding it to a result poisons that result.
 
     A min/max pass: unlike a sum, it cannot overflow on large finite values, and NaN propagates
-    through it.
+    through it. Then ``v * 0`` is 0 for a finite ``v`` and NaN for ±inf and NaN: three scalar
+    operations (a kernel launch each on a GPU) where ``torch.isfinite`` of both takes eight.
     """
     if x.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=x.device)
+        return torch.zeros((), dtype=x.dtype, device=x.device)
     lo, hi = torch.aminmax(x.reshape(-1))
-    return torch.isfinite(lo) & torch.isfinite(hi)
+    return lo * 0 + hi * 0
+
+
+def all_finite(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``x``'s device: no NaN or ±inf in ``x`` (no host sync; see :func:`nonfinite_poison`)."""
+    return nonfinite_poison(x) == 0
 
 
 def empty_result(meta: "Meta") -> torch.Tensor:

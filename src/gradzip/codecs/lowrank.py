@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import shared_generator
-from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in
+from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in, nonfinite_poison
 from .registry import register_codec
 
 
@@ -28,8 +28,7 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     rank orthonormalises the same all-reduced ``p``), and finite for finite input. Non-finite
     input gives an all-NaN result, so a NaN/Inf step stays visible.
     """
-    q = torch.linalg.qr(p, mode="reduced").Q
-    return torch.where(all_finite(p), q, torch.full_like(q, float("nan")))
+    return torch.linalg.qr(p, mode="reduced").Q.add_(nonfinite_poison(p))
 
 
 @register_codec
@@ -121,8 +120,10 @@ class PowerSGD(Codec):
         if meta.extra["round"] == 2 and self.warm_start:
             # a non-finite step (NaN/Inf on any rank: the sum is then non-finite everywhere) must
             # not become the next warm start, or every later step would be NaN too
+            # (last step's Q, or the shared random one: orthonormalised when next used)
             q = reduced[0]
-            fallback = self._initial_q(meta, *q.shape)
+            old = self._q.get(meta.name)
+            fallback = self._random_q(meta, *q.shape) if old is None or old.shape != q.shape else old.to(q.device)
             self._q[meta.name] = torch.where(all_finite(q), q, fallback)
         return None
 

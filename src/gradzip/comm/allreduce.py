@@ -95,7 +95,8 @@ class AllReduce(Collective):
             live = going
         if flag_work is not None:
             flag_work.wait()
-        return [_finish(call, payloads[i], reduced[i], flag[0] > 0, wire[i]) for i, call in enumerate(calls)]
+        nonfinite = flag[0] > 0
+        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
 
 
 def _scaled(call: Call) -> torch.Tensor:

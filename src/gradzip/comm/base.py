@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload, element_size
+from ..codecs.base import Codec, Payload, element_size, nonfinite_poison
 from ..kernels import store_into
 from ..options import Registry
 from ..options import Configurable
@@ -139,12 +139,7 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     One reading pass, the minimum and maximum together: NaN propagates through them and ±Inf
     is one of them, while, unlike a sum, they cannot overflow on large finite values.
     """
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=x.device)
-    lo, hi = torch.aminmax(x.reshape(-1))
-    # v * 0 is 0 for a finite v and NaN for ±Inf and NaN: four scalar operations (a kernel launch
-    # each on a GPU) where torch.isfinite takes four per value
-    return (lo * 0 + hi * 0) != 0
+    return nonfinite_poison(x) != 0
 
 
 # ------------------------------------------------------------------------- wire format
