@@ -57,6 +57,10 @@ class EFSignSGD(Codec):
     overflow) so the decoded value ``scale * sign(x)`` keeps the gradient's magnitude; the error-feedback memory (default
     ``efsign``) carries the difference into the next step. Decoded payloads are averaged.
     Collective: ``allgather``.
+
+    Speed on CUDA: the scale (a mean of magnitudes) is a reduction of its own before the sign
+    kernel. An H200 encoded at 27% and decoded at 91% of a device copy (``gradzip bench codecs
+    --device cuda --numel 67108864``, each call's host work included).
     """
 
     name = "efsignsgd"
@@ -104,6 +108,11 @@ class OneBit(Codec):
     Wire: ``ceil(numel / 8)`` bytes of sign bits, then fp32 ``[mean_neg, mean_nonneg]`` per
     bucket (``8 · num_buckets`` bytes). Collective: ``allgather``; payloads are decoded and
     averaged.
+
+    Speed on CUDA: a chain of element-wise torch operations, not yet one fused kernel; its
+    CompLL twin ``cl_onebit`` (bit-identical) reaches 23% / 34%. An H200 encoded at 7% and
+    decoded at 12% of a device copy (``gradzip bench codecs --device cuda --numel 67108864``,
+    each call's host work included).
     """
 
     name = "onebit"
@@ -167,6 +176,10 @@ class Signum(SignSGD):
 
     Options: ``momentum`` (β, default 0.9, in [0, 1)). Wire: ``ceil(numel / 8)`` bytes.
     Collective: ``allgather``. Default memory: ``none`` (the momentum is the codec's own state).
+
+    Speed on CUDA: the momentum update is torch operations before signSGD's one-pass kernel. An
+    H200 encoded at 17% and decoded at 94% of a device copy (``gradzip bench codecs --device
+    cuda --numel 67108864``, each call's host work included).
     """
 
     name = "signum"
