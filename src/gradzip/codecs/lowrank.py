@@ -12,23 +12,28 @@ from .registry import register_codec
 
 
 def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``m @ v`` for a thin ``v`` (``k × r``, r small), computed as ``(vᵀ mᵀ)ᵀ`` (contiguous):
-    one row of r outputs per stride of ``m`` is what BLAS does worst; a short, wide product is
-    what it does best (on one CPU core 1.5–10× faster for gradient-sized matrices, and on a
-    GPU as fast). ``m`` may be a transposed view (``Mᵀ P``)."""
+    """``m @ v`` for a thin ``v`` (``k × r``, r small), contiguous. On the CPU computed as
+    ``(vᵀ mᵀ)ᵀ``: one row of r outputs per stride of ``m`` is what BLAS does worst; a short,
+    wide product is what it does best (on one core 1.5–10× faster for gradient-sized matrices).
+    A GPU's BLAS takes either layout as fast, so there it is one product, without the copy
+    that makes the transposed result contiguous. ``m`` may be a transposed view (``Mᵀ P``)."""
+    if m.device.type != "cpu":
+        return m @ v
     return (v.T @ m.T).T.contiguous()
 
 
-def orthogonalize(p: torch.Tensor) -> torch.Tensor:
+def orthogonalize(p: torch.Tensor, finite: bool = False) -> torch.Tensor:
     """An ``n × r`` matrix whose orthonormal columns span the columns of ``p`` (``r ≤ n``).
 
     The Q factor of a reduced Householder QR: orthonormal even when ``p`` is rank-deficient or
     zero (the missing directions are filled with other unit vectors, so ``Q Qᵀ`` stays a
     projection onto a space holding ``p``'s columns), deterministic for a given input (every
     rank orthonormalises the same all-reduced ``p``), and finite for finite input. Non-finite
-    input gives an all-NaN result, so a NaN/Inf step stays visible.
+    input gives an all-NaN result, so a NaN/Inf step stays visible; ``finite=True`` says that
+    ``p`` is known to be finite (a warm start is kept only when it is), and skips that check.
     """
-    return torch.linalg.qr(p, mode="reduced").Q.add_(nonfinite_poison(p))
+    q = torch.linalg.qr(p, mode="reduced").Q
+    return q if finite else q.add_(nonfinite_poison(p))
 
 
 @register_codec
@@ -98,8 +103,8 @@ class PowerSGD(Codec):
         """This step's Q, orthonormal: last step's (warm start) or the shared random one."""
         q = self._q.get(meta.name)
         if not (self.warm_start and q is not None and q.shape == (m, r)):
-            return orthogonalize(self._random_q(meta, m, r))
-        return orthogonalize(q.to(meta.device))
+            return orthogonalize(self._random_q(meta, m, r), finite=True)
+        return orthogonalize(q.to(meta.device), finite=True)  # stored only when finite (next_round)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         dims = self._matrix(tuple(meta.shape), meta.dtype)
