@@ -37,6 +37,8 @@ def parse_value(text: str) -> Any:
         return True
     if low in ("false", "no", "off"):
         return False
+    if low == "none":  # an option whose default is None (a collective's segment, say)
+        return None
     for cast in (int, float):
         try:
             return cast(text)

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from gradzip.comm.base import any_flag, from_bytes, payload_views, spec_bytes, spec_of, to_bytes
+from gradzip import codec, collectives
 from gradzip.comm.sra import CPU_SEGMENT, segment_length
+from gradzip.config import parse_value
 
 
 def _payload():
@@ -41,3 +43,22 @@ def test_segments_pipeline_on_the_cpu_and_stay_whole_elsewhere_unless_given():
     assert segment_length(None, torch.empty(big, device="meta")) == big
     assert segment_length(100, torch.empty(big, device="meta")) == segment_length(100, torch.empty(10)) == 100
     assert segment_length(None, torch.empty(0, device="meta")) == 1
+
+
+def test_one_rank_quantises_twice_through_its_own_buffers():
+    """One rank sends and gathers in one buffer: the average is the round trip of the round trip
+    (each chunk is re-encoded after averaging), its own share is the first round trip."""
+    mm = codec("maxmin", bits=4, mode="nearest", bucket_size=64)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    x[17] = 40.0  # one bucket with a wide range
+    res = collectives.get("sra")(None).run(mm, x, "w", 0, need_own=True)
+    once = mm.decode(mm.encode(x, "w", 0))
+    assert torch.equal(res.own, once)
+    assert torch.equal(res.avg, mm.decode(mm.encode(once, "w#0", 0)))
+    assert not res.nonfinite
+    x[3] = float("inf")
+    assert collectives.get("sra")(None).run(mm, x, "w", 0, need_own=False).nonfinite
+
+
+def test_an_option_that_defaults_to_none_can_be_set_to_none_from_the_environment():
+    assert parse_value("none") is None and parse_value("None") is None and parse_value("4194304") == 4194304

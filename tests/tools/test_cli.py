@@ -258,7 +258,7 @@ def test_bench_overhead(tmp_path, device, workers):
     the speed against fp32 DDP where ranks share the device and exchange over gloo."""
     path = tmp_path / "overhead.json"
     rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16,maxmin:bits=2",
-                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path)])
+                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile"])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["workers"] == workers and ("NCCL" in report["device_name"]) == (device == "cuda" and workers == 1)
@@ -270,6 +270,8 @@ def test_bench_overhead(tmp_path, device, workers):
     assert rows["fp32"]["payload_bytes"] == 4 * model["numel"] == 2 * rows["torch-fp16"]["payload_bytes"]
     assert 0 < rows["maxmin4"]["payload_bytes"] < rows["torch-fp16"]["payload_bytes"]  # 4 bits and the plain ones
     assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 and r["vs_fp32"] > 0 for r in rows.values())
+    # every rank profiled the same steps (each is a collective); rank 0's operator tables kept
+    assert all("aten::" in r["profile"] for r in rows.values())
 
 
 def test_bench_overhead_rejects_unknown_models_and_methods(capsys):

@@ -172,8 +172,10 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
                 step_s = _median_step(lambda: loss_of(ddp).backward(), device, steps, 0)
                 rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}", "step_s": step_s,
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
-                if profile and rank == 0:
-                    rows[-1]["profile"] = _profile(lambda: loss_of(ddp).backward(), device)
+                if profile:  # every rank profiles (each step is a collective); rank 0's table is kept
+                    table = _profile(lambda: loss_of(ddp).backward(), device)
+                    if rank == 0:
+                        rows[-1]["profile"] = table
             finally:
                 if state is not None:
                     state.close()

@@ -66,8 +66,9 @@ def raw_bytes(numel: int, dtype: torch.dtype) -> int:
 
 
 def nonfinite_poison(x: torch.Tensor) -> torch.Tensor:
-    """0-dim, of ``x``'s floating dtype and device: 0 where every value of ``x`` is finite, NaN
-    where some value is NaN or ±inf (no host sync); adding it to a result poisons that result.
+    """0-dim, on ``x``'s device (of its dtype for floating ``x``): 0 where every value of ``x``
+    is finite, NaN where some value is NaN or ±inf (no host sync); adding it to a result
+    poisons that result.
 
     A min/max pass: unlike a sum, it cannot overflow on large finite values, and NaN propagates
     through it. Then ``v * 0`` is 0 for a finite ``v`` and NaN for ±inf and NaN: three scalar

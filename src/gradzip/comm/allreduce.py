@@ -62,8 +62,11 @@ class AllReduce(Collective):
             return [(yield from self.exchange(calls[0]))]
         w = calls[0].world_size
         payloads = [call.encode(_scaled(call)) for call in calls]
-        flag = torch.stack([call.flag for call in calls]).any().to(torch.float32).reshape(1)
-        flag_work = dist.all_reduce(flag, group=self.group, async_op=True) if w > 1 and self.flagged else None
+        nonfinite = torch.stack([call.flag for call in calls]).any()
+        flag_work = None
+        if w > 1 and self.flagged:  # summed with the first round (one rank: the flag is its own)
+            flag = nonfinite.to(torch.float32).reshape(1)
+            flag_work = dist.all_reduce(flag, group=self.group, async_op=True)
         wire = [0] * len(calls)
         reduced: List[List[torch.Tensor]] = [[] for _ in calls]
         live = list(range(len(calls)))
@@ -95,7 +98,7 @@ class AllReduce(Collective):
             live = going
         if flag_work is not None:
             flag_work.wait()
-        nonfinite = flag[0] > 0
+            nonfinite = flag[0] > 0
         return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
 
 

@@ -161,7 +161,8 @@ def spec_bytes(spec: Spec) -> int:
 
 def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if
-    given: then nothing is allocated, each part is copied to its place and the gaps zeroed)."""
+    given: then nothing is allocated, each part is copied to its place and the gaps zeroed; the
+    flag is repeated over its 8-byte slot, read at the slot's first byte)."""
     spec = spec_of(tensors)
     if out is None:
         out = torch.empty(spec_bytes(spec), dtype=torch.uint8, device=flag.device)

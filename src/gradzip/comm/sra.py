@@ -44,8 +44,10 @@ class ScatterReduceAllGather(Collective):
     name = "sra"
     releases_input = True
 
-    options = {"segment": Option(None, optional(int_in(1)), "a positive integer or None",
-                                 "values per segment (None: 4 Mi on the CPU, the whole tensor on an accelerator)")}
+    options = {"segment": Option(
+        None, optional(int_in(1)), "a positive integer or None",
+        "values per segment (None: 4 Mi on the CPU, the whole tensor on an accelerator)",
+    )}
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up

@@ -185,7 +185,7 @@ class GradzipState:
 
     def group_mb(self) -> float:
         """The size of a fused group: ``fusion_mb``; by default :data:`ACCELERATOR_FUSION_MB` for
-        gradients on an accelerator, and on several nodes 2L × the default.
+        gradients on an accelerator, and for CPU ranks on several nodes 2L × the default.
 
         On a GPU a group's encode, exchange and decode cost a fixed number of kernel launches
         (tens of microseconds of host time) and microseconds of device time, so fewer, larger
@@ -201,7 +201,7 @@ class GradzipState:
         if self.config.origin("fusion_mb") != "default":
             return mb
         if self.device is not None and self.device.type != "cpu":
-            mb = ACCELERATOR_FUSION_MB
+            return ACCELERATOR_FUSION_MB  # already four times the CPU's; 2L × it would be one group
         topo = self.comm.topology
         if topo is not None and topo.hierarchical:
             mb *= 2 * topo.local_size
