@@ -198,6 +198,30 @@ def test_sign_other_dtypes(dtype):
     assert torch.equal(gpu.sign_encode(x), reference.sign_encode(x))
 
 
+# -------------------------------------------------------------------------------------- TernGrad
+@pytest.mark.parametrize("n,bucket", [(1, 1), (7, 7), (9000, 9000), (1000, 64), (4097, 1024), (100, 24)])
+def test_terngrad_bit_identical(n, bucket):
+    """Codes from the same values, scales and draws; an all-zero bucket, NaN and ±inf included."""
+    from gradzip.kernels.buckets import bucket_view
+
+    x = _randn(n, seed=n + bucket)
+    if n >= 100:
+        x[:bucket] = 0.0  # an all-zero bucket: 0/0 is NaN, nothing kept
+        x[-3] = float("nan")
+        x[-20] = float("inf")
+        x[-40] = -float("inf")
+    buckets = bucket_view(x, bucket)
+    scale = buckets.abs().amax(dim=1)
+    rand = torch.rand(buckets.shape, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    packed = gpu.terngrad_encode(buckets, scale, rand, n)
+    assert torch.equal(packed, reference.terngrad_encode(buckets, scale, rand, n))
+    assert _same_bits(gpu.terngrad_decode(packed, scale, bucket, n), reference.terngrad_decode(packed, scale, bucket, n))
+    base = _randn(n, seed=n + 1)
+    acc = base.clone()
+    gpu.terngrad_decode(packed, scale, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.terngrad_decode(packed, scale, bucket, n))
+
+
 # ----------------------------------------------------------------------------------------- top-k
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 50), (9000, 1), (9000, 9000)])
 def test_topk_matches_torch_for_distinct_magnitudes(n, k):

@@ -147,6 +147,22 @@ def qsgd_decode(packed, norms, bits: int, bucket: int, numel: int, out=None, acc
     return _decode_via(impl, out, accumulate, lambda o, a: impl.qsgd_decode(packed, norms, bits, bucket, numel, o, a))
 
 
+def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
+    """The Triton module where :func:`backend` picks it for ``x``, else the torch one (kernels
+    with no fused C version: on the CPU torch's own loops are what runs)."""
+    impl = backend(x)
+    return reference if impl is native else impl
+
+
+def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
+    return _gpu_or_reference(buckets).terngrad_encode(buckets, scale, rand, numel)
+
+
+def terngrad_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = _gpu_or_reference(packed)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.terngrad_decode(packed, scale, bucket, numel, o, a))
+
+
 def sign_encode(x: torch.Tensor) -> torch.Tensor:
     return backend(x).sign_encode(x)
 

@@ -327,6 +327,41 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
 
 
+def _terngrad_encode_kernel(
+    x_ptr, scale_ptr, rand_ptr, packed_ptr, numel, bucket, BLOCK: tl.constexpr,
+):
+    """``BLOCK`` values to ``BLOCK / 4`` bytes of 2-bit codes: 1 where ``rand < |x| / scale``
+    and ``x >= 0``, 2 where kept and negative, else 0 (IEEE division, as the reference)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    s = tl.load(scale_ptr + offs // bucket, mask=valid, other=1.0)
+    r = tl.load(rand_ptr + offs, mask=valid, other=1.0)
+    keep = (r < tl.div_rn(tl.abs(x), s)) & valid
+    codes = tl.where(keep, tl.where(x < 0, 2, 1), 0)
+    G: tl.constexpr = BLOCK // 4
+    j = tl.arange(0, 4)
+    data = tl.sum(tl.reshape(codes, (G, 4)) << (2 * j)[None, :], axis=1)
+    g = pid * G + tl.arange(0, G)
+    # every byte up to the next multiple of eight values, the padding's codes 0 (as pack_bits)
+    tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 4 < (numel + 7) // 8 * 8)
+
+
+def _terngrad_decode_kernel(
+    packed_ptr, scale_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``{0, +1, −1}`` per 2-bit code, times its bucket's scale, stored or added into ``out``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    byte = tl.load(packed_ptr + (offs >> 2), mask=valid, other=0).to(tl.int32)
+    code = (byte >> (2 * (offs & 3)).to(tl.int32)) & 3
+    val = ((code & 1) - (code >> 1)).to(tl.float32) * tl.load(scale_ptr + offs // bucket, mask=valid, other=0.0)
+    if ACCUMULATE:
+        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+    tl.store(out_ptr + offs, val, mask=valid)
+
+
 def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     """fp32 to fp16 (or to bf16's bits, ``out_ptr`` then int16), rounded to nearest even; finite
     values beyond ``±TOP`` (the type's largest value) become ``±TOP``, NaN and ±inf stay NaN
@@ -618,7 +653,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_terngrad_encode_kernel", "_terngrad_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -932,6 +967,37 @@ def sign_decode(
         _launch(
             _sign_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale_t, out, numel,
             BLOCK=_SIGN_BLOCK, HAS_SCALE=has_scale, ACCUMULATE=accumulate, num_warps=_WARPS,
+        )
+    return out
+
+
+def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
+    """TernGrad's packed 2-bit codes in one pass (see ``reference.terngrad_encode``): ``buckets``
+    fp32 ``(B, bucket)``, ``scale`` its per-bucket maxima, ``rand`` uniform draws of its shape."""
+    _require()
+    bucket = buckets.shape[1]
+    x, rand, scale = buckets.reshape(-1), rand.reshape(-1).contiguous(), scale.contiguous()
+    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
+    if numel:
+        _launch(
+            _terngrad_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, rand, packed, numel, bucket,
+            BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+        )
+    return packed
+
+
+def terngrad_decode(
+    packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``{0, +1, −1} × scale`` per value in one pass (see ``reference.terngrad_decode``)."""
+    _require()
+    packed, scale = packed.reshape(-1).contiguous(), scale.reshape(-1).to(torch.float32).contiguous()
+    out = _output(out, numel, packed.device, accumulate)
+    if numel:
+        _launch(
+            _terngrad_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
+            BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out
 

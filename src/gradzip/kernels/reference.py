@@ -165,6 +165,26 @@ def sign_decode(
     return store(signs if scale is None else signs.mul_(scale), out, accumulate)
 
 
+def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
+    """TernGrad's 2-bit codes of the first ``numel`` values of ``buckets`` (fp32, ``(B, bucket)``):
+    ``+1`` (code 1) or ``−1`` (code 2) where ``rand < |x| / scale`` of the value's bucket, else 0;
+    ``|x| / scale`` is NaN in an all-zero bucket, so no value there is kept."""
+    keep = rand < buckets.abs() / scale[:, None]
+    neg = buckets < 0
+    codes = (keep & ~neg).to(torch.uint8) | ((keep & neg).to(torch.uint8) << 1)
+    return pack_bits(codes.reshape(-1)[:numel], 2)
+
+
+def terngrad_decode(
+    packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``{0, +1, −1} × scale`` of each value's bucket, into ``out`` if given."""
+    codes = unpack_bits(packed, 2, numel)
+    vals = ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
+    return store((bucket_view(vals, bucket) * scale[:, None]).reshape(-1)[:numel], out, accumulate)
+
+
 # ============================================================== FP8 and microscaling (MX)
 # Element formats: (torch dtype or None, largest finite magnitude, exponent bias, mantissa bits).
 # e4m3 is the "fn" variant (no infinities, NaN at 0x7F/0xFF); e5m2 is IEEE-like (inf at 0x7C);
