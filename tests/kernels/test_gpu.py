@@ -215,11 +215,23 @@ def test_terngrad_bit_identical(n, bucket):
     rand = torch.rand(buckets.shape, generator=torch.Generator().manual_seed(n)).to(DEVICE)
     packed = gpu.terngrad_encode(buckets, scale, rand, n)
     assert torch.equal(packed, reference.terngrad_encode(buckets, scale, rand, n))
-    assert _same_bits(gpu.terngrad_decode(packed, scale, bucket, n), reference.terngrad_decode(packed, scale, bucket, n))
+    assert _same_bits(gpu.ternary_decode(packed, scale, bucket, n), reference.ternary_decode(packed, scale, bucket, n))
     base = _randn(n, seed=n + 1)
     acc = base.clone()
-    gpu.terngrad_decode(packed, scale, bucket, n, out=acc, accumulate=True)
-    assert _same_bits(acc, base + reference.terngrad_decode(packed, scale, bucket, n))
+    gpu.ternary_decode(packed, scale, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.ternary_decode(packed, scale, bucket, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tbq_bit_identical(dtype):
+    tau = 0.5
+    x = _randn(5003, seed=9).to(dtype)
+    x[:4] = torch.tensor([0.5, -0.5, float("nan"), float("inf")], dtype=dtype)  # ties with τ send nothing
+    packed = gpu.tbq_encode(x, tau)
+    assert torch.equal(packed, reference.tbq_encode(x, tau))
+    scale = torch.tensor([tau], device=DEVICE)
+    assert _same_bits(gpu.ternary_decode(packed, scale, x.numel(), x.numel()),
+                      reference.ternary_decode(packed, scale, x.numel(), x.numel()))
 
 
 # ----------------------------------------------------------------------------------------- top-k

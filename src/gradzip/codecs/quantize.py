@@ -179,11 +179,6 @@ def _num_buckets(bucket_size: int, numel: int) -> int:
     return -(-numel // _whole_or(bucket_size, numel))
 
 
-def _ternary(codes: torch.Tensor) -> torch.Tensor:
-    """2-bit codes 0, 1, 2 → 0.0, +1.0, -1.0 (fp32); bit 0 is "non-zero", bit 1 is "negative"."""
-    return ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
-
-
 @register_codec
 class TernGrad(Codec):
     """TernGrad stochastic ternarization (Wen et al., TernGrad, NeurIPS'17).
@@ -228,14 +223,14 @@ class TernGrad(Codec):
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         packed, scale = tensors
-        return fused.terngrad_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), meta.numel)
+        return fused.ternary_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), meta.numel)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         if not out.is_contiguous():
             return super()._decode_into(tensors, meta, out, accumulate)
         packed, scale = tensors
         bucket = _whole_or(self.bucket_size, meta.numel)
-        fused.terngrad_decode(packed, scale, bucket, out.numel(), out.view(-1), accumulate)
+        fused.ternary_decode(packed, scale, bucket, out.numel(), out.view(-1), accumulate)
         return out
 
     def fusion_block(self) -> int:
@@ -623,10 +618,11 @@ class TBQ(Codec):
     Collectives: ``allgather`` only: in SRA the averaged chunk, whose values lie in [−τ, τ],
     would be quantized again against the same ``τ`` and come back as all zeros.
 
-    Speed on CUDA: a chain of element-wise torch operations, not yet one fused kernel; its
-    CompLL twin ``cl_tbq`` (bit-identical) reaches 71% / 28%. An H200 encoded at 17% and decoded
-    at 14% of a device copy (``gradzip bench codecs --device cuda --numel 67108864``, each
-    call's host work included).
+    Speed on CUDA: one Triton pass each way (the kernels TernGrad's codes use). The torch version
+    they replaced ran on an H200 at 17% (encode) and 14% (decode) of a device copy, its CompLL
+    twin ``cl_tbq`` (bit-identical) at 71% / 28% (``gradzip bench codecs --device cuda --numel
+    67108864``, each call's host work included); the kernels' speed there is still to be
+    measured.
     """
 
     name = "tbq"
@@ -645,14 +641,20 @@ class TBQ(Codec):
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
         self._tau = _fp32(self.threshold)
+        self._taus: Dict[torch.device, torch.Tensor] = {}
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        xf = x.float()
-        codes = (xf > self._tau).to(torch.uint8) | ((xf < -self._tau).to(torch.uint8) << 1)
-        return [pack_bits(codes, 2)]
+        return [fused.tbq_encode(x.reshape(-1), self._tau)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        return _ternary(unpack_bits(tensors[0], 2, meta.numel)) * self._tau
+        return fused.ternary_decode(tensors[0], self._tau_tensor(tensors[0].device), meta.numel, meta.numel)
+
+    def _tau_tensor(self, device: torch.device) -> torch.Tensor:
+        """``τ`` as a one-element fp32 tensor on ``device`` (made once per device)."""
+        t = self._taus.get(device)
+        if t is None:
+            t = self._taus[device] = torch.tensor([self._tau], dtype=torch.float32, device=device)
+        return t
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 2)

@@ -158,9 +158,13 @@ def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tens
     return _gpu_or_reference(buckets).terngrad_encode(buckets, scale, rand, numel)
 
 
-def terngrad_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
+    return _gpu_or_reference(x).tbq_encode(x, tau)
+
+
+def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = _gpu_or_reference(packed)
-    return _decode_via(impl, out, accumulate, lambda o, a: impl.terngrad_decode(packed, scale, bucket, numel, o, a))
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
 def sign_encode(x: torch.Tensor) -> torch.Tensor:

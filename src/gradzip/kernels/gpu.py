@@ -327,19 +327,26 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
 
 
-def _terngrad_encode_kernel(
-    x_ptr, scale_ptr, rand_ptr, packed_ptr, numel, bucket, BLOCK: tl.constexpr,
+def _ternary_encode_kernel(
+    x_ptr, scale_ptr, rand_ptr, packed_ptr, numel, bucket, tau,
+    BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr, TO_F32: tl.constexpr,
 ):
-    """``BLOCK`` values to ``BLOCK / 4`` bytes of 2-bit codes: 1 where ``rand < |x| / scale``
-    and ``x >= 0``, 2 where kept and negative, else 0 (IEEE division, as the reference)."""
+    """``BLOCK`` values to ``BLOCK / 4`` bytes of 2-bit codes, 1 for +, 2 for −, 0 for nothing.
+    STOCHASTIC (TernGrad): kept where ``rand < |x| / scale`` of the value's bucket (IEEE
+    division, as the reference); else (TBQ): + where ``x > tau``, − where ``x < −tau``."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
     x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-    s = tl.load(scale_ptr + offs // bucket, mask=valid, other=1.0)
-    r = tl.load(rand_ptr + offs, mask=valid, other=1.0)
-    keep = (r < tl.div_rn(tl.abs(x), s)) & valid
-    codes = tl.where(keep, tl.where(x < 0, 2, 1), 0)
+    if TO_F32:
+        x = x.to(tl.float32)
+    if STOCHASTIC:
+        s = tl.load(scale_ptr + offs // bucket, mask=valid, other=1.0)
+        r = tl.load(rand_ptr + offs, mask=valid, other=1.0)
+        keep = (r < tl.div_rn(tl.abs(x), s)) & valid
+        codes = tl.where(keep, tl.where(x < 0, 2, 1), 0)
+    else:
+        codes = tl.where(valid & (x > tau), 1, tl.where(valid & (x < -tau), 2, 0))
     G: tl.constexpr = BLOCK // 4
     j = tl.arange(0, 4)
     data = tl.sum(tl.reshape(codes, (G, 4)) << (2 * j)[None, :], axis=1)
@@ -348,7 +355,7 @@ def _terngrad_encode_kernel(
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 4 < (numel + 7) // 8 * 8)
 
 
-def _terngrad_decode_kernel(
+def _ternary_decode_kernel(
     packed_ptr, scale_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """``{0, +1, −1}`` per 2-bit code, times its bucket's scale, stored or added into ``out``."""
@@ -653,7 +660,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_terngrad_encode_kernel", "_terngrad_decode_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -980,23 +987,37 @@ def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tens
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:
         _launch(
-            _terngrad_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, rand, packed, numel, bucket,
-            BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, rand, packed, numel, bucket, 0.0,
+            BLOCK=_SIGN_BLOCK, STOCHASTIC=True, TO_F32=False, num_warps=_WARPS,
         )
     return packed
 
 
-def terngrad_decode(
+def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
+    """TBQ's packed 2-bit codes in one pass (see ``reference.tbq_encode``); ``tau`` an fp32 value."""
+    _require()
+    x = x.reshape(-1).contiguous()
+    numel = x.numel()
+    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
+    if numel:
+        _launch(
+            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, x, x, packed, numel, 1, tau,
+            BLOCK=_SIGN_BLOCK, STOCHASTIC=False, TO_F32=x.dtype != torch.float32, num_warps=_WARPS,
+        )
+    return packed
+
+
+def ternary_decode(
     packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """fp32 ``{0, +1, −1} × scale`` per value in one pass (see ``reference.terngrad_decode``)."""
+    """fp32 ``{0, +1, −1} × scale`` per value in one pass (see ``reference.ternary_decode``)."""
     _require()
     packed, scale = packed.reshape(-1).contiguous(), scale.reshape(-1).to(torch.float32).contiguous()
     out = _output(out, numel, packed.device, accumulate)
     if numel:
         _launch(
-            _terngrad_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
+            _ternary_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
             BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out

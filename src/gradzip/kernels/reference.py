@@ -175,11 +175,18 @@ def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tens
     return pack_bits(codes.reshape(-1)[:numel], 2)
 
 
-def terngrad_decode(
+def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
+    """TBQ's 2-bit codes: ``(x > tau) | (x < −tau) << 1``, compared in fp32 (``tau`` an fp32 value)."""
+    xf = x.float()
+    return pack_bits((xf > tau).to(torch.uint8) | ((xf < -tau).to(torch.uint8) << 1), 2)
+
+
+def ternary_decode(
     packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """fp32 ``{0, +1, −1} × scale`` of each value's bucket, into ``out`` if given."""
+    """fp32 ``{0, +1, −1}`` per 2-bit code (0, 1, 2; 3 is 0) times its bucket's ``scale``, into
+    ``out`` if given: TernGrad's and TBQ's decode."""
     codes = unpack_bits(packed, 2, numel)
     vals = ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
     return store((bucket_view(vals, bucket) * scale[:, None]).reshape(-1)[:numel], out, accumulate)
