@@ -234,6 +234,24 @@ def test_tbq_bit_identical(dtype):
                       reference.ternary_decode(packed, scale, x.numel(), x.numel()))
 
 
+@pytest.mark.parametrize("n,bucket", [(1, 1), (9, 4), (1000, 64), (4097, 1024)])
+def test_onebit_decode_bit_identical(n, bucket):
+    x = _randn(n, seed=n)
+    packed = reference.sign_encode(x)
+    nb = -(-n // bucket)
+    means = _randn(2 * nb, seed=n + 2)
+    if nb > 1:
+        means[1] = float("inf")  # the other side's value becomes NaN, as in the reference
+    exact = dict(rtol=0, atol=0, equal_nan=True)  # a NaN's payload bits are unspecified
+    got = gpu.onebit_decode(packed, means, bucket, n)
+    torch.testing.assert_close(got, reference.onebit_decode(packed, means, bucket, n), **exact)
+    assert torch.isnan(got).any() == (nb > 1)
+    base = _randn(n, seed=n + 1)
+    acc = base.clone()
+    gpu.onebit_decode(packed, means, bucket, n, out=acc, accumulate=True)
+    torch.testing.assert_close(acc, base + reference.onebit_decode(packed, means, bucket, n), **exact)
+
+
 # ----------------------------------------------------------------------------------------- top-k
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 50), (9000, 1), (9000, 9000)])
 def test_topk_matches_torch_for_distinct_magnitudes(n, k):

@@ -167,6 +167,11 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
+def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = _gpu_or_reference(packed)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))
+
+
 def sign_encode(x: torch.Tensor) -> torch.Tensor:
     return backend(x).sign_encode(x)
 

@@ -369,6 +369,24 @@ def _ternary_decode_kernel(
     tl.store(out_ptr + offs, val, mask=valid)
 
 
+def _onebit_decode_kernel(
+    packed_ptr, means_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``bit · mean_pos + (1 − bit) · mean_neg`` of each value's bucket, in the reference's order
+    (no FMA), stored or added into ``out``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    byte = tl.load(packed_ptr + (offs >> 3), mask=valid, other=0).to(tl.int32)
+    bit = ((byte >> (offs & 7).to(tl.int32)) & 1).to(tl.float32)
+    b = offs // bucket
+    neg = tl.load(means_ptr + 2 * b, mask=valid, other=0.0)
+    pos = tl.load(means_ptr + 2 * b + 1, mask=valid, other=0.0)
+    val = bit * pos + (1.0 - bit) * neg
+    if ACCUMULATE:
+        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+    tl.store(out_ptr + offs, val, mask=valid)
+
+
 def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     """fp32 to fp16 (or to bf16's bits, ``out_ptr`` then int16), rounded to nearest even; finite
     values beyond ``±TOP`` (the type's largest value) become ``±TOP``, NaN and ±inf stay NaN
@@ -660,7 +678,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -1018,6 +1036,22 @@ def ternary_decode(
     if numel:
         _launch(
             _ternary_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
+            BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
+        )
+    return out
+
+
+def onebit_decode(
+    packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """1-bit SGD's decode in one pass (see ``reference.onebit_decode``)."""
+    _require()
+    packed, means = packed.reshape(-1).contiguous(), means.reshape(-1).to(torch.float32).contiguous()
+    out = _output(out, numel, packed.device, accumulate)
+    if numel:
+        _launch(
+            _onebit_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, means, out, numel, bucket,
             BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out

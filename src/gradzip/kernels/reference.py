@@ -192,6 +192,21 @@ def ternary_decode(
     return store((bucket_view(vals, bucket) * scale[:, None]).reshape(-1)[:numel], out, accumulate)
 
 
+def onebit_decode(
+    packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """1-bit SGD's decode: per value ``bit · mean_pos + (1 − bit) · mean_neg`` of its bucket
+    (``means``: fp32 ``[mean_neg, mean_pos]`` per bucket), into ``out`` if given."""
+    bit = unpack_bits(packed, 1, numel).float()
+    pad = -numel % bucket
+    bit = (torch.nn.functional.pad(bit, (0, pad)) if pad else bit).view(-1, bucket)
+    means = means.view(-1, 2)
+    # with bit in {0, 1} exactly one of the two means (NaN where the other one is not finite)
+    values = bit * means[:, 1:2] + (1 - bit) * means[:, 0:1]
+    return store(values.reshape(-1)[:numel], out, accumulate)
+
+
 # ============================================================== FP8 and microscaling (MX)
 # Element formats: (torch dtype or None, largest finite magnitude, exponent bias, mantissa bits).
 # e4m3 is the "fn" variant (no infinities, NaN at 0x7F/0xFF); e5m2 is IEEE-like (inf at 0x7C);
