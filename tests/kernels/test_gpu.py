@@ -252,6 +252,24 @@ def test_onebit_decode_bit_identical(n, bucket):
     torch.testing.assert_close(acc, base + reference.onebit_decode(packed, means, bucket, n), **exact)
 
 
+@pytest.mark.parametrize("case", ["normal", "tiny", "nonfinite"])
+def test_natural_codes_bit_identical(case):
+    x = _randn(5000, seed=11)
+    if case == "tiny":
+        x[::3] *= 1e-38  # far below the header's range: coded with probability, or as 0
+    if case == "nonfinite":
+        x[7], x[8] = float("nan"), -float("inf")
+    x[::10] = 0.0
+    bits = x.float().contiguous().view(torch.int32)
+    mag = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)
+    largest = mag.amax()
+    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32)).reshape(1)
+    rand = torch.randint(0, 1 << 23, (5000,), generator=torch.Generator().manual_seed(3), dtype=torch.int32).to(DEVICE)
+    got = gpu.natural_codes(bits, mag, rand, top)
+    assert torch.equal(got, reference.natural_codes(bits, mag, rand, top))
+    assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
+
+
 # ----------------------------------------------------------------------------------------- top-k
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 50), (9000, 1), (9000, 9000)])
 def test_topk_matches_torch_for_distinct_magnitudes(n, k):

@@ -167,6 +167,10 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
+def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    return _gpu_or_reference(bits).natural_codes(bits, mag, rand, top)
+
+
 def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = _gpu_or_reference(packed)
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))

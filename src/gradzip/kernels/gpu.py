@@ -369,6 +369,24 @@ def _ternary_decode_kernel(
     tl.store(out_ptr + offs, val, mask=valid)
 
 
+def _natural_codes_kernel(bits_ptr, mag_ptr, rand_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """Natural compression's byte per value, integer for integer the reference's."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    bits = tl.load(bits_ptr + offs, mask=valid, other=0)
+    mag = tl.load(mag_ptr + offs, mask=valid, other=0)
+    rand = tl.load(rand_ptr + offs, mask=valid, other=0)
+    first = tl.load(top_ptr) - 126
+    rounded = (mag + rand) >> 23
+    code_in = tl.where(rounded > 0, rounded - (first - 1), 0)
+    scale = (tl.minimum(tl.maximum(254 - first, 1), 254) << 23).to(tl.float32, bitcast=True)
+    prob = mag.to(tl.float32, bitcast=True) * scale
+    code_under = (rand.to(tl.float32) * (1.0 / 8388608.0) < prob).to(tl.int32)
+    code = tl.where((mag >> 23) >= first, code_in, code_under)
+    sign = ((bits < 0) & (code > 0)).to(tl.int32) << 7
+    tl.store(out_ptr + offs, (code | sign).to(tl.uint8), mask=valid)
+
+
 def _onebit_decode_kernel(
     packed_ptr, means_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
@@ -678,7 +696,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -1037,6 +1055,20 @@ def ternary_decode(
         _launch(
             _ternary_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
             BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
+        )
+    return out
+
+
+def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Natural compression's codes in one pass (see ``reference.natural_codes``)."""
+    _require()
+    bits, mag, rand = bits.reshape(-1).contiguous(), mag.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
+    numel = bits.numel()
+    out = torch.empty(numel, dtype=torch.uint8, device=bits.device)
+    if numel:
+        _launch(
+            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, mag, rand,
+            top.reshape(-1).to(torch.int32).contiguous(), out, numel, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
         )
     return out
 

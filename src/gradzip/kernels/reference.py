@@ -192,6 +192,23 @@ def ternary_decode(
     return store((bucket_view(vals, bucket) * scale[:, None]).reshape(-1)[:numel], out, accumulate)
 
 
+def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Natural compression's byte per value (``Natural._encode``): ``bits`` the fp32 values' bits
+    (int32), ``mag`` their magnitudes' bits (NaN as inf), ``rand`` draws in [0, 2**23), ``top``
+    the header exponent. Code ``c`` in 1..127 means exponent field ``top − 127 + c``; the sign in
+    bit 7."""
+    first = top - 126  # biased exponent of code 1
+    rounded = (mag + rand) >> 23  # exponent field after stochastic rounding, 0 (zero) .. 255
+    code_in = torch.where(rounded > 0, rounded - (first - 1), 0)
+    # below 2**(first-127): that power with probability |x| / 2**(first-127), else 0
+    scale = ((254 - first).clamp(1, 254) << 23).view(torch.float32)  # 2**(127-first)
+    prob = mag.view(torch.float32) * scale
+    code_under = (rand.float() * (1.0 / (1 << 23)) < prob).to(torch.int32)
+    code = torch.where((mag >> 23) >= first, code_in, code_under)
+    sign = ((bits < 0) & (code > 0)).to(torch.int32) << 7
+    return (code | sign).to(torch.uint8)
+
+
 def onebit_decode(
     packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
