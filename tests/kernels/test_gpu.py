@@ -270,6 +270,30 @@ def test_natural_codes_bit_identical(case):
     assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
 
 
+@pytest.mark.parametrize("n,bucket", [(1, 1), (5000, 512), (4097, 4097)])
+def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
+    from gradzip.codecs.quantize import _u8_tables
+    from gradzip.kernels.buckets import bucket_view
+
+    table, mids, lut = _u8_tables(DEVICE)
+    x = _randn(n, seed=n)
+    if n > 10:
+        x[:bucket] = 0.0  # a zero bucket: scale 0, inv 0
+        x[-1], x[-2], x[-3] = float("nan"), -0.0, 1e-42
+    buckets = bucket_view(x, bucket)
+    scale = buckets.abs().amax(dim=1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=torch.finfo(torch.float32).max)
+    codes = gpu.u8bit_codes(buckets, inv, mids, lut, n)
+    assert torch.equal(codes, reference.u8bit_codes(buckets, inv, mids, lut, n))
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(gpu.table_decode(codes, table, scale, bucket, n),
+                               reference.table_decode(codes, table, scale, bucket, n), **exact)
+    base = _randn(n, seed=n + 1)
+    acc = base.clone()
+    gpu.table_decode(codes, table, scale, bucket, n, out=acc, accumulate=True)
+    torch.testing.assert_close(acc, base + reference.table_decode(codes, table, scale, bucket, n), **exact)
+
+
 # ----------------------------------------------------------------------------------------- top-k
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (1000, 10), (5000, 50), (9000, 1), (9000, 9000)])
 def test_topk_matches_torch_for_distinct_magnitudes(n, k):

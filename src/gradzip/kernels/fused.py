@@ -171,6 +171,15 @@ def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top
     return _gpu_or_reference(bits).natural_codes(bits, mag, rand, top)
 
 
+def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+    return _gpu_or_reference(buckets).u8bit_codes(buckets, inv, mids, lut, numel)
+
+
+def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    impl = _gpu_or_reference(codes)
+    return _decode_via(impl, out, accumulate, lambda o, a: impl.table_decode(codes, table, scale, bucket, numel, o, a))
+
+
 def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = _gpu_or_reference(packed)
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))

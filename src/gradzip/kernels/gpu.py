@@ -387,6 +387,31 @@ def _natural_codes_kernel(bits_ptr, mag_ptr, rand_ptr, top_ptr, out_ptr, numel, 
     tl.store(out_ptr + offs, (code | sign).to(tl.uint8), mask=valid)
 
 
+def _u8bit_codes_kernel(x_ptr, inv_ptr, mids_ptr, lut_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr):
+    """8-bit codes: ``v = x · inv`` of the bucket, ``first = lut[top 16 bits of v]``, then
+    ``first + (mids[first] < v)`` (the reference's table search)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    v = tl.load(x_ptr + offs, mask=valid, other=0.0) * tl.load(inv_ptr + offs // bucket, mask=valid, other=0.0)
+    key = (v.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    first = tl.load(lut_ptr + key, mask=valid, other=0).to(tl.int32)
+    idx = first + (tl.load(mids_ptr + first, mask=valid, other=0.0) < v).to(tl.int32)
+    tl.store(out_ptr + offs, idx.to(tl.uint8), mask=valid)
+
+
+def _table_decode_kernel(
+    codes_ptr, table_ptr, scale_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``table[code] × scale`` of each value's bucket, stored or added into ``out``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
+    val = tl.load(table_ptr + code, mask=valid, other=0.0) * tl.load(scale_ptr + offs // bucket, mask=valid, other=0.0)
+    if ACCUMULATE:
+        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+    tl.store(out_ptr + offs, val, mask=valid)
+
+
 def _onebit_decode_kernel(
     packed_ptr, means_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
@@ -696,7 +721,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel",
+    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel", "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -1069,6 +1094,37 @@ def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top
         _launch(
             _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, mag, rand,
             top.reshape(-1).to(torch.int32).contiguous(), out, numel, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+        )
+    return out
+
+
+def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+    """8-bit codes in one pass (see ``reference.u8bit_codes``)."""
+    _require()
+    bucket = buckets.shape[1]
+    x = buckets.reshape(-1)
+    out = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    if numel:
+        _launch(
+            _u8bit_codes_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, inv.contiguous(), mids.contiguous(),
+            lut.contiguous(), out, numel, bucket, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+        )
+    return out
+
+
+def table_decode(
+    codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """``table[code] × scale`` per value in one pass (see ``reference.table_decode``)."""
+    _require()
+    codes = codes.reshape(-1).contiguous()
+    out = _output(out, numel, codes.device, accumulate)
+    if numel:
+        _launch(
+            _table_decode_kernel, (-(-numel // _SIGN_BLOCK),), codes.device, codes, table.to(torch.float32).contiguous(),
+            scale.reshape(-1).to(torch.float32).contiguous(), out, numel, bucket,
+            BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out
 

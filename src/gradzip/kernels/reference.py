@@ -209,6 +209,24 @@ def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top
     return (code | sign).to(torch.uint8)
 
 
+def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+    """8-bit codes (``U8bit._encode``): ``v = x · inv`` of the value's bucket, then the nearest
+    table entry ``lut[key] + (mids[lut[key]] < v)``, ``key`` the top 16 bits of ``v``'s fp32."""
+    v = (buckets * inv[:, None]).reshape(-1)[:numel].contiguous()
+    key = (v.view(torch.int32) >> 16) & 0xFFFF
+    first = torch.index_select(lut, 0, key)
+    return (first + (torch.index_select(mids, 0, first) < v).to(torch.int32)).to(torch.uint8)
+
+
+def table_decode(
+    codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """``table[code] × scale`` of the value's bucket (fp32), into ``out`` if given."""
+    vals = bucket_view(torch.index_select(table, 0, codes.reshape(-1).to(torch.int32)), bucket)
+    return store((vals * scale[:, None]).reshape(-1)[:numel], out, accumulate)
+
+
 def onebit_decode(
     packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
