@@ -307,18 +307,25 @@ def _qsgd_decode_kernel(
         tl.store(out_ptr + offs, val, mask=valid)
 
 
-def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
-    """``BLOCK`` values to ``BLOCK / 8`` bytes, bit ``j`` of a byte set where value ``j >= 0``.
-
-    Half-precision values are compared after an (exact) conversion to fp32, float64 ones as they
-    are: narrowing them could turn a tiny negative into -0.0.
-    """
+def _block_values(x_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
+    """This program's ``BLOCK`` values: ``(program, offsets, valid, values)``, 16-bit ones
+    converted (exactly) to fp32 when ``TO_F32``."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
     x = tl.load(x_ptr + offs, mask=valid, other=0.0)
     if TO_F32:
         x = x.to(tl.float32)
+    return pid, offs, valid, x
+
+
+def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
+    """``BLOCK`` values to ``BLOCK / 8`` bytes, bit ``j`` of a byte set where value ``j >= 0``.
+
+    Half-precision values are compared after an (exact) conversion to fp32, float64 ones as they
+    are: narrowing them could turn a tiny negative into -0.0.
+    """
+    pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, TO_F32)
     bits = ((x >= 0) & valid).to(tl.int32)
     G: tl.constexpr = BLOCK // 8
     j = tl.arange(0, 8)
@@ -334,12 +341,7 @@ def _ternary_encode_kernel(
     """``BLOCK`` values to ``BLOCK / 4`` bytes of 2-bit codes, 1 for +, 2 for −, 0 for nothing.
     STOCHASTIC (TernGrad): kept where ``rand < |x| / scale`` of the value's bucket (IEEE
     division, as the reference); else (TBQ): + where ``x > tau``, − where ``x < −tau``."""
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < numel
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
-    if TO_F32:
-        x = x.to(tl.float32)
+    pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, TO_F32)
     if STOCHASTIC:
         s = tl.load(scale_ptr + offs // bucket, mask=valid, other=1.0)
         r = tl.load(rand_ptr + offs, mask=valid, other=1.0)
@@ -721,7 +723,9 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel", "_u8bit_codes_kernel", "_table_decode_kernel",
+    "_block_values", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
+    "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel",
+    "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -1073,12 +1077,21 @@ def ternary_decode(
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """fp32 ``{0, +1, −1} × scale`` per value in one pass (see ``reference.ternary_decode``)."""
+    return _bucket_decode(_ternary_decode_kernel, packed, (), scale, bucket, numel, out, accumulate)
+
+
+def _bucket_decode(
+    kernel: Any, codes: torch.Tensor, tables: tuple, side: torch.Tensor, bucket: int, numel: int,
+    out: torch.Tensor | None, accumulate: bool,
+) -> torch.Tensor:
+    """Launch an element-wise decoder ``kernel(codes, *tables, side, out, numel, bucket)``:
+    ``side`` holds fp32 values per bucket (scales, means), the output is fp32."""
     _require()
-    packed, scale = packed.reshape(-1).contiguous(), scale.reshape(-1).to(torch.float32).contiguous()
-    out = _output(out, numel, packed.device, accumulate)
+    codes, side = codes.reshape(-1).contiguous(), side.reshape(-1).to(torch.float32).contiguous()
+    out = _output(out, numel, codes.device, accumulate)
     if numel:
         _launch(
-            _ternary_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, scale, out, numel, bucket,
+            kernel, (-(-numel // _SIGN_BLOCK),), codes.device, codes, *tables, side, out, numel, bucket,
             BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out
@@ -1117,16 +1130,8 @@ def table_decode(
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """``table[code] × scale`` per value in one pass (see ``reference.table_decode``)."""
-    _require()
-    codes = codes.reshape(-1).contiguous()
-    out = _output(out, numel, codes.device, accumulate)
-    if numel:
-        _launch(
-            _table_decode_kernel, (-(-numel // _SIGN_BLOCK),), codes.device, codes, table.to(torch.float32).contiguous(),
-            scale.reshape(-1).to(torch.float32).contiguous(), out, numel, bucket,
-            BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
-        )
-    return out
+    tables = (table.to(torch.float32).contiguous(),)
+    return _bucket_decode(_table_decode_kernel, codes, tables, scale, bucket, numel, out, accumulate)
 
 
 def onebit_decode(
@@ -1134,15 +1139,7 @@ def onebit_decode(
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (see ``reference.onebit_decode``)."""
-    _require()
-    packed, means = packed.reshape(-1).contiguous(), means.reshape(-1).to(torch.float32).contiguous()
-    out = _output(out, numel, packed.device, accumulate)
-    if numel:
-        _launch(
-            _onebit_decode_kernel, (-(-numel // _SIGN_BLOCK),), packed.device, packed, means, out, numel, bucket,
-            BLOCK=_SIGN_BLOCK, ACCUMULATE=accumulate, num_warps=_WARPS,
-        )
-    return out
+    return _bucket_decode(_onebit_decode_kernel, packed, (), means, bucket, numel, out, accumulate)
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
