@@ -42,6 +42,11 @@ whose minimum is a zero may store it as +0.0 where torch stores -0.0 (or the rev
 extremes follow the reference (``3.4028234663852886e38`` below is the largest fp32): a max-min
 range beyond fp32 is handled in halves, a QSGD norm beyond it is stored as that maximum, and
 decoded values of finite stats are clamped to the fp32 range.
+
+Element-wise codecs (TernGrad, TBQ, 1-bit SGD, natural compression, 8-bit) keep in torch what
+a kernel cannot reproduce bit for bit or must share with their CompLL twins (per-bucket sums
+and maxima, the draws of the codec's torch generator) and take the rest in one pass each way:
+codes from values, draws and per-bucket scales, values from codes and scales.
 """
 from __future__ import annotations
 
