@@ -2,9 +2,9 @@
 
 Max-min (CGX), QSGD, sign packing, the FP8 / microscaling (MX) casts and the element-wise
 steps of TernGrad, TBQ, 1-bit SGD, natural compression and 8-bit quantization are where
-encode/decode time goes, so each has faster versions (:mod:`.native` for CPU, :mod:`.gpu` in Triton) that must
-produce the same bytes. These functions define what "the same" means and run wherever no faster
-version does. Inputs are flat contiguous tensors of a floating dtype; ``key`` is a 32-bit key for
+encode/decode time goes, so each has faster versions (:mod:`.native` for CPU, :mod:`.gpu` in
+Triton) that must produce the same bytes. These functions define what "the same" means and
+run wherever no faster version does. Inputs are flat contiguous tensors of a floating dtype; ``key`` is a 32-bit key for
 :func:`~.rng.counter_uniform` (stochastic rounding), or ``None`` for round-to-nearest.
 """
 from __future__ import annotations
