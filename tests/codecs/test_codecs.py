@@ -900,3 +900,21 @@ def test_aggregate_into_a_destination_gives_the_bits_of_aggregate(name, opts):
     got = codec.aggregate_into(payloads, out)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("spec", [("terngrad", {"bucket_size": 8}), ("onebit", {"bucket_size": 8}),
+                                  ("u8bit", {"bucket_size": 8}), ("tbq", {"threshold": 0.5})])
+def test_decoding_the_first_values_of_a_payload_gives_those_of_the_whole(spec):
+    """Collectives decode a chunk's prefix into their result: the buckets past it are not read."""
+    name, opts = spec
+    c = gradzip.codec(name, **opts)
+    x = torch.randn(40, generator=torch.Generator().manual_seed(2))
+    payload = c.encode(x, "w", 0)
+    whole = c.decode(payload).reshape(-1)
+    for n in (10, 16, 40):
+        out = torch.full((n,), 7.0)
+        c.decode_into(payload, out)
+        assert torch.equal(out, whole[:n]), n
+        acc = torch.ones(n)
+        c.decode_into(payload, acc, accumulate=True)
+        assert torch.equal(acc, 1 + whole[:n]), n

@@ -206,7 +206,7 @@ def test_terngrad_bit_identical(n, bucket):
 
     x = _randn(n, seed=n + bucket)
     if n >= 100:
-        x[:bucket] = 0.0  # an all-zero bucket: 0/0 is NaN, nothing kept
+        x[: min(bucket, n // 2)] = 0.0  # an all-zero bucket (or part of the only one): 0/0 is NaN
         x[-3] = float("nan")
         x[-20] = float("inf")
         x[-40] = -float("inf")
@@ -222,11 +222,13 @@ def test_terngrad_bit_identical(n, bucket):
     assert _same_bits(acc, base + reference.ternary_decode(packed, scale, bucket, n))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_tbq_bit_identical(dtype):
     tau = 0.5
     x = _randn(5003, seed=9).to(dtype)
     x[:4] = torch.tensor([0.5, -0.5, float("nan"), float("inf")], dtype=dtype)  # ties with τ send nothing
+    if dtype == torch.float64:  # within half an fp32 ulp of τ: compared after rounding to fp32
+        x[4:6] = torch.tensor([0.5 + 2.0**-27, -(0.5 + 2.0**-27)], dtype=dtype)
     packed = gpu.tbq_encode(x, tau)
     assert torch.equal(packed, reference.tbq_encode(x, tau))
     scale = torch.tensor([tau], device=DEVICE)
@@ -278,7 +280,7 @@ def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
     table, mids, lut = _u8_tables(DEVICE)
     x = _randn(n, seed=n)
     if n > 10:
-        x[:bucket] = 0.0  # a zero bucket: scale 0, inv 0
+        x[: min(bucket, n // 2)] = 0.0  # a zero bucket (or part of the only one): scale 0, inv 0
         x[-1], x[-2], x[-3] = float("nan"), -0.0, 1e-42
     buckets = bucket_view(x, bucket)
     scale = buckets.abs().amax(dim=1)
@@ -292,6 +294,23 @@ def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
     acc = base.clone()
     gpu.table_decode(codes, table, scale, bucket, n, out=acc, accumulate=True)
     torch.testing.assert_close(acc, base + reference.table_decode(codes, table, scale, bucket, n), **exact)
+
+
+def test_element_wise_encoders_read_strided_buckets():
+    """A strided gradient view reaches the kernels as it is: they must read its values, not its memory."""
+    from gradzip.codecs.quantize import _u8_tables
+    from gradzip.kernels.buckets import bucket_view
+
+    base = _randn(2048, seed=4)
+    x = base[::2]
+    buckets = bucket_view(x, 256)
+    assert not buckets.is_contiguous()
+    scale = buckets.abs().amax(dim=1)
+    rand = torch.rand(buckets.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert torch.equal(gpu.terngrad_encode(buckets, scale, rand, 1024), reference.terngrad_encode(buckets, scale, rand, 1024))
+    _, mids, lut = _u8_tables(DEVICE)
+    inv = 1.0 / scale
+    assert torch.equal(gpu.u8bit_codes(buckets, inv, mids, lut, 1024), reference.u8bit_codes(buckets, inv, mids, lut, 1024))
 
 
 # ----------------------------------------------------------------------------------------- top-k

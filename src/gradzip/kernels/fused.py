@@ -148,10 +148,9 @@ def qsgd_decode(packed, norms, bits: int, bucket: int, numel: int, out=None, acc
 
 
 def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
-    """The Triton module where :func:`backend` picks it for ``x``, else the torch one (kernels
-    with no fused C version: on the CPU torch's own loops are what runs)."""
-    impl = backend(x)
-    return reference if impl is native else impl
+    """The Triton module where :func:`backend` picks it for CUDA ``x``, else the torch one
+    (kernels with no fused C version: on the CPU torch's own loops are what runs)."""
+    return backend(x) if x.device.type == "cuda" else reference
 
 
 def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:

@@ -358,8 +358,9 @@ def _ternary_encode_kernel(
     j = tl.arange(0, 4)
     data = tl.sum(tl.reshape(codes, (G, 4)) << (2 * j)[None, :], axis=1)
     g = pid * G + tl.arange(0, G)
-    # every byte up to the next multiple of eight values, the padding's codes 0 (as pack_bits)
-    tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 4 < (numel + 7) // 8 * 8)
+    # every byte up to the next multiple of eight values, the padding's codes 0 (as pack_bits):
+    # byte g is needed where its group of eight, g // 2, starts below numel (int64: no overflow)
+    tl.store(packed_ptr + g, data.to(tl.uint8), mask=(g // 2) * 8 < numel)
 
 
 def _ternary_decode_kernel(
@@ -1053,7 +1054,7 @@ def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tens
     fp32 ``(B, bucket)``, ``scale`` its per-bucket maxima, ``rand`` uniform draws of its shape."""
     _require()
     bucket = buckets.shape[1]
-    x, rand, scale = buckets.reshape(-1), rand.reshape(-1).contiguous(), scale.contiguous()
+    x, rand, scale = buckets.reshape(-1).contiguous(), rand.reshape(-1).contiguous(), scale.contiguous()
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:
         _launch(
@@ -1120,7 +1121,7 @@ def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lu
     """8-bit codes in one pass (see ``reference.u8bit_codes``)."""
     _require()
     bucket = buckets.shape[1]
-    x = buckets.reshape(-1)
+    x = buckets.reshape(-1).contiguous()
     out = torch.empty(numel, dtype=torch.uint8, device=x.device)
     if numel:
         _launch(

@@ -189,8 +189,8 @@ def ternary_decode(
     """fp32 ``{0, +1, −1}`` per 2-bit code (0, 1, 2; 3 is 0) times its bucket's ``scale``, into
     ``out`` if given: TernGrad's and TBQ's decode."""
     codes = unpack_bits(packed, 2, numel)
-    vals = ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
-    return store((bucket_view(vals, bucket) * scale[:, None]).reshape(-1)[:numel], out, accumulate)
+    vals = bucket_view(((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float(), bucket)
+    return store((vals * scale[: vals.shape[0], None]).reshape(-1)[:numel], out, accumulate)
 
 
 def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -224,8 +224,8 @@ def table_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """``table[code] × scale`` of the value's bucket (fp32), into ``out`` if given."""
-    vals = bucket_view(torch.index_select(table, 0, codes.reshape(-1).to(torch.int32)), bucket)
-    return store((vals * scale[:, None]).reshape(-1)[:numel], out, accumulate)
+    vals = bucket_view(torch.index_select(table, 0, codes.reshape(-1)[:numel].to(torch.int32)), bucket)
+    return store((vals * scale[: vals.shape[0], None]).reshape(-1)[:numel], out, accumulate)
 
 
 def onebit_decode(
@@ -237,7 +237,7 @@ def onebit_decode(
     bit = unpack_bits(packed, 1, numel).float()
     pad = -numel % bucket
     bit = (torch.nn.functional.pad(bit, (0, pad)) if pad else bit).view(-1, bucket)
-    means = means.view(-1, 2)
+    means = means.view(-1, 2)[: bit.shape[0]]  # the buckets of the first ``numel`` values
     # with bit in {0, 1} exactly one of the two means (NaN where the other one is not finite)
     values = bit * means[:, 1:2] + (1 - bit) * means[:, 0:1]
     return store(values.reshape(-1)[:numel], out, accumulate)
