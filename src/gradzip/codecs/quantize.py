@@ -215,11 +215,10 @@ class TernGrad(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
-        scale = buckets.abs().amax(dim=1)
-        # the draws come from the codec's torch generator (as its CompLL twin's), then one pass
-        # (a Triton kernel on CUDA) turns values, scales and draws into packed codes
+        # the draws come from the codec's torch generator (as its CompLL twin's); the scales are a
+        # reduction, then one pass (a Triton kernel on CUDA) turns values and draws into codes
         rand = torch.rand(buckets.shape, generator=self._generator(x.device), device=x.device)
-        return [fused.terngrad_encode(buckets, scale, rand, n), scale]
+        return list(fused.terngrad_encode(buckets, rand, n))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         packed, scale = tensors

@@ -153,8 +153,8 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
     return backend(x) if x.device.type == "cuda" else reference
 
 
-def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
-    return _gpu_or_reference(buckets).terngrad_encode(buckets, scale, rand, numel)
+def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _gpu_or_reference(buckets).terngrad_encode(buckets, rand, numel)
 
 
 def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:

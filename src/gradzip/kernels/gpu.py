@@ -1049,19 +1049,21 @@ def sign_decode(
     return out
 
 
-def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
-    """TernGrad's packed 2-bit codes in one pass (see ``reference.terngrad_encode``): ``buckets``
-    fp32 ``(B, bucket)``, ``scale`` its per-bucket maxima, ``rand`` uniform draws of its shape."""
+def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's packed 2-bit codes and per-bucket scales (see ``reference.terngrad_encode``):
+    ``buckets`` fp32 ``(B, bucket)``, ``rand`` uniform draws of its shape. The scales are torch's
+    maxima (a reduction), the codes one pass."""
     _require()
     bucket = buckets.shape[1]
-    x, rand, scale = buckets.reshape(-1).contiguous(), rand.reshape(-1).contiguous(), scale.contiguous()
+    scale = buckets.abs().amax(dim=1)
+    x, rand = buckets.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:
         _launch(
             _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, rand, packed, numel, bucket, 0.0,
             BLOCK=_SIGN_BLOCK, STOCHASTIC=True, TO_F32=False, num_warps=_WARPS,
         )
-    return packed
+    return packed, scale
 
 
 def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:

@@ -4,8 +4,9 @@ Max-min (CGX), QSGD, sign packing, the FP8 / microscaling (MX) casts and the ele
 steps of TernGrad, TBQ, 1-bit SGD, natural compression and 8-bit quantization are where
 encode/decode time goes, so each has faster versions (:mod:`.native` for CPU, :mod:`.gpu` in
 Triton) that must produce the same bytes. These functions define what "the same" means and
-run wherever no faster version does. Inputs are flat contiguous tensors of a floating dtype; ``key`` is a 32-bit key for
-:func:`~.rng.counter_uniform` (stochastic rounding), or ``None`` for round-to-nearest.
+run wherever no faster version does. Inputs are flat contiguous tensors of a floating dtype;
+``key`` is a 32-bit key for :func:`~.rng.counter_uniform` (stochastic rounding), or ``None``
+for round-to-nearest.
 """
 from __future__ import annotations
 
@@ -166,14 +167,17 @@ def sign_decode(
     return store(signs if scale is None else signs.mul_(scale), out, accumulate)
 
 
-def terngrad_encode(buckets: torch.Tensor, scale: torch.Tensor, rand: torch.Tensor, numel: int) -> torch.Tensor:
-    """TernGrad's 2-bit codes of the first ``numel`` values of ``buckets`` (fp32, ``(B, bucket)``):
-    ``+1`` (code 1) or ``−1`` (code 2) where ``rand < |x| / scale`` of the value's bucket, else 0;
-    ``|x| / scale`` is NaN in an all-zero bucket, so no value there is kept."""
-    keep = rand < buckets.abs() / scale[:, None]
+def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's 2-bit codes of the first ``numel`` values of ``buckets`` (fp32, ``(B, bucket)``)
+    and the per-bucket scales ``max |x|``: ``+1`` (code 1) or ``−1`` (code 2) where
+    ``rand < |x| / scale`` of the value's bucket, else 0; ``|x| / scale`` is NaN in an all-zero
+    bucket, so no value there is kept."""
+    mags = buckets.abs()
+    scale = mags.amax(dim=1)
+    keep = rand < mags / scale[:, None]
     neg = buckets < 0
     codes = (keep & ~neg).to(torch.uint8) | ((keep & neg).to(torch.uint8) << 1)
-    return pack_bits(codes.reshape(-1)[:numel], 2)
+    return pack_bits(codes.reshape(-1)[:numel], 2), scale
 
 
 def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
