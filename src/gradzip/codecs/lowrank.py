@@ -63,7 +63,8 @@ class PowerSGD(Codec):
     Speed: each round is a matrix product that reads the whole gradient and a QR factorisation
     of a thin matrix, with a collective between them, so it is bound by the products' reads, not
     by a copy: an H100 ran an earlier version's encode at 26–29% of a device copy and decode at
-    18–19%, an H200 this one's at 27% and 16%. The tensors of a bucket share each round's all-reduce (see ``AllReduce.exchange_many``).
+    18–19%, an H200 this one's at 27% and 16%. The tensors of a bucket share each round's
+    all-reduce (see ``AllReduce.exchange_many``).
     """
 
     name = "powersgd"

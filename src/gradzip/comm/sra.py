@@ -37,8 +37,8 @@ class ScatterReduceAllGather(Collective):
 
     Large tensors are processed in segments of ``segment`` values (default 4 Mi on the CPU, one
     segment on a GPU), pipelined as in HiPress's CaSync: while segment s is on the wire
-    (asynchronous collectives), segment s+1 is encoded and segment s−1 decoded. Every rank issues the same collectives in the same
-    order: all the all-to-alls, then all the all-gathers.
+    (asynchronous collectives), segment s+1 is encoded and segment s−1 decoded. Every rank
+    issues the same collectives in the same order: all the all-to-alls, then all the all-gathers.
     """
 
     name = "sra"
