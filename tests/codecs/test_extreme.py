@@ -13,7 +13,7 @@ import torch
 import gradzip
 from gradzip.codecs import Payload
 from gradzip.codecs.base import Meta, raw_bytes
-from gradzip.codecs.lowrank import orthogonalize
+from gradzip.codecs.lowrank import orthogonalize, orthonormal_stacks, orthonormalize
 from gradzip.comm import get as collective
 from gradzip.comm.base import nonfinite_flag
 
@@ -72,6 +72,45 @@ def test_orthogonalize_is_orthonormal_deterministic_and_keeps_nan():
     bad = torch.ones(6, 2)
     bad[2, 1] = float("nan")
     assert torch.isnan(orthogonalize(bad)).all()
+
+
+def test_orthonormalize_many_matrices_at_once():
+    """Matrices of many heights (and two widths) in batches: each result has orthonormal
+    columns spanning the matrix's, a NaN or an infinity spoils only its own matrix, magnitudes
+    from 1e-30 to 1e30 change nothing, and the bits do not depend on the run."""
+    g = torch.Generator().manual_seed(5)
+    mats = [torch.randn(n, r, generator=g) for n, r in [(7, 2), (300, 2), (64, 2), (64, 2), (5, 3), (2048, 2), (2, 2)]]
+    mats += [mats[1] * 1e30, mats[2] * 1e-30, torch.zeros(9, 2), torch.ones(40, 3)]
+    bad, inf = mats[3].clone(), mats[4].clone()
+    bad[1, 0], inf[2, 2] = float("nan"), float("inf")
+    mats += [bad, inf]
+    qs = orthonormalize(mats)
+    assert [q.shape for q in qs] == [m.shape for m in mats]
+    for m, q in zip(mats[:-2], qs[:-2]):
+        assert torch.isfinite(q).all()
+        torch.testing.assert_close(q.T @ q, torch.eye(m.shape[1]), rtol=0, atol=2e-6)
+        scale = m.abs().max().clamp_min(1e-38)
+        torch.testing.assert_close(q @ (q.T @ (m / scale)), m / scale, rtol=0, atol=1e-5)  # the span holds m
+    assert torch.isnan(qs[-2]).all() and torch.isnan(qs[-1]).all()
+    torch.testing.assert_close(qs[7], qs[1], rtol=0, atol=1e-6)  # scaled by 1e30: the same directions
+    torch.testing.assert_close(qs[8], qs[2], rtol=0, atol=1e-6)
+    again = orthonormalize([m.clone() for m in mats])
+    assert all(torch.equal(a, b) for a, b in zip(qs[:-2], again[:-2]))
+    batches = orthonormal_stacks(mats)
+    assert sorted(i for b, _ in batches for i in b) == list(range(len(mats)))
+    assert len(batches) < len(mats)  # batched, not one by one
+
+
+def test_powersgd_recovers_rank_after_a_zero_step():
+    """A zero gradient first (an unused layer) leaves a warm-start Q whose columns came from the
+    fixed directions, not zeros: later steps still find the best rank-2 approximation."""
+    from .test_codecs import _decaying_spectrum
+
+    mat, best = _decaying_spectrum(60, 40)
+    c = gradzip.codec("powersgd", rank=2)
+    assert torch.equal(_power_round(c, torch.zeros(60, 40), "w"), torch.zeros(60, 40))
+    errs = [(_power_round(c, mat, "w") - mat).norm().item() for _ in range(25)]
+    assert errs[-1] <= best * 1.001
 
 
 def test_powersgd_warm_start_survives_large_finite_steps():

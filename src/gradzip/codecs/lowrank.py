@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernels import shared_generator
-from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in, nonfinite_poison
+from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in
 from .registry import register_codec
 
 
@@ -22,18 +22,135 @@ def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (v.T @ m.T).T.contiguous()
 
 
-def orthogonalize(p: torch.Tensor, finite: bool = False) -> torch.Tensor:
-    """An ``n × r`` matrix whose orthonormal columns span the columns of ``p`` (``r ≤ n``).
+# A column whose part outside the columns before it is below this fraction of its length is
+# taken as lying in their span (fp32 rounding leaves it a direction of noise).
+_DEPENDENT = 2.0 ** -10
+# Matrices share one padded stack while its padding stays within this bound (elements).
+_PAD_FACTOR, _PAD_SLACK = 4, 1 << 16
 
-    The Q factor of a reduced Householder QR: orthonormal even when ``p`` is rank-deficient or
-    zero (the missing directions are filled with other unit vectors, so ``Q Qᵀ`` stays a
-    projection onto a space holding ``p``'s columns), deterministic for a given input (every
-    rank orthonormalises the same all-reduced ``p``), and finite for finite input. Non-finite
-    input gives an all-NaN result, so a NaN/Inf step stays visible; ``finite=True`` says that
-    ``p`` is known to be finite (a warm start is kept only when it is), and skips that check.
+
+def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """For each ``n × r`` matrix (``r ≤ n``) of ``mats``, one with orthonormal columns that span
+    its columns; fp32, computed for many matrices at once.
+
+    Classical Gram-Schmidt with the projections taken twice ("twice is enough": Giraud et al.,
+    Numer. Math. 2005), which keeps the columns orthonormal to fp32 rounding, on a zero-padded
+    stack of the matrices: a constant number of batched operations for all of them, where a
+    Householder QR costs a few dozen kernel launches per matrix on a GPU. Each matrix is first
+    scaled by its largest magnitude, so no norm overflows or underflows. A column that lies in
+    the span of the ones before it (a rank-deficient or zero matrix) is replaced by a fixed
+    direction orthogonalised the same way, so the result is orthonormal for every finite input:
+    ``Q Qᵀ`` is a projection onto a space holding the matrix's columns. Deterministic for a
+    given input (every rank orthonormalises the same all-reduced factors); a matrix with NaN or
+    ±inf comes back all NaN, so a non-finite step stays visible.
     """
-    q = torch.linalg.qr(p, mode="reduced").Q
-    return q if finite else q.add_(nonfinite_poison(p))
+    out: List[Optional[torch.Tensor]] = [None] * len(mats)
+    for batch, stack in orthonormal_stacks(mats):
+        for i, q in zip(batch, stack):
+            out[i] = q[: mats[i].shape[0]]
+    return out  # type: ignore[return-value]
+
+
+def orthonormal_stacks(mats: Sequence[torch.Tensor]) -> List[Tuple[List[int], torch.Tensor]]:
+    """:func:`orthonormalize` as it computes it: ``(indices, stack)`` pairs, the stack holding
+    the results for ``mats[indices]``, zero-padded to the tallest (the first)."""
+    by_kind: Dict[Tuple[int, torch.device], List[int]] = {}
+    for i, m in enumerate(mats):
+        by_kind.setdefault((m.shape[1], m.device), []).append(i)
+    stacks = []
+    for (r, device), idx in by_kind.items():
+        for batch in _padded_batches(sorted(idx, key=lambda i: -mats[i].shape[0]), mats):
+            rows = tuple(mats[i].shape[0] for i in batch)
+            stack = padded_stack([mats[i] for i in batch])
+            _gram_schmidt(stack, _fillers(rows, r, device))
+            stacks.append((batch, stack))
+    return stacks
+
+
+def orthogonalize(p: torch.Tensor) -> torch.Tensor:
+    """One matrix's :func:`orthonormalize`."""
+    return orthonormalize([p])[0]
+
+
+def _padded_batches(order: List[int], mats: Sequence[torch.Tensor]) -> List[List[int]]:
+    """``order`` (tallest first) cut into runs whose padded stack stays near their own size."""
+    batches: List[List[int]] = []
+    real = 0
+    for i in order:
+        n = mats[i].shape[0]
+        if batches and (len(batches[-1]) + 1) * mats[batches[-1][0]].shape[0] <= _PAD_FACTOR * (real + n) + _PAD_SLACK:
+            batches[-1].append(i)
+            real += n
+        else:
+            batches.append([i])
+            real = n
+    return batches
+
+
+def padded_stack(mats: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``n_i × r`` matrices, tallest first, as one zero-padded fp32 ``k × n_0 × r`` stack (a
+    few operations for them all)."""
+    rows, r, device = tuple(m.shape[0] for m in mats), mats[0].shape[1], mats[0].device
+    if len(mats) == 1:
+        return mats[0].to(torch.float32, copy=True).reshape(1, rows[0], r)
+    stack = torch.zeros(len(mats), rows[0], r, dtype=torch.float32, device=device)
+    flat = torch.cat([m.reshape(-1) for m in mats]).to(torch.float32)
+    stack.view(-1).index_copy_(0, _slots(rows, r, device), flat)
+    return stack
+
+
+_CACHE: Dict[Tuple[Any, ...], torch.Tensor] = {}
+
+
+def _cached(key: Tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """Index and filler tensors, made once per layout (the layouts of a model's factors repeat
+    every step)."""
+    got = _CACHE.get(key)
+    if got is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        got = _CACHE[key] = make()
+    return got
+
+
+def _slots(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
+    """Where each value of the concatenated matrices goes in their padded stack."""
+    def make() -> torch.Tensor:
+        width = rows[0] * r
+        return torch.cat([i * width + torch.arange(n * r) for i, n in enumerate(rows)]).to(device)
+    return _cached(("slots", rows, r, device), make)
+
+
+def _fillers(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
+    """The fixed directions that stand in for dependent columns: unit columns of a seeded
+    Gaussian, zero in each matrix's padding (so orthonormalising one keeps it inside the matrix)."""
+    def make() -> torch.Tensor:
+        base = torch.randn(rows[0], r, generator=torch.Generator().manual_seed(0x5EED), dtype=torch.float32)
+        fill = torch.zeros(len(rows), rows[0], r)
+        for i, n in enumerate(rows):
+            fill[i, :n] = base[:n] / base[:n].norm(dim=0).clamp_min(1e-30)
+        return fill.to(device)
+    return _cached(("fill", rows, r, device), make)
+
+
+def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:
+    """Orthonormalise the columns of every matrix of the stack ``a`` (``k × n × r``) in place."""
+    top = a.abs().amax(dim=(1, 2), keepdim=True)  # NaN where the matrix holds one
+    # ``top * 0``: NaN for a NaN or ±inf top, so such a matrix comes back all NaN
+    a.div_(torch.where(top > 0, top, torch.ones_like(top)).add_(top * 0))
+    for j in range(a.shape[2]):
+        v, f = a[:, :, j : j + 1], fill[:, :, j : j + 1]
+        before = torch.linalg.vector_norm(v, dim=1, keepdim=True)
+        if j:
+            done = a[:, :, :j]
+            for _ in range(2):
+                v = torch.baddbmm(v, done, done.transpose(1, 2) @ v, alpha=-1)
+                f = torch.baddbmm(f, done, done.transpose(1, 2) @ f, alpha=-1)
+        after = torch.linalg.vector_norm(v, dim=1, keepdim=True)
+        dependent = after <= before * _DEPENDENT  # NaN compares False: a NaN column stays
+        if j:
+            f = f / torch.linalg.vector_norm(f, dim=1, keepdim=True)
+        a[:, :, j : j + 1] = torch.where(dependent, f, v / after)
 
 
 @register_codec
@@ -83,7 +200,11 @@ class PowerSGD(Codec):
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
-        self._q: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
+        # per tensor: the next step's Q, orthonormal (saved by Codec.state_dict: tensor_state);
+        # the values are views of stacks kept per batch of tensors (``_warm``)
+        self._q: Dict[str, torch.Tensor] = {}
+        self._warm: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._cold: Dict[Tuple[str, int, int, str], torch.Tensor] = {}  # the shared random Qs
 
     def _matrix(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[int, int, int]]:
         """(n, m, r) when compressing ``shape`` pays off, else None."""
@@ -96,16 +217,22 @@ class PowerSGD(Codec):
             return None
         return n, m, r
 
-    def _random_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
-        gen = shared_generator(self.seed, 0, meta.name, meta.device)
-        return torch.randn(m, r, generator=gen, device=meta.device)
+    def _cold_q(self, name: str, m: int, r: int, device: torch.device) -> torch.Tensor:
+        """The first Q of tensor ``name``, the same on every rank: from a generator shared by
+        all ranks, orthonormalised (made once; it is also the fallback after a non-finite step)."""
+        key = (name, m, r, str(device))
+        q = self._cold.get(key)
+        if q is None:
+            gen = shared_generator(self.seed, 0, name, device)
+            q = self._cold[key] = orthogonalize(torch.randn(m, r, generator=gen, device=device))
+        return q
 
     def _initial_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
         """This step's Q, orthonormal: last step's (warm start) or the shared random one."""
         q = self._q.get(meta.name)
-        if not (self.warm_start and q is not None and q.shape == (m, r)):
-            return orthogonalize(self._random_q(meta, m, r), finite=True)
-        return orthogonalize(q.to(meta.device), finite=True)  # stored only when finite (next_round)
+        if self.warm_start and q is not None and q.shape == (m, r):
+            return q.to(meta.device)
+        return self._cold_q(meta.name, m, r, meta.device)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         dims = self._matrix(tuple(meta.shape), meta.dtype)
@@ -118,27 +245,49 @@ class PowerSGD(Codec):
         return [times(mat, self._initial_q(meta, m, r))]
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
-        meta = payload.ctx
-        if meta.extra["round"] == 1:
-            p_hat = orthogonalize(reduced[0])
+        return self.next_round_many([payload], [reduced])[0]
+
+    def next_round_many(self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]]) -> List[Optional[Payload]]:
+        """Round 1 (``P`` summed): ``P̂``, every matrix's ``P`` orthonormalised in one batch, and
+        ``Q = Mᵀ P̂`` to sum next. Round 2 (``Q`` summed): the warm starts of the next step."""
+        out: List[Optional[Payload]] = [None] * len(payloads)
+        first = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 1]
+        for i, p_hat in zip(first, orthonormalize([reduced[i][0] for i in first])):
+            meta = payloads[i].ctx
             meta.extra.update(round=2, P=p_hat)
-            return Payload([times(meta.extra["M"].T, p_hat)], meta)
-        if meta.extra["round"] == 2 and self.warm_start:
-            # a non-finite step (NaN/Inf on any rank: the sum is then non-finite everywhere) must
-            # not become the next warm start, or every later step would be NaN too
-            # (last step's Q, or the shared random one: orthonormalised when next used)
-            q = reduced[0]
-            old = self._q.get(meta.name)
-            fallback = self._random_q(meta, *q.shape) if old is None or old.shape != q.shape else old.to(q.device)
-            self._q[meta.name] = torch.where(all_finite(q), q, fallback)
-        return None
+            out[i] = Payload([times(meta.extra["M"].T, p_hat)], meta)
+        second = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 2 and out[i] is None]
+        if second and self.warm_start:
+            self._keep_warm([payloads[i].ctx for i in second], [reduced[i][0] for i in second])
+        return out
+
+    def _keep_warm(self, metas: Sequence[Meta], qs: Sequence[torch.Tensor]) -> None:
+        """Next step's Qs: this step's summed ones, orthonormalised. A non-finite step (NaN/Inf on
+        any rank: the sum is then non-finite everywhere, and its orthonormalised Q all NaN)
+        keeps the Q before it, or every later step would be NaN too."""
+        for batch, stack in orthonormal_stacks(qs):
+            names = tuple(metas[i].name for i in batch)
+            old = self._warm.get(names)
+            if old is None or old.shape != stack.shape or old.device != stack.device:
+                old = padded_stack([self._initial_q(metas[i], *qs[i].shape) for i in batch])
+            corner = stack[:, :1, :1]
+            stack = torch.where(corner == corner, stack, old)  # NaN != NaN
+            self._warm[names] = stack
+            for i, q in zip(batch, stack):
+                self._q[metas[i].name] = q[: qs[i].shape[0]]
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._warm.clear()
+        names = list(self._q)  # orthonormal as stored; orthonormalised again, as a checkpoint
+        self._q = dict(zip(names, orthonormalize([self._q[n] for n in names])))  # may predate that
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         rnd = meta.extra["round"]
         if rnd == 0:
             return tensors[0]
         if rnd == 1:  # a local round trip without a collective: finish the power step here
-            p_hat = orthogonalize(tensors[0].clone())
+            p_hat = orthogonalize(tensors[0])
             return (p_hat @ times(meta.extra["M"].T, p_hat).T).reshape(-1)
         return (meta.extra["P"] @ tensors[0].T).reshape(-1)
 

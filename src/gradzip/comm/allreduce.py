@@ -1,13 +1,13 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import Call, Collective, Exchanged, Stages, register_collective
+from .base import Call, Collective, Exchanged, Stages, Timer, register_collective
 
 
 @register_collective
@@ -90,16 +90,32 @@ class AllReduce(Collective):
                     reduced[i].append(packed[t.dtype][at : at + t.numel()].view(t.shape))
                     offsets[t.dtype] = at + t.numel()
             going = []
-            for i in live:
-                nxt = calls[i].timer.encode(calls[i].codec.next_round, payloads[i], reduced[i])
-                if nxt is not None:
-                    payloads[i] = nxt
-                    going.append(i)
-            live = going
+            for codec, idx in _by_codec(calls, live):
+                nexts, seconds = _timed(codec.next_round_many, [payloads[i] for i in idx], [reduced[i] for i in idx])
+                for i, nxt in zip(idx, nexts):
+                    calls[i].timer.add_encode(*(s / len(idx) for s in seconds))
+                    if nxt is not None:
+                        payloads[i] = nxt
+                        going.append(i)
+            live = sorted(going)
         if flag_work is not None:
             flag_work.wait()
             nonfinite = flag[0] > 0
         return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
+
+
+def _by_codec(calls: Sequence[Call], live: Sequence[int]) -> List[Tuple[Codec, List[int]]]:
+    """The indices in ``live`` grouped by their calls' codec, in order (one batch per codec)."""
+    groups: Dict[int, Tuple[Codec, List[int]]] = {}
+    for i in live:
+        groups.setdefault(id(calls[i].codec), (calls[i].codec, []))[1].append(i)
+    return list(groups.values())
+
+
+def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
+    """``fn(*args)`` and its (wall, thread CPU) seconds, as :class:`Timer` measures a section."""
+    out, wall, cpu = Timer()._section(fn, args, {})
+    return out, (wall, cpu)
 
 
 def _scaled(call: Call) -> torch.Tensor:
