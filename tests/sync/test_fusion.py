@@ -184,3 +184,40 @@ def test_groups_are_larger_on_an_accelerator_unless_the_size_is_given():
     sizes = run_workers(_group_sizes, 1)[0]
     assert sizes["default cpu"] == Config().fusion_mb < ACCELERATOR_FUSION_MB == sizes["default accelerator"]
     assert sizes["given cpu"] == sizes["given accelerator"] == 2.0
+
+
+def _batched_flag(rank: int, world: int) -> Dict[str, object]:
+    """PowerSGD's matrices in one batch, flagged by one pass over their packed factors: a NaN or
+    ±inf on one rank, even where the warm-start Q has a zero row (a column that was zero the
+    step before), reaches every rank and every tensor of the batch; the memory is spared."""
+    names = list(SHAPES)
+    grads = _grads(rank)
+    grads[0][:, 4] = 0.0  # Q's row 4 of a.weight becomes zero at the first step
+    out: Dict[str, object] = {}
+    for value in (float("nan"), float("inf"), float("-inf")):
+        comm = gradzip.Communicator("powersgd", rank=2, memory="residual")
+        first = _reduce(comm, grads, names)
+        zero_row = bool((comm.codec_for("a.weight")._q["a.weight"][4] == 0).all())
+        before = {n: comm.memory.residuals[n].clone() for n in names}
+        bad = [g.clone() for g in grads]
+        if rank == 1:
+            bad[0][7, 4] = value
+        second = _reduce(comm, bad, names)
+        kept = all(torch.equal(before[n], comm.memory.residuals[n]) for n in names)
+        third = _reduce(comm, grads, names)
+        out[str(value)] = {
+            "zero_row": zero_row,
+            "first_finite": all(bool(torch.isfinite(t).all()) for t in first),
+            "second_all_nan": all(bool(torch.isnan(t).all()) for t in second),
+            "memory_kept": kept,
+            "third_finite": all(bool(torch.isfinite(t).all()) for t in third),
+            "identical": all(all(torch.equal(x, y) for y in _gather(x)) for x in third),
+        }
+        comm.close()
+    return out
+
+
+def test_a_batch_of_powersgd_matrices_is_flagged_from_its_factors():
+    for res in run_workers(_batched_flag, 2):
+        for value, rec in res.items():
+            assert all(rec.values()), (value, rec)

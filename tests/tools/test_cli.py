@@ -234,6 +234,7 @@ def test_bench_codecs(tmp_path):
     assert _is_png(plot) and not (tmp_path / "codecs.png").exists()  # --plot wins over the JSON's name
     assert report["device"] == "cpu"
     assert all(r["encode_vs_copy"] > 0 and r["decode_vs_copy"] > 0 for r in rows.values())
+    assert "copy_stream_ms" not in report  # a CPU call runs where it is issued: nothing to queue
 
 
 def test_bench_codecs_device(capsys):
@@ -295,6 +296,9 @@ def test_bench_codecs_on_cuda(tmp_path):
     report = json.loads(path.read_text())
     assert report["device"].startswith("cuda") and "triton" in report["kernels"]
     assert all(r["encode_vs_copy"] > 0 for r in report["rows"])
+    # in a stream too: calls queued back to back, the launch latency hidden behind the kernels
+    assert report["copy_stream_ms"] > 0 and report["streamed"] > 1
+    assert all(r["encode_stream_vs_copy"] > 0 and r["decode_stream_vs_copy"] > 0 for r in report["rows"])
 
 
 def _hang(rank: int, world: int) -> None:

@@ -114,6 +114,9 @@ class Codec(Configurable):
     # per-tensor state kept across steps (PowerSGD's Q, Signum's momentum, ...): the key under
     # which state_dict() saves it; the codec holds it in the dict attribute ``_<key>``
     tensor_state: ClassVar[str] = ""
+    # every NaN or ±inf of the input reaches the (first) payload as NaN or ±inf (a cast, a
+    # product with the input): a collective may flag many tensors by one pass over their payloads
+    payload_keeps_nonfinite: ClassVar[bool] = False
     # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
     # also agree on which kernels run (compared at registration)
     kernels_bit_exact: ClassVar[bool] = True

@@ -26,7 +26,7 @@ def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 # taken as lying in their span (fp32 rounding leaves it a direction of noise).
 _DEPENDENT = 2.0 ** -10
 # Matrices share one padded stack while its padding stays within this bound (elements).
-_PAD_FACTOR, _PAD_SLACK = 4, 1 << 16
+_PAD_FACTOR, _PAD_SLACK = 4, 1 << 20
 
 
 def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -191,6 +191,8 @@ class PowerSGD(Codec):
     default_memory = "residual"
     summable = True
     raw_fallback = False  # passes small matrices through itself (``_matrix``)
+    # P = M Q: a NaN or ±inf of M makes its row of P NaN or ±inf whatever Q is (NaN · 0 = NaN)
+    payload_keeps_nonfinite = True
     tensor_state = "q"
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),

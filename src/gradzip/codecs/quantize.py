@@ -21,6 +21,7 @@ class _Cast(Codec):
     family = "cast"
     collectives = ("allreduce", "allgather")
     summable = True
+    payload_keeps_nonfinite = True  # the saturating cast keeps NaN and ±inf
     wire_dtype: torch.dtype | None = None
 
     def _wdtype(self, dtype: torch.dtype) -> torch.dtype:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import Call, Collective, Exchanged, Stages, Timer, register_collective
+from .base import Call, Collective, Exchanged, Stages, Timer, nonfinite_flag, register_collective
 
 
 @register_collective
@@ -61,12 +61,12 @@ class AllReduce(Collective):
         if len(calls) == 1:
             return [(yield from self.exchange(calls[0]))]
         w = calls[0].world_size
-        payloads = [call.encode(_scaled(call)) for call in calls]
-        nonfinite = torch.stack([call.flag for call in calls]).any()
+        # where every NaN/Inf of an input reaches its payload, one pass over the packed payloads
+        # flags them all (not one pass over each input)
+        from_payloads = self.flagged and all(call.codec.payload_keeps_nonfinite for call in calls)
+        payloads = [call.encode(_scaled(call), flag=not from_payloads) for call in calls]
+        nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
-        if w > 1 and self.flagged:  # summed with the first round (one rank: the flag is its own)
-            flag = nonfinite.to(torch.float32).reshape(1)
-            flag_work = dist.all_reduce(flag, group=self.group, async_op=True)
         wire = [0] * len(calls)
         reduced: List[List[torch.Tensor]] = [[] for _ in calls]
         live = list(range(len(calls)))
@@ -78,6 +78,14 @@ class AllReduce(Collective):
             packed = {}
             for dtype in dict.fromkeys(t.dtype for _, t in entries):
                 packed[dtype] = torch.cat([t.reshape(-1) for _, t in entries if t.dtype == dtype])
+            if nonfinite is None:  # the first round's payloads, as this rank encoded them
+                flags = [nonfinite_flag(buf) for buf in packed.values()]
+                nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+                for call in calls:
+                    call.found = nonfinite
+            if flag_work is None and w > 1 and self.flagged:  # summed beside the first round
+                flag = nonfinite.to(torch.float32).reshape(1)
+                flag_work = dist.all_reduce(flag, group=self.group, async_op=True)
             works = [dist.all_reduce(buf, group=self.group, async_op=True) for buf in packed.values()] if w > 1 else []
             yield  # the sums are on the wire
             for work in works:
