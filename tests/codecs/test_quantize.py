@@ -100,6 +100,19 @@ def test_natural_one_byte_format():
     assert codes.tolist() == [127, 128 + 125, 0, 124]
 
 
+@pytest.mark.parametrize("values", [
+    [4.0, -1.0, 0.0], [-8.0, 1.0], [-0.0, 0.0], [0.0], [1e-45, -3e-44], [3.4e38, -1.0], [-3.4028235e38],
+    [float("nan"), 1.0], [1.0, float("inf")], [-float("inf"), 2.0], [2.0**-126 * 1.5, -7.0],
+])
+def test_natural_header_is_the_exponent_of_the_largest_magnitude(values):
+    """The header, read from one min/max pass: the biased exponent of max|x| rounded up, 256 when
+    a value is NaN or ±inf (as when it was the maximum of the magnitudes' bits)."""
+    x = torch.tensor(values * 4)  # long enough not to go raw
+    mag = (x.view(torch.int32) & 0x7FFFFFFF).clamp(max=0x7F800000).amax()
+    expected = ((mag + (1 << 23) - 1) >> 23) + int(mag >= 0x7F800000)
+    assert gradzip.codec("natural").encode(x).tensors[1].tolist() == [int(expected)]
+
+
 def test_natural_far_below_the_max_rounds_to_zero_or_smallest_code():
     """Below the smallest code 2**(T-253) a value becomes 0 or that power, unbiased."""
     n = 20000

@@ -270,10 +270,27 @@ class Codec(Configurable):
         raise NotImplementedError
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        if self._decodes_to():
+            return self._decode_to(tensors, meta, meta.numel, None, False)
         raise NotImplementedError
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        if self._decodes_to() and out.is_contiguous() and out.dtype == torch.float32:
+            self._decode_to(tensors, meta, out.numel(), out.view(-1), accumulate)
+            return out
         return store_into(self._decode(tensors, meta).reshape(-1)[: out.numel()], out, accumulate)
+
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
+        """For a codec whose decoder writes its fp32 values into a given output itself (or adds
+        them to it): the first ``numel`` values, into the flat contiguous fp32 ``out`` when given.
+        Overriding it gives :meth:`_decode` and :meth:`_decode_into` both, and a collective's
+        decode then needs no temporary and no copy."""
+        raise NotImplementedError
+
+    def _decodes_to(self) -> bool:
+        return type(self)._decode_to is not Codec._decode_to
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """Bytes of this codec's own format (an upper bound if the size depends on the data)."""

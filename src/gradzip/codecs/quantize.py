@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
+from ..kernels import bucket_view, fused, pack_bits, packed_bytes, store_into, unpack_bits
 from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, saturate
 from .registry import register_codec
 
@@ -221,17 +221,9 @@ class TernGrad(Codec):
         rand = torch.rand(buckets.shape, generator=self._generator(x.device), device=x.device)
         return list(fused.terngrad_encode(buckets, rand, n))
 
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
         packed, scale = tensors
-        return fused.ternary_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), meta.numel)
-
-    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        if not out.is_contiguous():
-            return super()._decode_into(tensors, meta, out, accumulate)
-        packed, scale = tensors
-        bucket = _whole_or(self.bucket_size, meta.numel)
-        fused.ternary_decode(packed, scale, bucket, out.numel(), out.view(-1), accumulate)
-        return out
+        return fused.ternary_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), numel, out, accumulate)
 
     def fusion_block(self) -> int:
         return self.bucket_size  # 0 (one scale per tensor): not fusable
@@ -290,18 +282,19 @@ class Natural(Codec):
     _CODES = 127  # exponent codes 1..127 below the header exponent; 0 is zero
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        bits = x.float().contiguous().view(torch.int32)
-        mag = (bits & _MAG).clamp_(max=_INF)  # NaN is sent as inf (the collective flags it)
-        largest = mag.amax()
+        xf = x.float().contiguous()
+        lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
+        # the bits of max|x| (NaN's bits, above inf's, clamped to inf's: it is sent as inf)
+        largest = (torch.maximum(-lo, hi).reshape(1).view(torch.int32) & _MAG).clamp_(max=_INF)
         # biased exponent of max|x|, rounded up; 256 (one past inf's) when a value is non-finite,
         # so the decoder tells 2**128 (a finite value rounded up: saturates) from inf
-        top = ((largest + (_MANT - 1)) >> 23).add_((largest >= _INF).to(torch.int32)).reshape(1)
+        top = ((largest + (_MANT - 1)) >> 23).add_((largest >= _INF).to(torch.int32))
         gen = self._generator(x.device)
-        rand = torch.randint(0, _MANT, mag.shape, generator=gen, device=x.device, dtype=torch.int32)
+        rand = torch.randint(0, _MANT, xf.shape, generator=gen, device=x.device, dtype=torch.int32)
         # then one pass (a Triton kernel on CUDA) from bits, draws and header to the codes
-        return [fused.natural_codes(bits, mag, rand, top), top.to(torch.int32)]
+        return [fused.natural_codes(xf.view(torch.int32), rand, top), top]
 
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
         codes, top = tensors
         # the 256 values a byte can mean under this header, then one lookup per element
         byte = torch.arange(256, device=codes.device, dtype=torch.int32)
@@ -309,8 +302,10 @@ class Natural(Codec):
         field = (code + (top - self._CODES)).clamp(0, 255) << 23
         # finite input (top <= 255): 2**128 does not exist in fp32, the largest fp32 stands in
         field = torch.minimum(field, torch.where(top <= 255, _INF - 1, _INF).to(torch.int32))
-        bits = torch.where(code > 0, field, 0) | ((byte >> 7) << 31)
-        return torch.index_select(bits.view(torch.float32), 0, codes.to(torch.int32))
+        table = (torch.where(code > 0, field, 0) | ((byte >> 7) << 31)).view(torch.float32)
+        if codes.is_cuda:  # one pass of the table kernel (times a scale of 1: exact)
+            return fused.table_decode(codes, table, table.new_ones(1), numel, numel, out, accumulate)
+        return store_into(torch.index_select(table, 0, codes[:numel].to(torch.int32)), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel + 4
@@ -425,10 +420,10 @@ class U8bit(Codec):
         # then one pass (a Triton kernel on CUDA): scaled value, table lookups, index
         return [fused.u8bit_codes(buckets, inv, mids, lut, n), scale]
 
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
         codes, scale = tensors
         table, _, _ = _u8_tables(codes.device)
-        return fused.table_decode(codes, table, scale, _whole_or(self.bucket_size, meta.numel), meta.numel)
+        return fused.table_decode(codes, table, scale, _whole_or(self.bucket_size, meta.numel), numel, out, accumulate)
 
     def fusion_block(self) -> int:
         return self.bucket_size  # 0 (one scale per tensor): not fusable
@@ -637,8 +632,8 @@ class TBQ(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [fused.tbq_encode(x.reshape(-1), self._tau)]
 
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        return fused.ternary_decode(tensors[0], self._tau_tensor(tensors[0].device), meta.numel, meta.numel)
+    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+        return fused.ternary_decode(tensors[0], self._tau_tensor(tensors[0].device), meta.numel, numel, out, accumulate)
 
     def _tau_tensor(self, device: torch.device) -> torch.Tensor:
         """``τ`` as a one-element fp32 tensor on ``device`` (made once per device)."""

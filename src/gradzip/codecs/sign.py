@@ -4,7 +4,7 @@ One bit per element on the wire (plus a few fp32 scales for EF-signSGD and 1-bit
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -148,16 +148,9 @@ class OneBit(Codec):
         bits = fused.sign_encode(xf)  # set where x >= 0: the packed ``nonneg`` (one pass, C or Triton)
         return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
 
-    def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
         packed, means = tensors
-        return fused.onebit_decode(packed, means.float(), self._buckets(meta.numel)[0], meta.numel)
-
-    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        if not out.is_contiguous():
-            return super()._decode_into(tensors, meta, out, accumulate)
-        packed, means = tensors
-        fused.onebit_decode(packed, means.float(), self._buckets(meta.numel)[0], out.numel(), out.view(-1), accumulate)
-        return out
+        return fused.onebit_decode(packed, means.float(), self._buckets(meta.numel)[0], numel, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1) + 8 * self._buckets(numel)[1]

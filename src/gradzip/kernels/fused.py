@@ -166,8 +166,8 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
-def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    return _gpu_or_reference(bits).natural_codes(bits, mag, rand, top)
+def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    return _gpu_or_reference(bits).natural_codes(bits, rand, top)
 
 
 def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:

@@ -377,12 +377,12 @@ def _ternary_decode_kernel(
     tl.store(out_ptr + offs, val, mask=valid)
 
 
-def _natural_codes_kernel(bits_ptr, mag_ptr, rand_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _natural_codes_kernel(bits_ptr, rand_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr):
     """Natural compression's byte per value, integer for integer the reference's."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
     bits = tl.load(bits_ptr + offs, mask=valid, other=0)
-    mag = tl.load(mag_ptr + offs, mask=valid, other=0)
+    mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
     rand = tl.load(rand_ptr + offs, mask=valid, other=0)
     first = tl.load(top_ptr) - 126
     rounded = (mag + rand) >> 23
@@ -1105,15 +1105,15 @@ def _bucket_decode(
     return out
 
 
-def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's codes in one pass (see ``reference.natural_codes``)."""
     _require()
-    bits, mag, rand = bits.reshape(-1).contiguous(), mag.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
+    bits, rand = bits.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
     numel = bits.numel()
     out = torch.empty(numel, dtype=torch.uint8, device=bits.device)
     if numel:
         _launch(
-            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, mag, rand,
+            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, rand,
             top.reshape(-1).to(torch.int32).contiguous(), out, numel, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
         )
     return out

@@ -197,11 +197,11 @@ def ternary_decode(
     return store((vals * scale[: vals.shape[0], None]).reshape(-1)[:numel], out, accumulate)
 
 
-def natural_codes(bits: torch.Tensor, mag: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's byte per value (``Natural._encode``): ``bits`` the fp32 values' bits
-    (int32), ``mag`` their magnitudes' bits (NaN as inf), ``rand`` draws in [0, 2**23), ``top``
-    the header exponent. Code ``c`` in 1..127 means exponent field ``top − 127 + c``; the sign in
-    bit 7."""
+    (int32), ``rand`` draws in [0, 2**23), ``top`` the header exponent. Code ``c`` in 1..127
+    means exponent field ``top − 127 + c``; the sign in bit 7. A NaN is coded as an infinity."""
+    mag = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)  # the magnitude's bits, NaN as inf
     first = top - 126  # biased exponent of code 1
     rounded = (mag + rand) >> 23  # exponent field after stochastic rounding, 0 (zero) .. 255
     code_in = torch.where(rounded > 0, rounded - (first - 1), 0)
