@@ -17,14 +17,15 @@ from .test_ddp import Net, _batches, _flat_params
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool) -> dict:
+def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, codec: str = "maxmin") -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     group = dist.new_group(list(range(world)), backend="nccl") if backend == "nccl" else None
     torch.manual_seed(0)
     model = Net().to(device)
     ddp = DDP(model, device_ids=[0], process_group=group, bucket_cap_mb=0.01)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory=memory, min_numel=64, in_place=in_place)
+    options = {"bits": 4} if codec == "maxmin" else {"rank": 2}
+    state = gradzip.register(ddp, codec, memory=memory, min_numel=64, in_place=in_place, **options)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     skipped = 0
     for i, (x, y) in enumerate(_batches(rank, 6)):
@@ -44,13 +45,14 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool) 
     stats = state.stats()
     kernels = fused.name(model.fc1.weight.detach(), 4, 1024)
     residuals_finite = all(bool(torch.isfinite(v).all()) for v in getattr(state.comm.memory, "residuals", {}).values())
+    pipelined = state.comm.pipelined
     state.close()
     if group is not None:
         dist.destroy_process_group(group)
     return {
         "identical": all(torch.equal(gathered[0], g) for g in gathered), "finite": bool(torch.isfinite(flat).all()),
         "skipped": skipped, "compressed": stats["params_compressed"] > 0, "kernels": kernels,
-        "residuals_finite": residuals_finite,
+        "residuals_finite": residuals_finite, "pipelined": pipelined,
     }
 
 
@@ -58,9 +60,17 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool) 
 @pytest.mark.parametrize("memory", ["none", "residual"])
 def test_ddp_over_nccl_on_one_gpu(memory, in_place):
     (res,) = run_workers(_cuda_job, 1, "nccl", memory, in_place)
+    # over NCCL a collective's wait orders streams: each bucket's job runs through at once
     assert res == {"identical": True, "finite": True, "skipped": 1, "compressed": True, "kernels": res["kernels"],
-                   "residuals_finite": True}
+                   "residuals_finite": True, "pipelined": False}
     assert res["kernels"] in ("triton", "torch")
+
+
+def test_powersgd_over_nccl_on_one_gpu():
+    """PowerSGD's batched orthonormalisation and its flag from the packed factors, on CUDA."""
+    (res,) = run_workers(_cuda_job, 1, "nccl", "residual", False, "powersgd")
+    assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
+    assert res["skipped"] == 1
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["fused", "in-place"])
@@ -69,3 +79,4 @@ def test_ddp_over_gloo_with_cuda_tensors_on_two_ranks_sharing_a_gpu(memory, in_p
     for res in run_workers(_cuda_job, 2, "gloo", memory, in_place):
         assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
         assert res["skipped"] == 1  # every rank skips the step one rank overflowed
+        assert res["pipelined"]  # gloo's waits block: the pipeline overlaps buckets
