@@ -7,7 +7,8 @@ ranks share the device and exchange over gloo (CUDA tensors on a GPU), so the st
 real exchange and the speed-up over fp32 DDP is the measure. For each model (a real
 ResNet-50 forward/backward, GPT-2 small from ``transformers`` under bf16 autocast on a GPU) and
 method (fp32 DDP, PyTorch's fp16 and PowerSGD hooks, gradzip's methods) this measures the
-median step, the overhead over fp32 DDP (milliseconds and share of the step), and the link
+median step (every method's model built side by side and timed two steps at a time in turns,
+so a drift of the device's speed during the run falls on all methods alike), the overhead over fp32 DDP (milliseconds and share of the step), and the link
 rate at which the method's exchange would hide behind the step: a rank of a large ring sends
 about twice its payload per step, so ``2 · payload · 8 / step`` bits per second (the payload as
 gradzip counts it; the gradients' bytes for fp32, half for the fp16 hook).
@@ -28,6 +29,7 @@ from .codecs import check_device
 from .methods import CONFIGS, attach, describe
 
 MODELS = ("resnet50", "gpt2", "resnet18")
+_PER_TURN = 2  # steps a method is timed before the next method's turn (see _interleaved)
 DEFAULT_MODELS = ["resnet50", "gpt2"]
 DEFAULT_CONFIGS = ["fp32", "torch-fp16", "torch-powersgd", "maxmin4", "powersgd"]
 # PyTorch's PowerSGD hook chains its all-reduces in future callbacks; on gloo with several DDP
@@ -101,6 +103,11 @@ def _build(name: str, device: torch.device, batch: int, size: int, rank: int = 0
 def _median_step(step: Callable[[], None], device: torch.device, steps: int, warmup: int) -> float:
     for _ in range(warmup):  # DDP rebuilds its buckets after the first step; caches warm up
         step()
+    return statistics.median(_step_times(step, device, steps))
+
+
+def _step_times(step: Callable[[], None], device: torch.device, steps: int) -> List[float]:
+    """Seconds of each of ``steps`` steps, the device idle before each and waited for after."""
     times = []
     for _ in range(steps):
         if device.type == "cuda":
@@ -110,7 +117,7 @@ def _median_step(step: Callable[[], None], device: torch.device, steps: int, war
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
 def _profile(step: Callable[[], None], device: torch.device, rows: int = 25) -> str:
@@ -127,6 +134,19 @@ def _profile(step: Callable[[], None], device: torch.device, rows: int = 25) -> 
     averages = prof.key_averages()
     by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return averages.table(sort_by=by, row_limit=rows) + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+def _interleaved(built: Sequence[Tuple[str, nn.Module, Any, Callable[[], None]]], device: torch.device,
+                 steps: int) -> Dict[str, List[float]]:
+    """``steps`` step times of every method, taken two at a time in rounds that rotate which
+    method goes first: a device whose speed drifts (clocks, other tenants) shifts them all alike,
+    where timing each method's steps in one block would put the drift into the differences."""
+    times: Dict[str, List[float]] = {name: [] for name, *_ in built}
+    for turn in range(-(-steps // _PER_TURN)):
+        shift = turn % len(built)
+        for name, _, _, step in [*built[shift:], *built[:shift]]:
+            times[name].extend(_step_times(step, device, min(_PER_TURN, steps - len(times[name]))))
+    return times
 
 
 def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optional[float]:
@@ -158,29 +178,35 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
         model, loss_of = _build(model_name, device, batch, size, rank)
         compute = _median_step(lambda: loss_of(model).backward(), device, steps, warmup)
         numel = sum(p.numel() for p in model.parameters())
-        model = None  # before the next copy is built
-        rows = []
-        for name in configs:
-            model, loss_of = _build(model_name, device, batch, size, rank)
-            ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
-                                          process_group=group)
-            state = _attach(ddp, name, group)
-            try:
-                step_s = _median_step(lambda: loss_of(ddp).backward(), device, 1, warmup)  # the warm-up
+        model = None  # before the copies of the methods are built
+        built: List[Tuple[str, nn.Module, Any, Callable[[], None]]] = []
+        try:
+            for name in configs:
+                model, loss_of = _build(model_name, device, batch, size, rank)
+                ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
+                                              process_group=group)
+                state = _attach(ddp, name, group)
+                built.append((name, model, state, lambda loss_of=loss_of, ddp=ddp: loss_of(ddp).backward()))
+                for _ in range(warmup):
+                    built[-1][3]()
                 if state is not None:
                     state.comm.metrics.reset()
-                step_s = _median_step(lambda: loss_of(ddp).backward(), device, steps, 0)
-                rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}", "step_s": step_s,
+            times = _interleaved(built, device, steps)
+            rows = []
+            for name, model, state, step in built:
+                rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}",
+                             "step_s": statistics.median(times[name]),
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
                 if profile:  # every rank profiles (each step is a collective); rank 0's table is kept
-                    table = _profile(lambda: loss_of(ddp).backward(), device)
+                    table = _profile(step, device)
                     if rank == 0:
                         rows[-1]["profile"] = table
-            finally:
+        finally:
+            for _, _, state, _ in built:
                 if state is not None:
                     state.close()
-                ddp = model = state = None  # before collecting: the next method needs the memory
-                gc.collect()
+            built = model = ddp = state = None  # before collecting: the next model needs the memory
+            gc.collect()
         fp32 = next((r["step_s"] for r in rows if r["method"] == "fp32"), None)
         for r in rows:
             r["vs_fp32"] = None if fp32 is None else fp32 / r["step_s"]
@@ -196,7 +222,7 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
 
 
 def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
-        steps: int = 10, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1,
+        steps: int = 20, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1,
         profile: bool = False) -> Dict[str, Any]:
     """Measure on ``workers`` spawned ranks sharing ``device`` (one rank on a GPU: NCCL; else
     gloo) and write rank 0's report. ``configs``: default :data:`DEFAULT_CONFIGS` (without
