@@ -57,8 +57,6 @@ class Config:
     (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
     about ``fusion_mb`` MiB (:mod:`gradzip.sync.groups`);
     ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.sync.pipeline`);
-    None (the default): where a collective's wait blocks the host (gloo), not over NCCL, where
-    a wait is a stream dependency and the GPU already overlaps one bucket's work with another's;
     ``in_place``: whether a DDP bucket is averaged in its own memory, its codec blocks running
     across gradients as DDP laid them out (:meth:`gradzip.sync.engine.Communicator.bucket_stages`:
     fewer passes and buffers; a run resumed from a checkpoint then matches an uninterrupted one
@@ -93,7 +91,7 @@ class Config:
     compress_1d: bool = False
     fusion: bool = True
     fusion_mb: float = 8.0
-    pipeline: Optional[bool] = None  # None: on over gloo, off over NCCL
+    pipeline: bool = True
     in_place: bool = False
     plan: str = "off"
     warmup: int = 0  # steps
@@ -113,12 +111,9 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
-        if self.pipeline == "auto":  # GRADZIP_PIPELINE=auto
-            self.pipeline = None
         for name in ("compress_1d", "fusion", "pipeline", "in_place"):
-            if not isinstance(getattr(self, name), bool) and not (name == "pipeline" and self.pipeline is None):
-                extra = " (or None: by the backend)" if name == "pipeline" else ""
-                raise ValueError(f"{name} must be True or False{extra}, got {getattr(self, name)!r}")
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
             raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:

@@ -340,28 +340,6 @@ def test_warmup_sends_the_first_steps_dense_then_compresses_from_an_empty_memory
         assert res["compressed_after"] == (3, 3)  # after the switch the weights count as compressed
 
 
-def _pipelined(rank: int, world: int) -> dict:
-    out = {}
-    for given in (None, True, False):
-        comm = gradzip.Communicator("maxmin", pipeline=given)
-        out[str(given)] = comm.pipelined
-        comm.close()
-    return out
-
-
-def test_pipeline_is_on_by_default_where_waits_block_and_can_be_set():
-    """gloo's waits block the worker thread, so by default buckets overlap there (NCCL's only
-    order streams: tests/frontends/test_cuda.py); the setting wins either way."""
-    for res in run_workers(_pipelined, 2):
-        assert res == {"None": True, "True": True, "False": False}
-    assert gradzip.Communicator("maxmin").pipelined  # no process group: a local call
-    assert gradzip.Config().pipeline is None
-    assert gradzip.Config().with_env({"GRADZIP_PIPELINE": "auto"}).pipeline is None
-    assert gradzip.Config().with_env({"GRADZIP_PIPELINE": "0"}).pipeline is False
-    with pytest.raises(ValueError, match=r"pipeline must be True or False \(or None: by the backend\), got 'sometimes'"):
-        gradzip.Config(pipeline="sometimes")
-
-
 def test_warmup_is_validated_and_read_from_the_environment():
     with pytest.raises(ValueError, match="warmup must be a non-negative number of steps"):
         gradzip.Config(warmup=-1)

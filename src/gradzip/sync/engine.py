@@ -145,7 +145,7 @@ class Communicator:
         collective_options: Optional[Dict[str, Any]] = None,
         dedicated_group: bool = True,
         fusion: bool = True,
-        pipeline: Optional[bool] = None,
+        pipeline: bool = True,
         timeout: Timeout = None,
         hierarchy: str = "auto",
         node_dtype: str = "fp32",
@@ -203,9 +203,7 @@ class Communicator:
         self._route_collectives: Dict[str, Collective] = {}
         self.metrics = Metrics()
         self.fusion = bool(fusion)
-        # None: pipelined where a collective's wait blocks this thread (gloo); over NCCL a wait
-        # only orders the GPU's streams, so each job runs to its end and the GPU overlaps them
-        self.pipelined = _waits_block(self.group) if pipeline is None else bool(pipeline)
+        self.pipelined = bool(pipeline)
         self._pipeline = Pipeline(self._failed)
         self._group_residuals: Dict[str, torch.Tensor] = {}  # residual buffers per group key (see _group_residual)
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
@@ -1156,14 +1154,6 @@ def _from_collective(exc: BaseException) -> bool:
     if dist_error is not None and isinstance(exc, dist_error):
         return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)
-
-
-def _waits_block(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether waiting for a collective of ``group`` blocks the waiting thread (gloo, or no
-    process group: a local call) rather than ordering GPU streams (NCCL)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return True
-    return dist.get_backend(group) != "nccl"
 
 
 def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
