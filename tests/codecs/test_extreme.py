@@ -113,6 +113,65 @@ def test_powersgd_recovers_rank_after_a_zero_step():
     assert errs[-1] <= best * 1.001
 
 
+def _power_rounds(c, mats, names):
+    """One PowerSGD step of several tensors batched as ``AllReduce.exchange_many`` drives them."""
+    payloads = [c.encode(m, name=n) for m, n in zip(mats, names)]
+    reduced = [[t.clone() for t in p.tensors] for p in payloads]
+    while True:
+        nexts = c.next_round_many(payloads, reduced)
+        live = [i for i, p in enumerate(nexts) if p is not None]
+        if not live:
+            break
+        for i in live:
+            payloads[i], reduced[i] = nexts[i], [t.clone() for t in nexts[i].tensors]
+    return [c.decode(Payload(r, p.ctx)) for r, p in zip(reduced, payloads)]
+
+
+def test_powersgd_resumes_bit_exactly_from_its_state_dict():
+    import io
+
+    mats = [_randn((40, 30), seed=s) for s in range(3)]
+    names = ["a", "b", "c"]
+    c = gradzip.codec("powersgd", rank=2)
+    for _ in range(3):
+        _power_rounds(c, mats, names)
+    buf = io.BytesIO()
+    torch.save(c.state_dict(), buf)
+    again = gradzip.codec("powersgd", rank=2)
+    again.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
+    assert all(torch.equal(again._q[n], c._q[n]) for n in names)
+    for x, y in zip(_power_rounds(c, mats, names), _power_rounds(again, mats, names)):
+        assert torch.equal(x, y)
+
+
+def test_powersgd_non_finite_step_keeps_each_tensors_latest_q():
+    """The fallback is each tensor's Q of the step before, whatever batches it came from, and
+    a tensor whose shape changed falls back to an orthonormal Q of its new shape."""
+    a, b, c3 = _randn((40, 30), seed=1), _randn((40, 30), seed=2), _randn((20, 30), seed=3)
+    codec = gradzip.codec("powersgd", rank=2)
+    _power_rounds(codec, [a, b], ["a", "b"])
+    _power_rounds(codec, [a * 2 + 1, b, c3], ["a", "b", "c"])  # another batch: a's Q moves on
+    latest = codec._q["a"].clone()
+    bad = a.clone()
+    bad[3, 4] = float("nan")
+    out = _power_rounds(codec, [bad, b], ["a", "b"])
+    assert torch.isnan(out[0]).all() and torch.equal(codec._q["a"], latest)
+    narrow = _randn((40, 25), seed=4)
+    narrow[0, 0] = float("inf")
+    _power_rounds(codec, [a, narrow], ["a", "b"])  # b changed shape in a non-finite step
+    q = codec._q["b"]
+    assert q.shape == (25, 2)
+    torch.testing.assert_close(q.T @ q, torch.eye(2), rtol=0, atol=1e-6)
+
+
+def test_orthonormalize_fills_a_matrix_the_same_whatever_shares_its_batch():
+    z = torch.zeros(6, 2)
+    alone = orthonormalize([z])[0]
+    batched = orthonormalize([_randn((9, 2), seed=1), z])[1]
+    torch.testing.assert_close(alone, batched, rtol=0, atol=1e-6)
+    torch.testing.assert_close(alone.T @ alone, torch.eye(2), rtol=0, atol=1e-6)
+
+
 def test_powersgd_warm_start_survives_large_finite_steps():
     """The warm-start Q is kept for finite (if huge) steps and stays orthonormal in use."""
     m = _randn((40, 30), seed=3) * 1e30

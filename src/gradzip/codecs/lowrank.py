@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..kernels import shared_generator
+from ..kernels.rng import counter_uniform
 from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in
 from .registry import register_codec
 
@@ -23,10 +24,13 @@ def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 # A column whose part outside the columns before it is below this fraction of its length is
-# taken as lying in their span (fp32 rounding leaves it a direction of noise).
-_DEPENDENT = 2.0 ** -10
+# taken as lying in their span (zero, or too little left for two projections to make it
+# orthogonal in fp32); a larger part, rounding noise included, is kept: twice projected, it is
+# an orthogonal direction.
+_DEPENDENT = 2.0 ** -20
 # Matrices share one padded stack while its padding stays within this bound (elements).
 _PAD_FACTOR, _PAD_SLACK = 4, 1 << 20
+_KEPT_STACKS = 64  # batches of warm starts kept as stacks (a model's buckets, a few times over)
 
 
 def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -122,13 +126,15 @@ def _slots(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
 
 
 def _fillers(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
-    """The fixed directions that stand in for dependent columns: unit columns of a seeded
-    Gaussian, zero in each matrix's padding (so orthonormalising one keeps it inside the matrix)."""
+    """The fixed directions that stand in for dependent columns: value ``(i, j)`` of every
+    matrix a counter hash of ``i · r + j`` (the same bits on every device and host, and the same
+    for a matrix whatever the height of the others in its stack), zero in each matrix's padding
+    (so orthonormalising one keeps it inside the matrix)."""
     def make() -> torch.Tensor:
-        base = torch.randn(rows[0], r, generator=torch.Generator().manual_seed(0x5EED), dtype=torch.float32)
+        base = (counter_uniform(rows[0] * r, 0x5EED) - 0.5).view(rows[0], r)
         fill = torch.zeros(len(rows), rows[0], r)
         for i, n in enumerate(rows):
-            fill[i, :n] = base[:n] / base[:n].norm(dim=0).clamp_min(1e-30)
+            fill[i, :n] = base[:n]
         return fill.to(device)
     return _cached(("fill", rows, r, device), make)
 
@@ -148,8 +154,7 @@ def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:
                 f = torch.baddbmm(f, done, done.transpose(1, 2) @ f, alpha=-1)
         after = torch.linalg.vector_norm(v, dim=1, keepdim=True)
         dependent = after <= before * _DEPENDENT  # NaN compares False: a NaN column stays
-        if j:
-            f = f / torch.linalg.vector_norm(f, dim=1, keepdim=True)
+        f = f / torch.linalg.vector_norm(f, dim=1, keepdim=True)
         a[:, :, j : j + 1] = torch.where(dependent, f, v / after)
 
 
@@ -210,7 +215,7 @@ class PowerSGD(Codec):
         # per tensor: the next step's Q, orthonormal (saved by Codec.state_dict: tensor_state);
         # the values are views of stacks kept per batch of tensors (``_warm``)
         self._q: Dict[str, torch.Tensor] = {}
-        self._warm: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._warm: Dict[Tuple[str, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._cold: Dict[Tuple[str, int, int, str], torch.Tensor] = {}  # the shared random Qs
 
     def _matrix(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[int, int, int]]:
@@ -274,20 +279,31 @@ class PowerSGD(Codec):
         keeps the Q before it, or every later step would be NaN too."""
         for batch, stack in orthonormal_stacks(qs):
             names = tuple(metas[i].name for i in batch)
-            old = self._warm.get(names)
-            if old is None or old.shape != stack.shape or old.device != stack.device:
+            kept = self._warm.get(names)
+            if kept is not None and kept[0].shape == stack.shape and all(
+                self._q.get(name) is q and q.shape == qs[i].shape for name, q, i in zip(names, kept[1], batch)
+            ):
+                old = kept[0]  # the stack whose views are these tensors' Qs now, in their shapes
+            else:  # each tensor's current Q (or its first one) where the stack is not that
                 old = padded_stack([self._initial_q(metas[i], *qs[i].shape) for i in batch])
             corner = stack[:, :1, :1]
             stack = torch.where(corner == corner, stack, old)  # NaN != NaN
-            self._warm[names] = stack
-            for i, q in zip(batch, stack):
-                self._q[metas[i].name] = q[: qs[i].shape[0]]
+            views = [q[: qs[i].shape[0]] for i, q in zip(batch, stack)]
+            if len(self._warm) >= _KEPT_STACKS and names not in self._warm:
+                self._warm.clear()
+            self._warm[names] = (stack, views)
+            for name, q in zip(names, views):
+                self._q[name] = q
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {**super().state_dict(), "q_orthonormal": True}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._warm.clear()
-        names = list(self._q)  # orthonormal as stored; orthonormalised again, as a checkpoint
-        self._q = dict(zip(names, orthonormalize([self._q[n] for n in names])))  # may predate that
+        if not state.get("q_orthonormal", False):  # saved when Qs were stored as summed
+            names = list(self._q)
+            self._q = dict(zip(names, orthonormalize([self._q[n] for n in names])))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         rnd = meta.extra["round"]
