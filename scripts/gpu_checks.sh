@@ -3,7 +3,8 @@
 #   bash scripts/gpu_checks.sh [results-folder]        (default: gpu-results)
 # 1. the gpu-marked tests, kernels compiled; 2. every codec's encode/decode against a device
 # copy; 3. the max-min and QSGD kernels alone across tile geometries; 4. what each hook adds to
-# a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over gloo.
+# a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over gloo;
+# 6. Chrome traces of a few ResNet-50 steps per method. The folder is also packed as <folder>.tar.gz.
 # Each step writes its log (and JSON) into the folder and the run goes on if one fails.
 set -u
 out=${1:-gpu-results}
@@ -25,4 +26,7 @@ step geometry $py scripts/kernel_geometry.py
 step overhead $py -m gradzip bench overhead --device cuda --json "$out/overhead.json"
 step overhead-2ranks $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
     --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
+step traces $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
+    --steps 4 --trace "$out/traces"
+tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "== all of it in $out.tar.gz"
 exit $status

@@ -4,6 +4,7 @@ They run the real thing (spawned gloo ranks) at tiny settings, through ``gradzip
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
@@ -258,8 +259,10 @@ def test_bench_overhead(tmp_path, device, workers):
     """A real ResNet-18 step per method beside fp32 DDP's: what each hook adds on one rank, and
     the speed against fp32 DDP where ranks share the device and exchange over gloo."""
     path = tmp_path / "overhead.json"
+    traces = tmp_path / "traces"
     rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16,maxmin:bits=2",
-                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile"])
+                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile",
+                   "--trace", str(traces)])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["workers"] == workers and ("NCCL" in report["device_name"]) == (device == "cuda" and workers == 1)
@@ -273,6 +276,11 @@ def test_bench_overhead(tmp_path, device, workers):
     assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 and r["vs_fp32"] > 0 for r in rows.values())
     # every rank profiled the same steps (each is a collective); rank 0's operator tables kept
     assert all("aten::" in r["profile"] for r in rows.values())
+    # and its Chrome traces, one per method, the spec's ':' and '=' made file-safe
+    assert sorted(p.name for p in traces.iterdir()) == sorted(
+        f"resnet18-{m}.json.gz" for m in ("fp32", "maxmin4", "torch-fp16", "maxmin_bits_2"))
+    with gzip.open(rows["maxmin4"]["trace"]) as f:
+        assert any(e.get("name", "").startswith("aten::") for e in json.load(f)["traceEvents"])
 
 
 def test_bench_overhead_rejects_unknown_models_and_methods(capsys):

@@ -16,6 +16,7 @@ gradzip counts it; the gradients' bytes for fp32, half for the fp16 hook).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -120,9 +121,10 @@ def _step_times(step: Callable[[], None], device: torch.device, steps: int) -> L
     return times
 
 
-def _profile(step: Callable[[], None], device: torch.device, rows: int = 25) -> str:
+def _profile(step: Callable[[], None], device: torch.device, rows: int = 25, trace: Optional[str] = None) -> str:
     """The operators of three steps under ``torch.profiler``, the costliest first (device time on a
-    GPU, host time on the CPU): where a method's overhead goes."""
+    GPU, host time on the CPU): where a method's overhead goes. ``trace``: also write the steps
+    there as a Chrome trace (gzipped where the name ends in ``.gz``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -131,6 +133,8 @@ def _profile(step: Callable[[], None], device: torch.device, rows: int = 25) -> 
             step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(trace)
     averages = prof.key_averages()
     by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return averages.table(sort_by=by, row_limit=rows) + "\n" + averages.table(sort_by="self_cpu_time_total", row_limit=rows)
@@ -149,6 +153,13 @@ def _interleaved(built: Sequence[Tuple[str, nn.Module, Any, Callable[[], None]]]
     return times
 
 
+def _trace_path(trace_dir: str, model: str, method: str) -> str:
+    """``trace_dir/<model>-<method>.json.gz``, the method spec's ``:`` and ``=`` made file-safe."""
+    os.makedirs(trace_dir, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in method)
+    return os.path.join(trace_dir, f"{model}-{safe}.json.gz")
+
+
 def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optional[float]:
     """Bytes a rank contributes to the exchange per step, or None where not known."""
     raw = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -161,7 +172,8 @@ def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optio
 
 
 def _measure(rank: int, world: int, device_name: str, models: Sequence[str], configs: Sequence[str],
-             steps: int, warmup: int, batches: Dict[str, Tuple[int, int]], profile: bool = False) -> Dict[str, Any]:
+             steps: int, warmup: int, batches: Dict[str, Tuple[int, int]], profile: bool = False,
+             trace_dir: Optional[str] = None) -> Dict[str, Any]:
     """One rank: every model with every method, and each model's step without DDP."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -197,10 +209,13 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
                 rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}",
                              "step_s": statistics.median(times[name]),
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
-                if profile:  # every rank profiles (each step is a collective); rank 0's table is kept
-                    table = _profile(step, device)
-                    if rank == 0:
+                if profile or trace_dir is not None:  # every rank profiles (each step is a collective)
+                    trace = _trace_path(trace_dir, model_name, name) if trace_dir is not None and rank == 0 else None
+                    table = _profile(step, device, trace=trace)
+                    if rank == 0 and profile:  # rank 0's table and trace are kept
                         rows[-1]["profile"] = table
+                    if trace is not None:
+                        rows[-1]["trace"] = trace
         finally:
             for _, _, state, _ in built:
                 if state is not None:
@@ -223,11 +238,13 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
 
 def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
         steps: int = 20, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1,
-        profile: bool = False) -> Dict[str, Any]:
+        profile: bool = False, trace_dir: Optional[str] = None) -> Dict[str, Any]:
     """Measure on ``workers`` spawned ranks sharing ``device`` (one rank on a GPU: NCCL; else
     gloo) and write rank 0's report. ``configs``: default :data:`DEFAULT_CONFIGS` (without
     PyTorch's PowerSGD hook where the exchange is gloo's). ``profile``: each row also holds the
-    operator tables of three profiled steps after the timed ones (``row["profile"]``)."""
+    operator tables of three profiled steps after the timed ones (``row["profile"]``);
+    ``trace_dir``: those steps are also written there as rank 0's Chrome trace per model and
+    method (``row["trace"]``, the file's path)."""
     from ..comm.launch import spawn_local
 
     dev = check_device(device)
@@ -245,8 +262,10 @@ def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]]
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     batches = BATCHES[dev.type]
-    report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, profile, timeout_s=600,
-                         deadline_s=3600)
+    if trace_dir is not None:
+        trace_dir = os.path.abspath(trace_dir)  # the ranks may start elsewhere
+    report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, profile, trace_dir,
+                         timeout_s=600, deadline_s=3600)
     backend = "NCCL" if nccl else "gloo"
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
     report.update(device=str(dev), steps=steps, warmup=warmup, workers=workers,

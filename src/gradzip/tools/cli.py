@@ -406,6 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--device", type=_bench_device, default="cpu", help="cpu or cuda[:index] (default %(default)s)")
     ov.add_argument("--profile", action="store_true",
                     help="also profile three steps of each method (torch.profiler); the operator tables go into --json")
+    ov.add_argument("--trace", dest="trace_dir", metavar="DIR",
+                    help="also write those three profiled steps as a Chrome trace per model and method "
+                    "(DIR/<model>-<method>.json.gz, rank 0's; open in https://ui.perfetto.dev): where the "
+                    "side stream and the comm thread wait")
     ov.add_argument(
         "--workers", type=_positive, default=1,
         help="ranks sharing the device (default %(default)s: NCCL on a GPU; more: gloo, a real exchange)",
@@ -597,7 +601,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return _bench_report("overhead", lambda: overhead.run(
             args.models, args.configs, args.device, args.steps, args.warmup, args.json_path, args.workers,
-            profile=args.profile,
+            profile=args.profile, trace_dir=args.trace_dir,
         ), overhead.table, args.json_path)
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory
