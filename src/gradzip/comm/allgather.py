@@ -10,7 +10,7 @@ from .base import (
     Exchanged,
     all_gather_bytes,
     all_gather_flat,
-    from_bytes,
+    any_flag,
     payload_views,
     register_collective,
     spec_of,
@@ -59,13 +59,9 @@ class AllGather(Collective):
             gathered = self._all_gather_bytes(buf, w)
         else:
             specs, gathered = self._gather_variable(payload, buf, w)
-        payloads, flags = [], []
-        for r in range(w):
-            tensors, f = from_bytes(gathered[r], specs[r])
-            payloads.append(Payload(tensors, payload.ctx))
-            flags.append(f)
+        payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
         avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
-        return Exchanged(avg, torch.stack(flags).any(), payload.nbytes)
+        return Exchanged(avg, any_flag(gathered, specs[0], specs), payload.nbytes)
 
     def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
         sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)

@@ -198,10 +198,15 @@ def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch
     return payload_views(buf, spec), buf[spec_bytes(spec) - _ALIGN] != 0
 
 
-def any_flag(rows: torch.Tensor, spec: Spec) -> torch.Tensor:
-    """0-dim bool: the OR of the non-finite flags of ``rows``, a ``(W, spec_bytes(spec))`` uint8
-    tensor of :func:`to_bytes` buffers (one per rank), in one operation."""
-    return rows[:, spec_bytes(spec) - _ALIGN].view(torch.bool).any()
+def any_flag(rows: torch.Tensor, spec: Spec, per_row: Optional[Sequence[Spec]] = None) -> torch.Tensor:
+    """0-dim bool: the OR of the non-finite flags of ``rows``, a ``(W, L)`` uint8 tensor of
+    :func:`to_bytes` buffers (one per rank) laid out by ``spec``, in one operation; with
+    ``per_row``, row ``r`` laid out by ``per_row[r]`` (payloads whose size depends on the data,
+    each row padded to the longest), in three whatever ``W``."""
+    if per_row is None or all(s == spec for s in per_row):
+        return rows[:, spec_bytes(spec) - _ALIGN].view(torch.bool).any()
+    at = torch.tensor([[spec_bytes(s) - _ALIGN] for s in per_row], device=rows.device)
+    return rows.gather(1, at).view(torch.bool).any()
 
 
 # ------------------------------------------------------------------------- one call
