@@ -47,6 +47,13 @@ from .topology import Topology
 NODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # a node stage's values
 
 
+def plain_goes_hierarchical(start: Optional[int], numel: int, element_size: int = 4) -> bool:
+    """Whether a plain exchange of ``numel`` values of ``element_size`` bytes takes the
+    hierarchical route that pays from ``start`` fp32 values' worth of bytes on (None: never);
+    what the planner predicts with and the engine routes by."""
+    return start is not None and numel * element_size >= 4 * start
+
+
 class Hierarchical(Collective):
     """``inner`` (a collective on the group across nodes) inside an intra-node reduce-scatter and all-gather.
 

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec
+from ..comm.hierarchy import plain_goes_hierarchical
 from ..sync.groups import padding
 
 SIZES = (1 << 15, 1 << 18, 1 << 20)  # values per group of the calibration exchanges
@@ -129,9 +130,8 @@ class Costs:
     def plain_s(self, numel: int, element_size: int = 4) -> float:
         """Predicted seconds of a plain all-reduce of ``numel`` values of ``element_size`` bytes
         (hierarchical from :attr:`plain_hierarchy_from` values on)."""
-        start, values = self.plain_hierarchy_from, numel * element_size / 4  # in fp32 values' worth of bytes
-        line = self.plain_hierarchical if start is not None and values >= start else self.plain
-        return line.at(values)
+        hierarchical = plain_goes_hierarchical(self.plain_hierarchy_from, numel, element_size)
+        return (self.plain_hierarchical if hierarchical else self.plain).at(numel * element_size / 4)
 
     def links(self) -> Dict[str, Dict[str, float]]:
         """The two link classes as calibrated: seconds per value of a plain exchange inside the

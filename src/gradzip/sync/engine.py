@@ -18,7 +18,7 @@ from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
 from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
-from ..comm.hierarchy import NODE_DTYPES, Hierarchical
+from ..comm.hierarchy import NODE_DTYPES, Hierarchical, plain_goes_hierarchical
 from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
@@ -286,8 +286,7 @@ class Communicator:
     def plain_goes_hierarchical(self, numel: int, element_size: int = 4) -> bool:
         """Whether a plain exchange of ``numel`` values of ``element_size`` bytes is hierarchical:
         from :attr:`plain_hierarchy_from` fp32 values' worth of bytes on, where the layout allows."""
-        start = self.plain_hierarchy_from
-        return self._plain_hierarchical is not None and start is not None and numel * element_size >= 4 * start
+        return self._plain_hierarchical is not None and plain_goes_hierarchical(self.plain_hierarchy_from, numel, element_size)
 
     def plain_collective(self, t: torch.Tensor) -> Collective:
         """The collective of a plain exchange of ``t`` (see :meth:`plain_goes_hierarchical`)."""
