@@ -173,6 +173,7 @@ def _group_sizes(rank: int, world: int) -> Dict[str, float]:
         out[f"{name} cpu"] = state.group_mb()
         state.device = torch.device("meta")  # where the gradients would lie on an accelerator
         out[f"{name} accelerator"] = state.group_mb()
+        out[f"{name} reported"] = state.plan()["group_mb"]  # the size in use, not only as configured
         state.close()
     return out
 
@@ -184,6 +185,7 @@ def test_groups_are_larger_on_an_accelerator_unless_the_size_is_given():
     sizes = run_workers(_group_sizes, 1)[0]
     assert sizes["default cpu"] == Config().fusion_mb < ACCELERATOR_FUSION_MB == sizes["default accelerator"]
     assert sizes["given cpu"] == sizes["given accelerator"] == 2.0
+    assert sizes["default reported"] == ACCELERATOR_FUSION_MB and sizes["given reported"] == 2.0
 
 
 def _batched_flag(rank: int, world: int) -> Dict[str, object]:

@@ -109,13 +109,16 @@ class GradzipState:
         to the last; with pipelining, other jobs' stages run in between). ``costs``: the
         calibrated model (:mod:`gradzip.policy.planner`), None without ``plan="auto"``; each group's
         ``route``: the collective the planner chose for it (None: the configured one); ``drift``:
-        the watch of measured against predicted times and how often it re-calibrated."""
+        the watch of measured against predicted times and how often it re-calibrated;
+        ``group_mb``: the size of a fused group in use (:meth:`group_mb`), which the settings
+        compared between ranks give as configured (``fusion_mb``)."""
         measured = {}
         for d in self.decisions:
             times = self.comm.metrics.group_times.get(group_key(sorted(d.members)))
             if times:
                 measured[d.group] = times
         out = planner.report(self.decisions, measured, self.costs)
+        out["group_mb"] = self.group_mb()  # in use: fusion_mb as given, or the device's default
         out["topology"] = self.comm.describe_topology()
         if self.drift is not None:
             out["drift"] = self.drift.as_dict()
