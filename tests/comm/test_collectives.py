@@ -136,8 +136,11 @@ def _nonfinite(rank: int, world: int) -> dict:
     pairs = [("none", "allreduce"), ("randomk", "allreduce"), ("topk", "allgather"), ("signsgd", "allgather")]
     pairs += [("threshold", "allgather")]  # payloads of a size of their own per rank: flags at other offsets
     pairs += [("maxmin", "sra"), ("sketchml", "ps"), ("onebit", "ps"), ("randomk", "ps"), ("powersgd", "allreduce")]
+    pairs += [("qsgd", "ps")]  # in three partitions, the NaN in the last one
     for name, coll in pairs:
         options = {"threshold": 1.5} if name == "threshold" else {}  # about 13% of the values pass
+        if name == "qsgd":
+            options["collective_options"] = {"partitions": 3, "min_partition": 1}
         comm = gradzip.Communicator(name, collective=coll, memory="residual", **options)
         x = torch.randn(64, 40, generator=torch.Generator().manual_seed(rank))
         if name == "threshold":
@@ -146,7 +149,7 @@ def _nonfinite(rank: int, world: int) -> dict:
         before = comm.memory.residuals["w"].clone()
         bad = x.clone()
         if rank == 1:
-            bad[3, 5] = float("nan")
+            bad[3 if name != "qsgd" else 60, 5] = float("nan")
         second = comm.allreduce(bad, name="w")
         after = comm.memory.residuals["w"].clone()  # updated in place at the next step
         third = comm.allreduce(x, name="w")

@@ -17,6 +17,7 @@ from .base import (
     Stages,
     all_gather_flat,
     from_bytes,
+    payload_views,
     reencoder,
     register_collective,
     spec_bytes,
@@ -154,8 +155,10 @@ class ParameterServer(Collective):
             for p in mine:
                 received[p].append(from_bytes(recv_buf[offset : offset + sizes[r][p]], specs[r][p]))
                 offset += sizes[r][p]
+        # a rank's flag covers all its partitions (written once all were encoded): one OR of
+        # the ranks' flags serves every partition aggregated here
+        flags = torch.stack([f for _, f in received[mine[0]]]).any() if mine else None
         for p in mine:
-            flags = torch.stack([f for _, f in received[p]]).any()
             if summable:
                 merged = call.decode(_sum_payloads, [t for t, _ in received[p]])
             else:
@@ -188,17 +191,20 @@ class ParameterServer(Collective):
             gathered[0] = mine_buf
         # each partition decodes straight into its place in the result (x is read no more)
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
-        flags2 = []
+        nonfinite = None  # every aggregated partition carries the OR of all ranks' flags: read one
         offsets = [0] * w
         for p, (a, b) in enumerate(bounds):
             d = owner[p]
-            tensors, f = from_bytes(gathered[d, offsets[d] : offsets[d] + sizes2[p]], specs2[p])
+            message = gathered[d, offsets[d] : offsets[d] + sizes2[p]]
             offsets[d] += sizes2[p]
+            if nonfinite is None:
+                tensors, nonfinite = from_bytes(message, specs2[p])
+            else:
+                tensors = payload_views(message, specs2[p])
             call.decode(codec.decode_into, Payload(tensors, encoded[p].ctx), avg[a:b])
-            flags2.append(f)
         first_round = sum(e.nbytes for e in encoded)
         wire = first_round + sum(t.numel() * t.element_size() for p in mine for t in merged_tensors[p])
-        return Exchanged(avg, torch.stack(flags2).any(), wire, payload_bytes=first_round)
+        return Exchanged(avg, call.flag if nonfinite is None else nonfinite, wire, payload_bytes=first_round)
 
     # ------------------------------------------------------------ variable-size payloads
     def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:
