@@ -293,6 +293,10 @@ def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
     acc = base.clone()
     gpu.table_decode(codes, table, scale, bucket, n, out=acc, accumulate=True)
     torch.testing.assert_close(acc, base + reference.table_decode(codes, table, scale, bucket, n), **exact)
+    # without a scale (natural compression's table): the table's values themselves
+    plain = table[codes.long()]
+    torch.testing.assert_close(reference.table_decode(codes, table, None, n, n), plain, **exact)
+    torch.testing.assert_close(gpu.table_decode(codes, table, None, n, n), plain, **exact)
 
 
 def test_element_wise_encoders_read_strided_buckets():

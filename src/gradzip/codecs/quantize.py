@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels import bucket_view, fused, pack_bits, packed_bytes, store_into, unpack_bits
+from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
 from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, saturate
 from .registry import register_codec
 
@@ -307,9 +307,7 @@ class Natural(Codec):
         # finite input (top <= 255): 2**128 does not exist in fp32, the largest fp32 stands in
         field = torch.minimum(field, torch.where(top <= 255, _INF - 1, _INF).to(torch.int32))
         table = (torch.where(code > 0, field, 0) | ((byte >> 7) << 31)).view(torch.float32)
-        if codes.is_cuda:  # one pass of the table kernel (times a scale of 1: exact)
-            return fused.table_decode(codes, table, table.new_ones(1), numel, numel, out, accumulate)
-        return store_into(torch.index_select(table, 0, codes[:numel].to(torch.int32)), out, accumulate)
+        return fused.table_decode(codes, table, None, numel, numel, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel + 4

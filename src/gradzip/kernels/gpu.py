@@ -247,9 +247,7 @@ def _maxmin_decode_kernel(
         halves = 2.0 * ((lo * 0.5)[:, None] + level * (scale * 0.5)[:, None])
         halves = tl.where(halves > fmax, fmax, tl.where(halves < -fmax, -fmax, halves))
         val = tl.where((tl.abs(val) == float("inf")) & finite[:, None], halves, val)
-        if ACCUMULATE:
-            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-        tl.store(out_ptr + offs, val, mask=valid)
+        _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _qsgd_encode_kernel(
@@ -307,9 +305,7 @@ def _qsgd_decode_kernel(
         sign = 1.0 - 2.0 * (codes >> (BITS - 1)).to(tl.float32)
         val = ((codes & S).to(tl.float32) * sign) * step[:, None]
         val = tl.where(val > top, top, tl.where(val < -top, -top, val))
-        if ACCUMULATE:
-            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-        tl.store(out_ptr + offs, val, mask=valid)
+        _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _block_values(x_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
@@ -322,6 +318,14 @@ def _block_values(x_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
     if TO_F32:
         x = x.to(tl.float32)
     return pid, offs, valid, x
+
+
+def _store_decoded(out_ptr, offs, val, valid, ACCUMULATE: tl.constexpr):
+    """Every decoder's last step: ``val`` stored at ``offs`` of ``out``, or added to what is
+    there (``out + val``, the reference's order)."""
+    if ACCUMULATE:
+        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
+    tl.store(out_ptr + offs, val, mask=valid)
 
 
 def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: tl.constexpr):
@@ -372,9 +376,7 @@ def _ternary_decode_kernel(
     byte = tl.load(packed_ptr + (offs >> 2), mask=valid, other=0).to(tl.int32)
     code = (byte >> (2 * (offs & 3)).to(tl.int32)) & 3
     val = ((code & 1) - (code >> 1)).to(tl.float32) * tl.load(scale_ptr + offs // bucket, mask=valid, other=0.0)
-    if ACCUMULATE:
-        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-    tl.store(out_ptr + offs, val, mask=valid)
+    _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _natural_codes_kernel(bits_ptr, rand_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr):
@@ -415,9 +417,7 @@ def _table_decode_kernel(
     valid = offs < numel
     code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
     val = tl.load(table_ptr + code, mask=valid, other=0.0) * tl.load(scale_ptr + offs // bucket, mask=valid, other=0.0)
-    if ACCUMULATE:
-        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-    tl.store(out_ptr + offs, val, mask=valid)
+    _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _onebit_decode_kernel(
@@ -433,9 +433,7 @@ def _onebit_decode_kernel(
     neg = tl.load(means_ptr + 2 * b, mask=valid, other=0.0)
     pos = tl.load(means_ptr + 2 * b + 1, mask=valid, other=0.0)
     val = bit * pos + (1.0 - bit) * neg
-    if ACCUMULATE:
-        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-    tl.store(out_ptr + offs, val, mask=valid)
+    _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -469,9 +467,7 @@ def _sign_decode_kernel(
     val = ((byte >> (offs & 7).to(tl.int32)) & 1).to(tl.float32) * 2.0 - 1.0
     if HAS_SCALE:
         val = val * tl.load(scale_ptr)
-    if ACCUMULATE:
-        val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-    tl.store(out_ptr + offs, val, mask=valid)
+    _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _magnitude_key(x_ptr, offs, valid):
@@ -668,9 +664,7 @@ def _fp8_decode_kernel(
         offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
         code = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
         val = _clamp_to(_from_mini(code, MBITS, EBIAS, 7, SPECIAL) * s[:, None], top)
-        if ACCUMULATE:
-            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-        tl.store(out_ptr + offs, val, mask=valid)
+        _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _mx_encode_kernel(
@@ -711,9 +705,7 @@ def _mx_decode_kernel(
         else:
             elem = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
         val = _from_mini(elem, MBITS, EBIAS, SIGN_AT, SPECIAL) * scale[:, None]
-        if ACCUMULATE:
-            val = tl.load(out_ptr + offs, mask=valid, other=0.0) + val
-        tl.store(out_ptr + offs, val, mask=valid)
+        _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
 def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
@@ -729,7 +721,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_block_values", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
+    "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel", "_natural_codes_kernel",
     "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
@@ -1134,11 +1126,14 @@ def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lu
 
 
 def table_decode(
-    codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None, bucket: int, numel: int,
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """``table[code] × scale`` per value in one pass (see ``reference.table_decode``)."""
+    """``table[code] × scale`` per value in one pass (see ``reference.table_decode``); without a
+    ``scale``, ``table[code]`` (times 1: exact)."""
     tables = (table.to(torch.float32).contiguous(),)
+    if scale is None:
+        scale, bucket = table.new_ones(1, dtype=torch.float32), max(numel, 1)
     return _bucket_decode(_table_decode_kernel, codes, tables, scale, bucket, numel, out, accumulate)
 
 

@@ -224,12 +224,16 @@ def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lu
 
 
 def table_decode(
-    codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    codes: torch.Tensor, table: torch.Tensor, scale: Optional[torch.Tensor], bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """``table[code] × scale`` of the value's bucket (fp32), into ``out`` if given."""
-    vals = bucket_view(torch.index_select(table, 0, codes.reshape(-1)[:numel].to(torch.int32)), bucket)
-    return store((vals * scale[: vals.shape[0], None]).reshape(-1)[:numel], out, accumulate)
+    """``table[code] × scale`` of the value's bucket (fp32), into ``out`` if given; without a
+    ``scale`` (natural compression's power-of-two table), ``table[code]``."""
+    vals = torch.index_select(table, 0, codes.reshape(-1)[:numel].to(torch.int32))
+    if scale is not None:
+        vals = bucket_view(vals, bucket)
+        vals = (vals * scale[: vals.shape[0], None]).reshape(-1)[:numel]
+    return store(vals, out, accumulate)
 
 
 def onebit_decode(
