@@ -116,7 +116,8 @@ def measure(
                 dec_stream = _stream_time(lambda: codec.decode_into(payload, flat), repeats, dev)
                 stream = {
                     "encode_stream_ms": enc_stream * 1e3, "decode_stream_ms": dec_stream * 1e3,
-                    "encode_stream_vs_copy": copy_stream_s / enc_stream, "decode_stream_vs_copy": copy_stream_s / dec_stream,
+                    "encode_stream_vs_copy": copy_stream_s / enc_stream,
+                    "decode_stream_vs_copy": copy_stream_s / dec_stream,
                 }
             rows.append({
                 "codec": spec,

@@ -8,10 +8,11 @@ real exchange and the speed-up over fp32 DDP is the measure. For each model (a r
 ResNet-50 forward/backward, GPT-2 small from ``transformers`` under bf16 autocast on a GPU) and
 method (fp32 DDP, PyTorch's fp16 and PowerSGD hooks, gradzip's methods) this measures the
 median step (every method's model built side by side and timed two steps at a time in turns,
-so a drift of the device's speed during the run falls on all methods alike), the overhead over fp32 DDP (milliseconds and share of the step), and the link
-rate at which the method's exchange would hide behind the step: a rank of a large ring sends
-about twice its payload per step, so ``2 · payload · 8 / step`` bits per second (the payload as
-gradzip counts it; the gradients' bytes for fp32, half for the fp16 hook).
+so a drift of the device's speed during the run falls on all methods alike), the overhead
+over fp32 DDP (milliseconds and share of the step), and the link rate at which the method's
+exchange would hide behind the step: a rank of a large ring sends about twice its payload per
+step, so ``2 · payload · 8 / step`` bits per second (the payload as gradzip counts it; the
+gradients' bytes for fp32, half for the fp16 hook).
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ from .codecs import check_device
 from .methods import CONFIGS, attach, describe
 
 MODELS = ("resnet50", "gpt2", "resnet18")
-_PER_TURN = 2  # steps a method is timed before the next method's turn (see _interleaved)
 DEFAULT_MODELS = ["resnet50", "gpt2"]
 DEFAULT_CONFIGS = ["fp32", "torch-fp16", "torch-powersgd", "maxmin4", "powersgd"]
+_PER_TURN = 2  # steps a method is timed before the next method's turn (see _interleaved)
 # PyTorch's PowerSGD hook chains its all-reduces in future callbacks; on gloo with several DDP
 # buckets that deadlocks, even on one rank, so it is measured over NCCL only
 GLOO_UNSUPPORTED = {"torch-powersgd": "PyTorch's PowerSGD hook hangs with several DDP buckets on gloo; measure it with --device cuda"}

@@ -218,7 +218,9 @@ class Codec(Configurable):
         """For multi-round summable codecs: after an all-reduce round, the next payload or None."""
         return None
 
-    def next_round_many(self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]]) -> List[Optional[Payload]]:
+    def next_round_many(
+        self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
+    ) -> List[Optional[Payload]]:
         """:meth:`next_round` for several tensors summed in the same round; a codec overrides it
         to treat them as one batch (PowerSGD orthonormalises all its factors at once)."""
         return [self.next_round(p, r) for p, r in zip(payloads, reduced)]

@@ -259,7 +259,9 @@ class PowerSGD(Codec):
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         return self.next_round_many([payload], [reduced])[0]
 
-    def next_round_many(self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]]) -> List[Optional[Payload]]:
+    def next_round_many(
+        self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
+    ) -> List[Optional[Payload]]:
         """Round 1 (``P`` summed): ``P̂``, every matrix's ``P`` orthonormalised in one batch, and
         ``Q = Mᵀ P̂`` to sum next. Round 2 (``Q`` summed): the warm starts of the next step."""
         out: List[Optional[Payload]] = [None] * len(payloads)

@@ -222,7 +222,9 @@ class TernGrad(Codec):
         rand = torch.rand(buckets.shape, generator=self._generator(x.device), device=x.device)
         return list(fused.terngrad_encode(buckets, rand, n))
 
-    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
         packed, scale = tensors
         return fused.ternary_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), numel, out, accumulate)
 
@@ -298,7 +300,9 @@ class Natural(Codec):
         # then one pass (a Triton kernel on CUDA) from bits, draws and header to the codes
         return [fused.natural_codes(xf.view(torch.int32), rand, top), top]
 
-    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
         codes, top = tensors
         # the 256 values a byte can mean under this header, then one lookup per element
         byte = torch.arange(256, device=codes.device, dtype=torch.int32)
@@ -422,7 +426,9 @@ class U8bit(Codec):
         # then one pass (a Triton kernel on CUDA): scaled value, table lookups, index
         return [fused.u8bit_codes(buckets, inv, mids, lut, n), scale]
 
-    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
         codes, scale = tensors
         table, _, _ = _u8_tables(codes.device)
         return fused.table_decode(codes, table, scale, _whole_or(self.bucket_size, meta.numel), numel, out, accumulate)
@@ -633,7 +639,9 @@ class TBQ(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [fused.tbq_encode(x.reshape(-1), self._tau)]
 
-    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
         return fused.ternary_decode(tensors[0], self._tau_tensor(tensors[0].device), meta.numel, numel, out, accumulate)
 
     def _tau_tensor(self, device: torch.device) -> torch.Tensor:

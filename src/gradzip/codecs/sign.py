@@ -149,7 +149,9 @@ class OneBit(Codec):
         bits = fused.sign_encode(xf)  # set where x >= 0: the packed ``nonneg`` (one pass, C or Triton)
         return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
 
-    def _decode_to(self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    def _decode_to(
+        self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+    ) -> torch.Tensor:
         packed, means = tensors
         return fused.onebit_decode(packed, means.float(), self._buckets(meta.numel)[0], numel, out, accumulate)
 

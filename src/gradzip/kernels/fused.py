@@ -170,7 +170,9 @@ def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> 
     return _gpu_or_reference(bits).natural_codes(bits, rand, top)
 
 
-def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+def u8bit_codes(
+    buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+) -> torch.Tensor:
     return _gpu_or_reference(buckets).u8bit_codes(buckets, inv, mids, lut, numel)
 
 

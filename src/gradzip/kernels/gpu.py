@@ -1111,7 +1111,9 @@ def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> 
     return out
 
 
-def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+def u8bit_codes(
+    buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+) -> torch.Tensor:
     """8-bit codes in one pass (see ``reference.u8bit_codes``)."""
     _require()
     bucket = buckets.shape[1]

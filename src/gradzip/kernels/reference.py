@@ -214,7 +214,9 @@ def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> 
     return (code | sign).to(torch.uint8)
 
 
-def u8bit_codes(buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int) -> torch.Tensor:
+def u8bit_codes(
+    buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+) -> torch.Tensor:
     """8-bit codes (``U8bit._encode``): ``v = x · inv`` of the value's bucket, then the nearest
     table entry ``lut[key] + (mids[lut[key]] < v)``, ``key`` the top 16 bits of ``v``'s fp32."""
     v = (buckets * inv[:, None]).reshape(-1)[:numel].contiguous()

@@ -286,7 +286,8 @@ class Communicator:
     def plain_goes_hierarchical(self, numel: int, element_size: int = 4) -> bool:
         """Whether a plain exchange of ``numel`` values of ``element_size`` bytes is hierarchical:
         from :attr:`plain_hierarchy_from` fp32 values' worth of bytes on, where the layout allows."""
-        return self._plain_hierarchical is not None and plain_goes_hierarchical(self.plain_hierarchy_from, numel, element_size)
+        start = self.plain_hierarchy_from
+        return self._plain_hierarchical is not None and plain_goes_hierarchical(start, numel, element_size)
 
     def plain_collective(self, t: torch.Tensor) -> Collective:
         """The collective of a plain exchange of ``t`` (see :meth:`plain_goes_hierarchical`)."""

@@ -414,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_positive, default=1,
         help="ranks sharing the device (default %(default)s: NCCL on a GPU; more: gloo, a real exchange)",
     )
-    ov.add_argument("--steps", type=_positive, default=20, help="timed steps per method, taken two at a time in turns of all methods (default %(default)s)")
+    ov.add_argument("--steps", type=_positive, default=20,
+                    help="timed steps per method, taken two at a time in turns of all methods (default %(default)s)")
     ov.add_argument("--warmup", type=_positive, default=3, help="untimed steps first, at least 2 (default %(default)s)")
     ov.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
 
