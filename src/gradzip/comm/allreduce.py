@@ -1,7 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,10 +60,10 @@ class AllReduce(Collective):
         bucket's factors the same way), and one of the non-finite flag for them all."""
         if len(calls) == 1:
             return [(yield from self.exchange(calls[0]))]
-        w = calls[0].world_size
+        w, codec = calls[0].world_size, calls[0].codec  # one codec for them all (Collective.stages_many)
         # where every NaN/Inf of an input reaches its payload, one pass over the packed payloads
         # flags them all (not one pass over each input)
-        from_payloads = self.flagged and all(call.codec.payload_keeps_nonfinite for call in calls)
+        from_payloads = self.flagged and codec.payload_keeps_nonfinite
         payloads = [call.encode(_scaled(call), flag=not from_payloads) for call in calls]
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
@@ -98,26 +98,17 @@ class AllReduce(Collective):
                     reduced[i].append(packed[t.dtype][at : at + t.numel()].view(t.shape))
                     offsets[t.dtype] = at + t.numel()
             going = []
-            for codec, idx in _by_codec(calls, live):
-                nexts, seconds = _timed(codec.next_round_many, [payloads[i] for i in idx], [reduced[i] for i in idx])
-                for i, nxt in zip(idx, nexts):
-                    calls[i].timer.add_encode(*(s / len(idx) for s in seconds))
-                    if nxt is not None:
-                        payloads[i] = nxt
-                        going.append(i)
-            live = sorted(going)
+            nexts, seconds = _timed(codec.next_round_many, [payloads[i] for i in live], [reduced[i] for i in live])
+            for i, nxt in zip(live, nexts):
+                calls[i].timer.add_encode(*(s / len(live) for s in seconds))
+                if nxt is not None:
+                    payloads[i] = nxt
+                    going.append(i)
+            live = going
         if flag_work is not None:
             flag_work.wait()
             nonfinite = flag[0] > 0
         return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
-
-
-def _by_codec(calls: Sequence[Call], live: Sequence[int]) -> List[Tuple[Codec, List[int]]]:
-    """The indices in ``live`` grouped by their calls' codec, in order (one batch per codec)."""
-    groups: Dict[int, Tuple[Codec, List[int]]] = {}
-    for i in live:
-        groups.setdefault(id(calls[i].codec), (calls[i].codec, []))[1].append(i)
-    return list(groups.values())
 
 
 def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
