@@ -204,6 +204,23 @@ def test_nonfinite_flag_does_not_overflow():
     assert flag.dim() == 0 and flag.dtype == torch.bool
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("spec", ["maxmin", "qsgd"])
+def test_bucket_statistics_tell_every_nonfinite_input_and_no_finite_one(spec, kernels, monkeypatch):
+    """The flag read from max-min's and QSGD's statistics (no pass over the input): true for a
+    NaN, +inf or -inf in any bucket, false for values at the top of fp32 of both signs."""
+    monkeypatch.setenv("GRADZIP_KERNELS", kernels)
+    c = gradzip.codec(spec, bucket_size=64)
+    assert not bool(c.nonfinite(c.encode(torch.tensor([FLT_MAX, -FLT_MAX, 3e38, -2e38] * 50), "w")))
+    assert not bool(c.nonfinite(c.encode(_randn((1000,)), "w")))
+    for where, bad in [(0, float("nan")), (500, float("inf")), (999, -float("inf"))]:
+        x = _randn((1000,))
+        x[where] = bad
+        assert bool(c.nonfinite(c.encode(x, "w"))), (where, bad)
+    x = torch.full((128,), float("inf"))  # every value +inf: the range inf - inf is NaN
+    assert bool(c.nonfinite(c.encode(x, "w")))
+
+
 def test_allgather_of_huge_finite_values_is_finite():
     x = torch.full((15,), 1e38)
     for name in ("none", "topk", "signsgd"):

@@ -416,6 +416,28 @@ def test_maxmin_extremes_bit_identical(bits, key):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("key", KEYS, ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("bucket", [8, 64, 5000])
+def test_nonfinite_buckets_get_nonfinite_statistics_as_in_the_reference(bucket, key):
+    """A NaN makes its bucket's max-min statistics NaN (the GPU's own min/max skip NaN) and
+    its levels 0; ±inf make the scale non-finite; QSGD's norm is NaN or inf. The other buckets
+    are unchanged, so the statistics carry the non-finite flag on every device."""
+    n = 9000
+    x = _randn(n, seed=bucket)
+    x[3], x[n // 2], x[n - 2] = float("nan"), float("inf"), -float("inf")
+    bad = torch.zeros(-(-n // bucket), dtype=torch.bool)
+    bad[[3 // bucket, (n // 2) // bucket, (n - 2) // bucket]] = True
+    packed, stats = gpu.maxmin_encode(x, 4, bucket, key)
+    ref_packed, ref_stats = reference.maxmin_encode(x, 4, bucket, key)
+    assert torch.equal(packed, ref_packed)
+    stats, ref_stats = stats.view(-1, 2).cpu(), ref_stats.view(-1, 2).cpu()
+    assert torch.isnan(stats[3 // bucket]).all()
+    assert torch.equal(~torch.isfinite(stats).all(1), bad) and torch.equal(~torch.isfinite(ref_stats).all(1), bad)
+    assert _same_bits(stats[~bad], ref_stats[~bad])
+    packed, norms = gpu.qsgd_encode(x, 4, bucket, 7)
+    assert torch.equal(~torch.isfinite(norms.cpu()), bad)
+
+
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_qsgd_extremes_match_reference(bits):
     for n, bucket in [(64, 8), (1000, 64), (9000, 5000)]:

@@ -118,10 +118,8 @@ class MaxMin(Codec):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # every bucket's min is NaN where it held a NaN and its scale infinite where it held an
-        # Inf, in each kernel on the CPU; the GPU kernels are not held to it
-        if len(payload.tensors) != 2 or payload.ctx.device.type != "cpu":
-            return None
-        return ~torch.isfinite(payload.tensors[1]).all()
+        # Inf (or NaN where it held +inf only), in every kernel version
+        return _any_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
@@ -165,9 +163,23 @@ class QSGD(Codec):
     def fusion_block(self) -> int:
         return self.bucket_size
 
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        # a bucket's norm is NaN where it held a NaN and infinite where it held an Inf (the
+        # squares are summed in fp64, so finite values give a finite norm), in every kernel version
+        return _any_nonfinite(payload, 1)
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         buckets = -(-numel // self.bucket_size)
         return packed_bytes(numel, self.bits) + buckets * 4
+
+
+def _any_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:
+    """0-dim bool: some value of the payload's per-bucket statistics (tensor ``stats``) is not
+    finite; None for a payload of another form (an empty input's)."""
+    if len(payload.tensors) <= stats:
+        return None
+    # v * 0 is 0 for finite v, NaN for NaN and ±inf: three operations (isfinite alone is four)
+    return payload.tensors[stats].mul(0).sum() != 0
 
 
 # ============================================================================ TernGrad

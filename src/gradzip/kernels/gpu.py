@@ -168,7 +168,8 @@ def _maxmin_levels(x, lo, inv, big, offs, valid, key, BITS: tl.constexpr, STOCHA
     else:
         # v >= 0: adding 2**23 leaves no fraction bits, so the IEEE addition rounds half to even
         f = (v + 8388608.0) - 8388608.0
-    f = tl.minimum(tl.maximum(f, 0.0), Q * 1.0)
+    # a NaN (a bucket with NaN statistics) becomes level 0 on every device
+    f = tl.minimum(tl.maximum(tl.where(f == f, f, 0.0), 0.0), Q * 1.0)
     return tl.where(valid, f.to(tl.int32), 0)
 
 
@@ -188,27 +189,34 @@ def _maxmin_encode_kernel(
     x_ptr, packed_ptr, stats_ptr, numel, bucket, num_buckets, key,
     BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
-    """ROWS buckets: min/max, ``scale = (max - min) / q``, levels, packed bytes and stats."""
+    """ROWS buckets: min/max, ``scale = (max - min) / q``, levels, packed bytes and stats.
+
+    A bucket holding a NaN gets NaN statistics, as torch's min/max give (the GPU's own min/max
+    skip NaN), and levels 0: the statistics then tell of every NaN and ±inf of the input, so
+    the non-finite flag needs no pass of its own (``MaxMin.nonfinite``)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ukey = tl.cast(key, tl.uint32, bitcast=True)
     Q: tl.constexpr = (1 << BITS) - 1
     if CHUNKED:
         lo = tl.full((ROWS,), float("inf"), tl.float32)
         hi = tl.full((ROWS,), float("-inf"), tl.float32)
+        nan = tl.zeros((ROWS,), tl.int32)
         for c in tl.range(0, bucket, BLOCK):
             offs, valid = _tile(row, c, bucket, num_buckets, numel, BLOCK)
             x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
             lo = tl.minimum(lo, tl.min(tl.where(valid, x, float("inf")), axis=1))
             hi = tl.maximum(hi, tl.max(tl.where(valid, x, float("-inf")), axis=1))
+            nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=1))
     else:
         offs, valid = _tile(row, 0, bucket, num_buckets, numel, BLOCK)
         x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
         lo = tl.min(tl.where(valid, x, float("inf")), axis=1)
         hi = tl.max(tl.where(valid, x, float("-inf")), axis=1)
+        nan = tl.max((x != x).to(tl.int32), axis=1)
     # rows past the last bucket saw no value (min = inf): zero them so the padding stays finite
     row_ok = row < num_buckets
-    lo = tl.where(row_ok, lo, 0.0)
-    hi = tl.where(row_ok, hi, 0.0)
+    lo = tl.where(row_ok, tl.where(nan > 0, float("nan"), lo), 0.0)
+    hi = tl.where(row_ok, tl.where(nan > 0, float("nan"), hi), 0.0)
     span = hi - lo
     # a finite range beyond fp32 (both signs near the maximum): halves, as the reference
     big = (tl.abs(span) == float("inf")) & (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))
