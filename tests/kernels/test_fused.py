@@ -129,6 +129,12 @@ def test_counter_uniform_is_a_pure_function_of_index_and_key():
     assert (hist - 1 / 16).abs().max() < 0.01  # roughly uniform
 
 
+@needs_native
+@pytest.mark.parametrize("numel,key", [(0, 1), (1, 0), (8191, 0xFFFFFFFF), (100003, 0x9E3779B1)])
+def test_fused_uniform_is_counter_uniform_bit_for_bit(numel, key):
+    assert torch.equal(fused.uniform(numel, key, torch.device("cpu")), counter_uniform(numel, key))
+
+
 def test_kernels_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GRADZIP_KERNELS", "fastest")
     with pytest.raises(ValueError, match="auto, native, triton, torch"):
@@ -139,7 +145,8 @@ def test_kernels_setting_is_checked(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"mode": "nearest"}), ("qsgd", {}),
-                                  ("signsgd", {}), ("efsignsgd", {}), ("fp16", {}), ("bf16", {})])
+                                  ("signsgd", {}), ("efsignsgd", {}), ("fp16", {}), ("bf16", {}),
+                                  ("terngrad", {"bucket_size": 512}), ("natural", {}), ("cl_terngrad", {})])
 def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
     name, opts = spec
     x = _x(5000, seed=3)

@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need triton (p
 
 from gradzip.kernels import gpu, reference  # noqa: E402
 from gradzip.kernels.bitpack import unpack_bits  # noqa: E402
+from gradzip.kernels.rng import counter_uniform  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -201,7 +202,8 @@ def test_sign_other_dtypes(dtype):
 # -------------------------------------------------------------------------------------- TernGrad
 @pytest.mark.parametrize("n,bucket", [(1, 1), (7, 7), (9000, 9000), (1000, 64), (4097, 1024), (100, 24)])
 def test_terngrad_bit_identical(n, bucket):
-    """Codes from the same values, scales and draws; an all-zero bucket, NaN and ±inf included."""
+    """Codes from the same values, scales and counter draws (made inside the kernel); an
+    all-zero bucket, NaN and ±inf included."""
     from gradzip.kernels.buckets import bucket_view
 
     x = _randn(n, seed=n + bucket)
@@ -211,8 +213,9 @@ def test_terngrad_bit_identical(n, bucket):
         x[-20] = float("inf")
         x[-40] = -float("inf")
     buckets = bucket_view(x, bucket)
-    rand = torch.rand(buckets.shape, generator=torch.Generator().manual_seed(n)).to(DEVICE)
-    packed, scale = gpu.terngrad_encode(buckets, rand, n)
+    key = 0x9E000000 + n  # above 2**31: the kernel takes it as a signed int32
+    rand = counter_uniform(buckets.numel(), key, DEVICE).view(buckets.shape)
+    packed, scale = gpu.terngrad_encode(buckets, key, n)
     ref_packed, ref_scale = reference.terngrad_encode(buckets, rand, n)
     assert torch.equal(packed, ref_packed) and _same_bits(scale, ref_scale)
     assert _same_bits(gpu.ternary_decode(packed, scale, bucket, n), reference.ternary_decode(packed, scale, bucket, n))
@@ -265,9 +268,11 @@ def test_natural_codes_bit_identical(case):
     bits = x.float().contiguous().view(torch.int32)
     largest = (bits & 0x7FFFFFFF).clamp(max=0x7F800000).amax()
     top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32)).reshape(1)
-    rand = torch.randint(0, 1 << 23, (5000,), generator=torch.Generator().manual_seed(3), dtype=torch.int32).to(DEVICE)
-    got = gpu.natural_codes(bits, rand, top)
-    assert torch.equal(got, reference.natural_codes(bits, rand, top))
+    for key in (3, 0xF00DFACE):
+        rand = reference.natural_draws(counter_uniform(5000, key, DEVICE))
+        assert 0 <= int(rand.min()) and int(rand.max()) < 1 << 23
+        got = gpu.natural_codes(bits, key, top)
+        assert torch.equal(got, reference.natural_codes(bits, rand, top))
     assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
 
 
@@ -309,8 +314,8 @@ def test_element_wise_encoders_read_strided_buckets():
     buckets = bucket_view(x, 256)
     assert not buckets.is_contiguous()
     scale = buckets.abs().amax(dim=1)
-    rand = torch.rand(buckets.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    assert all(torch.equal(a, b) for a, b in zip(gpu.terngrad_encode(buckets, rand, 1024),
+    rand = counter_uniform(buckets.numel(), 1, DEVICE).view(buckets.shape)
+    assert all(torch.equal(a, b) for a, b in zip(gpu.terngrad_encode(buckets, 1, 1024),
                                                  reference.terngrad_encode(buckets, rand, 1024)))
     _, mids, lut = _u8_tables(DEVICE)
     inv = 1.0 / scale

@@ -38,6 +38,7 @@ header and a payload in one byte buffer).
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -45,7 +46,8 @@ import torch
 
 from .base import SEED, Codec, Meta, Option, float_in, int_in, one_of  # noqa: F401  (re-exported)
 from .registry import register_codec as register
-from ..kernels import pack_bits, packed_bytes, shared_generator, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
+from ..kernels.rng import stable_hash
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +130,12 @@ def scatter(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Te
 
 def random(ctx: "Context", shape: Sequence[int] | int, shared: bool = False) -> torch.Tensor:
     """Uniform [0, 1) numbers: ``shared`` streams are equal on every rank for (seed, step,
-    name); private streams differ per rank. Never touches the global RNG."""
+    name); private streams differ per rank. Never touches the global RNG. Number ``i`` (in
+    row-major order) is ``counter_uniform(i, key)``, the very draws of the hand-written codecs'
+    fused kernels (``terngrad``'s), with the key the codec's own for this tensor and step."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    gen = ctx.shared_generator() if shared else ctx.private_generator()
-    return torch.rand(shape, generator=gen, device=ctx.device)
+    key = ctx.shared_key() if shared else ctx.private_key()
+    return fused.uniform(math.prod(shape), key, ctx.device).view(shape)
 
 
 def pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -174,6 +178,14 @@ class Context:
 
     def shared_generator(self) -> torch.Generator:
         return shared_generator(getattr(self._codec, "seed", 0), self.step, self.name, self.device)
+
+    def private_key(self) -> int:
+        """A 32-bit key for this rank's draws on this tensor and step (a fresh one per call)."""
+        return self._codec._key()
+
+    def shared_key(self) -> int:
+        """A 32-bit key every rank derives alike for (seed, step, name)."""
+        return stable_hash("shared", getattr(self._codec, "seed", 0), self.step, self.name)
 
 
 def _compiler_available() -> bool:

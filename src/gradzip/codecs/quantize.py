@@ -207,12 +207,14 @@ class TernGrad(Codec):
     bucket, i.e. 2.00003 bits/element for a 1 M-element tensor with the default.
     Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased).
 
-    Speed on CUDA: the scale is a reduction and the draws come from a torch generator, as its
-    CompLL twin ``cl_terngrad``'s (bit for bit), then one Triton pass writes the packed codes
-    (decode: one pass). On an H200 (``gradzip bench codecs --device cuda --numel 67108864``)
-    encode ran at 26% of a device copy per call and 28% in a stream, decode at 75% and 144%
-    (the torch version before the kernels: 9% / 13%). The encode stays under a third of a copy
-    because the draws are a pass of their own: a 4-byte draw per value written, then read.
+    Speed on CUDA: the scale is a reduction, then one Triton pass makes each value's draw from
+    the counter hash of its index (``counter_uniform``, as max-min's noise and its CompLL twin
+    ``cl_terngrad``'s, bit for bit) and writes the packed codes; decode is one pass. On an H200
+    (``gradzip bench codecs --device cuda --numel 67108864``), with the draws then still a
+    torch generator's pass of their own (a 4-byte draw per value written, then read), encode ran
+    at 26% of a device copy per call and 28% in a stream, decode at 75% and 144% (the torch
+    version before the kernels: 9% / 13%); drawing in the kernel saves those 8 bytes a value,
+    half of what the encode moved (not yet timed on a GPU).
     """
 
     name = "terngrad"
@@ -229,10 +231,9 @@ class TernGrad(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
-        # the draws come from the codec's torch generator (as its CompLL twin's); the scales are a
-        # reduction, then one pass (a Triton kernel on CUDA) turns values and draws into codes
-        rand = torch.rand(buckets.shape, generator=self._generator(x.device), device=x.device)
-        return list(fused.terngrad_encode(buckets, rand, n))
+        # the scales are a reduction, then one pass (a Triton kernel on CUDA, which makes the
+        # counter draws itself, as its CompLL twin's) turns values and draws into codes
+        return list(fused.terngrad_encode(buckets, self._key(), n))
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
@@ -279,14 +280,14 @@ class Natural(Codec):
     Options: ``seed`` (private rounding stream). Collectives: ``allgather`` (default) or ``sra``.
     Default memory: ``none`` (unbiased).
 
-    Speed on CUDA: the header is one min/max pass and the draws come from the codec's torch
-    generator (int32, written then read), then one Triton pass turns the values' bits and the
-    draws into codes; decode is one pass of the table kernel over a 256-entry table. On an
-    H200 (``gradzip bench codecs --device cuda --numel 67108864``) encode ran at 18% of a
-    device copy per call and 23% in a stream, decode at 24% and 28% (the torch version before
-    the kernels: 4% / 22%): about 17 bytes move per value against a copy's 8, the draws
-    included. Draws from a counter hash inside the kernel, as max-min's, would save 8 of them
-    at the price of a random stream of its own.
+    Speed on CUDA: the header is one min/max pass, then one Triton pass makes each value's
+    23-bit draw from the counter hash of its index (``counter_uniform``'s top bits) and turns
+    the values' bits and the draws into codes; decode is one pass of the table kernel over a
+    256-entry table. On an H200 (``gradzip bench codecs --device cuda --numel 67108864``), with
+    the draws then an int32 tensor of a torch generator (written, then read), encode ran at 18%
+    of a device copy per call and 23% in a stream, decode at 24% and 28% (the torch version
+    before the kernels: 4% / 22%): about 17 bytes moved per value against a copy's 8, of which
+    drawing in the kernel saves 8 (not yet timed on a GPU).
     """
 
     name = "natural"
@@ -307,10 +308,9 @@ class Natural(Codec):
         # biased exponent of max|x|, rounded up; 256 (one past inf's) when a value is non-finite,
         # so the decoder tells 2**128 (a finite value rounded up: saturates) from inf
         top = ((largest + (_MANT - 1)) >> 23).add_((largest >= _INF).to(torch.int32))
-        gen = self._generator(x.device)
-        rand = torch.randint(0, _MANT, xf.shape, generator=gen, device=x.device, dtype=torch.int32)
-        # then one pass (a Triton kernel on CUDA) from bits, draws and header to the codes
-        return [fused.natural_codes(xf.view(torch.int32), rand, top), top]
+        # then one pass (a Triton kernel on CUDA, which makes the counter draws itself) from
+        # bits, draws and header to the codes
+        return [fused.natural_codes(xf.view(torch.int32), self._key(), top), top]
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import native, reference
+from .rng import counter_uniform
 
 CHOICES = ("auto", "native", "triton", "torch")
 _TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
@@ -153,8 +154,20 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
     return backend(x) if x.device.type == "cuda" else reference
 
 
-def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _gpu_or_reference(buckets).terngrad_encode(buckets, rand, numel)
+def uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
+    """``rng.counter_uniform(numel, key)`` on ``device``: one fused C loop on the CPU, torch's
+    operations elsewhere (the Triton kernels draw inside themselves instead)."""
+    if torch.device(device).type == "cpu" and setting() in ("auto", "native") and native.available() is None:
+        return native.counter_uniform(numel, key)
+    return counter_uniform(numel, key, device)
+
+
+def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's codes and scales, value ``i`` kept with draw ``counter_uniform(i, key)``."""
+    impl = _gpu_or_reference(buckets)
+    if impl is not reference:
+        return impl.terngrad_encode(buckets, key, numel)
+    return reference.terngrad_encode(buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel)
 
 
 def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
@@ -166,8 +179,13 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
-def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    return _gpu_or_reference(bits).natural_codes(bits, rand, top)
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
+    """Natural compression's codes, value ``i`` rounded with the 23-bit draw of
+    ``counter_uniform(i, key)`` (``reference.natural_draws``)."""
+    impl = _gpu_or_reference(bits)
+    if impl is not reference:
+        return impl.natural_codes(bits, key, top)
+    return reference.natural_codes(bits, reference.natural_draws(uniform(bits.numel(), key, bits.device)), top)
 
 
 def u8bit_codes(

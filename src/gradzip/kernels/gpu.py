@@ -45,8 +45,9 @@ decoded values of finite stats are clamped to the fp32 range.
 
 Element-wise codecs (TernGrad, TBQ, 1-bit SGD, natural compression, 8-bit) keep in torch what
 a kernel cannot reproduce bit for bit or must share with their CompLL twins (per-bucket sums
-and maxima, the draws of the codec's torch generator) and take the rest in one pass each way:
-codes from values, draws and per-bucket scales, values from codes and scales.
+and maxima) and take the rest in one pass each way: codes from values and per-bucket scales
+(TernGrad's and natural compression's draws made in the kernel from the counter hash, as
+max-min's), values from codes and scales.
 """
 from __future__ import annotations
 
@@ -352,16 +353,17 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
 
 
 def _ternary_encode_kernel(
-    x_ptr, scale_ptr, rand_ptr, packed_ptr, numel, bucket, tau,
+    x_ptr, scale_ptr, packed_ptr, numel, bucket, tau, key,
     BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr, TO_F32: tl.constexpr,
 ):
     """``BLOCK`` values to ``BLOCK / 4`` bytes of 2-bit codes, 1 for +, 2 for −, 0 for nothing.
-    STOCHASTIC (TernGrad): kept where ``rand < |x| / scale`` of the value's bucket (IEEE
-    division, as the reference); else (TBQ): + where ``x > tau``, − where ``x < −tau``."""
+    STOCHASTIC (TernGrad): kept where ``u < |x| / scale`` of the value's bucket (IEEE division,
+    as the reference), ``u`` the counter draw of the value's index; else (TBQ): + where
+    ``x > tau``, − where ``x < −tau``."""
     pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, TO_F32)
     if STOCHASTIC:
         s = tl.load(scale_ptr + offs // bucket, mask=valid, other=1.0)
-        r = tl.load(rand_ptr + offs, mask=valid, other=1.0)
+        r = _uniform(offs, tl.cast(key, tl.uint32, bitcast=True))
         keep = (r < tl.div_rn(tl.abs(x), s)) & valid
         codes = tl.where(keep, tl.where(x < 0, 2, 1), 0)
     else:
@@ -387,13 +389,14 @@ def _ternary_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
-def _natural_codes_kernel(bits_ptr, rand_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    """Natural compression's byte per value, integer for integer the reference's."""
+def _natural_codes_kernel(bits_ptr, top_ptr, out_ptr, numel, key, BLOCK: tl.constexpr):
+    """Natural compression's byte per value, integer for integer the reference's; the 23-bit
+    draw of value ``i`` is ``counter_uniform``'s times 2**23 (exact: its top 23 bits)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
     bits = tl.load(bits_ptr + offs, mask=valid, other=0)
     mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
-    rand = tl.load(rand_ptr + offs, mask=valid, other=0)
+    rand = (_uniform(offs, tl.cast(key, tl.uint32, bitcast=True)) * 8388608.0).to(tl.int32)
     first = tl.load(top_ptr) - 126
     rounded = (mag + rand) >> 23
     code_in = tl.where(rounded > 0, rounded - (first - 1), 0)
@@ -1049,19 +1052,19 @@ def sign_decode(
     return out
 
 
-def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's packed 2-bit codes and per-bucket scales (see ``reference.terngrad_encode``):
-    ``buckets`` fp32 ``(B, bucket)``, ``rand`` uniform draws of its shape. The scales are torch's
-    maxima (a reduction), the codes one pass."""
+    ``buckets`` fp32 ``(B, bucket)``, the draws ``counter_uniform(·, key)`` made in the kernel.
+    The scales are torch's maxima (a reduction), the codes one pass."""
     _require()
     bucket = buckets.shape[1]
     scale = buckets.abs().amax(dim=1)
-    x, rand = buckets.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
+    x = buckets.reshape(-1).contiguous()
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:
         _launch(
-            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, rand, packed, numel, bucket, 0.0,
-            BLOCK=_SIGN_BLOCK, STOCHASTIC=True, TO_F32=False, num_warps=_WARPS,
+            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, packed, numel, bucket, 0.0,
+            _key32(key), BLOCK=_SIGN_BLOCK, STOCHASTIC=True, TO_F32=False, num_warps=_WARPS,
         )
     return packed, scale
 
@@ -1074,7 +1077,7 @@ def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:
         _launch(
-            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, x, x, packed, numel, 1, tau,
+            _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, x, packed, numel, 1, tau, 0,
             BLOCK=_SIGN_BLOCK, STOCHASTIC=False, TO_F32=x.dtype != torch.float32, num_warps=_WARPS,
         )
     return packed
@@ -1105,16 +1108,17 @@ def _bucket_decode(
     return out
 
 
-def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """Natural compression's codes in one pass (see ``reference.natural_codes``)."""
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
+    """Natural compression's codes in one pass, the draws made in the kernel (see
+    ``reference.natural_codes`` and ``reference.natural_draws``)."""
     _require()
-    bits, rand = bits.reshape(-1).contiguous(), rand.reshape(-1).contiguous()
+    bits = bits.reshape(-1).contiguous()
     numel = bits.numel()
     out = torch.empty(numel, dtype=torch.uint8, device=bits.device)
     if numel:
         _launch(
-            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, rand,
-            top.reshape(-1).to(torch.int32).contiguous(), out, numel, BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits,
+            top.reshape(-1).to(torch.int32).contiguous(), out, numel, _key32(key), BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
         )
     return out
 

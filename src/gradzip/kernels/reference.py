@@ -197,6 +197,12 @@ def ternary_decode(
     return store((vals * scale[: vals.shape[0], None]).reshape(-1)[:numel], out, accumulate)
 
 
+def natural_draws(uniform: torch.Tensor) -> torch.Tensor:
+    """Natural compression's int32 draws in ``[0, 2**23)`` from ``counter_uniform`` draws: their
+    top 23 bits (``u · 2**23`` is exact, its floor an integer)."""
+    return uniform.mul(1 << 23).to(torch.int32)
+
+
 def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's byte per value (``Natural._encode``): ``bits`` the fp32 values' bits
     (int32), ``rand`` draws in [0, 2**23), ``top`` the header exponent. Code ``c`` in 1..127
