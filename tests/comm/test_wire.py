@@ -8,6 +8,7 @@ from gradzip.comm.base import any_flag, from_bytes, payload_views, spec_bytes, s
 from gradzip import codec, collectives
 from gradzip.comm.sra import CPU_SEGMENT, segment_length
 from gradzip.config import parse_value
+from gradzip.kernels import native
 
 
 def _payload():
@@ -58,6 +59,42 @@ def test_one_rank_quantises_twice_through_its_own_buffers():
     assert not res.nonfinite
     x[3] = float("inf")
     assert collectives.get("sra")(None).run(mm, x, "w", 0, need_own=False).nonfinite
+
+
+@pytest.mark.parametrize("spec", [("maxmin", {"bits": 2}), ("qsgd", {"bits": 3})])
+def test_one_rank_keeps_its_own_payloads_while_it_re_encodes_into_its_buffers(spec):
+    """The own share is the first round trip, though the second round's bytes are written into
+    the one buffer. For QSGD they differ (another norm, the next draws), so an own share read
+    from the re-encoded bytes would differ; max-min re-encodes its decoded values exactly."""
+    name, opts = spec
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(6))
+    res = collectives.get("sra")(None).run(codec(name, seed=3, bucket_size=64, **opts), x, "w", 0, need_own=True)
+    fresh = codec(name, seed=3, bucket_size=64, **opts)
+    once = fresh.decode(fresh.encode(x, "w#0", 0))  # the first round's draws
+    assert torch.equal(res.own, once)
+    assert torch.equal(res.avg, once) == (name == "maxmin")
+
+
+@pytest.mark.skipif(native.available() is not None, reason="the torch kernels write a payload, then copy it")
+@pytest.mark.parametrize("name", ["maxmin", "qsgd"])
+def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name):
+    """Only each message's flag slot is copied into a byte buffer (one per round): the payloads
+    (packed codes, statistics) are written where they are sent from (``Codec.payload_spec``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copies = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.copy_ and args[0].dtype == torch.uint8:
+                copies.append(args[1].numel())
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4096)
+    with Spy():
+        res = collectives.get("sra")(None).run(codec(name, bucket_size=64), x, "w", 0, need_own=True)
+    assert copies == [8, 8], copies
+    assert res.own is not None and torch.isfinite(res.avg).all()
 
 
 def test_an_option_that_defaults_to_none_can_be_set_to_none_from_the_environment():

@@ -135,6 +135,30 @@ def test_fused_uniform_is_counter_uniform_bit_for_bit(numel, key):
     assert torch.equal(fused.uniform(numel, key, torch.device("cpu")), counter_uniform(numel, key))
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"bits": 8, "mode": "nearest"}),
+                                  ("qsgd", {"bits": 5, "bucket_size": 104})])
+def test_encoding_into_given_tensors_gives_the_payload_that_payload_spec_describes(monkeypatch, kernels, spec):
+    if kernels == "native" and not HAVE_CC:
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setenv("GRADZIP_KERNELS", kernels)
+    name, opts = spec
+    for n, dtype in [(1, torch.float32), (999, torch.float16), (4096, torch.float32), (5000, torch.bfloat16)]:
+        x = _x(n, seed=n).to(dtype)
+        a, b = gradzip.codec(name, seed=1, **opts), gradzip.codec(name, seed=1, **opts)
+        want = a.encode(x, "w", 0)
+        layout = b.payload_spec(n, dtype)
+        if layout is None:  # sent raw (a tensor smaller than its format)
+            assert len(want.tensors) == 1 and want.tensors[0].dtype == dtype
+            continue
+        assert [(t.dtype, t.numel()) for t in want.tensors] == layout
+        buf = [torch.full((k,), 7, dtype=d) for d, k in layout]  # dirty: every byte must be written
+        got = b.encode(x, "w", 0, out=buf)
+        assert all(g is o for g, o in zip(got.tensors, buf))
+        assert all(torch.equal(g, w) for g, w in zip(got.tensors, want.tensors))
+    assert gradzip.codec("topk").payload_spec(1000, torch.float32) is None  # no fixed form: encoded, then copied
+
+
 def test_kernels_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GRADZIP_KERNELS", "fastest")
     with pytest.raises(ValueError, match="auto, native, triton, torch"):

@@ -118,6 +118,18 @@ def test_maxmin_non_contiguous_input():
     assert torch.equal(packed, ref_packed) and _same_bits(stats, ref_stats)
 
 
+def test_encoders_write_into_given_tensors():
+    """``out``: the packed codes and statistics land in the given (here dirty) tensors."""
+    x = _randn(5000, seed=8)
+    encoders = [(lambda o: gpu.maxmin_encode(x, 4, 64, 7, o), 2 * 79), (lambda o: gpu.qsgd_encode(x, 4, 64, 7, o), 79)]
+    for encode, n_stats in encoders:
+        want = encode(None)
+        out = [torch.full((2500,), 7, dtype=torch.uint8, device=DEVICE), torch.full((n_stats,), 7.0, device=DEVICE)]
+        got = encode(out)
+        assert got[0] is out[0] and got[1] is out[1]
+        assert torch.equal(got[0], want[0]) and _same_bits(got[1], want[1])
+
+
 @pytest.mark.parametrize("bits", [3, 8])
 def test_maxmin_decode_into_out_and_accumulate(bits):
     n, bucket = 1000, 64

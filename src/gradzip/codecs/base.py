@@ -138,8 +138,20 @@ class Codec(Configurable):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({opts})"
 
-    def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None) -> Payload:
-        """Encode ``t``; ``step`` keys shared randomness (defaults to a per-name call counter)."""
+    def payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """``(dtype, numel)`` of each tensor of the payload of ``numel`` values of ``dtype``, for
+        codecs that can encode straight into given tensors (:meth:`encode`'s ``out``: a
+        collective's send buffer, so the payload is not copied there); None otherwise (then the
+        payload's form is known only once encoded)."""
+        if numel == 0 or self._raw(numel, dtype):
+            return None
+        return self._payload_spec(numel, dtype)
+
+    def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None,
+               out: Optional[Sequence[torch.Tensor]] = None) -> Payload:
+        """Encode ``t``; ``step`` keys shared randomness (defaults to a per-name call counter).
+        ``out``: flat tensors as :meth:`payload_spec` gives them (only where it is not None),
+        which become the payload's tensors."""
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"codec {self.name!r} encodes floating-point tensors, got {t.dtype}")
         if step is None:
@@ -151,6 +163,8 @@ class Codec(Configurable):
             return Payload([], meta)
         if self._raw(t.numel(), t.dtype):
             return Payload([t.reshape(-1)], meta)
+        if out is not None:
+            return Payload(self._encode_into(t.reshape(-1), meta, list(out)), meta)
         return Payload(self._encode(t.reshape(-1), meta), meta)
 
     def decode(self, payload: Payload) -> torch.Tensor:
@@ -297,6 +311,14 @@ class Codec(Configurable):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         """Bytes of this codec's own format (an upper bound if the size depends on the data)."""
         raise NotImplementedError
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """:meth:`payload_spec` of a tensor that is encoded (not empty, not raw); None by default."""
+        return None
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        """:meth:`_encode` writing into ``out``; codecs with a :meth:`_payload_spec` override it."""
+        raise NotImplementedError(f"codec {self.name!r} has no payload_spec: it cannot encode into given tensors")
 
     def _raw(self, numel: int, dtype: torch.dtype) -> bool:
         """Whether a tensor of ``numel`` values of ``dtype`` goes on the wire raw: a fixed-size

@@ -107,6 +107,13 @@ class MaxMin(Codec):
         key = self._key() if self.mode == "stochastic" else None
         return list(fused.maxmin_encode(x, self.bits, self.bucket_size, key))
 
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, self.bits)), (torch.float32, 2 * -(-numel // self.bucket_size))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        key = self._key() if self.mode == "stochastic" else None
+        return list(fused.maxmin_encode(x, self.bits, self.bucket_size, key, out))
+
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.maxmin_decode(*tensors, self.bits, self.bucket_size, meta.numel)
 
@@ -153,6 +160,12 @@ class QSGD(Codec):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return list(fused.qsgd_encode(x, self.bits, self.bucket_size, self._key()))
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, self.bits)), (torch.float32, -(-numel // self.bucket_size))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        return list(fused.qsgd_encode(x, self.bits, self.bucket_size, self._key(), out))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.qsgd_decode(*tensors, self.bits, self.bucket_size, meta.numel)

@@ -166,15 +166,18 @@ def spec_bytes(spec: Spec) -> int:
 
 def to_bytes(tensors: Sequence[torch.Tensor], flag: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Serialise payload tensors and the non-finite flag into one aligned uint8 buffer (``out`` if
-    given: then nothing is allocated, each part is copied to its place and the gaps zeroed; the
-    flag is repeated over its 8-byte slot, read at the slot's first byte)."""
+    given: then nothing is allocated, each part is copied to its place, unless it lies there
+    already (encoded into :func:`payload_views` of ``out``), and the gaps zeroed; the flag is
+    repeated over its 8-byte slot, read at the slot's first byte)."""
     spec = spec_of(tensors)
     if out is None:
         out = torch.empty(spec_bytes(spec), dtype=torch.uint8, device=flag.device)
     offset = 0
     for t in tensors:
         raw = t.contiguous().reshape(-1).view(torch.uint8)
-        out[offset : offset + raw.numel()].copy_(raw)
+        dst = out[offset : offset + raw.numel()]
+        if raw.data_ptr() != dst.data_ptr():
+            dst.copy_(raw)
         end = offset + _padded(raw.numel())
         if end > offset + raw.numel():
             out[offset + raw.numel() : end].zero_()
@@ -266,15 +269,16 @@ class Call:
         return self.found
 
     def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None,
-               flag: bool = True) -> Payload:
+               flag: bool = True, out: Optional[Sequence[torch.Tensor]] = None) -> Payload:
         """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
         the call's step, timed as encoding; :attr:`flag` then covers ``x`` too, read from the
         payload's statistics where the codec can (:meth:`Codec.nonfinite`), else from ``x``.
         An exchange puts the flag on the wire after encoding what the message carries.
         ``flag=False``: ``x`` is not this rank's input (an aggregate of received payloads, whose
-        own flags the exchange carries on), so it is not looked at."""
+        own flags the exchange carries on), so it is not looked at. ``out``: where the payload's
+        tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance."""
         codec = codec or self.codec
-        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step)
+        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out)
         if self.flagged and flag:
             found = codec.nonfinite(payload)
             found = nonfinite_flag(x) if found is None else found

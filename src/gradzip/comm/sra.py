@@ -86,13 +86,17 @@ class ScatterReduceAllGather(Collective):
         # alone, not the whole segment)
         chunks = [x[j * chunk : (j + 1) * chunk] for j in range(w)]
         chunks = [c if c.numel() == chunk else torch.cat([c, x.new_zeros(chunk - c.numel())]) for c in chunks]
-        encoded = [call.encode(chunks[j], f"{name}#{j}") for j in range(w)]
+        spec = call.codec.payload_spec(chunk, x.dtype)
+        if spec is not None:  # each chunk encoded straight into its row of the send buffer
+            send = self._lend(call, (w, spec_bytes(spec)), x.device)
+            encoded = [call.encode(chunks[j], f"{name}#{j}", out=payload_views(send[j], spec)) for j in range(w)]
+        else:
+            encoded = [call.encode(chunks[j], f"{name}#{j}") for j in range(w)]
+            send = self._lend(call, (w, spec_bytes(spec_of(encoded[0].tensors))), x.device)
         for j, payload in enumerate(encoded):
-            call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own  # the padding is not this segment's
-        shape = (w, spec_bytes(spec_of(encoded[0].tensors)))
-        send = self._lend(call, shape, x.device)
-        for j, p in enumerate(encoded):
-            to_bytes(p.tensors, call.flag, out=send[j])
+            call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own
+            to_bytes(payload.tensors, call.flag, out=send[j])  # the flag (and the payload, if not there)
+        shape = tuple(send.shape)
         work = None
         if w > 1:
             recv = self._lend(call, shape, x.device)
@@ -124,17 +128,25 @@ class ScatterReduceAllGather(Collective):
             reduced = call.decode(call.codec.aggregate_into, parts, dest)
         # re-encode under the chunk's own name, with a codec whose state it cannot touch; the
         # received flags, not the aggregate's values, say whether some rank's input was not finite
-        second = call.encode(reduced, f"{name}#{rank}", codec=reencoder(call.codec), flag=False)
-        shape = (w, spec_bytes(spec_of(second.tensors)))
-        # the received chunks are decoded: their buffer takes the gathered ones (same size)
+        codec = reencoder(call.codec)
+        spec, second = codec.payload_spec(reduced.numel(), reduced.dtype), None
+        if spec is None:  # the payload's form is known once it is encoded
+            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False)
+            spec = spec_of(second.tensors)
+        shape = (w, spec_bytes(spec))
+        # the received chunks are decoded: their buffer takes the gathered ones (same size), unless
+        # it is the send buffer (one rank) holding this rank's own payloads, still to be decoded
         recv = p1["recv"]
-        gathered = recv if recv.shape == shape else self._lend(call, shape, reduced.device)
+        own = recv is p1["send"] and call.need_own
+        gathered = recv if recv.shape == shape and not own else self._lend(call, shape, reduced.device)
+        # what this rank sends: with one rank its row of the gathered buffer, else a buffer of its own
+        buf = gathered[0] if w == 1 else self._lend(call, (shape[1],), reduced.device)
+        if second is None:
+            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, out=payload_views(buf, spec))
+        to_bytes(second.tensors, flag, out=buf)
         work = None
         if w > 1:
-            buf = to_bytes(second.tensors, flag, out=self._lend(call, (shape[1],), reduced.device))
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
-        else:  # one rank gathers its own bytes
-            to_bytes(second.tensors, flag, out=gathered[0])
         return {"second": second, "gathered": gathered, "work": work}
 
     @staticmethod

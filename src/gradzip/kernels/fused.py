@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -130,8 +130,23 @@ def _decode_via(impl, out: Optional[torch.Tensor], accumulate: bool, call):
     return reference.store(call(None, False), out, accumulate)
 
 
-def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    return backend(x, bits, bucket).maxmin_encode(x, bits, bucket, key)
+def _into(out: Optional[Sequence[torch.Tensor]], tensors: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
+    """``tensors``, or copied into ``out`` where it is given (the torch versions allocate)."""
+    if out is None:
+        return tensors
+    for dst, src in zip(out, tensors):
+        dst.copy_(src)
+    return tuple(out)
+
+
+def maxmin_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: Optional[int], out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed levels and per-bucket ``[min, scale]``, into ``out`` (packed bytes, stats) if given."""
+    impl = backend(x, bits, bucket)
+    if impl is reference:
+        return _into(out, reference.maxmin_encode(x, bits, bucket, key))
+    return impl.maxmin_encode(x, bits, bucket, key, out)
 
 
 def maxmin_decode(packed, stats, bits: int, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
@@ -139,8 +154,14 @@ def maxmin_decode(packed, stats, bits: int, bucket: int, numel: int, out=None, a
     return _decode_via(impl, out, accumulate, lambda o, a: impl.maxmin_decode(packed, stats, bits, bucket, numel, o, a))
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    return backend(x, bits, bucket).qsgd_encode(x, bits, bucket, key)
+def qsgd_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and per-bucket norms, into ``out`` (packed bytes, norms) if given."""
+    impl = backend(x, bits, bucket)
+    if impl is reference:
+        return _into(out, reference.qsgd_encode(x, bits, bucket, key))
+    return impl.qsgd_encode(x, bits, bucket, key, out)
 
 
 def qsgd_decode(packed, norms, bits: int, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:

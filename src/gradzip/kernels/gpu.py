@@ -55,7 +55,7 @@ import contextlib
 import inspect
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -918,8 +918,11 @@ def _output(out: torch.Tensor | None, numel: int, device: torch.device, accumula
 # ------------------------------------------------------------------------------------ public API
 
 
-def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed levels and per-bucket ``[min, scale]`` of the flat ``x`` (see ``reference.maxmin_encode``).
+def maxmin_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: int | None, out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed levels and per-bucket ``[min, scale]`` of the flat ``x`` (see ``reference.maxmin_encode``),
+    into ``out`` (contiguous, of those sizes) if given.
 
     ``key`` None rounds to nearest (half to even), else ``floor(v + u)`` with counter noise.
     """
@@ -928,8 +931,10 @@ def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: int | None) -> t
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // bucket)
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
-    stats = torch.empty(2 * num_buckets, dtype=torch.float32, device=x.device)
+    packed, stats = out if out is not None else (
+        torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device),
+        torch.empty(2 * num_buckets, dtype=torch.float32, device=x.device),
+    )
     if n:
         rows, block, chunked, warps = _geometry(bucket)
         _launch(
@@ -960,15 +965,20 @@ def maxmin_decode(
     return out
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes ``level | negative << (bits-1)`` and per-bucket L2 norms (see the reference)."""
+def qsgd_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: int, out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes ``level | negative << (bits-1)`` and per-bucket L2 norms (see the reference),
+    into ``out`` if given."""
     _require()
     _check(bits, bucket)
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // bucket)
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
-    norms = torch.empty(num_buckets, dtype=torch.float32, device=x.device)
+    packed, norms = out if out is not None else (
+        torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device),
+        torch.empty(num_buckets, dtype=torch.float32, device=x.device),
+    )
     if n:
         rows, block, chunked, warps = _geometry(bucket)
         _launch(

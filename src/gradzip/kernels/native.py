@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -170,11 +170,13 @@ def counter_uniform(numel: int, key: int) -> torch.Tensor:
     return out
 
 
-def maxmin_encode(x: torch.Tensor, bits: int, bucket: int, key: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+def maxmin_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: Optional[int], out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     x = _f32(x)
     n = x.numel()
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
-    stats = torch.empty(2 * (-(-n // bucket)), dtype=torch.float32)
+    packed, stats = out if out is not None else (
+        torch.empty(packed_bytes(n, bits), dtype=torch.uint8), torch.empty(2 * (-(-n // bucket)), dtype=torch.float32))
     _kernels().gz_maxmin_encode(
         x.data_ptr(), n, bits, bucket, int(key is not None), (key or 0) & 0xFFFFFFFF,
         packed.data_ptr(), stats.data_ptr(),
@@ -191,11 +193,13 @@ def maxmin_decode(
     return out
 
 
-def qsgd_encode(x: torch.Tensor, bits: int, bucket: int, key: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def qsgd_encode(
+    x: torch.Tensor, bits: int, bucket: int, key: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     x = _f32(x)
     n = x.numel()
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8)
-    norms = torch.empty(-(-n // bucket), dtype=torch.float32)
+    packed, norms = out if out is not None else (
+        torch.empty(packed_bytes(n, bits), dtype=torch.uint8), torch.empty(-(-n // bucket), dtype=torch.float32))
     _kernels().gz_qsgd_encode(x.data_ptr(), n, bits, bucket, key & 0xFFFFFFFF, packed.data_ptr(), norms.data_ptr())
     return packed, norms
 
