@@ -210,7 +210,9 @@ class Codec(Configurable):
         total = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
         for i, p in enumerate(payloads):
             self.decode_into(p, total, accumulate=i > 0)
-        return saturate(total.div_(len(payloads)).reshape(meta.shape), meta.dtype)
+        if len(payloads) > 1:  # (one rank's: the sum is the mean, no pass for it)
+            total.div_(len(payloads))
+        return saturate(total.reshape(meta.shape), meta.dtype)
 
     def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
         """:meth:`aggregate` written into the flat fp32 ``out`` (as many values as the payloads
@@ -220,7 +222,7 @@ class Codec(Configurable):
             return out.copy_(self.aggregate(payloads).reshape(-1))
         for i, p in enumerate(payloads):
             self.decode_into(p, out, accumulate=i > 0)
-        return out.div_(len(payloads))
+        return out.div_(len(payloads)) if len(payloads) > 1 else out
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """0-dim bool: whether the encoded input held NaN or Inf, read from the payload's own

@@ -622,7 +622,8 @@ class Communicator:
         average (all-NaN where some rank's input was not finite) and the metrics of the call."""
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
-        avg = _poison_if(res.avg, res.nonfinite)  # a fresh tensor, or dest
+        # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
+        avg = _poison_if(res.avg, res.nonfinite) if coll.flagged else res.avg
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
         return avg, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
 
