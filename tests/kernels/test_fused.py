@@ -159,6 +159,26 @@ def test_encoding_into_given_tensors_gives_the_payload_that_payload_spec_describ
     assert gradzip.codec("topk").payload_spec(1000, torch.float32) is None  # no fixed form: encoded, then copied
 
 
+def test_encoding_into_tensors_of_another_form_is_refused_before_a_kernel_writes():
+    """The kernels write through the tensors' memory: a strided, short, mistyped or missing
+    tensor, or a codec without a fixed form, is a ValueError naming the form needed."""
+    c = gradzip.codec("maxmin", bits=4, bucket_size=64)
+    x = _x(1000, seed=2)
+    form = c.payload_spec(1000, x.dtype)
+    assert form == [(torch.uint8, 500), (torch.float32, 32)]
+    bad = [
+        [torch.empty(2 * n, dtype=d)[::2] for d, n in form],
+        [torch.empty(n, dtype=torch.float64 if d == torch.float32 else d) for d, n in form],
+        [torch.empty(n - 1, dtype=d) for d, n in form],
+        [torch.empty(form[0][1], dtype=torch.uint8)],
+    ]
+    for out in bad:
+        with pytest.raises(ValueError, match="payload_spec"):
+            c.encode(x, "w", 0, out=out)
+    with pytest.raises(ValueError, match="payload_spec"):
+        gradzip.codec("topk").encode(x, "w", 0, out=[torch.empty(n, dtype=d) for d, n in form])
+
+
 def test_kernels_setting_is_checked(monkeypatch):
     monkeypatch.setenv("GRADZIP_KERNELS", "fastest")
     with pytest.raises(ValueError, match="auto, native, triton, torch"):

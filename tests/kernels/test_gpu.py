@@ -211,6 +211,11 @@ def test_sign_other_dtypes(dtype):
     assert torch.equal(gpu.sign_encode(x), reference.sign_encode(x))
 
 
+@pytest.mark.parametrize("numel,key", [(0, 1), (1, 0), (4097, 0xFFFFFFFF), (10000, 0x9E3779B1)])
+def test_counter_uniform_kernel_draws_the_specification(numel, key):
+    assert _same_bits(gpu.counter_uniform(numel, key, DEVICE), counter_uniform(numel, key, DEVICE))
+
+
 # -------------------------------------------------------------------------------------- TernGrad
 @pytest.mark.parametrize("n,bucket", [(1, 1), (7, 7), (9000, 9000), (1000, 64), (4097, 1024), (100, 24)])
 def test_terngrad_bit_identical(n, bucket):

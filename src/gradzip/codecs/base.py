@@ -85,6 +85,18 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
     return nonfinite_poison(x) == 0
 
 
+def _check_payload_out(out: Sequence[torch.Tensor], spec: Optional[List[Tuple[torch.dtype, int]]],
+                       device: torch.device) -> None:
+    """``encode(out=)`` takes tensors the kernels may write through blindly: exactly the form
+    :meth:`Codec.payload_spec` gives, contiguous, on the input's device."""
+    form = [(t.dtype, t.numel()) for t in out]
+    if spec is None or form != spec or not all(t.is_contiguous() and t.device == device for t in out):
+        raise ValueError(
+            f"encode(out=...) needs contiguous tensors on {device} of the form {spec} "
+            f"(Codec.payload_spec; None: this input cannot be encoded into given tensors), got {form}"
+        )
+
+
 def empty_result(meta: "Meta") -> torch.Tensor:
     """The decode of a tensor without elements."""
     return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
@@ -164,6 +176,7 @@ class Codec(Configurable):
         if self._raw(t.numel(), t.dtype):
             return Payload([t.reshape(-1)], meta)
         if out is not None:
+            _check_payload_out(out, self.payload_spec(t.numel(), t.dtype), t.device)
             return Payload(self._encode_into(t.reshape(-1), meta, list(out)), meta)
         return Payload(self._encode(t.reshape(-1), meta), meta)
 

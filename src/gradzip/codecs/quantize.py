@@ -125,7 +125,8 @@ class MaxMin(Codec):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # every bucket's min is NaN where it held a NaN and its scale infinite where it held an
-        # Inf (or NaN where it held +inf only), in every kernel version
+        # Inf (or NaN where it held +inf only), in every kernel version; the codec works in fp32,
+        # so an fp64 value beyond fp32's range is an Inf to it, and flagged as such
         return _any_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -178,7 +179,8 @@ class QSGD(Codec):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # a bucket's norm is NaN where it held a NaN and infinite where it held an Inf (the
-        # squares are summed in fp64, so finite values give a finite norm), in every kernel version
+        # squares are summed in fp64, so finite fp32 values give a finite norm; an fp64 value
+        # beyond fp32's range is an Inf in the codec's fp32), in every kernel version
         return _any_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -176,11 +176,12 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
 
 
 def uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
-    """``rng.counter_uniform(numel, key)`` on ``device``: one fused C loop on the CPU, torch's
-    operations elsewhere (the Triton kernels draw inside themselves instead)."""
-    if torch.device(device).type == "cpu" and setting() in ("auto", "native") and native.available() is None:
-        return native.counter_uniform(numel, key)
-    return counter_uniform(numel, key, device)
+    """``rng.counter_uniform(numel, key)`` on ``device``: one pass of a fused C loop on the CPU or
+    of a Triton kernel on CUDA (as :func:`backend` picks them), else torch's ten operations."""
+    impl = backend(torch.empty(0, device=device))  # raises where GRADZIP_KERNELS forces one that cannot run
+    if impl is reference:
+        return counter_uniform(numel, key, device)
+    return impl.counter_uniform(numel, key) if impl is native else impl.counter_uniform(numel, key, torch.device(device))
 
 
 def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
