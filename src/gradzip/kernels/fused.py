@@ -181,7 +181,9 @@ def uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
     impl = backend(torch.empty(0, device=device))  # raises where GRADZIP_KERNELS forces one that cannot run
     if impl is reference:
         return counter_uniform(numel, key, device)
-    return impl.counter_uniform(numel, key) if impl is native else impl.counter_uniform(numel, key, torch.device(device))
+    if impl is native:
+        return native.counter_uniform(numel, key)
+    return impl.counter_uniform(numel, key, torch.device(device))
 
 
 def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
