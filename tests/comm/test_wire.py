@@ -76,10 +76,12 @@ def test_one_rank_keeps_its_own_payloads_while_it_re_encodes_into_its_buffers(sp
 
 
 @pytest.mark.skipif(native.available() is not None, reason="the torch kernels write a payload, then copy it")
+@pytest.mark.parametrize("coll,rounds", [("sra", 2), ("allgather", 1)])
 @pytest.mark.parametrize("name", ["maxmin", "qsgd"])
-def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name):
-    """Only each message's flag slot is copied into a byte buffer (one per round): the payloads
-    (packed codes, statistics) are written where they are sent from (``Codec.payload_spec``)."""
+def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name, coll, rounds):
+    """Only each message's flag slot is copied into a byte buffer (one per round; one rank's
+    all-gather also copies its message into the gathered rows): the payloads (packed codes,
+    statistics) are written where they are sent from (``Codec.payload_spec``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     copies = []
@@ -91,9 +93,11 @@ def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name):
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(4096)
+    c = codec(name, bucket_size=64)
     with Spy():
-        res = collectives.get("sra")(None).run(codec(name, bucket_size=64), x, "w", 0, need_own=True)
-    assert copies == [8, 8], copies
+        res = collectives.get(coll)(None).run(c, x, "w", 0, need_own=True)
+    gathered = [spec_bytes(c.payload_spec(4096, x.dtype))] if coll == "allgather" else []
+    assert copies == [8] * rounds + gathered, copies
     assert res.own is not None and torch.isfinite(res.avg).all()
 
 

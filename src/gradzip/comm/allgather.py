@@ -13,6 +13,7 @@ from .base import (
     any_flag,
     payload_views,
     register_collective,
+    spec_bytes,
     spec_of,
     to_bytes,
     world,
@@ -51,9 +52,15 @@ class AllGather(Collective):
 
     def exchange(self, call: Call) -> Exchanged:
         w = call.world_size
-        payload = call.encode(call.x)
+        spec = call.codec.payload_spec(call.x.numel(), call.x.dtype)
+        buf = None
+        if spec is not None:  # encoded straight into the message (only its flag slot written apart)
+            buf = self._lend(call, (spec_bytes(spec),), call.x.device)
+            payload = call.encode(call.x, out=payload_views(buf, spec))
+        else:
+            payload = call.encode(call.x)
         call.keep_own(payload)
-        buf = to_bytes(payload.tensors, call.flag)
+        buf = to_bytes(payload.tensors, call.flag, out=buf)
         if call.codec.fixed_size:
             specs = [spec_of(payload.tensors)] * w
             gathered = self._all_gather_bytes(buf, w)
