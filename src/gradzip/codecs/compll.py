@@ -46,8 +46,8 @@ import torch
 
 from .base import SEED, Codec, Meta, Option, float_in, int_in, one_of  # noqa: F401  (re-exported)
 from .registry import register_codec as register
-from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
-from ..kernels.rng import stable_hash
+from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
+from ..kernels.rng import shared_key
 
 log = logging.getLogger(__name__)
 
@@ -173,19 +173,13 @@ class Context:
         self.name = meta.name
         self.step = meta.step
 
-    def private_generator(self) -> torch.Generator:
-        return self._codec._generator(self.device)
-
-    def shared_generator(self) -> torch.Generator:
-        return shared_generator(getattr(self._codec, "seed", 0), self.step, self.name, self.device)
-
     def private_key(self) -> int:
         """A 32-bit key for this rank's draws on this tensor and step (a fresh one per call)."""
         return self._codec._key()
 
     def shared_key(self) -> int:
         """A 32-bit key every rank derives alike for (seed, step, name)."""
-        return stable_hash("shared", getattr(self._codec, "seed", 0), self.step, self.name)
+        return shared_key(getattr(self._codec, "seed", 0), self.step, self.name)
 
 
 def _compiler_available() -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
-from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, saturate
+from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, raw_bytes, saturate
 from .registry import register_codec
 
 
@@ -104,13 +104,12 @@ class MaxMin(Codec):
     }
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        key = self._key() if self.mode == "stochastic" else None
-        return list(fused.maxmin_encode(x, self.bits, self.bucket_size, key))
+        return self._encode_into(x, meta, None)
 
     def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
         return [(torch.uint8, packed_bytes(numel, self.bits)), (torch.float32, 2 * -(-numel // self.bucket_size))]
 
-    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         key = self._key() if self.mode == "stochastic" else None
         return list(fused.maxmin_encode(x, self.bits, self.bucket_size, key, out))
 
@@ -130,8 +129,7 @@ class MaxMin(Codec):
         return _any_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        buckets = -(-numel // self.bucket_size)
-        return packed_bytes(numel, self.bits) + buckets * 2 * 4
+        return _spec_bytes(self._payload_spec(numel, dtype))
 
 
 @register_codec
@@ -160,12 +158,12 @@ class QSGD(Codec):
     }
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return list(fused.qsgd_encode(x, self.bits, self.bucket_size, self._key()))
+        return self._encode_into(x, meta, None)
 
     def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
         return [(torch.uint8, packed_bytes(numel, self.bits)), (torch.float32, -(-numel // self.bucket_size))]
 
-    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         return list(fused.qsgd_encode(x, self.bits, self.bucket_size, self._key(), out))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
@@ -184,8 +182,12 @@ class QSGD(Codec):
         return _any_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        buckets = -(-numel // self.bucket_size)
-        return packed_bytes(numel, self.bits) + buckets * 4
+        return _spec_bytes(self._payload_spec(numel, dtype))
+
+
+def _spec_bytes(spec: List[Tuple[torch.dtype, int]]) -> int:
+    """The bytes of a payload of the form ``spec`` (:meth:`Codec.payload_spec`)."""
+    return sum(raw_bytes(numel, dtype) for dtype, numel in spec)
 
 
 def _any_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:

@@ -70,6 +70,11 @@ def private_key(seed: int, name: str, step: int, use: int = 0) -> int:
     return stable_hash("private", seed, rank, name, step, use)
 
 
+def shared_key(seed: int, step: int, name: str) -> int:
+    """A 32-bit key for draws every rank makes alike on tensor ``name`` at ``step``."""
+    return stable_hash("shared", seed, step, name)
+
+
 def keyed_generator(key: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator whose stream is a pure function of ``key``."""
     g = torch.Generator(device=device)
