@@ -19,7 +19,6 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from . import native, reference
-from .rng import counter_uniform
 
 CHOICES = ("auto", "native", "triton", "torch")
 _TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
@@ -178,12 +177,8 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
 def uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
     """``rng.counter_uniform(numel, key)`` on ``device``: one pass of a fused C loop on the CPU or
     of a Triton kernel on CUDA (as :func:`backend` picks them), else torch's ten operations."""
-    impl = backend(torch.empty(0, device=device))  # raises where GRADZIP_KERNELS forces one that cannot run
-    if impl is reference:
-        return counter_uniform(numel, key, device)
-    if impl is native:
-        return native.counter_uniform(numel, key)
-    return impl.counter_uniform(numel, key, torch.device(device))
+    # (backend raises where GRADZIP_KERNELS forces a version that cannot run here)
+    return backend(torch.empty(0, device=device)).counter_uniform(numel, key, torch.device(device))
 
 
 def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:

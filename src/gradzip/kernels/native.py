@@ -162,8 +162,9 @@ def _out(out: Optional[torch.Tensor], numel: int) -> torch.Tensor:
     return out
 
 
-def counter_uniform(numel: int, key: int) -> torch.Tensor:
-    """``rng.counter_uniform(numel, key)`` in one fused loop (the torch version takes ten passes)."""
+def counter_uniform(numel: int, key: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """``rng.counter_uniform(numel, key)`` in one fused loop (the torch version takes ten passes);
+    ``device`` is the CPU (the signature is the other versions')."""
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
         _kernels().gz_uniform(numel, key & 0xFFFFFFFF, out.data_ptr())
