@@ -56,7 +56,9 @@ class Config:
     ``fusion``: whether the compressed gradients of a bucket share one encoding and one exchange
     (for codecs that allow it, see :meth:`~gradzip.codecs.base.Codec.fusion_block`) in groups of
     about ``fusion_mb`` MiB (:mod:`gradzip.sync.groups`);
-    ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.sync.pipeline`);
+    ``pipeline``: whether a bucket's exchange overlaps the next one's (:mod:`gradzip.sync.pipeline`)
+    where waiting for a collective blocks the host (gloo); NCCL queues collectives on the
+    device's stream, so there each job runs through (:meth:`~gradzip.sync.engine.Communicator.pipelines`);
     ``in_place``: whether a DDP bucket is averaged in its own memory, its codec blocks running
     across gradients as DDP laid them out (:meth:`gradzip.sync.engine.Communicator.bucket_stages`:
     fewer passes and buffers; a run resumed from a checkpoint then matches an uninterrupted one

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
+from gradzip.frontends.ddp import ACCELERATOR_FUSION_MB, NCCL_NODE_FUSION_MB
 from gradzip.kernels import fused
 
 from ..dist_utils import run_workers
@@ -44,11 +45,13 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, 
     dist.all_gather(gathered, flat)  # over the default (gloo) group, on the CPU
     stats = state.stats()
     kernels = fused.name(model.fc1.weight.detach(), 4, 1024)
+    pipelines, group_mb = state.comm.pipelines(device), state.group_mb()
     residuals_finite = all(bool(torch.isfinite(v).all()) for v in getattr(state.comm.memory, "residuals", {}).values())
     state.close()
     if group is not None:
         dist.destroy_process_group(group)
     return {
+        "pipelines": pipelines, "group_mb": group_mb,
         "identical": all(torch.equal(gathered[0], g) for g in gathered), "finite": bool(torch.isfinite(flat).all()),
         "skipped": skipped, "compressed": stats["params_compressed"] > 0, "kernels": kernels,
         "residuals_finite": residuals_finite,
@@ -59,6 +62,9 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, 
 @pytest.mark.parametrize("memory", ["none", "residual"])
 def test_ddp_over_nccl_on_one_gpu(memory, in_place):
     (res,) = run_workers(_cuda_job, 1, "nccl", memory, in_place)
+    # NCCL queues its collectives on the stream: each job runs through, in groups of one node's size
+    assert res["pipelines"] is False and res["group_mb"] == NCCL_NODE_FUSION_MB
+    del res["pipelines"], res["group_mb"]
     assert res == {"identical": True, "finite": True, "skipped": 1, "compressed": True, "kernels": res["kernels"],
                    "residuals_finite": True}
     assert res["kernels"] in ("triton", "torch")
@@ -75,5 +81,6 @@ def test_powersgd_over_nccl_on_one_gpu():
 @pytest.mark.parametrize("memory", ["none", "residual"])
 def test_ddp_over_gloo_with_cuda_tensors_on_two_ranks_sharing_a_gpu(memory, in_place):
     for res in run_workers(_cuda_job, 2, "gloo", memory, in_place):
+        assert res["pipelines"] is True and res["group_mb"] == ACCELERATOR_FUSION_MB  # gloo blocks the worker
         assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
         assert res["skipped"] == 1  # every rank skips the step one rank overflowed

@@ -183,3 +183,27 @@ def test_uncompressed_gradients_of_several_dtypes_are_averaged_in_place_each_in_
         assert b.dtype == torch.float16 and torch.equal(b, (torch.arange(5) * 1.5).half())
         assert c.dtype == torch.bfloat16 and torch.equal(c, (torch.arange(3) - 0.5).bfloat16())
         assert torch.equal(d, torch.full((2, 1), 1.5))
+
+
+def _held_back(rank: int, world: int, pipeline: bool) -> dict:
+    comm = gradzip.Communicator("maxmin", bits=4, pipeline=pipeline)
+    cpu = torch.device("cpu")
+
+    def job(value: int):
+        yield  # would wait for a collective here
+        return value
+
+    first = comm.submit_staged(lambda: job(1), cpu, flush=False)
+    comm.submit(lambda: None, cpu).wait()  # the worker's queue is in order: the first job has arrived
+    held = not first.done()
+    second = comm.submit_staged(lambda: job(2), cpu, flush=True)
+    out = {"held": held, "values": (first.wait(), second.wait()), "pipelines": comm.pipelines(cpu),
+           "queues_on_stream": comm.queues_on_stream(cpu)}
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_over_gloo_a_job_waits_in_the_pipeline_for_the_next_one_unless_pipelining_is_off(pipeline):
+    (res,) = run_workers(_held_back, 1, pipeline)
+    assert res == {"held": pipeline, "values": (1, 2), "pipelines": pipeline, "queues_on_stream": False}

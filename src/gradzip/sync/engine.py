@@ -204,6 +204,7 @@ class Communicator:
         self.metrics = Metrics()
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
+        self._queued_on_stream: Dict[str, bool] = {}  # by device type (see queues_on_stream)
         self._pipeline = Pipeline(self._failed)
         self._group_residuals: Dict[str, torch.Tensor] = {}  # residual buffers per group key (see _group_residual)
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
@@ -412,13 +413,15 @@ class Communicator:
 
         The job's first stage runs when it reaches the worker; its later stages run as later
         jobs arrive (see :mod:`gradzip.sync.pipeline`), and all of them when ``flush`` is set (the
-        last bucket of a backward pass) or pipelining is off. Every rank must submit the same
-        jobs with the same ``flush`` flags. The future completes with the job's return value.
+        last bucket of a backward pass) or the job is not staged (:meth:`pipelines`). Every rank
+        must submit the same jobs with the same ``flush`` flags. The future completes with the
+        job's return value.
         """
         fut = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
+        in_pipeline = self.pipelines(device)
 
         def arrive() -> None:
-            self._pipeline.arrive(make_stages(), fut, what, flush or not self.pipelined)
+            self._pipeline.arrive(make_stages(), fut, what, flush or not in_pipeline)
 
         def settle(arrival: torch.futures.Future) -> None:
             try:
@@ -429,6 +432,26 @@ class Communicator:
 
         self.submit(arrive, device, what).add_done_callback(settle)
         return fut
+
+    def pipelines(self, device: torch.device) -> bool:
+        """Whether jobs on ``device``'s tensors are staged in the pipeline: with ``pipeline`` on,
+        unless their collectives are queued on the device's stream (:meth:`queues_on_stream`).
+
+        Staging pays where waiting for a collective blocks the worker thread (gloo, on the CPU
+        or with CUDA tensors): it encodes the next job meanwhile. NCCL's worker never waits, so
+        a job held back for the next one to arrive would only finish later, and the last jobs
+        of a backward pass would pile up after it. Measured on an H200 at one rank over NCCL
+        (ResNet-50, GPT-2 small, 32 MiB groups): the 4-bit hook's overhead 4.2 → 3.4 ms and
+        5.0 → 3.6 ms with the jobs run through."""
+        return self.pipelined and not self.queues_on_stream(device)
+
+    def queues_on_stream(self, device: torch.device) -> bool:
+        """Whether this communicator's collectives on ``device``'s tensors go through NCCL,
+        which queues them on the device's stream instead of blocking the thread that waits."""
+        queued = self._queued_on_stream.get(device.type)
+        if queued is None:
+            queued = self._queued_on_stream[device.type] = _collectives_queue_on_stream(self.group, device)
+        return queued
 
     def submit_batch(
         self, batch: Batch, step: int, device: torch.device, what: str = "", flush: bool = True,
@@ -1241,6 +1264,15 @@ def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Non
         return
     for dst, src in zip(dsts, srcs):
         dst.copy_(src)
+
+
+def _collectives_queue_on_stream(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
+    """Whether ``group``'s collectives on ``device``'s tensors run on NCCL, which queues them
+    on the device's stream instead of blocking the thread that waits for them."""
+    if device.type != "cuda" or not (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "nccl" or "cuda:nccl" in backend
 
 
 def _multi_tensor(device: torch.device) -> bool:
