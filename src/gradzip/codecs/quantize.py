@@ -227,11 +227,11 @@ class TernGrad(Codec):
     Speed on CUDA: the scale is a reduction, then one Triton pass makes each value's draw from
     the counter hash of its index (``counter_uniform``, as max-min's noise and its CompLL twin
     ``cl_terngrad``'s, bit for bit) and writes the packed codes; decode is one pass. On an H200
-    (``gradzip bench codecs --device cuda --numel 67108864``), with the draws then still a
-    torch generator's pass of their own (a 4-byte draw per value written, then read), encode ran
-    at 26% of a device copy per call and 28% in a stream, decode at 75% and 144% (the torch
-    version before the kernels: 9% / 13%); drawing in the kernel saves those 8 bytes a value,
-    half of what the encode moved (not yet timed on a GPU).
+    (``gradzip bench codecs --device cuda --numel 67108864``) encode runs at 38% of a device
+    copy per call and 39% in a stream, decode at 106% and 149% (with the draws a torch
+    generator's pass of their own, 26% / 28% encode; the torch version before the kernels:
+    9% / 13%). The scale's reduction is a second read of the input: the encode moves about
+    twice what a copy does.
     """
 
     name = "terngrad"
@@ -300,11 +300,10 @@ class Natural(Codec):
     Speed on CUDA: the header is one min/max pass, then one Triton pass makes each value's
     23-bit draw from the counter hash of its index (``counter_uniform``'s top bits) and turns
     the values' bits and the draws into codes; decode is one pass of the table kernel over a
-    256-entry table. On an H200 (``gradzip bench codecs --device cuda --numel 67108864``), with
-    the draws then an int32 tensor of a torch generator (written, then read), encode ran at 18%
-    of a device copy per call and 23% in a stream, decode at 24% and 28% (the torch version
-    before the kernels: 4% / 22%): about 17 bytes moved per value against a copy's 8, of which
-    drawing in the kernel saves 8 (not yet timed on a GPU).
+    256-entry table. On an H200 (``gradzip bench codecs --device cuda --numel 67108864``)
+    encode runs at 49% of a device copy per call and 63% in a stream, decode at 36% and 53%
+    (with the draws an int32 tensor of a torch generator, written then read: 18% / 23% encode,
+    24% / 28% decode; the torch version before the kernels: 4% / 22%).
     """
 
     name = "natural"
