@@ -307,6 +307,7 @@ def _node_dies(rank: int, world: int, fault: str, marks: str) -> dict:
             time.sleep(0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["dead", "stall"])
 def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the_timeout(fault, tmp_path):
@@ -323,6 +324,7 @@ def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the
         assert res["seconds"] < timeout + 6 < STALL_S, res
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_on_two_nodes_a_killed_rank_restarts_every_node_and_the_job_ends_where_it_would_have(tmp_path):
     from .resume_job import train

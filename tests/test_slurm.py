@@ -186,6 +186,7 @@ def _check(records: List[dict]) -> None:
         assert rec["node"] == rec["slurm_node"] == rank // 2  # gradzip's nodes are SLURM's
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_srun_with_torchrun_on_every_node_as_the_docs_say(slurm):
     c = slurm["cluster"]
@@ -203,6 +204,7 @@ def test_srun_with_torchrun_on_every_node_as_the_docs_say(slurm):
     assert records[0]["topology"]["found_from"] == "GROUP_RANK"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_srun_alone_one_task_per_rank_finds_the_nodes_from_slurm(slurm):
     c = slurm["cluster"]

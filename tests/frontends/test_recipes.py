@@ -68,6 +68,7 @@ def test_hf_trainer_callback_two_processes(tmp_path):
     _check(ranks, steps=10)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _installed("ray"), reason="ray is not installed (pip install gradzip[ray])")
 def test_ray_train_two_workers(tmp_path):
     """A local Ray cluster of 2 CPUs, ``TorchTrainer`` with 2 workers and ``prepare_model``."""
