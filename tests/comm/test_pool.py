@@ -43,3 +43,16 @@ def test_buffers_nobody_borrowed_for_a_step_are_dropped():
     assert pool.nbytes == size_class(64)
     pool.clear()
     assert pool.nbytes == 0
+
+
+def test_a_borrower_asking_in_the_same_order_gets_the_same_buffers_back():
+    pool = BufferPool(torch.float32)
+    first = []
+    a, b = pool.lend((1000,), CPU, first), pool.lend((1000,), CPU, first)
+    ptrs = (a.data_ptr(), b.data_ptr())
+    assert ptrs[0] != ptrs[1]
+    for step in range(3):
+        pool.give_back(first)
+        again = []
+        assert (pool.lend((1000,), CPU, again).data_ptr(), pool.lend((1000,), CPU, again).data_ptr()) == ptrs, step
+        first = again

@@ -45,8 +45,10 @@ class BufferPool:
         return buf[:need].view(shape)
 
     def give_back(self, lent: List[torch.Tensor]) -> None:
-        """Take back what a borrower was lent (its transfers have completed)."""
-        for buf in lent:
+        """Take back what a borrower was lent (its transfers have completed). Last lent, first
+        back on the free list: a borrower that asks in the same order at the next step gets the
+        same buffers, so views of them made once stay valid (:class:`~gradzip.sync.groups.FusedLayout`)."""
+        for buf in reversed(lent):
             self._free.setdefault((buf.numel(), buf.device), []).append((buf, self._step))
         lent.clear()
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import comm as _collectives
 from ..comm import consistency
@@ -27,7 +28,7 @@ from ..kernels.rng import stable_hash
 from ..version import __version__
 from .metrics import Metrics
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
-from .groups import padding
+from .groups import FusedLayout, padding
 from .places import Places
 from .worker import OrderedWorker
 
@@ -210,6 +211,7 @@ class Communicator:
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
         self._places: Dict[Tuple[Any, ...], Places] = {}  # uncompressed places of in-place buckets, per layout
+        self._fused_layouts: Dict[Tuple[Any, ...], FusedLayout] = {}  # fused groups' layouts (see _fused_layout)
         # the one step counter: it keys every exchange's shared and private randomness (with the
         # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
         self.step = 0
@@ -744,13 +746,13 @@ class Communicator:
             self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
             return list(tensors)
         dtype = tensors[0].dtype
-        flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        if all(t.dtype == dtype for t in tensors):  # one concatenation (its loop in C++, no view per gradient here)
+            flat = _flatten_dense_tensors(tensors)
+        else:
+            flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
         self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
-        out, offset = [], 0
-        for t in tensors:
-            out.append(avg[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
+        out = _unflatten_dense_tensors(avg, tensors)  # views of the average shaped as the gradients
         if inplace:  # one multi-tensor copy into the gradients (converting dtypes where they differ)
             _copy_all(tensors, out)
             return list(tensors)
@@ -784,14 +786,10 @@ class Communicator:
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
         block = codec.fusion_block()
-        order = sorted(range(len(tensors)), key=lambda i: names[i])
-        spans, total = [], 0
-        for i in order:
-            spans.append((total, tensors[i].numel()))
-            total += tensors[i].numel() + padding(tensors[i].numel(), block)
+        layout = self._fused_layout(tensors, names, block)
+        order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
-        key = group_key([names[i] for i in order])
         pool = self._pool(dtype, step)
         lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
         # the collective's own staging memory where it has some (the node's shared memory of a
@@ -800,7 +798,7 @@ class Communicator:
         if flat is None:
             flat = pool.lend((total,), tensors[0].device, lent)
         try:
-            inputs = [flat[start : start + n].view(tensors[i].shape) for i, (start, n) in zip(order, spans)]
+            inputs = layout.views(flat, "input")  # in the order of the layout
             # the average overwrites the input buffer when the collective has read it by then and
             # error feedback, if any, is a residual settled at that moment (see _settle_residual)
             settle = residual = None
@@ -820,7 +818,7 @@ class Communicator:
             else:
                 for x, i in zip(inputs, order):
                     mem.compensate_into(tensors[i], names[i], x)
-            self._places_of(flat.device, [(start + n, padding(n, block)) for start, n in spans]).fill_(flat, 0)
+            self._places_of(flat.device, layout.gaps).fill_(flat, 0)
             if self.levels is not None and self.levels.sampling:
                 for x, i in zip(inputs, order):
                     self.levels.observe(names[i], x, step)
@@ -838,12 +836,15 @@ class Communicator:
             avg = _poison_if(res.avg, res.nonfinite)
             if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
                 avg = avg.to(tensors[0].dtype, copy=True)
-            results: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-            for (start, n), i in zip(spans, order):
-                results[i] = avg[start : start + n].view(tensors[i].shape)
             if inplace:  # one multi-tensor copy into DDP's views
-                _copy_all([tensors[i] for i in order], [results[i] for i in order])
+                # (the average's views are kept where it lies in the group's own buffer)
+                own_buffer = avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel()
+                _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
                 results = list(tensors)
+            else:
+                results = [None] * len(tensors)  # type: ignore[list-item]
+                for (start, n), i in zip(spans, order):
+                    results[i] = avg[start : start + n].view(tensors[i].shape)
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
             record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
             self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
@@ -851,6 +852,17 @@ class Communicator:
             return results
         finally:
             pool.give_back(lent)
+
+    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int) -> FusedLayout:
+        """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
+        group (its members' names and shapes, and the codec's block)."""
+        shapes = tuple(t.shape for t in tensors)
+        ident = (tuple(names), shapes, block)
+        layout = self._fused_layouts.get(ident)
+        if layout is None:
+            order_names = sorted(names)
+            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(order_names))
+        return layout
 
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
                  compress: Sequence[bool]) -> bool:

@@ -77,6 +77,47 @@ class FusionPlan:
         return [{"group": g, "members": list(names)} for g, names in enumerate(self.groups)]
 
 
+class FusedLayout:
+    """Where the gradients of a fused group lie in its flat buffer, made once per group.
+
+    ``order``: indices into the group's gradients in name order (the canonical layout, see
+    :meth:`~gradzip.sync.engine.Communicator._reduce_fused`); ``spans[k] = (start, numel)`` of
+    the k-th of them, each starting on a block boundary; ``gaps``: the padding after each, as
+    ``(start, length)``; ``total`` values; ``key``: the group's name. :meth:`views` keeps the
+    views of the buffer last seen in each role, so a step that gets the same buffers from the
+    pool as the last one (the usual case) makes no view per gradient: on an accelerator each of
+    them costs host time in the comm thread.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], names: Sequence[str], block: int, key: str) -> None:
+        self.order = sorted(range(len(names)), key=lambda i: names[i])
+        self.shapes = [shapes[i] for i in self.order]
+        self.spans: List[Tuple[int, int]] = []
+        self.gaps: List[Tuple[int, int]] = []
+        total = 0
+        for shape in self.shapes:
+            n = shape.numel()
+            self.spans.append((total, n))
+            self.gaps.append((total + n, padding(n, block)))
+            total += n + padding(n, block)
+        self.total = total
+        self.key = key
+        self._views: Dict[str, Tuple[Tuple[Any, ...], List[torch.Tensor]]] = {}
+
+    def views(self, buf: torch.Tensor, role: str, keep: bool = True) -> List[torch.Tensor]:
+        """The gradients' places in the flat ``buf``, shaped as the gradients, in :attr:`order`;
+        kept for the next call in ``role`` unless ``keep`` is False (a buffer that is not the
+        group's own: kept views would keep it alive)."""
+        ident = (buf.data_ptr(), buf.numel(), buf.dtype, buf.device)
+        kept = self._views.get(role)
+        if kept is not None and kept[0] == ident:
+            return kept[1]
+        views = [buf[a : a + n].view(shape) for (a, n), shape in zip(self.spans, self.shapes)]
+        if keep:
+            self._views[role] = (ident, views)
+        return views
+
+
 def padding(numel: int, block: int) -> int:
     """Zeros that follow ``numel`` values in a fused buffer to reach the next block boundary."""
     return -numel % block
