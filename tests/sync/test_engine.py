@@ -245,3 +245,20 @@ def _held_back(rank: int, world: int, pipeline: bool) -> dict:
 def test_over_gloo_a_job_waits_in_the_pipeline_for_the_next_one_unless_pipelining_is_off(pipeline):
     (res,) = run_workers(_held_back, 1, pipeline)
     assert res == {"held": pipeline, "values": (1, 2), "pipelines": pipeline, "queues_on_stream": False}
+
+
+def _layouts_kept(rank: int, world: int) -> list:
+    comm = gradzip.Communicator("maxmin", bits=4)
+    _, tensors, names, _ = _bucket(8)
+    kept = []
+    for step in range(4):  # a group of 8 at step 0, of its first 6 from step 1 on (a new plan)
+        n = 8 if step == 0 else 6
+        drive(comm.reduce_many_stages(tensors[:n], names[:n], [True] * n, inplace=True, step=step))
+        kept.append(sorted(len(layout.order) for layout in comm._fused_layouts.values()))
+    comm.close()
+    return kept
+
+
+def test_the_layout_of_a_group_the_plan_no_longer_makes_is_dropped_with_its_views():
+    for kept in run_workers(_layouts_kept, 2):
+        assert kept == [[8], [6, 8], [6], [6]], kept  # kept through the next step, as the pool keeps buffers

@@ -212,6 +212,7 @@ class Communicator:
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
         self._places: Dict[Tuple[Any, ...], Places] = {}  # uncompressed places of in-place buckets, per layout
         self._fused_layouts: Dict[Tuple[Any, ...], FusedLayout] = {}  # fused groups' layouts (see _fused_layout)
+        self._layouts_step = 0
         # the one step counter: it keys every exchange's shared and private randomness (with the
         # tensor's name) and is what the DDP hook counts its backward passes with; see next_step
         self.step = 0
@@ -786,7 +787,7 @@ class Communicator:
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
         block = codec.fusion_block()
-        layout = self._fused_layout(tensors, names, block)
+        layout = self._fused_layout(tensors, names, block, step)
         order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
@@ -853,15 +854,20 @@ class Communicator:
         finally:
             pool.give_back(lent)
 
-    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int) -> FusedLayout:
+    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int) -> FusedLayout:
         """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
-        group (its members' names and shapes, and the codec's block)."""
+        group (its members' names and shapes, and the codec's block). A layout no step used in
+        the present step or the one before (a group the plan no longer makes) is dropped, with
+        the views it kept of the pool's buffers."""
+        if step > self._layouts_step:
+            self._layouts_step = step
+            self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
         shapes = tuple(t.shape for t in tensors)
         ident = (tuple(names), shapes, block)
         layout = self._fused_layouts.get(ident)
         if layout is None:
-            order_names = sorted(names)
-            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(order_names))
+            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(sorted(names)))
+        layout.used = max(layout.used, step)
         return layout
 
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],

@@ -102,6 +102,7 @@ class FusedLayout:
             total += n + padding(n, block)
         self.total = total
         self.key = key
+        self.used = -1  # the last step that exchanged the group (the engine drops layouts left unused)
         self._views: Dict[str, Tuple[Tuple[Any, ...], List[torch.Tensor]]] = {}
 
     def views(self, buf: torch.Tensor, role: str, keep: bool = True) -> List[torch.Tensor]:
