@@ -247,18 +247,27 @@ def test_over_gloo_a_job_waits_in_the_pipeline_for_the_next_one_unless_pipelinin
     assert res == {"held": pipeline, "values": (1, 2), "pipelines": pipeline, "queues_on_stream": False}
 
 
-def _layouts_kept(rank: int, world: int) -> list:
+def _layouts_kept(rank: int, world: int) -> dict:
     comm = gradzip.Communicator("maxmin", bits=4)
-    _, tensors, names, _ = _bucket(8)
+    buffer, tensors, names, compress = _bucket(8)
     kept = []
     for step in range(4):  # a group of 8 at step 0, of its first 6 from step 1 on (a new plan)
         n = 8 if step == 0 else 6
         drive(comm.reduce_many_stages(tensors[:n], names[:n], [True] * n, inplace=True, step=step))
         kept.append(sorted(len(layout.order) for layout in comm._fused_layouts.values()))
+    in_place = []
+    for step in range(4, 7):  # the bucket averaged in its own memory from now on: no fused group
+        drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+        in_place.append(len(comm._fused_layouts))
+    drive(comm.reduce_many_stages(tensors, names, [True] * 8, inplace=True, step=7))
     comm.close()
-    return kept
+    return {"plan": kept, "in_place": in_place, "closed": len(comm._fused_layouts)}
 
 
-def test_the_layout_of_a_group_the_plan_no_longer_makes_is_dropped_with_its_views():
-    for kept in run_workers(_layouts_kept, 2):
-        assert kept == [[8], [6, 8], [6], [6]], kept  # kept through the next step, as the pool keeps buffers
+def test_the_layout_of_a_group_no_longer_exchanged_is_dropped_with_its_views():
+    """A layout keeps views of its group's buffers: it goes when the pool lets them go (a group
+    the plan no longer makes, buckets now averaged in place) and when the communicator closes."""
+    for res in run_workers(_layouts_kept, 2):
+        assert res["plan"] == [[8], [6, 8], [6], [6]], res  # kept through the next step, as the pool keeps buffers
+        assert res["in_place"] == [1, 0, 0], res
+        assert res["closed"] == 0, res

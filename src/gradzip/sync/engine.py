@@ -747,8 +747,8 @@ class Communicator:
             self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
             return list(tensors)
         dtype = tensors[0].dtype
-        if all(t.dtype == dtype for t in tensors):  # one concatenation (its loop in C++, no view per gradient here)
-            flat = _flatten_dense_tensors(tensors)
+        if len(tensors) > 1 and all(t.dtype == dtype for t in tensors):  # one concatenation, its loop in C++
+            flat = _flatten_dense_tensors(tensors)  # (of one tensor it would be a view, not a copy)
         else:
             flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
         avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
@@ -859,9 +859,7 @@ class Communicator:
         group (its members' names and shapes, and the codec's block). A layout no step used in
         the present step or the one before (a group the plan no longer makes) is dropped, with
         the views it kept of the pool's buffers."""
-        if step > self._layouts_step:
-            self._layouts_step = step
-            self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
+        self._prune_layouts(step)
         shapes = tuple(t.shape for t in tensors)
         ident = (tuple(names), shapes, block)
         layout = self._fused_layouts.get(ident)
@@ -869,6 +867,14 @@ class Communicator:
             layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(sorted(names)))
         layout.used = max(layout.used, step)
         return layout
+
+    def _prune_layouts(self, step: int) -> None:
+        """Drop the fused layouts no step used in ``step`` or the one before, at the first call of
+        a step from any path (the in-place one too), as the pools drop their buffers: a layout
+        keeps views of a group's buffers, which would otherwise outlive the pool's hold on them."""
+        if step > self._layouts_step:
+            self._layouts_step = step
+            self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
 
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
                  compress: Sequence[bool]) -> bool:
@@ -912,6 +918,7 @@ class Communicator:
         and on an accelerator nothing waits for the device (:func:`_settle_residual`).
         """
         started = time.perf_counter()
+        self._prune_layouts(step)  # the fused path's, should buckets now go in place
         comp = [i for i, c in enumerate(compress) if c]
         plain = [i for i, c in enumerate(compress) if not c]
         codec, coll, mem = self.codec_for(names[comp[0]]), self.collective_for(names[comp[0]]), self.memory
@@ -971,6 +978,7 @@ class Communicator:
         """The buffers of ``dtype`` lent to this step's exchanges (kept from step to step)."""
         pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
         pool.new_step(step)
+        self._prune_layouts(step)
         return pool
 
     @staticmethod
@@ -1154,6 +1162,7 @@ class Communicator:
         self._group_residuals.clear()
         self._flat_pools.clear()
         self._places.clear()
+        self._fused_layouts.clear()
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()

@@ -116,6 +116,8 @@ class FusedLayout:
         views = [buf[a : a + n].view(shape) for (a, n), shape in zip(self.spans, self.shapes)]
         if keep:
             self._views[role] = (ident, views)
+        else:  # nor the views of the role's last buffer
+            self._views.pop(role, None)
         return views
 
 
