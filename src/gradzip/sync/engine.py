@@ -842,10 +842,10 @@ class Communicator:
                 own_buffer = avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel()
                 _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
                 results = list(tensors)
-            else:
+            else:  # views of the caller's copy, in the gradients' own order
                 results = [None] * len(tensors)  # type: ignore[list-item]
-                for (start, n), i in zip(spans, order):
-                    results[i] = avg[start : start + n].view(tensors[i].shape)
+                for i, view in zip(order, layout.views(avg, "average", keep=False)):
+                    results[i] = view
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
             record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
             self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
@@ -856,10 +856,8 @@ class Communicator:
 
     def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int) -> FusedLayout:
         """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
-        group (its members' names and shapes, and the codec's block). A layout no step used in
-        the present step or the one before (a group the plan no longer makes) is dropped, with
-        the views it kept of the pool's buffers."""
-        self._prune_layouts(step)
+        group (its members' names and shapes, and the codec's block); marked used at ``step``
+        (see :meth:`_prune_layouts`)."""
         shapes = tuple(t.shape for t in tensors)
         ident = (tuple(names), shapes, block)
         layout = self._fused_layouts.get(ident)
@@ -869,9 +867,10 @@ class Communicator:
         return layout
 
     def _prune_layouts(self, step: int) -> None:
-        """Drop the fused layouts no step used in ``step`` or the one before, at the first call of
-        a step from any path (the in-place one too), as the pools drop their buffers: a layout
-        keeps views of a group's buffers, which would otherwise outlive the pool's hold on them."""
+        """Drop the fused layouts no step used in ``step`` or the one before (a group the plan no
+        longer makes, buckets now averaged in place), when the pools drop their buffers
+        (:meth:`_pool`) and at every in-place bucket: a layout keeps views of a group's buffers,
+        which would otherwise outlive the pool's hold on them."""
         if step > self._layouts_step:
             self._layouts_step = step
             self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
@@ -918,7 +917,7 @@ class Communicator:
         and on an accelerator nothing waits for the device (:func:`_settle_residual`).
         """
         started = time.perf_counter()
-        self._prune_layouts(step)  # the fused path's, should buckets now go in place
+        self._prune_layouts(step)  # (it may lend nothing from the pools)
         comp = [i for i, c in enumerate(compress) if c]
         plain = [i for i, c in enumerate(compress) if not c]
         codec, coll, mem = self.codec_for(names[comp[0]]), self.collective_for(names[comp[0]]), self.memory
@@ -975,7 +974,8 @@ class Communicator:
         return mem.name in IN_PLACE_MEMORIES and dtype == torch.float32
 
     def _pool(self, dtype: torch.dtype, step: int) -> BufferPool:
-        """The buffers of ``dtype`` lent to this step's exchanges (kept from step to step)."""
+        """The buffers of ``dtype`` lent to this step's exchanges (kept from step to step); the
+        fused layouts no longer used go with the buffers no longer lent."""
         pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
         pool.new_step(step)
         self._prune_layouts(step)
