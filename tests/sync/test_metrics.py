@@ -249,6 +249,61 @@ def test_metrics_share_a_fused_group_out_per_parameter():
     assert s["sent_bytes"] == 802 and s["params_uncompressed"] == 2 and s["steps"] == 1
 
 
+def test_a_groups_calls_are_summed_and_shared_out_only_when_read():
+    m = Metrics()
+    members = (("a", 400), ("b", 100), ("c", 100))
+    for step in range(7):
+        m.record_group(members, wire=101 + step, encode_s=0.006, decode_s=0.003, compressed=True, codec="maxmin")
+    assert not m._tensors  # nothing per parameter while the comm thread records
+    s = m.summary(per_tensor=True)
+    rows = s["per_tensor"]
+    assert [rows[n]["calls"] for n in "abc"] == [7, 7, 7] and s["steps"] == 7
+    assert [rows[n]["raw_bytes"] for n in "abc"] == [2800, 700, 700]
+    assert sum(rows[n]["wire_bytes"] for n in "abc") == sum(101 + k for k in range(7))  # exact, in whole bytes
+    assert abs(rows["a"]["wire_bytes"] - 4 * rows["b"]["wire_bytes"]) <= 4
+    assert rows["a"]["encode_ms"] == pytest.approx(7 * 4.0) and rows["c"]["decode_ms"] == pytest.approx(7 * 0.5)
+    assert s["params_compressed"] == 3
+    # more calls after a read add to what was shared out
+    m.record_group(list(members), wire=60, encode_s=0.0, decode_s=0.0, compressed=True, codec="maxmin")
+    assert m.summary(per_tensor=True)["per_tensor"]["a"]["calls"] == 8
+
+
+def test_a_parameters_codec_is_that_of_its_latest_call_grouped_or_alone():
+    m = Metrics()
+    m.record_group([("w", 40), ("v", 40)], wire=80, encode_s=0.0, decode_s=0.0, compressed=False, codec="none")
+    m.record("w", 40, 5, 0.0, 0.0, compressed=True, codec="maxmin")  # after the warm-up, alone
+    m.record_group([("v", 40), ("u", 40)], wire=10, encode_s=0.0, decode_s=0.0, compressed=True, codec="maxmin")
+    stats = m.tensors
+    assert (stats["w"].compressed, stats["w"].codec) == (True, "maxmin")
+    assert (stats["v"].compressed, stats["v"].codec) == (True, "maxmin") and stats["v"].calls == 2
+    m.record_group([("w", 40), ("v", 40)], wire=80, encode_s=0.0, decode_s=0.0, compressed=False, codec="none")
+    assert not m.tensors["w"].compressed and m.tensors["u"].compressed
+    m.reset()
+    assert m.summary()["steps"] == 0 and not m.tensors
+
+
+def test_reading_while_the_worker_records_loses_no_call():
+    import threading
+
+    m = Metrics()
+    members = tuple((f"p{i}", 8) for i in range(50))
+    done = threading.Event()
+
+    def worker() -> None:
+        for _ in range(3000):
+            m.record_group(members, wire=10, encode_s=0.0, decode_s=0.0, compressed=True)
+            m.record("alone", 8, 3, 0.0, 0.0)
+        done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    while not done.is_set():
+        m.summary()
+    t.join()
+    s = m.summary(per_tensor=True)
+    assert s["wire_bytes"] == 3000 * 13 and s["per_tensor"]["p7"]["calls"] == 3000 and s["steps"] == 3000
+
+
 def test_traffic_factor_per_collective():
     assert traffic_factor("allreduce", 4) == traffic_factor("sra", 4) == traffic_factor("ps", 4) == 1.5
     assert traffic_factor("allgather", 4) == 3.0

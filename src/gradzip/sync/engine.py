@@ -848,7 +848,7 @@ class Communicator:
                     results[i] = view
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
             record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
-            self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in order], **record)
+            self.metrics.record_group(layout.members(tensors[0].element_size()), **record)
             self.metrics.record_group_time(key, time.perf_counter() - started)
             return results
         finally:

@@ -91,6 +91,7 @@ class FusedLayout:
 
     def __init__(self, shapes: Sequence[torch.Size], names: Sequence[str], block: int, key: str) -> None:
         self.order = sorted(range(len(names)), key=lambda i: names[i])
+        self.names = [names[i] for i in self.order]
         self.shapes = [shapes[i] for i in self.order]
         self.spans: List[Tuple[int, int]] = []
         self.gaps: List[Tuple[int, int]] = []
@@ -104,6 +105,15 @@ class FusedLayout:
         self.key = key
         self.used = -1  # the last step that exchanged the group (the engine drops layouts left unused)
         self._views: Dict[str, Tuple[Tuple[Any, ...], List[torch.Tensor]]] = {}
+        self._members: Dict[int, Tuple[Tuple[str, int], ...]] = {}
+
+    def members(self, itemsize: int) -> Tuple[Tuple[str, int], ...]:
+        """``(name, bytes)`` of each gradient in :attr:`order` at ``itemsize`` bytes a value: what
+        the metrics record for the group (:meth:`~gradzip.sync.metrics.Metrics.record_group`), made once."""
+        members = self._members.get(itemsize)
+        if members is None:
+            members = self._members[itemsize] = tuple((n, s.numel() * itemsize) for n, s in zip(self.names, self.shapes))
+        return members
 
     def views(self, buf: torch.Tensor, role: str, keep: bool = True) -> List[torch.Tensor]:
         """The gradients' places in the flat ``buf``, shaped as the gradients, in :attr:`order`;

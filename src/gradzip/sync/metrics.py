@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -48,10 +49,27 @@ class TensorStats:
     decode_cpu_s: float = 0.0
     compressed: bool = True
     codec: str = ""
+    latest: int = 0  # the number of the call that set ``compressed`` and ``codec``
 
     @property
     def ratio(self) -> float:
         return _ratio(self.raw_bytes, self.wire_bytes)
+
+
+@dataclass
+class _GroupCalls:
+    """Calls of one fused group not yet shared out among its members (:meth:`Metrics.record_group`)."""
+
+    calls: int = 0
+    wire: int = 0
+    sent: float = 0.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    encode_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
+    compressed: bool = False
+    codec: str = ""
+    latest: int = 0
 
 
 def _ratio(raw: float, wire: float) -> float:
@@ -66,16 +84,28 @@ def _rounded_ratio(raw: float, wire: float) -> float:
 class Metrics:
     """Per-parameter counters, filled by the communication worker and read by ``stats()``.
 
-    See the module docstring for the definition of every figure. Gradients sent uncompressed
-    together (one fused all-reduce) are recorded per parameter, each with its share of the bytes
-    and of the time, so the counts do not change when DDP rebuilds its buckets.
+    See the module docstring for the definition of every figure. Gradients sent together (one
+    fused exchange) are recorded per parameter, each with its share of the bytes and of the
+    time, so the counts do not change when DDP rebuilds its buckets. A fused group's calls are
+    summed as they come and shared out among its members only when the figures are read
+    (:attr:`tensors`): the comm thread pays one update a group and step, not one a parameter.
     """
 
     def __init__(self) -> None:
-        self.tensors: Dict[str, TensorStats] = {}
+        self._tensors: Dict[str, TensorStats] = {}
+        self._groups: Dict[Tuple[Tuple[str, int], ...], _GroupCalls] = {}  # members -> calls not shared out
+        self._calls = 0  # calls so far, numbering them (which call set a parameter's codec last)
+        self._lock = threading.Lock()  # the worker records while another thread reads
         self.cpu_measured = False
         self.exposed_s: List[float] = []
         self.group_times: Dict[str, List[float]] = {}  # fused group -> seconds of each exchange
+
+    @property
+    def tensors(self) -> Dict[str, TensorStats]:
+        """Per parameter name, its counters (the fused groups' calls shared out first)."""
+        with self._lock:
+            self._share_out()
+        return self._tensors
 
     def record_group_time(self, key: str, seconds: float) -> None:
         """One compressed exchange of group ``key`` (``communicator.group_key``) took ``seconds``
@@ -94,20 +124,20 @@ class Metrics:
         """One call on ``name``. ``sent`` defaults to ``wire``; a CPU time of None: not measured.
         The parameter's ``compressed`` and ``codec`` are those of its latest call (a warm-up sends
         it dense first, the codec afterwards)."""
-        s = self.tensors.get(name)
-        if s is None:
-            s = self.tensors[name] = TensorStats(compressed=compressed, codec=codec)
-        s.compressed, s.codec = compressed, codec
-        s.calls += 1
-        s.raw_bytes += raw
-        s.wire_bytes += wire
-        s.sent_bytes += wire if sent is None else sent
-        s.encode_s += encode_s
-        s.decode_s += decode_s
-        if encode_cpu_s is not None and decode_cpu_s is not None:
-            s.encode_cpu_s += encode_cpu_s
-            s.decode_cpu_s += decode_cpu_s
-            self.cpu_measured = True
+        with self._lock:
+            self._calls += 1
+            s = self._stats(name)
+            s.calls += 1
+            s.raw_bytes += raw
+            s.wire_bytes += wire
+            s.sent_bytes += wire if sent is None else sent
+            s.encode_s += encode_s
+            s.decode_s += decode_s
+            if encode_cpu_s is not None and decode_cpu_s is not None:
+                s.encode_cpu_s += encode_cpu_s
+                s.decode_cpu_s += decode_cpu_s
+                self.cpu_measured = True
+            s.compressed, s.codec, s.latest = compressed, codec, self._calls
 
     def record_group(
         self, members: Sequence[Tuple[str, int]], wire: int, encode_s: float, decode_s: float,
@@ -115,21 +145,59 @@ class Metrics:
         sent: Optional[float] = None, codec: str = "",
     ) -> None:
         """One call that sent several parameters fused: ``members`` holds ``(name, raw bytes)``;
-        the wire bytes and times are shared out in proportion to the raw bytes."""
-        total = sum(raw for _, raw in members)
-        sent = wire if sent is None else sent
-        given = 0
-        for i, (name, raw) in enumerate(members):
-            share = raw / total if total else 1.0 / len(members)
-            # integer wire bytes that add up to the group's exactly
-            w = wire - given if i == len(members) - 1 else int(round(wire * share))
-            given += w
-            cpu = (encode_cpu_s * share, decode_cpu_s * share) if encode_cpu_s is not None and decode_cpu_s is not None else (None, None)
-            self.record(name, raw, w, encode_s * share, decode_s * share, compressed, cpu[0], cpu[1], sent * share, codec)
+        the wire bytes and times are shared out in proportion to the raw bytes (when read:
+        each member gets its share of the group's sums, the wire bytes as integers that add up
+        to the group's exactly)."""
+        key = members if isinstance(members, tuple) else tuple(members)
+        with self._lock:
+            self._calls += 1
+            g = self._groups.get(key)
+            if g is None:
+                g = self._groups[key] = _GroupCalls()
+            g.calls += 1
+            g.wire += wire
+            g.sent += wire if sent is None else sent
+            g.encode_s += encode_s
+            g.decode_s += decode_s
+            if encode_cpu_s is not None and decode_cpu_s is not None:
+                g.encode_cpu_s += encode_cpu_s
+                g.decode_cpu_s += decode_cpu_s
+                self.cpu_measured = True
+            g.compressed, g.codec, g.latest = compressed, codec, self._calls
+
+    def _stats(self, name: str) -> TensorStats:
+        s = self._tensors.get(name)
+        if s is None:
+            s = self._tensors[name] = TensorStats()
+        return s
+
+    def _share_out(self) -> None:
+        """Add the groups' pending calls to their members' counters (the lock held)."""
+        groups, self._groups = self._groups, {}
+        for members, g in groups.items():
+            total = sum(raw for _, raw in members)
+            given = 0
+            for i, (name, raw) in enumerate(members):
+                share = raw / total if total else 1.0 / len(members)
+                w = g.wire - given if i == len(members) - 1 else int(round(g.wire * share))
+                given += w
+                s = self._stats(name)
+                s.calls += g.calls
+                s.raw_bytes += raw * g.calls
+                s.wire_bytes += w
+                s.sent_bytes += g.sent * share
+                s.encode_s += g.encode_s * share
+                s.decode_s += g.decode_s * share
+                s.encode_cpu_s += g.encode_cpu_s * share
+                s.decode_cpu_s += g.decode_cpu_s * share
+                if g.latest > s.latest:
+                    s.compressed, s.codec, s.latest = g.compressed, g.codec, g.latest
 
     def reset(self) -> None:
-        self.tensors.clear()
-        self.cpu_measured = False
+        with self._lock:
+            self._tensors.clear()
+            self._groups.clear()
+            self.cpu_measured = False
         self.exposed_s = []
         self.group_times = {}
 
