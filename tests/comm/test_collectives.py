@@ -137,7 +137,9 @@ def _nonfinite(rank: int, world: int) -> dict:
     pairs += [("threshold", "allgather")]  # payloads of a size of their own per rank: flags at other offsets
     pairs += [("maxmin", "sra"), ("sketchml", "ps"), ("onebit", "ps"), ("randomk", "ps"), ("powersgd", "allreduce")]
     pairs += [("qsgd", "ps")]  # in three partitions, the NaN in the last one
-    for name, coll in pairs:
+    # finite, but PowerSGD's products of it overflow: flagged like a NaN
+    pairs += [("powersgd", "allreduce", "overflow")]
+    for name, coll, *spoil in pairs:
         options = {"threshold": 1.5} if name == "threshold" else {}  # about 13% of the values pass
         if name == "qsgd":
             options["collective_options"] = {"partitions": 3, "min_partition": 1}
@@ -148,12 +150,14 @@ def _nonfinite(rank: int, world: int) -> dict:
         first = comm.allreduce(x, name="w")
         before = comm.memory.residuals["w"].clone()
         bad = x.clone()
-        if rank == 1:
+        if rank == 1 and spoil:
+            bad.fill_(3e38)  # P = M Q overflows on this rank, and with it every later round's sums
+        elif rank == 1:
             bad[3 if name != "qsgd" else 60, 5] = float("nan")
         second = comm.allreduce(bad, name="w")
         after = comm.memory.residuals["w"].clone()  # updated in place at the next step
         third = comm.allreduce(x, name="w")
-        out[f"{name}/{coll}"] = {
+        out["/".join([name, coll, *spoil])] = {
             "first_finite": bool(torch.isfinite(first).all()),
             "second_all_nan": bool(torch.isnan(second).all()),
             "memory_kept": torch.equal(before, after),

@@ -178,8 +178,9 @@ class PowerSGD(Codec):
     (``memory="residual"``, the default).
 
     The factors are fp32 sums of ``m`` (or ``n``) products: entries above about
-    ``3.4e38 / max(n, m)`` can overflow them, and the step is then non-finite like one with a
-    NaN input. A 16-bit input is decoded with its finite range saturated (:func:`saturate`).
+    ``3.4e38 / max(n, m)`` can overflow them; the all-reduce reads its last round's sums and
+    flags such a step like one with a NaN input (a NaN average on every rank, error feedback's
+    residual kept). A 16-bit input is decoded with its finite range saturated (:func:`saturate`).
 
     Options: ``rank`` (default 2), ``warm_start`` (default True), ``seed``.
     Wire: ``(n + m) · rank · 4`` bytes over two rounds. Collective: ``allreduce``.

@@ -35,6 +35,7 @@ class AllReduce(Collective):
         flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None
         wire = 0
         first = True
+        rounds = 0
         while True:
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
@@ -52,7 +53,11 @@ class AllReduce(Collective):
             if nxt is None:
                 break
             payload = nxt
-        return _finish(call, payload, reduced, call.flag if flag is None else flag[0] > 0, wire)
+            rounds += 1
+        nonfinite = call.flag if flag is None else flag[0] > 0
+        if rounds and self.flagged:
+            nonfinite = nonfinite | _overflowed([reduced])
+        return _finish(call, payload, reduced, nonfinite, wire)
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -70,6 +75,7 @@ class AllReduce(Collective):
         wire = [0] * len(calls)
         reduced: List[List[torch.Tensor]] = [[] for _ in calls]
         live = list(range(len(calls)))
+        later = set()  # the calls that went on to a second round
         while live:
             entries = [(i, t) for i in live for t in payloads[i].tensors]
             for i, t in entries:
@@ -104,10 +110,13 @@ class AllReduce(Collective):
                 if nxt is not None:
                     payloads[i] = nxt
                     going.append(i)
+                    later.add(i)
             live = going
         if flag_work is not None:
             flag_work.wait()
             nonfinite = flag[0] > 0
+        if self.flagged and later:
+            nonfinite = nonfinite | _overflowed([reduced[i] for i in sorted(later)])
         return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
 
 
@@ -115,6 +124,17 @@ def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
     """``fn(*args)`` and its (wall, thread CPU) seconds, as :class:`Timer` measures a section."""
     out, wall, cpu = Timer()._section(fn, args, {})
     return out, (wall, cpu)
+
+
+def _overflowed(reduced: Sequence[List[torch.Tensor]]) -> torch.Tensor:
+    """0-dim bool: whether the last round's sums hold NaN or Inf. A later round's payload is
+    made from products of the input (PowerSGD's ``Mᵀ P``), which a finite input can overflow
+    where its first round, or the input's own flag, showed nothing; the sums are the same on
+    every rank, so every rank reads the same flag from them, and a step that overflowed is
+    treated as a non-finite one (error feedback keeps its residual). One pass over the sums,
+    which are the small factors."""
+    flags = [nonfinite_flag(t) for r in reduced for t in r]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
 
 
 def _scaled(call: Call) -> torch.Tensor:
