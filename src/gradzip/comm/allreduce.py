@@ -122,7 +122,7 @@ class AllReduce(Collective):
 
 def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
     """``fn(*args)`` and its (wall, thread CPU) seconds, as :class:`Timer` measures a section."""
-    out, wall, cpu = Timer()._section(fn, args, {})
+    out, wall, cpu = Timer().section(fn, args, {})
     return out, (wall, cpu)
 
 

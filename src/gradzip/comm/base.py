@@ -98,14 +98,17 @@ class Timer:
         self.decode_cpu_s = 0.0
         self._cpu = _measure_cpu
 
-    def _section(self, fn: Callable, args, kwargs) -> Tuple[Any, float, float]:
+    def section(self, fn: Callable, args, kwargs) -> Tuple[Any, float, float]:
+        """``fn(*args, **kwargs)``, its wall seconds and its thread CPU seconds (0.0 unless
+        measured), counted nowhere: :meth:`encode` and :meth:`decode` add them to their sums, and
+        a section timed for several calls at once is shared out with :meth:`add_encode`."""
         t0, c0 = time.perf_counter(), time.thread_time() if self._cpu else 0.0
         out = fn(*args, **kwargs)
         cpu = time.thread_time() - c0 if self._cpu else 0.0
         return out, time.perf_counter() - t0, cpu
 
     def encode(self, fn: Callable, *args, **kwargs):
-        out, wall, cpu = self._section(fn, args, kwargs)
+        out, wall, cpu = self.section(fn, args, kwargs)
         self.encode_s += wall
         self.encode_cpu_s += cpu
         return out
@@ -116,7 +119,7 @@ class Timer:
         self.encode_cpu_s += cpu
 
     def decode(self, fn: Callable, *args, **kwargs):
-        out, wall, cpu = self._section(fn, args, kwargs)
+        out, wall, cpu = self.section(fn, args, kwargs)
         self.decode_s += wall
         self.decode_cpu_s += cpu
         return out
