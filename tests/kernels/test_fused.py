@@ -299,3 +299,26 @@ def test_qsgd_native_extremes_match_the_specification(bits):
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
         out = native.qsgd_decode(*got, bits, bucket, n)
         assert torch.equal(out, ref.qsgd_decode(*got, bits, bucket, n)) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+@pytest.mark.parametrize("codec", ["maxmin", "qsgd"])
+def test_nan_statistics_decode_to_nan_everywhere_stored_or_added(codec, kernels):
+    """What the SRA relies on to poison an average without a pass over it: a payload whose
+    statistics (max-min's min and scale, QSGD's norms) are NaN decodes to NaN in every value,
+    whether stored or added into ``out``, whatever the codes say."""
+    if kernels == "native" and not HAVE_CC:
+        pytest.skip("no C compiler on this machine")
+    lib = native if kernels == "native" else ref
+    n, bucket, bits = 4097, 64, 4
+    x = _x(n, seed=3)
+    if codec == "maxmin":
+        packed, stats = ref.maxmin_encode(x, bits, bucket, None)
+        decode = lib.maxmin_decode
+    else:
+        packed, stats = ref.qsgd_encode(x, bits, bucket, 7)
+        decode = lib.qsgd_decode
+    stats.fill_(float("nan"))
+    assert torch.isnan(decode(packed, stats, bits, bucket, n)).all()
+    out = torch.randn(n)
+    assert torch.isnan(decode(packed, stats, bits, bucket, n, out, True)).all()

@@ -604,3 +604,22 @@ def test_reference_gives_the_same_bits_on_cuda_and_cpu(bits):
         codes, scales = reference.fp8_encode(x, fmt, 32)
         codes_c, scales_c = reference.fp8_encode(x.to(cuda), fmt, 32)
         assert torch.equal(codes, codes_c.cpu()) and _same_bits(scales, scales_c.cpu()), fmt
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["stored", "added"])
+@pytest.mark.parametrize("codec", ["maxmin", "qsgd"])
+def test_nan_statistics_decode_to_nan_everywhere(codec, accumulate):
+    """The SRA poisons an average by writing NaN into the gathered statistics: every value the
+    kernel decodes from them must be NaN (no saturation or clamp may turn it finite)."""
+    n, bucket, bits = 1000, 64, 4
+    x = _randn(n, seed=5)
+    if codec == "maxmin":
+        packed, stats = gpu.maxmin_encode(x, bits, bucket, None)
+        decode = gpu.maxmin_decode
+    else:
+        packed, stats = gpu.qsgd_encode(x, bits, bucket, 7)
+        decode = gpu.qsgd_decode
+    stats.fill_(float("nan"))
+    out = _randn(n, seed=6)
+    got = decode(packed, stats, bits, bucket, n, out if accumulate else None, accumulate)
+    assert torch.isnan(got).all()

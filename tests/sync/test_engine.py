@@ -47,12 +47,15 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.work: Counter = Counter()
         self.views = 0
+        self.filled = []  # the sizes of the tensors masked_fill_ wrote
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.is_view:
             self.views += 1
         else:
             self.work[func.overloadpacket.__name__] += 1
+            if func.overloadpacket.__name__ == "masked_fill_":
+                self.filled.append(args[0].numel())
         return func(*args, **(kwargs or {}))
 
 
@@ -88,13 +91,27 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
                 stages = lambda step: comm.bucket_stages(buffer, tensors, names, compress, step)  # noqa: E731
             else:  # the default path: the plain ones in one all-reduce, the compressed ones in one fused group
                 stages = lambda step: comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step)  # noqa: E731
-            counts = []
+            counts, filled = [], []
             for step in range(3):  # the first step makes the residual, the pool's buffers, the index
                 buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
                 with _Ops() as ops:
                     drive(stages(step))
                 counts.append(ops.work)
-            out[count] = {"ops": counts[1:], "residuals": sorted(getattr(comm.memory, "residuals", {}))}
+                filled += ops.filled
+            # a NaN on the last rank: every compressed gradient all-NaN on every rank, the plain
+            # ones summed as DDP sums them (the NaN sits in a compressed one)
+            buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(99 + rank)))
+            if rank == world - 1:
+                tensors[0].view(-1)[5] = float("nan")
+            with _Ops() as ops:
+                drive(stages(3))
+            filled += ops.filled
+            out[count] = {
+                "ops": counts[1:], "residuals": sorted(getattr(comm.memory, "residuals", {})), "filled": filled,
+                "poisoned": all(bool(t.isnan().all()) for t, c in zip(tensors, compress) if c),
+                "plain_finite": all(bool(t.isfinite().all()) for t, c in zip(tensors, compress) if not c),
+                "numel": buffer.numel(),
+            }
             comm.close()
         return out
     finally:
@@ -123,6 +140,10 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
             assert ops["where"] == 1, ops  # the flag picks the residual on the device
         if memory == "residual":
             assert len(many["residuals"]) == 32  # the compressed gradients' residuals, by name
+        for r in (few, many):
+            assert r["poisoned"] and r["plain_finite"], r
+            # the average is poisoned through the gathered statistics, not by a pass over it
+            assert max(r["filled"], default=0) <= r["numel"] // 64, r["filled"]
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

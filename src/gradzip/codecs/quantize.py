@@ -96,6 +96,7 @@ class MaxMin(Codec):
     collectives = ("sra", "allgather")
     default_memory = "none"
     stochastic = True
+    stats_tensor = 1  # (min, scale) per bucket: a NaN min decodes the bucket to NaN
     options = {
         "bits": Option(4, int_in(1, 8), "an integer in 1..8", "bits per value"),
         "bucket_size": Option(1024, int_in(1), "a positive integer", "values sharing one min/max"),
@@ -126,7 +127,7 @@ class MaxMin(Codec):
         # every bucket's min is NaN where it held a NaN and its scale infinite where it held an
         # Inf (or NaN where it held +inf only), in every kernel version; the codec works in fp32,
         # so an fp64 value beyond fp32's range is an Inf to it, and flagged as such
-        return _any_nonfinite(payload, 1)
+        return _any_nonfinite(payload, self.stats_tensor)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _spec_bytes(self._payload_spec(numel, dtype))
@@ -151,6 +152,7 @@ class QSGD(Codec):
     paper = "Alistarh et al., QSGD: Communication-Efficient SGD via Gradient Quantization and Encoding, NeurIPS'17"
     collectives = ("allgather", "sra")
     stochastic = True
+    stats_tensor = 1  # a norm per bucket: a NaN norm decodes the bucket to NaN
     options = {
         "bits": Option(4, int_in(2, 8), "an integer in 2..8", "bits per value, sign included"),
         "bucket_size": Option(512, int_in(1), "a positive integer", "values sharing one norm"),
@@ -179,7 +181,7 @@ class QSGD(Codec):
         # a bucket's norm is NaN where it held a NaN and infinite where it held an Inf (the
         # squares are summed in fp64, so finite fp32 values give a finite norm; an fp64 value
         # beyond fp32's range is an Inf in the codec's fp32), in every kernel version
-        return _any_nonfinite(payload, 1)
+        return _any_nonfinite(payload, self.stats_tensor)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _spec_bytes(self._payload_spec(numel, dtype))

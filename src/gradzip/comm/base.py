@@ -64,6 +64,7 @@ class Result:
     # one encoding of the tensor as this collective cuts it (its first round); None: ``wire_bytes``.
     # sra and ps also put this rank's re-encoded share on the wire, which ``wire_bytes`` counts.
     payload_bytes: Optional[int] = None
+    poisoned: bool = False  # avg is all-NaN already where nonfinite is set (no pass over it needed)
 
 
 _measure_cpu = False
@@ -199,6 +200,15 @@ def payload_views(buf: torch.Tensor, spec: Spec) -> List[torch.Tensor]:
     return out
 
 
+def payload_column(rows: torch.Tensor, spec: Spec, k: int) -> torch.Tensor:
+    """Payload tensor ``k`` of every row of ``rows`` (a ``(W, L)`` uint8 tensor of
+    :func:`to_bytes` buffers laid out by ``spec``) as one ``(W, numel)`` view: one operation
+    reaches it in all W rows."""
+    offset = sum(_padded(n * element_size(d)) for d, n in spec[:k])
+    dtype, numel = spec[k]
+    return rows[:, offset : offset + numel * element_size(dtype)].view(dtype)
+
+
 def from_bytes(buf: torch.Tensor, spec: Spec) -> Tuple[List[torch.Tensor], torch.Tensor]:
     """Inverse of :func:`to_bytes`: the payload tensors (views of ``buf``) and the flag."""
     return payload_views(buf, spec), buf[spec_bytes(spec) - _ALIGN] != 0
@@ -224,6 +234,7 @@ class Exchanged:
     nonfinite: torch.Tensor  # 0-dim bool: the OR of every rank's non-finite flag
     wire_bytes: int  # payload bytes this rank put on the wire
     payload_bytes: Optional[int] = None  # see Result.payload_bytes
+    poisoned: bool = False  # see Result.poisoned
 
 
 @dataclass
@@ -494,7 +505,8 @@ class Collective(Configurable):
         call.release_input(got.nonfinite)
         avg = got.avg if call.out is None else store_into(got.avg, call.out, accumulate=False)
         own = self._decode_own(call) if call.need_own and call.on_release is None else None
-        return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes)
+        return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes,
+                      poisoned=got.poisoned)
 
     def exchange(self, call: Call) -> Union[Stages, Exchanged]:
         """Encode ``call.x``, move the payloads and decode the average: a generator of stages

@@ -1,7 +1,7 @@
 """CGX's compressed scatter-reduce + all-gather (SRA), pipelined over segments."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from .base import (
     Stages,
     all_gather_flat,
     any_flag,
+    payload_column,
     payload_views,
     overlaps,
     reencoder,
@@ -71,12 +72,13 @@ class ScatterReduceAllGather(Collective):
         # every rank's decoded chunks land straight in their place in the result
         avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
         wire, first_round = 0, 0
+        poisoned = call.flagged
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
-            self._gather(call, p1, p2, avg[a:b])
+            poisoned = self._gather(call, p1, p2, avg[a:b], nonfinite if call.flagged else None) and poisoned
             first = sum(p.nbytes for p in p1["encoded"])
             first_round += first
             wire += first + p2["second"].nbytes
-        return Exchanged(avg, nonfinite, wire, payload_bytes=first_round)
+        return Exchanged(avg, nonfinite, wire, payload_bytes=first_round, poisoned=poisoned)
 
     def _scatter(self, call: Call, x: torch.Tensor, start: int, name: str) -> dict:
         w = call.world_size
@@ -147,7 +149,10 @@ class ScatterReduceAllGather(Collective):
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
-        return {"second": second, "gathered": gathered, "work": work}
+        # the statistics every decoded value of the gathered payloads is computed from, where
+        # they are in the codec's own format (not sent raw)
+        stats = codec.stats_tensor if codec.payload_spec(reduced.numel(), reduced.dtype) is not None else None
+        return {"second": second, "gathered": gathered, "work": work, "stats": stats}
 
     @staticmethod
     def _own_chunk_of_out(call: Call, p1: dict):
@@ -169,12 +174,20 @@ class ScatterReduceAllGather(Collective):
             p2["work"].wait()
         return any_flag(p2["gathered"], spec_of(p2["second"].tensors))
 
-    def _gather(self, call: Call, p1: dict, p2: dict, out: torch.Tensor) -> None:
-        """Decode the all-gathered chunks into ``out`` (this segment of the result)."""
+    def _gather(self, call: Call, p1: dict, p2: dict, out: torch.Tensor, nonfinite: Optional[torch.Tensor]) -> bool:
+        """Decode the all-gathered chunks into ``out`` (this segment of the result). With the
+        agreed ``nonfinite`` flag, and a codec whose values all come from statistics
+        (``Codec.stats_tensor``), the statistics of every gathered chunk are set to NaN first
+        where the flag is set, so the decoded segment comes out all-NaN (the agreed outcome)
+        with no pass over it: returns whether it did that."""
         spec2 = spec_of(p2["second"].tensors)
+        poisoned = nonfinite is not None and p2["stats"] is not None
+        if poisoned:  # one small operation, on the device: the flag is not read on the host
+            payload_column(p2["gathered"], spec2, p2["stats"]).masked_fill_(nonfinite, float("nan"))
         for r, dst in enumerate(_chunks(out, call.world_size, call.align)):  # the same bytes, same context
             tensors = payload_views(p2["gathered"][r], spec2)
             call.decode(call.codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
+        return poisoned
 
 
 CPU_SEGMENT = 1 << 22  # values: segments pipeline the CPU's codec work with the wire

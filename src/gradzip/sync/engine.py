@@ -649,7 +649,7 @@ class Communicator:
         if mem.stateful:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
-        avg = _poison_if(res.avg, res.nonfinite) if coll.flagged else res.avg
+        avg = _poison_if(res.avg, res.nonfinite) if coll.flagged and not res.poisoned else res.avg
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
         return avg, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
 
@@ -834,7 +834,7 @@ class Communicator:
                 own = res.own
                 for x, (start, n), i in zip(inputs, spans, order):
                     mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
-            avg = _poison_if(res.avg, res.nonfinite)
+            avg = res.avg if res.poisoned else _poison_if(res.avg, res.nonfinite)
             if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
                 avg = avg.to(tensors[0].dtype, copy=True)
             if inplace:  # one multi-tensor copy into DDP's views
@@ -951,7 +951,8 @@ class Communicator:
             parts.append(coll.stages(codec, span, key, step, need_own=settle is not None, out=span, on_release=settle))
             results = yield from lockstep(parts)
             res = results[-1]
-            _poison_if(span, res.nonfinite)
+            if not res.poisoned:
+                _poison_if(span, res.nonfinite)
             if places is not None:
                 avg_plain, plain_record = results[0]
                 places.scatter_(span, avg_plain)
