@@ -54,7 +54,7 @@ class _Ops(TorchDispatchMode):
             self.views += 1
         else:
             self.work[func.overloadpacket.__name__] += 1
-            if func.overloadpacket.__name__ == "masked_fill_":
+            if func.overloadpacket.__name__ in ("masked_fill_", "fill_"):
                 self.filled.append(args[0].numel())
         return func(*args, **(kwargs or {}))
 
@@ -199,8 +199,10 @@ def _batched(rank: int, world: int, codec: str, options: dict) -> dict:
         bad = [t.clone() for t in grads]
         if rank == 1:
             bad[2][0, 0] = float("nan")
-        nan = drive(comm.reduce_many_stages(bad, names, [True] * len(grads), groups=groups, step=3))
-        out[fusion] = {"avgs": avgs, "allreduce": ops.work["allreduce_"], "all_nan": [bool(t.isnan().all()) for t in nan]}
+        with _Ops() as nan_ops:
+            nan = drive(comm.reduce_many_stages(bad, names, [True] * len(grads), groups=groups, step=3))
+        out[fusion] = {"avgs": avgs, "allreduce": ops.work["allreduce_"], "all_nan": [bool(t.isnan().all()) for t in nan],
+                       "filled": nan_ops.filled}
         comm.close()
     return out
 
@@ -220,6 +222,8 @@ def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, option
         assert alone["allreduce"] > 3 * 6  # at least one per gradient and step
         assert all(batched["all_nan"])  # one flag covers the batch
         assert alone["all_nan"] == [i == 2 for i in range(6)]  # alone, only the gradient that held it
+        if codec == "powersgd":  # poisoned through the summed factors, not by a fill of each average
+            assert len(batched["filled"]) <= 2 and sum(batched["filled"]) < 128 * 64, batched["filled"]
     assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))
 
 

@@ -129,10 +129,10 @@ class Codec(Configurable):
     # every NaN or ±inf of the input reaches the (first) payload as NaN or ±inf (a cast, a
     # product with the input): a collective may flag many tensors by one pass over their payloads
     payload_keeps_nonfinite: ClassVar[bool] = False
-    # the index of a payload tensor of the codec's own format (:meth:`payload_spec`) that every
-    # decoded value is computed from, such as per-bucket statistics: NaN written there decodes
-    # to NaN everywhere, so a collective poisons an average by filling those few values rather
-    # than the whole result (a pass over it on an accelerator); None: no such tensor
+    # the index of a payload tensor that every decoded value is computed from (per-bucket
+    # statistics, PowerSGD's factor; in a payload sent raw, the values themselves): NaN written
+    # there decodes to NaN everywhere, so a collective poisons an average by filling those few
+    # values rather than the whole result (a pass over it on an accelerator); None: no such tensor
     stats_tensor: ClassVar[Optional[int]] = None
     # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
     # also agree on which kernels run (compared at registration)

@@ -204,6 +204,9 @@ class PowerSGD(Codec):
     raw_fallback = False  # passes small matrices through itself (``_matrix``)
     # P = M Q: a NaN or ±inf of M makes its row of P NaN or ±inf whatever Q is (NaN · 0 = NaN)
     payload_keeps_nonfinite = True
+    # the average is P Qᵀ with the summed Q (or the summed matrix itself where it went raw): a
+    # NaN Q makes every value NaN
+    stats_tensor = 0
     tensor_state = "q"
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),

@@ -55,9 +55,9 @@ class AllReduce(Collective):
             payload = nxt
             rounds += 1
         nonfinite = call.flag if flag is None else flag[0] > 0
-        if rounds and self.flagged:
-            nonfinite = nonfinite | _overflowed([reduced])
-        return _finish(call, payload, reduced, nonfinite, wire)
+        if rounds and self.flagged:  # the sums of a later round: see _any_nonfinite
+            nonfinite = nonfinite | _any_nonfinite(reduced)
+        return _finish(call, payload, reduced, nonfinite, wire, _poison(self.flagged, call.codec, reduced, nonfinite))
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -75,7 +75,9 @@ class AllReduce(Collective):
         wire = [0] * len(calls)
         reduced: List[List[torch.Tensor]] = [[] for _ in calls]
         live = list(range(len(calls)))
-        later = set()  # the calls that went on to a second round
+        later: List[torch.Tensor] = []  # the packed sums of the rounds after the first
+        final: List[torch.Tensor] = []  # the packed sums that some call decodes its average from
+        rounds = 0
         while live:
             entries = [(i, t) for i in live for t in payloads[i].tensors]
             for i, t in entries:
@@ -96,6 +98,8 @@ class AllReduce(Collective):
             yield  # the sums are on the wire
             for work in works:
                 work.wait()
+            if rounds:
+                later.extend(packed.values())
             offsets = dict.fromkeys(packed, 0)
             for i in live:
                 reduced[i] = []
@@ -110,14 +114,17 @@ class AllReduce(Collective):
                 if nxt is not None:
                     payloads[i] = nxt
                     going.append(i)
-                    later.add(i)
+            if len(going) < len(live):
+                final.extend(packed.values())
             live = going
+            rounds += 1
         if flag_work is not None:
             flag_work.wait()
             nonfinite = flag[0] > 0
-        if self.flagged and later:
-            nonfinite = nonfinite | _overflowed([reduced[i] for i in sorted(later)])
-        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i]) for i, call in enumerate(calls)]
+        if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
+            nonfinite = nonfinite | _any_nonfinite(later)
+        poisoned = _poison(self.flagged, codec, final, nonfinite)
+        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned) for i, call in enumerate(calls)]
 
 
 def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
@@ -126,15 +133,27 @@ def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
     return out, (wall, cpu)
 
 
-def _overflowed(reduced: Sequence[List[torch.Tensor]]) -> torch.Tensor:
-    """0-dim bool: whether the last round's sums hold NaN or Inf. A later round's payload is
-    made from products of the input (PowerSGD's ``Mᵀ P``), which a finite input can overflow
-    where its first round, or the input's own flag, showed nothing; the sums are the same on
-    every rank, so every rank reads the same flag from them, and a step that overflowed is
-    treated as a non-finite one (error feedback keeps its residual). One pass over the sums,
-    which are the small factors."""
-    flags = [nonfinite_flag(t) for r in reduced for t in r]
+def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-dim bool: whether the sums of a round after the first hold NaN or Inf. A later round's
+    payload is made from products of the input (PowerSGD's ``Mᵀ P``), which a finite input can
+    overflow where its first round, or the input's own flag, showed nothing; the sums are the
+    same on every rank, so every rank reads the same flag from them, and a step that
+    overflowed is treated as a non-finite one (error feedback keeps its residual). One pass over
+    the sums, which are the small factors, packed."""
+    flags = [nonfinite_flag(t) for t in sums]
     return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+def _poison(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor], nonfinite: torch.Tensor) -> bool:
+    """Where every decoded value comes from a payload tensor (``Codec.stats_tensor``: PowerSGD's
+    factors, which its products spread over the whole matrix), NaN written into the ``sums``
+    the averages are decoded from, where ``nonfinite`` is set, makes them all-NaN: a fill of the
+    small factors instead of a pass over each average. Returns whether it did that."""
+    if not flagged or codec.stats_tensor is None:
+        return False
+    for t in sums:
+        t.masked_fill_(nonfinite, float("nan"))
+    return True
 
 
 def _scaled(call: Call) -> torch.Tensor:
@@ -146,7 +165,8 @@ def _scaled(call: Call) -> torch.Tensor:
     return x / w if w > 1 else x
 
 
-def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite: torch.Tensor, wire: int) -> Exchanged:
+def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite: torch.Tensor, wire: int,
+            poisoned: bool = False) -> Exchanged:
     """The last round's own payload kept (before the sum), the input released, the sum decoded."""
     call.keep_own(payload, scale=float(call.world_size))
     call.release_input(nonfinite)
@@ -154,7 +174,7 @@ def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite
         avg = call.decode(call.codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
     else:
         avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), call.out)
-    return Exchanged(avg, nonfinite, wire)
+    return Exchanged(avg, nonfinite, wire, poisoned=poisoned)
 
 
 def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:
