@@ -227,6 +227,65 @@ def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, option
     assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))
 
 
+def _batched_memory(rank: int, world: int) -> dict:
+    from gradzip.sync import engine, memory
+
+    g = torch.Generator().manual_seed(20 + rank)
+    shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64)]
+    steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    steps[2][1].view(-1)[7] = float("nan") if rank == 1 else 0.0  # a non-finite step: residuals kept
+    names = [f"layer{i}.weight" for i in range(len(shapes))]
+    out = {}
+    reads, host = engine._reads_flag_on_host, memory.reads_on_host
+    try:
+        for device_flag in (False, True):
+            if device_flag:  # an accelerator's way, on the CPU: the flag is used on the device, not read
+                engine._reads_flag_on_host = lambda device: False
+                memory.reads_on_host = lambda flag: False
+            for fusion in (True, False):
+                comm = gradzip.Communicator("powersgd", rank=2, fusion=fusion)
+                avgs, residuals, ops_of_step = [], [], []
+                for step, grads in enumerate(steps):
+                    with _Ops() as ops:
+                        avgs.append(drive(comm.reduce_many_stages([t.clone() for t in grads], names, [True] * len(grads),
+                                                                  groups=[[i] for i in range(len(grads))], step=step)))
+                    residuals.append({n: r.clone() for n, r in comm.memory.residuals.items()})
+                    ops_of_step.append(ops.work)
+                out[(device_flag, fusion)] = {"avgs": avgs, "residuals": residuals, "ops": ops_of_step}
+                comm.close()
+    finally:
+        engine._reads_flag_on_host, memory.reads_on_host = reads, host
+    return out
+
+
+def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_values():
+    """PowerSGD's matrices of a bucket are compensated by one multi-tensor add and, with the
+    flag on the device, their residuals computed by one multi-tensor subtraction (each then
+    picked by the flag): the averages and residuals are those of the matrices one by one,
+    a non-finite step keeps every residual, and both ranks agree."""
+    results = run_workers(_batched_memory, 2)
+    same = lambda a, b: torch.equal(a.nan_to_num(1.5), b.nan_to_num(1.5))  # noqa: E731
+    for res in results:
+        for device_flag in (False, True):
+            batched, alone = res[(device_flag, True)], res[(device_flag, False)]
+            for step in (0, 1):  # before the non-finite step (alone, only the matrix holding it is flagged)
+                assert all(torch.equal(x, y) for x, y in zip(batched["avgs"][step], alone["avgs"][step]))
+                a, b = batched["residuals"][step], alone["residuals"][step]
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+            assert all(t.isnan().all() for t in batched["avgs"][2])
+            assert all(torch.equal(batched["residuals"][2][n], batched["residuals"][1][n]) for n in batched["residuals"][1])
+            steady = batched["ops"][3]  # a step after the first: every residual exists
+            assert steady["_foreach_add"] == 1 and steady["_foreach_div"] == 1, steady  # compensated, divided by W
+            assert steady["_foreach_sub"] == (1 if device_flag else 0), steady
+            assert alone["ops"][3]["_foreach_add"] == 0
+        # the flag used on the device gives what the flag read on the host gives, every step
+        for step in range(4):
+            on_device, on_host = res[(True, True)], res[(False, True)]
+            assert all(same(x, y) for x, y in zip(on_device["avgs"][step], on_host["avgs"][step]))
+            assert all(torch.equal(on_device["residuals"][step][n], on_host["residuals"][step][n]) for n in on_host["residuals"][step])
+    assert all(torch.equal(x, y) for x, y in zip(results[0][(True, True)]["avgs"][3], results[1][(True, True)]["avgs"][3]))
+
+
 def _plain_mixed(rank: int, world: int) -> list:
     comm = gradzip.Communicator("maxmin", bits=4)
     tensors = [torch.arange(8, dtype=torch.float32) + rank, torch.arange(5).to(torch.float16) * (rank + 1),

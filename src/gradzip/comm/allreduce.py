@@ -69,7 +69,7 @@ class AllReduce(Collective):
         # where every NaN/Inf of an input reaches its payload, one pass over the packed payloads
         # flags them all (not one pass over each input)
         from_payloads = self.flagged and codec.payload_keeps_nonfinite
-        payloads = [call.encode(_scaled(call), flag=not from_payloads) for call in calls]
+        payloads = [call.encode(x, flag=not from_payloads) for call, x in zip(calls, _scaled_many(calls))]
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
         wire = [0] * len(calls)
@@ -159,10 +159,27 @@ def _poison(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor], nonfinite
 def _scaled(call: Call) -> torch.Tensor:
     """The input divided by the world size before encoding, so sums stay in range and decode to
     the average (in place where the caller wants its input overwritten with the average)."""
-    x, w, out = call.x, call.world_size, call.out
-    if w > 1 and out is not None and not call.need_own and _same_memory(out, x):
+    x, w = call.x, call.world_size
+    if w > 1 and _divided_in_place(call):
         return x.view(-1).div_(w)
     return x / w if w > 1 else x
+
+
+def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
+    """:func:`_scaled` of several calls: the inputs divided into new tensors by one multi-tensor
+    division (one launch on a GPU), the same values as one division each."""
+    w = calls[0].world_size
+    fresh = [i for i, call in enumerate(calls) if w > 1 and not _divided_in_place(call)]
+    out = [_scaled(call) if i not in fresh else None for i, call in enumerate(calls)]
+    if fresh:
+        for i, x in zip(fresh, torch._foreach_div([calls[i].x for i in fresh], float(w))):
+            out[i] = x
+    return out  # type: ignore[return-value]
+
+
+def _divided_in_place(call: Call) -> bool:
+    """Whether the caller wants its input overwritten with the average (``out`` is its memory)."""
+    return call.out is not None and not call.need_own and _same_memory(call.out, call.x)
 
 
 def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite: torch.Tensor, wire: int,

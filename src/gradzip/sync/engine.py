@@ -643,10 +643,12 @@ class Communicator:
         avg, record = self._settled(coll, codec, mem, inp, name, res, compress)
         return avg, dest, record
 
-    def _settled(self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, res: Any, compress: bool):
-        """After one tensor's exchange: its memory updated (kept on a non-finite step), the
-        average (all-NaN where some rank's input was not finite) and the metrics of the call."""
-        if mem.stateful:
+    def _settled(self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, res: Any, compress: bool,
+                 update: bool = True):
+        """After one tensor's exchange: its memory updated (kept on a non-finite step; not
+        here when ``update`` is False: the caller updated it), the average (all-NaN where some
+        rank's input was not finite) and the metrics of the call."""
+        if mem.stateful and update:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
         avg = _poison_if(res.avg, res.nonfinite) if coll.flagged and not res.poisoned else res.avg
@@ -671,12 +673,18 @@ class Communicator:
         gradient. One non-finite flag covers them, as it covers a fused group."""
         started = time.perf_counter()
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
-        inputs = [self._compensated(mem, t, name, step, True) for t, name in zip(tensors, names)]
+        inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
+        if self.levels is not None and self.levels.sampling:
+            for name, inp in zip(names, inputs):
+                self.levels.observe(name, inp, step)
         dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
         results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
+        one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
+        if mem.stateful and one_flag:  # one flag covers the batch: the residuals updated together
+            mem.update_many(names, inputs, [res.own for res in results], skip=results[0].nonfinite)
         out = []
         for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
-            avg, record = self._settled(coll, codec, mem, x, name, res, True)
+            avg, record = self._settled(coll, codec, mem, x, name, res, True, update=not one_flag)
             out.append(_delivered(t, t if inplace else None, avg, dest))
             self.metrics.record(name, t.numel() * t.element_size(), **record)
         self.metrics.record_group_time(group_key(sorted(names)), time.perf_counter() - started)

@@ -11,7 +11,7 @@ example an fp16 overflow that a GradScaler will skip) never poisons the memory.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,6 +21,12 @@ from ..options import Configurable, Option, float_in, optional
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def reads_on_host(flag: torch.Tensor) -> bool:
+    """Whether a non-finite flag is read on the host (free for a CPU tensor: the memory then
+    touches nothing on a skipped step) rather than used on the device (no host sync)."""
+    return flag.device.type == "cpu"
 
 
 class Memory(Configurable):
@@ -45,6 +51,17 @@ class Memory(Configurable):
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         """Record what was lost; ``skip`` is a 0-dim bool tensor: when True, keep the old state."""
+
+    def compensate_many(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """:meth:`compensate` of several gradients (contiguous) encoded one by one but exchanged
+        together; a memory may do them in a few multi-tensor operations instead of one each."""
+        return [self.compensate(t, name) for t, name in zip(tensors, names)]
+
+    def update_many(self, names: Sequence[str], compensated: Sequence[torch.Tensor], decoded: Sequence[torch.Tensor],
+                    skip: Optional[torch.Tensor] = None) -> None:
+        """:meth:`update` of several gradients under one flag."""
+        for name, c, d in zip(names, compensated, decoded):
+            self.update(name, c, d, skip=skip)
 
     @property
     def stateful(self) -> bool:
@@ -120,9 +137,34 @@ class ResidualMemory(Memory):
             return out if out.data_ptr() == src.data_ptr() else out.copy_(src)  # in place: nothing to add
         return torch.add(src, res.reshape(out.shape), alpha=self.beta, out=out)  # one pass, no temporary
 
+    def compensate_many(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """One multi-tensor add (``torch._foreach_add``: one launch for them all on a GPU) where
+        every gradient is fp32 and has its residual; else one :meth:`compensate` each."""
+        olds = [self._residual(name, t) for t, name in zip(tensors, names)]
+        if len(tensors) > 1 and self.gamma == 1.0 and all(
+            r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, olds)
+        ):
+            return list(torch._foreach_add(list(tensors), olds, alpha=self.beta))  # new tensors, as compensate's
+        return super().compensate_many(tensors, names)
+
+    def update_many(self, names: Sequence[str], compensated: Sequence[torch.Tensor], decoded: Sequence[torch.Tensor],
+                    skip: Optional[torch.Tensor] = None) -> None:
+        """With the flag on the device (an accelerator's, not read back): the new residuals in
+        one multi-tensor subtraction, then each picked against the old one in place
+        (``torch.where``: NaN-safe, which arithmetic on the flag is not), where every residual
+        exists in fp32; else one :meth:`update` each."""
+        olds = [self._residual(name, c) for name, c in zip(names, compensated)]
+        if skip is None or reads_on_host(skip) or len(names) < 2 or not all(
+            r is not None and r.dtype == torch.float32 and c.dtype == torch.float32 for c, r in zip(compensated, olds)
+        ):
+            return super().update_many(names, compensated, decoded, skip)
+        news = torch._foreach_sub(list(compensated), [d.view(c.shape) for c, d in zip(compensated, decoded)])
+        for old, new in zip(olds, news):
+            torch.where(skip, old, new, out=old)
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         old = self._residual(name, compensated)
-        if skip is not None and skip.device.type == "cpu":
+        if skip is not None and reads_on_host(skip):
             if bool(skip):  # free to read on the CPU: keep the old residual, touch nothing
                 if old is None:
                     self.residuals[name] = torch.zeros(compensated.shape, dtype=torch.float32, device=compensated.device)

@@ -1,0 +1,77 @@
+"""Count the torch operations that gradzip's PowerSGD issues in one backward pass of ResNet-50,
+without a GPU: one rank over gloo, CPU tensors, the engine's and the memory's device choices
+switched to their CUDA branches (as in ``gpu_path_ops.py``). On a GPU most of a PowerSGD hook's
+time is the host time of its operations (docs/gpu.md), so this count is what to keep down.
+
+    python scripts/powersgd_ops.py [rank]       (default 2; error feedback, as registered by default)
+
+Prints the count and where the operations are issued. On the CPU, ``times`` in
+``codecs/lowrank.py`` makes a transposing copy per product that a GPU does not: those are
+counted apart.
+"""
+import collections
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_path_ops  # noqa: E402  (puts src on the path, TRITON_INTERPRET set before Triton loads)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import gradzip  # noqa: E402
+from gradzip.bench.models import resnet50  # noqa: E402
+from gradzip.sync import memory, worker  # noqa: E402
+
+
+def main(rank: int) -> None:
+    gpu_path_ops.accelerator_choices()
+    memory.reads_on_host = lambda flag: False  # the flag stays on the device, as on a GPU
+    ops, where, counting = collections.Counter(), collections.Counter(), [False]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).split(".")[-1]
+            frames = traceback.extract_stack()[:-1]
+            if counting[0] and name not in gpu_path_ops.VIEWS and not any("bench/models" in f.filename for f in frames):
+                mine = [f for f in frames if "/gradzip/" in f.filename]
+                if mine:  # issued by gradzip (its hook or its comm thread), not by the model
+                    f = mine[-1]
+                    ops["cpu only" if f.name == "times" and name == "clone" else "ops"] += 1
+                    where[f"{f.filename.split('gradzip/')[-1]}:{f.lineno} {name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    loop = worker.OrderedWorker._loop
+
+    def counted_loop(self):
+        with Count():
+            loop(self)
+
+    worker.OrderedWorker._loop = counted_loop
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29563")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(resnet50())
+    state = gradzip.register(ddp, "powersgd", rank=rank)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 1000, (2,))
+    for _ in range(4):  # past the warm-up; DDP's buckets rebuilt
+        F.cross_entropy(ddp(x), y).backward()
+    with Count():
+        counting[0] = True
+        F.cross_entropy(ddp(x), y).backward()
+        state.comm.flush()
+        counting[0] = False
+    print(f"powersgd rank {rank}: {ops['ops']} torch operations in a backward pass"
+          f" (and {ops['cpu only']} transposing copies the CPU makes and a GPU does not)")
+    for line, count in where.most_common(20):
+        print(f"  {count:4d}  {line}")
+    state.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
