@@ -42,6 +42,22 @@ def accelerator_choices() -> None:
     fused._gpu_or_reference = lambda x: gpu
 
 
+def count_on_comm_thread(mode: type, port: str) -> None:
+    """Run the ordered worker's loop (gradzip's comm thread) under ``mode``, a
+    TorchDispatchMode class, so that it sees what the thread issues, and start one gloo rank."""
+    loop = worker.OrderedWorker._loop
+
+    def counted_loop(self):
+        with mode():
+            loop(self)
+
+    worker.OrderedWorker._loop = counted_loop
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+
+
 def main(spec: str) -> None:
     accelerator_choices()
     launches, ops, where = collections.Counter(), collections.Counter(), collections.Counter()
@@ -66,17 +82,7 @@ def main(spec: str) -> None:
             return func(*args, **(kwargs or {}))
 
     gpu._launch = counted_launch
-    loop = worker.OrderedWorker._loop
-
-    def counted_loop(self):
-        with Count():
-            loop(self)
-
-    worker.OrderedWorker._loop = counted_loop
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
+    count_on_comm_thread(Count, "29561")
     model = nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(256, 256), nn.LayerNorm(256))])
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
     codec, *pairs = spec.split(":")

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gradzip  # noqa: E402
 from gradzip.bench.models import resnet50  # noqa: E402
-from gradzip.sync import memory, worker  # noqa: E402
+from gradzip.sync import memory  # noqa: E402
 
 
 def main(rank: int) -> None:
@@ -44,17 +44,7 @@ def main(rank: int) -> None:
                     where[f"{f.filename.split('gradzip/')[-1]}:{f.lineno} {name}"] += 1
             return func(*args, **(kwargs or {}))
 
-    loop = worker.OrderedWorker._loop
-
-    def counted_loop(self):
-        with Count():
-            loop(self)
-
-    worker.OrderedWorker._loop = counted_loop
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29563")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
+    gpu_path_ops.count_on_comm_thread(Count, "29563")
     ddp = torch.nn.parallel.DistributedDataParallel(resnet50())
     state = gradzip.register(ddp, "powersgd", rank=rank)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 1000, (2,))

@@ -18,7 +18,7 @@ from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
-from ..comm.base import Call, Collective, overlaps, parse_route, route_label, world
+from ..comm.base import Call, Collective, overlaps, parse_route, world
 from ..comm.hierarchy import NODE_DTYPES, Hierarchical, plain_goes_hierarchical
 from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
@@ -28,7 +28,7 @@ from ..kernels.rng import stable_hash
 from ..version import __version__
 from .metrics import Metrics
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
-from .groups import FusedLayout, padding
+from .groups import FusedLayout
 from .places import Places
 from .worker import OrderedWorker
 

@@ -56,22 +56,6 @@ class TensorStats:
         return _ratio(self.raw_bytes, self.wire_bytes)
 
 
-@dataclass
-class _GroupCalls:
-    """Calls of one fused group not yet shared out among its members (:meth:`Metrics.record_group`)."""
-
-    calls: int = 0
-    wire: int = 0
-    sent: float = 0.0
-    encode_s: float = 0.0
-    decode_s: float = 0.0
-    encode_cpu_s: float = 0.0
-    decode_cpu_s: float = 0.0
-    compressed: bool = False
-    codec: str = ""
-    latest: int = 0
-
-
 def _ratio(raw: float, wire: float) -> float:
     return raw / wire if wire else (float("inf") if raw else 1.0)
 
@@ -93,7 +77,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self._tensors: Dict[str, TensorStats] = {}
-        self._groups: Dict[Tuple[Tuple[str, int], ...], _GroupCalls] = {}  # members -> calls not shared out
+        # members -> their group's calls not yet shared out (``raw_bytes`` unused)
+        self._groups: Dict[Tuple[Tuple[str, int], ...], TensorStats] = {}
         self._calls = 0  # calls so far, numbering them (which call set a parameter's codec last)
         self._lock = threading.Lock()  # the worker records while another thread reads
         self.cpu_measured = False
@@ -125,19 +110,7 @@ class Metrics:
         The parameter's ``compressed`` and ``codec`` are those of its latest call (a warm-up sends
         it dense first, the codec afterwards)."""
         with self._lock:
-            self._calls += 1
-            s = self._stats(name)
-            s.calls += 1
-            s.raw_bytes += raw
-            s.wire_bytes += wire
-            s.sent_bytes += wire if sent is None else sent
-            s.encode_s += encode_s
-            s.decode_s += decode_s
-            if encode_cpu_s is not None and decode_cpu_s is not None:
-                s.encode_cpu_s += encode_cpu_s
-                s.decode_cpu_s += decode_cpu_s
-                self.cpu_measured = True
-            s.compressed, s.codec, s.latest = compressed, codec, self._calls
+            self._add_call(self._stats(name), raw, wire, sent, encode_s, decode_s, encode_cpu_s, decode_cpu_s, compressed, codec)
 
     def record_group(
         self, members: Sequence[Tuple[str, int]], wire: int, encode_s: float, decode_s: float,
@@ -150,20 +123,28 @@ class Metrics:
         to the group's exactly)."""
         key = members if isinstance(members, tuple) else tuple(members)
         with self._lock:
-            self._calls += 1
             g = self._groups.get(key)
             if g is None:
-                g = self._groups[key] = _GroupCalls()
-            g.calls += 1
-            g.wire += wire
-            g.sent += wire if sent is None else sent
-            g.encode_s += encode_s
-            g.decode_s += decode_s
-            if encode_cpu_s is not None and decode_cpu_s is not None:
-                g.encode_cpu_s += encode_cpu_s
-                g.decode_cpu_s += decode_cpu_s
-                self.cpu_measured = True
-            g.compressed, g.codec, g.latest = compressed, codec, self._calls
+                g = self._groups[key] = TensorStats()
+            self._add_call(g, 0, wire, sent, encode_s, decode_s, encode_cpu_s, decode_cpu_s, compressed, codec)
+
+    def _add_call(
+        self, s: TensorStats, raw: int, wire: int, sent: Optional[float], encode_s: float, decode_s: float,
+        encode_cpu_s: Optional[float], decode_cpu_s: Optional[float], compressed: bool, codec: str,
+    ) -> None:
+        """One call added to the counters ``s`` (the lock held); it becomes their latest."""
+        self._calls += 1
+        s.calls += 1
+        s.raw_bytes += raw
+        s.wire_bytes += wire
+        s.sent_bytes += wire if sent is None else sent
+        s.encode_s += encode_s
+        s.decode_s += decode_s
+        if encode_cpu_s is not None and decode_cpu_s is not None:
+            s.encode_cpu_s += encode_cpu_s
+            s.decode_cpu_s += decode_cpu_s
+            self.cpu_measured = True
+        s.compressed, s.codec, s.latest = compressed, codec, self._calls
 
     def _stats(self, name: str) -> TensorStats:
         s = self._tensors.get(name)
@@ -179,13 +160,13 @@ class Metrics:
             given = 0
             for i, (name, raw) in enumerate(members):
                 share = raw / total if total else 1.0 / len(members)
-                w = g.wire - given if i == len(members) - 1 else int(round(g.wire * share))
+                w = g.wire_bytes - given if i == len(members) - 1 else int(round(g.wire_bytes * share))
                 given += w
                 s = self._stats(name)
                 s.calls += g.calls
                 s.raw_bytes += raw * g.calls
                 s.wire_bytes += w
-                s.sent_bytes += g.sent * share
+                s.sent_bytes += g.sent_bytes * share
                 s.encode_s += g.encode_s * share
                 s.decode_s += g.decode_s * share
                 s.encode_cpu_s += g.encode_cpu_s * share
