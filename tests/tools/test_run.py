@@ -25,22 +25,56 @@ def _env(**extra: str) -> Dict[str, str]:
     return env
 
 
-def _launch(launcher: List[str], out: Path, *script_args: str, **env: str) -> Tuple[subprocess.CompletedProcess, list]:
+def _start(launcher: List[str], out: Path, *script_args: str, **env: str) -> subprocess.Popen:
     out.mkdir()
-    proc = subprocess.run(
+    return subprocess.Popen(
         [*launcher, "--nproc-per-node", "2", SCRIPT, str(out), *script_args],
-        env=_env(**env), capture_output=True, text=True, timeout=120,
+        env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> Tuple[subprocess.CompletedProcess, list]:
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()]
-    return proc, ranks
+    return done, ranks
 
 
 GRADZIP_RUN = [sys.executable, "-m", "gradzip", "run"]
 
+# (launcher, script arguments, environment) of each job the tests below look at
+JOBS = {
+    "gz": ([*GRADZIP_RUN, "--codec", "maxmin", "--bits", "4"], (), {}),
+    "own": ([*GRADZIP_RUN, "--codec", "maxmin"], ("--own-hook",), {}),
+    "env": (GRADZIP_RUN, (), {"GRADZIP_CODEC": "qsgd", "GRADZIP_BITS": "2"}),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every job of JOBS launched at once (each waits on its own ranks' rendezvous much of the
+    time); the finished ones by name."""
+    root = tmp_path_factory.mktemp("run")
+    procs = {}
+    try:
+        for name, (launcher, args, env) in JOBS.items():
+            procs[name] = _start(launcher, root / name, *args, **env)
+        return {name: _finish(proc, root / name) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
 
 @pytest.mark.timeout(180)
-def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_keeps_it(tmp_path):
-    proc, ranks = _launch([*GRADZIP_RUN, "--codec", "maxmin", "--bits", "4"], tmp_path / "gz")
+def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_keeps_it(launched):
+    proc, ranks = launched["gz"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(ranks) == 2
     assert all(r["hooks"] == ["gradzip_hook"] for r in ranks), [r["hooks"] for r in ranks]
@@ -52,7 +86,7 @@ def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_kee
 
     # the script registers PyTorch's plain all-reduce hook: gradzip leaves that model alone,
     # and it trains uncompressed (the reference for the weights above)
-    own, own_ranks = _launch([*GRADZIP_RUN, "--codec", "maxmin"], tmp_path / "own", "--own-hook")
+    own, own_ranks = launched["own"]
     assert own.returncode == 0, own.stderr[-3000:]
     assert all(r["hooks"] == ["allreduce_hook"] and r["replicas_identical"] for r in own_ranks)
     assert "already has a communication hook" in own.stderr
@@ -62,8 +96,8 @@ def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_kee
 
 
 @pytest.mark.timeout(180)
-def test_gradzip_variables_configure_it(tmp_path):
-    proc, ranks = _launch(GRADZIP_RUN, tmp_path / "env", GRADZIP_CODEC="qsgd", GRADZIP_BITS="2")
+def test_gradzip_variables_configure_it(launched):
+    proc, ranks = launched["env"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(r["hooks"] == ["gradzip_hook"] and r["replicas_identical"] for r in ranks)
     (codec, ratio), = SUMMARY.findall(proc.stdout)
