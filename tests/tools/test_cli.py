@@ -88,22 +88,56 @@ def test_demo_headline_is_computed_from_the_run():
 _HIDE_EXTRAS = "import sys\nfor name in ('rich', 'matplotlib'):\n    sys.modules[name] = None\n"
 
 
-def _without_extras(tmp_path, *argv, hide=_HIDE_EXTRAS):
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
+def _without_extras(workdir, *argv, hide=_HIDE_EXTRAS):
+    """Starts the command in ``workdir``, its own folder (several run at once); wait with _done."""
+    site = workdir / "site"
+    site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(hide)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "gradzip", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    return subprocess.Popen(
+        [sys.executable, "-m", "gradzip", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=workdir,
     )
+
+
+def _done(proc):
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.timeout(150)
 def test_commands_run_without_the_optional_extras(tmp_path):
-    proc = _without_extras(
-        tmp_path, "bench", "codecs", "--codecs", "none,maxmin:bits=2", "--numel", "4096", "--repeats", "1",
-        "--json", str(tmp_path / "codecs.json"),
-    )
+    # four independent commands: started together, then checked one by one
+    started = []
+    try:
+        started.append(_without_extras(
+            tmp_path / "table", "bench", "codecs", "--codecs", "none,maxmin:bits=2", "--numel", "4096", "--repeats", "1",
+            "--json", str(tmp_path / "codecs.json"),
+        ))
+        started.append(_without_extras(  # an explicit --plot cannot be honoured: a clear error, not a traceback
+            tmp_path / "plot", "bench", "codecs", "--codecs", "none", "--numel", "4096", "--repeats", "1",
+            "--plot", str(tmp_path / "p.png"),
+        ))
+        started.append(_without_extras(
+            tmp_path / "demo-run", "demo", "--workers", "2", "--epochs", "1", "--width", "32", "--batch-size", "64",
+            "--rate", "loopback", "--configs", "fp32,maxmin4", "--out", str(tmp_path / "demo"),
+        ))
+        started.append(_without_extras(
+            tmp_path / "no-sklearn", "demo", "--rate", "loopback", hide=_HIDE_EXTRAS + "sys.modules['sklearn'] = None\n",
+        ))
+        table, plot, demo_run, no_sklearn = [_done(p) for p in started]
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+    proc = table
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     header = next(ln for ln in lines if ln.split()[:3] == ["codec", "family", "bits/elem"])
@@ -116,24 +150,18 @@ def test_commands_run_without_the_optional_extras(tmp_path):
     assert json.loads((tmp_path / "codecs.json").read_text())["rows"][1]["codec"] == "maxmin:bits=2"
     assert not (tmp_path / "codecs.png").exists()
 
-    proc = _without_extras(  # an explicit --plot cannot be honoured: a clear error, not a traceback
-        tmp_path, "bench", "codecs", "--codecs", "none", "--numel", "4096", "--repeats", "1",
-        "--plot", str(tmp_path / "p.png"),
-    )
+    proc = plot
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "no plot: matplotlib is not installed (pip install gradzip[bench])" in proc.stderr
 
-    proc = _without_extras(
-        tmp_path, "demo", "--workers", "2", "--epochs", "1", "--width", "32", "--batch-size", "64", "--rate", "loopback",
-        "--configs", "fp32,maxmin4", "--out", str(tmp_path / "demo"),
-    )
+    proc = demo_run
     assert proc.returncode == 0, proc.stderr
     assert "cannot show a gain" in proc.stdout.splitlines()[1]
     assert any(ln.split()[:1] == ["maxmin4"] and "yes" in ln.split() for ln in proc.stdout.splitlines())
     assert "no plot: matplotlib is not installed (pip install gradzip[demo])" in proc.stdout
     assert json.loads((tmp_path / "demo" / "results.json").read_text())["plot"] is None
 
-    proc = _without_extras(tmp_path, "demo", "--rate", "loopback", hide=_HIDE_EXTRAS + "sys.modules['sklearn'] = None\n")
+    proc = no_sklearn
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "pip install gradzip[demo]" in proc.stderr
 
