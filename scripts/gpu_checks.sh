@@ -4,7 +4,8 @@
 # 1. the gpu-marked tests, kernels compiled; 2. every codec's encode/decode against a device
 # copy; 3. the max-min and QSGD kernels alone across tile geometries; 4. what each hook adds to
 # a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over gloo;
-# 6. Chrome traces of a few ResNet-50 steps per method. The folder is also packed as <folder>.tar.gz.
+# 6. Chrome traces of a few ResNet-50 steps per method, on one rank and on two sharing the GPU
+# (where the two-rank step spends its time above the compute). The folder is also packed as <folder>.tar.gz.
 # Each step writes its log (and JSON) into the folder and the run goes on if one fails.
 set -u
 out=${1:-gpu-results}
@@ -28,5 +29,7 @@ step overhead-2ranks $py -m gradzip bench overhead --device cuda --workers 2 --m
     --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
 step traces $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
     --steps 4 --trace "$out/traces"
+step traces-2ranks $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \
+    --steps 4 --trace "$out/traces-2ranks"
 tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "== all of it in $out.tar.gz"
 exit $status
