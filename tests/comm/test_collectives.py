@@ -173,6 +173,47 @@ def test_nonfinite_input_on_one_rank_reaches_every_rank_and_spares_memory():
             assert rec == {"first_finite": True, "second_all_nan": True, "memory_kept": True, "third_finite": True}, (rank, name, rec)
 
 
+def _second_round_overflow(rank: int, world: int) -> dict:
+    from gradzip.sync.pipeline import drive
+
+    shapes, names = [(64, 40), (32, 16), (48, 24)], [f"l{i}.weight" for i in range(3)]
+    out = {}
+    for batched in (False, True):
+        comm = gradzip.Communicator("powersgd", rank=2)
+        g = torch.Generator().manual_seed(rank)
+        steps = []
+        for step in range(4):
+            grads = [torch.randn(s, generator=g) for s in shapes]
+            if step == 1 and rank == 1:  # one large column: P = M Q stays finite, Mᵀ P̂ does not
+                grads[0].zero_()
+                grads[0][:, 0] = 2e38
+            if batched:  # one all-reduce per round for the three, one flag
+                avgs = drive(comm.reduce_many_stages(grads, names, [True] * 3, groups=[[i] for i in range(3)], step=step))
+            else:
+                avgs = [comm.allreduce(t, name=n) for t, n in zip(grads, names)]
+            steps.append({"avgs": avgs, "residuals": {n: r.clone() for n, r in comm.memory.residuals.items()}})
+        out[batched] = steps
+        comm.close()
+    return out
+
+
+def test_a_finite_gradient_whose_second_round_overflows_is_flagged_like_a_nan():
+    """PowerSGD's second round, Q = Mᵀ P̂, can overflow where the input and P = M Q are finite:
+    its sums are read, so the step's averages are NaN on every rank (all three matrices where
+    they share a flag), every residual is kept, and the steps after it are finite."""
+    results = run_workers(_second_round_overflow, 2)
+    for res in results:
+        for batched, steps in res.items():
+            spoiled = [0, 1, 2] if batched else [0]
+            assert [bool(a.isnan().all()) for a in steps[1]["avgs"]] == [i in spoiled for i in range(3)], batched
+            for n in ("l0.weight",) + (("l1.weight", "l2.weight") if batched else ()):
+                assert torch.equal(steps[1]["residuals"][n], steps[0]["residuals"][n]), (batched, n)
+            assert all(bool(a.isfinite().all()) for s in steps[2:] for a in s["avgs"]), batched
+            assert all(bool(r.isfinite().all()) for r in steps[3]["residuals"].values()), batched
+    for batched in (False, True):
+        assert all(torch.equal(x, y) for x, y in zip(results[0][batched][3]["avgs"], results[1][batched][3]["avgs"]))
+
+
 class _NonZeros(Codec):
     """Test codec (not registered) with a data-dependent size: values above a threshold + indices."""
 

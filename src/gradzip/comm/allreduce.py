@@ -167,7 +167,9 @@ def _scaled(call: Call) -> torch.Tensor:
 
 def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
     """:func:`_scaled` of several calls: the inputs divided into new tensors by one multi-tensor
-    division (one launch on a GPU), the same values as one division each."""
+    division (one launch on a GPU). On the CPU the values are those of one division each; on
+    CUDA, where ``x / w`` multiplies by ``1 / w``, they may differ from it in the last bit for a
+    world size that is not a power of two (every rank divides the same way)."""
     w = calls[0].world_size
     fresh = [i for i, call in enumerate(calls) if w > 1 and not _divided_in_place(call)]
     out = [_scaled(call) if i not in fresh else None for i, call in enumerate(calls)]

@@ -31,6 +31,7 @@ runs; reading the clock is a system call that costs as much as encoding a small 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass
@@ -87,10 +88,11 @@ class Metrics:
 
     @property
     def tensors(self) -> Dict[str, TensorStats]:
-        """Per parameter name, its counters (the fused groups' calls shared out first)."""
+        """Per parameter name, a snapshot of its counters (the fused groups' calls shared out
+        first), taken under the lock: no figure of it is from a call the others miss."""
         with self._lock:
             self._share_out()
-        return self._tensors
+            return {name: dataclasses.replace(s) for name, s in self._tensors.items()}
 
     def record_group_time(self, key: str, seconds: float) -> None:
         """One compressed exchange of group ``key`` (``communicator.group_key``) took ``seconds``
@@ -157,11 +159,13 @@ class Metrics:
         groups, self._groups = self._groups, {}
         for members, g in groups.items():
             total = sum(raw for _, raw in members)
-            given = 0
+            given, before = 0, 0
             for i, (name, raw) in enumerate(members):
                 share = raw / total if total else 1.0 / len(members)
-                w = g.wire_bytes - given if i == len(members) - 1 else int(round(g.wire_bytes * share))
-                given += w
+                # whole bytes from the running total: each share ≥ 0, together the group's exactly
+                before += raw if total else 1
+                upto = g.wire_bytes if i == len(members) - 1 else int(round(g.wire_bytes * before / (total or len(members))))
+                w, given = upto - given, upto
                 s = self._stats(name)
                 s.calls += g.calls
                 s.raw_bytes += raw * g.calls
