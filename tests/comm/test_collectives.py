@@ -214,6 +214,46 @@ def test_a_finite_gradient_whose_second_round_overflows_is_flagged_like_a_nan():
         assert all(torch.equal(x, y) for x, y in zip(results[0][batched][3]["avgs"], results[1][batched][3]["avgs"]))
 
 
+def _large_finite(rank: int, world: int) -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Divisions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("div_", "div"):
+                self.sizes.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for name in ("maxmin", "qsgd"):
+        comm = gradzip.Communicator(name, collective="sra")
+        x = torch.full((4096,), 3.0e38) * (1 - 0.01 * rank)  # finite; the sum of two is not
+        with Divisions() as divisions:
+            avg = comm.allreduce(x, name="w")
+        out[name] = {"avg": avg, "divided": divisions.sizes}
+        comm.close()
+    return out
+
+
+def test_sra_averages_large_finite_values_without_overflow_or_a_division_pass():
+    """Max-min and QSGD average the received payloads by dividing their statistics by W and
+    summing: values near fp32's largest average to a finite value close to the mean (a sum
+    first would be inf), and no division runs over the averaged chunk."""
+    results = run_workers(_large_finite, 2)
+    for res in results:
+        for name, rec in res.items():
+            avg = rec["avg"]
+            assert bool(avg.isfinite().all()), name
+            # max-min is exact on a constant bucket; QSGD's 4-bit levels are a seventh of a norm apart
+            assert float((avg / 2.985e38 - 1).abs().max()) < (0.05 if name == "maxmin" else 0.5), (name, avg[:4])
+            assert max(rec["divided"], default=0) < 4096 // 2 // 8, (name, rec["divided"])  # statistics only
+    for name in ("maxmin", "qsgd"):
+        assert torch.equal(results[0][name]["avg"], results[1][name]["avg"])
+
+
 class _NonZeros(Codec):
     """Test codec (not registered) with a data-dependent size: values above a threshold + indices."""
 

@@ -134,6 +134,11 @@ class Codec(Configurable):
     # there decodes to NaN everywhere, so a collective poisons an average by filling those few
     # values rather than the whole result (a pass over it on an accelerator); None: no such tensor
     stats_tensor: ClassVar[Optional[int]] = None
+    # decoded values scale with :attr:`stats_tensor`: its values divided by W decode to the
+    # values divided by W (to rounding), so a collective averages W payloads by dividing their
+    # statistics (a few values) and summing, with no division pass over the sum and no overflow
+    # of a sum of large finite values on the way
+    stats_scale: ClassVar[bool] = False
     # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
     # also agree on which kernels run (compared at registration)
     kernels_bit_exact: ClassVar[bool] = True
@@ -220,27 +225,31 @@ class Codec(Configurable):
             return store_into(saturate(tmp, out.dtype), out, False)
         return self._decode_into(payload.tensors, meta, out, accumulate)
 
-    def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
-        """Combine every rank's payload (in rank order) into the averaged gradient."""
+    def aggregate(self, payloads: Sequence[Payload], mean: bool = True) -> torch.Tensor:
+        """Combine every rank's payload (in rank order) into the averaged gradient; with
+        ``mean`` False their sum (the caller scaled them already: :attr:`stats_scale`)."""
         meta = payloads[0].ctx
         if meta.numel == 0:
             return empty_result(meta)
         total = torch.empty(meta.numel, dtype=torch.float32, device=meta.device)
         for i, p in enumerate(payloads):
             self.decode_into(p, total, accumulate=i > 0)
-        if len(payloads) > 1:  # (one rank's: the sum is the mean, no pass for it)
+        if mean and len(payloads) > 1:  # (one rank's: the sum is the mean, no pass for it)
             total.div_(len(payloads))
         return saturate(total.reshape(meta.shape), meta.dtype)
 
-    def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
         """:meth:`aggregate` written into the flat fp32 ``out`` (as many values as the payloads
-        hold): the mean is summed there in place, no tensor of its size made; a codec with an
-        aggregate of its own (a vote, a union of indices) has it copied in."""
-        if type(self).aggregate is not Codec.aggregate or payloads[0].ctx.dtype != torch.float32:
+        hold): the mean (or with ``mean`` False the sum) is summed there in place, no tensor of
+        its size made; a codec with an aggregate of its own (a vote, a union of indices) has it
+        copied in."""
+        if type(self).aggregate is not Codec.aggregate:
             return out.copy_(self.aggregate(payloads).reshape(-1))
+        if payloads[0].ctx.dtype != torch.float32:
+            return out.copy_(self.aggregate(payloads, mean=mean).reshape(-1))
         for i, p in enumerate(payloads):
             self.decode_into(p, out, accumulate=i > 0)
-        return out.div_(len(payloads)) if len(payloads) > 1 else out
+        return out.div_(len(payloads)) if mean and len(payloads) > 1 else out
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """0-dim bool: whether the encoded input held NaN or Inf, read from the payload's own

@@ -97,6 +97,7 @@ class MaxMin(Codec):
     default_memory = "none"
     stochastic = True
     stats_tensor = 1  # (min, scale) per bucket: a NaN min decodes the bucket to NaN
+    stats_scale = True  # min + level * scale
     options = {
         "bits": Option(4, int_in(1, 8), "an integer in 1..8", "bits per value"),
         "bucket_size": Option(1024, int_in(1), "a positive integer", "values sharing one min/max"),
@@ -153,6 +154,7 @@ class QSGD(Codec):
     collectives = ("allgather", "sra")
     stochastic = True
     stats_tensor = 1  # a norm per bucket: a NaN norm decodes the bucket to NaN
+    stats_scale = True  # level * sign * norm / s
     options = {
         "bits": Option(4, int_in(2, 8), "an integer in 2..8", "bits per value, sign included"),
         "bucket_size": Option(512, int_in(1), "a positive integer", "values sharing one norm"),

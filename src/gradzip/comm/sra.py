@@ -108,6 +108,8 @@ class ScatterReduceAllGather(Collective):
         return {
             "encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work,
             "start": start, "numel": n, "chunk": chunk,
+            # the statistics every decoded value comes from, where the chunks are in the codec's format
+            "stats": call.codec.stats_tensor if spec is not None else None,
         }
 
     @staticmethod
@@ -124,10 +126,15 @@ class ScatterReduceAllGather(Collective):
         rank, w = call.rank, call.world_size
         parts, flag = self._received(call, p1)
         dest = self._own_chunk_of_out(call, p1)
+        # the received statistics divided by W, then the payloads summed: the average with no
+        # pass over it for the division, and no overflow of the sum of large finite values
+        mean = not (w > 1 and p1["stats"] is not None and call.codec.stats_scale)
+        if not mean:
+            payload_column(p1["recv"], p1["spec"], p1["stats"]).div_(w)
         if dest is None:
-            reduced = call.decode(call.codec.aggregate, parts).reshape(-1)
+            reduced = call.decode(lambda ps: call.codec.aggregate(ps, mean=mean), parts).reshape(-1)
         else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
-            reduced = call.decode(call.codec.aggregate_into, parts, dest)
+            reduced = call.decode(lambda ps, out: call.codec.aggregate_into(ps, out, mean=mean), parts, dest)
         # re-encode under the chunk's own name, with a codec whose state it cannot touch; the
         # received flags, not the aggregate's values, say whether some rank's input was not finite
         codec = reencoder(call.codec)
