@@ -15,6 +15,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import subprocess
 import time
 import traceback
 from datetime import timedelta
@@ -157,3 +158,15 @@ def run_workers(fn: Callable, world_size: int, *args: Any, ranks_per_node: Optio
         _POOLS.pop(key).kill()  # its ranks may be stuck in a collective
         raise RuntimeError("local ranks failed:\n" + "\n".join(f"rank {r}:\n{err}" for r, err in failures))
     return [rec["result"] for rec in records]
+
+
+def completed(proc: "subprocess.Popen", timeout: float = 120) -> "subprocess.CompletedProcess":
+    """Wait for a started process (its output piped as text) at most ``timeout`` seconds; killed
+    if it is still running then (the wait's TimeoutExpired is raised), reaped in any case."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -18,6 +18,8 @@ from gradzip.tools import cli, demo
 from gradzip.bench import cluster
 from gradzip.bench.micro import codec_limit
 
+from ..dist_utils import completed
+
 pytest.importorskip("sklearn")
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -100,16 +102,6 @@ def _without_extras(workdir, *argv, hide=_HIDE_EXTRAS):
     )
 
 
-def _done(proc):
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 @pytest.mark.timeout(150)
 def test_commands_run_without_the_optional_extras(tmp_path):
     # four independent commands: started together, then checked one by one
@@ -130,7 +122,7 @@ def test_commands_run_without_the_optional_extras(tmp_path):
         started.append(_without_extras(
             tmp_path / "no-sklearn", "demo", "--rate", "loopback", hide=_HIDE_EXTRAS + "sys.modules['sklearn'] = None\n",
         ))
-        table, plot, demo_run, no_sklearn = [_done(p) for p in started]
+        table, plot, demo_run, no_sklearn = [completed(p) for p in started]
     finally:
         for p in started:
             if p.poll() is None:

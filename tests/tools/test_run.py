@@ -15,6 +15,8 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from ..dist_utils import completed
+
 SCRIPT = str(Path(__file__).with_name("plain_ddp_script.py"))
 SUMMARY = re.compile(r"^gradzip run: (\S+) on 1 DDP model: ratio ([0-9.]+)x", re.M)
 
@@ -34,13 +36,7 @@ def _start(launcher: List[str], out: Path, *script_args: str, **env: str) -> sub
 
 
 def _finish(proc: subprocess.Popen, out: Path) -> Tuple[subprocess.CompletedProcess, list]:
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    done = completed(proc)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()]
     return done, ranks
 
