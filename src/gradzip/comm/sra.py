@@ -108,8 +108,7 @@ class ScatterReduceAllGather(Collective):
         return {
             "encoded": encoded, "spec": spec_of(encoded[0].tensors), "send": send, "recv": recv, "work": work,
             "start": start, "numel": n, "chunk": chunk,
-            # the statistics every decoded value comes from, where the chunks are in the codec's format
-            "stats": call.codec.stats_tensor if spec is not None else None,
+            "stats": _stats_of(call.codec, spec),
         }
 
     @staticmethod
@@ -139,6 +138,7 @@ class ScatterReduceAllGather(Collective):
         # received flags, not the aggregate's values, say whether some rank's input was not finite
         codec = reencoder(call.codec)
         spec, second = codec.payload_spec(reduced.numel(), reduced.dtype), None
+        stats = _stats_of(codec, spec)
         if spec is None:  # the payload's form is known once it is encoded
             second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False)
             spec = spec_of(second.tensors)
@@ -156,9 +156,6 @@ class ScatterReduceAllGather(Collective):
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
-        # the statistics every decoded value of the gathered payloads is computed from, where
-        # they are in the codec's own format (not sent raw)
-        stats = codec.stats_tensor if codec.payload_spec(reduced.numel(), reduced.dtype) is not None else None
         return {"second": second, "gathered": gathered, "work": work, "stats": stats}
 
     @staticmethod
@@ -195,6 +192,13 @@ class ScatterReduceAllGather(Collective):
             tensors = payload_views(p2["gathered"][r], spec2)
             call.decode(call.codec.decode_into, Payload(tensors, p1["encoded"][r].ctx), dst)
         return poisoned
+
+
+def _stats_of(codec: Codec, spec) -> Optional[int]:
+    """The payload tensor every decoded value comes from (``Codec.stats_tensor``), where the
+    payloads are in the codec's own format (``spec``, its :meth:`~Codec.payload_spec`; None:
+    sent raw or of a form known only once encoded)."""
+    return codec.stats_tensor if spec is not None else None
 
 
 CPU_SEGMENT = 1 << 22  # values: segments pipeline the CPU's codec work with the wire

@@ -627,9 +627,15 @@ class Communicator:
         """The codec's input for one gradient: ``mem``'s compensation, in the gradient's shape
         (low-rank codecs need it); observed for adaptive levels on their sampled steps."""
         inp = mem.compensate(t.contiguous(), name)
-        if compress and self.levels is not None and self.levels.sampling:
-            self.levels.observe(name, inp, step)
+        if compress:
+            self._observe([name], [inp], step)
         return inp
+
+    def _observe(self, names: Sequence[str], inputs: Sequence[torch.Tensor], step: int) -> None:
+        """The codec's inputs observed for adaptive levels, on their sampled steps."""
+        if self.levels is not None and self.levels.sampling:
+            for name, inp in zip(names, inputs):
+                self.levels.observe(name, inp, step)
 
     def _exchange(
         self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, step: int,
@@ -651,7 +657,7 @@ class Communicator:
         if mem.stateful and update:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
-        avg = _poison_if(res.avg, res.nonfinite) if coll.flagged and not res.poisoned else res.avg
+        avg = _poison_if(res.avg, res) if coll.flagged else res.avg
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
         return avg, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
 
@@ -674,9 +680,7 @@ class Communicator:
         started = time.perf_counter()
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
-        if self.levels is not None and self.levels.sampling:
-            for name, inp in zip(names, inputs):
-                self.levels.observe(name, inp, step)
+        self._observe(names, inputs, step)
         dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
         results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
         one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
@@ -828,9 +832,7 @@ class Communicator:
                 for x, i in zip(inputs, order):
                     mem.compensate_into(tensors[i], names[i], x)
             self._places_of(flat.device, layout.gaps).fill_(flat, 0)
-            if self.levels is not None and self.levels.sampling:
-                for x, i in zip(inputs, order):
-                    self.levels.observe(names[i], x, step)
+            self._observe(layout.names, inputs, step)
             if coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
@@ -838,11 +840,10 @@ class Communicator:
             res = yield from staged(coll.stages(
                 codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
             ))
-            if mem.stateful and settle is None:
-                own = res.own
-                for x, (start, n), i in zip(inputs, spans, order):
-                    mem.update(names[i], x, own[start : start + n].view(x.shape), skip=res.nonfinite)
-            avg = res.avg if res.poisoned else _poison_if(res.avg, res.nonfinite)
+            if mem.stateful and settle is None:  # one flag covers the group
+                own = layout.views(res.own, "own", keep=False)
+                mem.update_many(layout.names, inputs, own, skip=res.nonfinite)
+            avg = _poison_if(res.avg, res)
             if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
                 avg = avg.to(tensors[0].dtype, copy=True)
             if inplace:  # one multi-tensor copy into DDP's views
@@ -959,8 +960,7 @@ class Communicator:
             parts.append(coll.stages(codec, span, key, step, need_own=settle is not None, out=span, on_release=settle))
             results = yield from lockstep(parts)
             res = results[-1]
-            if not res.poisoned:
-                _poison_if(span, res.nonfinite)
+            _poison_if(span, res)
             if places is not None:
                 avg_plain, plain_record = results[0]
                 places.scatter_(span, avg_plain)
@@ -1343,8 +1343,13 @@ def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[
     return dest
 
 
-def _poison_if(avg: torch.Tensor, nonfinite: torch.Tensor) -> torch.Tensor:
-    """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome)."""
+def _poison_if(avg: torch.Tensor, res: Any) -> torch.Tensor:
+    """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome), from the
+    collective's :class:`~gradzip.comm.base.Result` ``res``: nothing to do where the collective
+    poisoned the average itself (``res.poisoned``)."""
+    nonfinite = res.nonfinite
+    if res.poisoned:
+        return avg
     if _reads_flag_on_host(avg.device):  # free here; skip a pass over the result
         return avg.fill_(float("nan")) if bool(nonfinite) else avg
     return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators

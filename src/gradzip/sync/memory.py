@@ -29,6 +29,11 @@ def reads_on_host(flag: torch.Tensor) -> bool:
     return flag.device.type == "cpu"
 
 
+def _all_fp32(tensors: Sequence[torch.Tensor], residuals: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Every tensor fp32 and every residual there, in fp32: what the multi-tensor operations take."""
+    return all(r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, residuals))
+
+
 class Memory(Configurable):
     """No error feedback: the codec sees the raw gradient."""
 
@@ -141,9 +146,7 @@ class ResidualMemory(Memory):
         """One multi-tensor add (``torch._foreach_add``: one launch for them all on a GPU) where
         every gradient is fp32 and has its residual; else one :meth:`compensate` each."""
         olds = [self._residual(name, t) for t, name in zip(tensors, names)]
-        if len(tensors) > 1 and self.gamma == 1.0 and all(
-            r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, olds)
-        ):
+        if len(tensors) > 1 and self.gamma == 1.0 and _all_fp32(tensors, olds):
             return list(torch._foreach_add(list(tensors), olds, alpha=self.beta))  # new tensors, as compensate's
         return super().compensate_many(tensors, names)
 
@@ -154,9 +157,7 @@ class ResidualMemory(Memory):
         (``torch.where``: NaN-safe, which arithmetic on the flag is not), where every residual
         exists in fp32; else one :meth:`update` each."""
         olds = [self._residual(name, c) for name, c in zip(names, compensated)]
-        if skip is None or reads_on_host(skip) or len(names) < 2 or not all(
-            r is not None and r.dtype == torch.float32 and c.dtype == torch.float32 for c, r in zip(compensated, olds)
-        ):
+        if skip is None or reads_on_host(skip) or len(names) < 2 or not _all_fp32(compensated, olds):
             return super().update_many(names, compensated, decoded, skip)
         news = torch._foreach_sub(list(compensated), [d.view(c.shape) for c, d in zip(compensated, decoded)])
         for old, new in zip(olds, news):

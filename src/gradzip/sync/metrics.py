@@ -159,12 +159,14 @@ class Metrics:
         groups, self._groups = self._groups, {}
         for members, g in groups.items():
             total = sum(raw for _, raw in members)
-            given, before = 0, 0
+            denom = total or len(members)  # equal shares where every member is empty
+            given = before = 0
             for i, (name, raw) in enumerate(members):
-                share = raw / total if total else 1.0 / len(members)
+                weight = raw if total else 1
+                share = weight / denom
                 # whole bytes from the running total: each share ≥ 0, together the group's exactly
-                before += raw if total else 1
-                upto = g.wire_bytes if i == len(members) - 1 else int(round(g.wire_bytes * before / (total or len(members))))
+                before += weight
+                upto = g.wire_bytes if i == len(members) - 1 else int(round(g.wire_bytes * before / denom))
                 w, given = upto - given, upto
                 s = self._stats(name)
                 s.calls += g.calls
