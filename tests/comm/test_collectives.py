@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import gradzip
-from gradzip import collectives
+from gradzip import codec, collectives
+from gradzip.comm.stages import drive
 from gradzip.codecs.base import SEED, Codec, Meta, Option, float_in
 from gradzip.kernels import shared_generator
 
@@ -229,29 +230,69 @@ def _large_finite(rank: int, world: int) -> dict:
 
     out = {}
     for name in ("maxmin", "qsgd"):
-        comm = gradzip.Communicator(name, collective="sra")
-        x = torch.full((4096,), 3.0e38) * (1 - 0.01 * rank)  # finite; the sum of two is not
-        with Divisions() as divisions:
-            avg = comm.allreduce(x, name="w")
-        out[name] = {"avg": avg, "divided": divisions.sizes}
-        comm.close()
+        for collective in ("sra", "allgather"):
+            comm = gradzip.Communicator(name, collective=collective)
+            x = torch.full((4096,), 3.0e38) * (1 - 0.01 * rank)  # finite; the sum of two is not
+            with Divisions() as divisions:
+                avg = comm.allreduce(x, name="w")
+            out[name, collective] = {"avg": avg, "divided": divisions.sizes}
+            comm.close()
     return out
 
 
-def test_sra_averages_large_finite_values_without_overflow_or_a_division_pass():
+def test_sra_and_allgather_average_large_finite_values_without_overflow_or_a_division_pass():
     """Max-min and QSGD average the received payloads by dividing their statistics by W and
-    summing: values near fp32's largest average to a finite value close to the mean (a sum
-    first would be inf), and no division runs over the averaged chunk."""
+    summing, in the SRA and the all-gather: values near fp32's largest average to a finite value
+    close to the mean (a sum first would be inf), and no division runs over the average."""
     results = run_workers(_large_finite, 2)
     for res in results:
-        for name, rec in res.items():
+        for (name, collective), rec in res.items():
             avg = rec["avg"]
-            assert bool(avg.isfinite().all()), name
+            assert bool(avg.isfinite().all()), (name, collective)
             # max-min is exact on a constant bucket; QSGD's 4-bit levels are a seventh of a norm apart
             assert float((avg / 2.985e38 - 1).abs().max()) < (0.05 if name == "maxmin" else 0.5), (name, avg[:4])
-            assert max(rec["divided"], default=0) < 4096 // 2 // 8, (name, rec["divided"])  # statistics only
-    for name in ("maxmin", "qsgd"):
-        assert torch.equal(results[0][name]["avg"], results[1][name]["avg"])
+            assert max(rec["divided"], default=0) < 4096 // 2 // 8, (name, collective, rec["divided"])  # statistics only
+    for key in results[0]:
+        assert torch.equal(results[0][key]["avg"], results[1][key]["avg"])
+
+
+def test_two_ranks_take_the_all_gather_where_the_codec_would_take_the_sra():
+    """At two ranks the SRA's two rounds move what one all-gather moves: a codec whose own
+    collective is the SRA gets the all-gather when none is named; at other world sizes, and for
+    codecs whose own is another, the codec's own."""
+    from gradzip.comm.allgather import default_collective
+
+    for name in ("maxmin", "fp8", "mxfp4"):
+        c = codec(name)
+        assert c.collective == "sra"
+        assert default_collective(c, 2) == "allgather"
+        assert [default_collective(c, w) for w in (1, 3, 4, 8)] == ["sra"] * 4
+    for name, own in (("qsgd", "allgather"), ("fp16", "allreduce"), ("powersgd", "allreduce"), ("topk", "allgather")):
+        assert default_collective(codec(name), 2) == own
+
+
+def _staged_default(rank: int, world: int) -> dict:
+    comm = gradzip.Communicator("maxmin", bits=4)
+    named = gradzip.Communicator("maxmin", bits=4, collective_options={"segment": 1024})  # the SRA's option
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty_like(x)
+    stages = comm.collective.stages(comm.codec, x, "w", 0, need_own=False, out=out)
+    next(stages)  # it yields while its payloads are on the wire (a pipeline works meanwhile)
+    res = drive(stages)
+    names = (comm.collective_name, named.collective_name)
+    comm.close()
+    named.close()
+    return {"names": names, "avg": res.avg, "in_out": res.avg.data_ptr() == out.data_ptr(), "x": x}
+
+
+def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():
+    results = run_workers(_staged_default, 2)
+    for r in results:
+        assert r["names"] == ("allgather", "sra"), r["names"]
+        assert r["in_out"]  # summed where the average goes: no tensor of its size made
+        mean = (results[0]["x"] + results[1]["x"]) / 2
+        assert float((r["avg"] - mean).abs().max()) < 0.5  # 4-bit max-min of N(0, 1) values
+    assert torch.equal(results[0]["avg"], results[1]["avg"])
 
 
 class _NonZeros(Codec):

@@ -83,8 +83,8 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
         engine._reads_flag_on_host = lambda device: False
     try:
         out = {}
-        for count in (8, 64):
-            comm = gradzip.Communicator("maxmin", bits=4, memory=memory)
+        for collective, count in [(c, n) for c in ("sra", "allgather") for n in (8, 64)]:
+            comm = gradzip.Communicator("maxmin", bits=4, memory=memory, collective=collective)
             buffer, tensors, names, compress = _bucket(count)
             assert comm.in_place(buffer, tensors, names, compress)
             if in_place:
@@ -106,7 +106,7 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
             with _Ops() as ops:
                 drive(stages(3))
             filled += ops.filled
-            out[count] = {
+            out[collective, count] = {
                 "ops": counts[1:], "residuals": sorted(getattr(comm.memory, "residuals", {})), "filled": filled,
                 "poisoned": all(bool(t.isnan().all()) for t, c in zip(tensors, compress) if c),
                 "plain_finite": all(bool(t.isfinite().all()) for t, c in zip(tensors, compress) if not c),
@@ -125,9 +125,11 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
     cost not one operation more. In place, the uncompressed ones are gathered and scattered back
     through one index; on the default path (a fused group beside one plain all-reduce) they and
     the compressed ones move with multi-tensor copies. With the flag left on the device (as on
-    a GPU), error feedback reads nothing back to the host."""
-    for res in run_workers(_bucket_ops, 2, memory, device_flag, in_place):
-        few, many = res[8], res[64]
+    a GPU), error feedback reads nothing back to the host. Through the SRA and the all-gather
+    (the default at two ranks) alike."""
+    for res, collective in [(r, c) for r in run_workers(_bucket_ops, 2, memory, device_flag, in_place)
+                            for c in ("sra", "allgather")]:
+        few, many = res[collective, 8], res[collective, 64]
         assert few["ops"] == many["ops"], (few["ops"], many["ops"])
         ops = few["ops"][0]
         assert ops == few["ops"][1]  # every step alike

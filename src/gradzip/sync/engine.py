@@ -18,6 +18,7 @@ from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
+from ..comm.allgather import default_collective
 from ..comm.base import Call, Collective, overlaps, parse_route, world
 from ..comm.hierarchy import NODE_DTYPES, Hierarchical, plain_goes_hierarchical
 from ..comm.shm import NodeSharedMemory
@@ -165,7 +166,11 @@ class Communicator:
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
-            self.collective_name = collective or self.codec.collective
+            # none named: the codec's own, or the one-round all-gather in place of the SRA at two
+            # ranks (options given for the codec's own keep it, since they are that one's)
+            self.collective_name = collective or (
+                self.codec.collective if collective_options else default_collective(self.codec, world(group)[1])
+            )
             self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
         except ValueError as exc:
             # the other ranks are about to meet this one in collectives: tell them why it is not
