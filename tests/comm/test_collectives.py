@@ -256,17 +256,17 @@ def test_sra_and_allgather_average_large_finite_values_without_overflow_or_a_div
         assert torch.equal(results[0][key]["avg"], results[1][key]["avg"])
 
 
-def test_two_ranks_take_the_all_gather_where_the_codec_would_take_the_sra():
-    """At two ranks the SRA's two rounds move what one all-gather moves: a codec whose own
-    collective is the SRA gets the all-gather when none is named; at other world sizes, and for
-    codecs whose own is another, the codec's own."""
+def test_one_or_two_ranks_take_the_all_gather_where_the_codec_would_take_the_sra():
+    """At two ranks the SRA's two rounds move what one all-gather moves, and at one the SRA
+    would quantise twice: a codec whose own collective is the SRA gets the all-gather when none
+    is named; at larger world sizes, and for codecs whose own is another, the codec's own."""
     from gradzip.comm.allgather import default_collective
 
     for name in ("maxmin", "fp8", "mxfp4"):
         c = codec(name)
         assert c.collective == "sra"
-        assert default_collective(c, 2) == "allgather"
-        assert [default_collective(c, w) for w in (1, 3, 4, 8)] == ["sra"] * 4
+        assert [default_collective(c, w) for w in (1, 2)] == ["allgather"] * 2
+        assert [default_collective(c, w) for w in (3, 4, 8)] == ["sra"] * 3
     for name, own in (("qsgd", "allgather"), ("fp16", "allreduce"), ("powersgd", "allreduce"), ("topk", "allgather")):
         assert default_collective(codec(name), 2) == own
 

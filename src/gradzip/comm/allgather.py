@@ -47,7 +47,8 @@ class AllGather(Collective):
     meanwhile), and their average is decoded straight into ``out``.
 
     At two ranks this moves the bytes of the SRA's two rounds in one round, with no second
-    quantisation: the communicator takes it by default there (see :func:`default_collective`).
+    quantisation: the communicator takes it by default there, and at one rank (see
+    :func:`default_collective`).
     """
 
     name = "allgather"
@@ -127,9 +128,10 @@ def default_collective(codec: Codec, world_size: int) -> str:
     """The collective a communicator uses when none is named: the codec's own, except that a
     codec whose own is the SRA goes through the all-gather at two ranks, where both send one
     payload's bytes a rank but the all-gather does it in one round and without re-encoding
-    the average (one latency and one quantisation fewer). Depends on the codec and the world
-    size alone, so every rank picks the same."""
+    the average (one latency and one quantisation fewer), and at one rank, where the SRA would
+    quantise every value twice and the all-gather is one round trip through the codec. Depends
+    on the codec and the world size alone, so every rank picks the same."""
     own = codec.collective
-    if own == "sra" and world_size == 2 and "allgather" in codec.collectives:
+    if own == "sra" and world_size <= 2 and "allgather" in codec.collectives:
         return "allgather"
     return own
