@@ -277,15 +277,18 @@ _CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reas
 ])
 def test_bench_overhead(tmp_path, device, workers):
     """A real ResNet-18 step per method beside fp32 DDP's: what each hook adds on one rank, and
-    the speed against fp32 DDP where ranks share the device and exchange over gloo."""
+    the speed against fp32 DDP where ranks share the device and exchange over gloo (on the CPU
+    with every DDP's gradients as views of its buckets)."""
     path = tmp_path / "overhead.json"
     traces = tmp_path / "traces"
+    view = ["--bucket-view"] if device == "cpu" else []
     rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16,maxmin:bits=2",
                    "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile",
-                   "--trace", str(traces)])
+                   "--trace", str(traces), *view])
     assert rc == 0
     report = json.loads(path.read_text())
     assert report["workers"] == workers and ("NCCL" in report["device_name"]) == (device == "cuda" and workers == 1)
+    assert report["bucket_view"] == bool(view) and ("bucket views" in report["device_name"]) == bool(view)
     (model,) = report["models"]
     rows = {r["method"]: r for r in model["rows"]}
     assert list(rows) == ["fp32", "maxmin4", "torch-fp16", "maxmin:bits=2"]  # fp32 first, always

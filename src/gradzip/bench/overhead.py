@@ -174,7 +174,7 @@ def _payload_bytes(name: str, model: nn.Module, state: Any, steps: int) -> Optio
 
 def _measure(rank: int, world: int, device_name: str, models: Sequence[str], configs: Sequence[str],
              steps: int, warmup: int, batches: Dict[str, Tuple[int, int]], profile: bool = False,
-             trace_dir: Optional[str] = None) -> Dict[str, Any]:
+             trace_dir: Optional[str] = None, bucket_view: bool = False) -> Dict[str, Any]:
     """One rank: every model with every method, and each model's step without DDP."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -197,7 +197,7 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
             for name in configs:
                 model, loss_of = _build(model_name, device, batch, size, rank)
                 ddp = DistributedDataParallel(model, device_ids=[device.index or 0] if device.type == "cuda" else None,
-                                              process_group=group)
+                                              process_group=group, gradient_as_bucket_view=bucket_view)
                 state = _attach(ddp, name, group)
                 built.append((name, model, state, lambda loss_of=loss_of, ddp=ddp: loss_of(ddp).backward()))
                 for _ in range(warmup):
@@ -239,13 +239,15 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
 
 def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]] = None, device: str = "cpu",
         steps: int = 20, warmup: int = 3, json_path: Optional[str] = None, workers: int = 1,
-        profile: bool = False, trace_dir: Optional[str] = None) -> Dict[str, Any]:
+        profile: bool = False, trace_dir: Optional[str] = None, bucket_view: bool = False) -> Dict[str, Any]:
     """Measure on ``workers`` spawned ranks sharing ``device`` (one rank on a GPU: NCCL; else
     gloo) and write rank 0's report. ``configs``: default :data:`DEFAULT_CONFIGS` (without
     PyTorch's PowerSGD hook where the exchange is gloo's). ``profile``: each row also holds the
     operator tables of three profiled steps after the timed ones (``row["profile"]``);
     ``trace_dir``: those steps are also written there as rank 0's Chrome trace per model and
-    method (``row["trace"]``, the file's path)."""
+    method (``row["trace"]``, the file's path). ``bucket_view``: every method's DDP (fp32's
+    too) is built with ``gradient_as_bucket_view=True``, so its gradients are views of the
+    buckets and DDP does not copy the averages into them after the exchange."""
     from ..comm.launch import spawn_local
 
     dev = check_device(device)
@@ -266,11 +268,12 @@ def run(models: Sequence[str] = DEFAULT_MODELS, configs: Optional[Sequence[str]]
     if trace_dir is not None:
         trace_dir = os.path.abspath(trace_dir)  # the ranks may start elsewhere
     report = spawn_local(_measure, workers, str(dev), models, configs, steps, warmup, batches, profile, trace_dir,
-                         timeout_s=600, deadline_s=3600)
+                         bucket_view, timeout_s=600, deadline_s=3600)
     backend = "NCCL" if nccl else "gloo"
     where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "the CPU"
-    report.update(device=str(dev), steps=steps, warmup=warmup, workers=workers,
-                  device_name=f"{where}, {workers} rank{'s' if workers > 1 else ''} over {backend}")
+    view = ", gradients as bucket views" if bucket_view else ""
+    report.update(device=str(dev), steps=steps, warmup=warmup, workers=workers, bucket_view=bucket_view,
+                  device_name=f"{where}, {workers} rank{'s' if workers > 1 else ''} over {backend}{view}")
     return write_json(report, json_path)
 
 

@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--steps", type=_positive, default=20,
                     help="timed steps per method, taken two at a time in turns of all methods (default %(default)s)")
     ov.add_argument("--warmup", type=_positive, default=3, help="untimed steps first, at least 2 (default %(default)s)")
+    ov.add_argument("--bucket-view", action="store_true",
+                    help="build every method's DDP (fp32's too) with gradient_as_bucket_view=True: no copy of the "
+                    "averages into .grad after the exchange")
     ov.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
 
     from ..bench.accuracy import DEFAULT_CONFIGS as ACC_CONFIGS
@@ -602,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return _bench_report("overhead", lambda: overhead.run(
             args.models, args.configs, args.device, args.steps, args.warmup, args.json_path, args.workers,
-            profile=args.profile, trace_dir=args.trace_dir,
+            profile=args.profile, trace_dir=args.trace_dir, bucket_view=args.bucket_view,
         ), overhead.table, args.json_path)
     if args.command == "bench" and args.bench == "memory":
         from ..bench import memory
