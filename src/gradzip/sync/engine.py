@@ -655,16 +655,19 @@ class Communicator:
         return avg, dest, record
 
     def _settled(self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, res: Any, compress: bool,
-                 update: bool = True):
+                 update: bool = True, sent_per_byte: Optional[float] = None):
         """After one tensor's exchange: its memory updated (kept on a non-finite step; not
         here when ``update`` is False: the caller updated it), the average (all-NaN where some
-        rank's input was not finite) and the metrics of the call."""
+        rank's input was not finite) and the metrics of the call. ``sent_per_byte``: the
+        collective's, when the caller has it (a batch asks once, not once a tensor)."""
         if mem.stateful and update:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
         avg = _poison_if(res.avg, res) if coll.flagged else res.avg
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
-        return avg, _metrics_of(res, wire, coll.sent_per_byte(self.world_size), compress, codec)
+        if sent_per_byte is None:
+            sent_per_byte = coll.sent_per_byte(self.world_size)
+        return avg, _metrics_of(res, wire, sent_per_byte, compress, codec)
 
     def _batchable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
         """Whether these gradients, which cannot share one encoding, can share one collective
@@ -691,9 +694,9 @@ class Communicator:
         one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
         if mem.stateful and one_flag:  # one flag covers the batch: the residuals updated together
             mem.update_many(names, inputs, [res.own for res in results], skip=results[0].nonfinite)
-        out = []
+        out, sent = [], coll.sent_per_byte(self.world_size)
         for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
-            avg, record = self._settled(coll, codec, mem, x, name, res, True, update=not one_flag)
+            avg, record = self._settled(coll, codec, mem, x, name, res, True, update=not one_flag, sent_per_byte=sent)
             out.append(_delivered(t, t if inplace else None, avg, dest))
             self.metrics.record(name, t.numel() * t.element_size(), **record)
         self.metrics.record_group_time(group_key(sorted(names)), time.perf_counter() - started)
