@@ -285,6 +285,36 @@ def _staged_default(rank: int, world: int) -> dict:
     return {"names": names, "avg": res.avg, "in_out": res.avg.data_ptr() == out.data_ptr(), "x": x}
 
 
+def _segmented(rank: int, world: int) -> dict:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name in ("maxmin", "efsignsgd"):
+        for segment in (None, 1024):
+            coll = collectives.get("allgather")(None, segment=segment)
+            res = coll.run(codec(name), x, "w", 3, need_own=True, out=torch.empty_like(x))
+            out[name, segment] = {"avg": res.avg, "own": res.own, "wire": res.wire_bytes}
+    return {"x": x, "out": out}
+
+
+def test_the_all_gather_pipelines_segments_of_a_codec_the_sra_may_cut_and_no_other():
+    """With ``segment`` the all-gather encodes and sends a chunk-safe codec's tensor in pieces
+    (each on the wire while the next is encoded): every rank gets the same average, close to the
+    mean, and its own payloads for error feedback cover the whole tensor. A codec whose
+    encoding depends on the whole tensor (EF-signSGD's scale, the mean magnitude) is sent whole
+    whatever the option."""
+    results = run_workers(_segmented, 2)
+    mean = (results[0]["x"] + results[1]["x"]) / 2
+    for r in results:
+        cut, whole = r["out"]["maxmin", 1024], r["out"]["maxmin", None]
+        assert float((cut["avg"] - mean).abs().max()) < 0.5 and not torch.equal(cut["avg"], whole["avg"])
+        step = float(r["x"].max() - r["x"].min()) / 15  # 4 bits: one level at most, stochastically
+        assert float((cut["own"] - r["x"]).abs().max()) <= step  # this rank's own, every segment
+        assert cut["wire"] == whole["wire"]  # ten one-bucket segments: the same ten buckets
+        assert torch.equal(r["out"]["efsignsgd", 1024]["avg"], r["out"]["efsignsgd", None]["avg"])
+    for key in results[0]["out"]:
+        assert torch.equal(results[0]["out"][key]["avg"], results[1]["out"][key]["avg"]), key
+
+
 def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():
     results = run_workers(_staged_default, 2)
     for r in results:

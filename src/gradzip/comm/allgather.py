@@ -1,6 +1,8 @@
 """All-gather of arbitrary payloads, fixed or variable in size, aggregated by the codec."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..codecs.base import Codec, Payload
@@ -20,6 +22,7 @@ from .base import (
     to_bytes,
     world,
 )
+from .sra import SEGMENT, segment_length
 
 
 def gather_encoded(codec, shard: torch.Tensor, out: torch.Tensor, group, name: str = "", step: int = 0) -> None:
@@ -42,9 +45,12 @@ class AllGather(Collective):
     """Every rank receives every rank's payload and decodes them all (in rank order).
 
     Payloads whose size depends on the data (``codec.fixed_size`` false) first exchange their
-    tensor lengths; fixed-size payloads need a single all-gather, issued asynchronously (the
-    exchange yields while it is on the wire, so a pipeline encodes or decodes other groups
-    meanwhile), and their average is decoded straight into ``out``.
+    tensor lengths. Fixed-size payloads need one all-gather per segment of ``segment`` values
+    (as the SRA's: 4 Mi on the CPU, the whole tensor on an accelerator; one segment for a codec
+    that the SRA cannot cut into chunks either), issued asynchronously while the next segment
+    is encoded; the exchange yields while they are on the wire (a
+    pipeline encodes or decodes other groups meanwhile), and their average is decoded straight
+    into ``out``.
 
     At two ranks this moves the bytes of the SRA's two rounds in one round, with no second
     quantisation: the communicator takes it by default there, and at one rank (see
@@ -53,6 +59,7 @@ class AllGather(Collective):
 
     name = "allgather"
     releases_input = True  # it calls release_input before it writes ``out``
+    options = {"segment": SEGMENT}
 
     @classmethod
     def traffic_factor(cls, world_size: int) -> float:
@@ -60,53 +67,94 @@ class AllGather(Collective):
 
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
-        fmt = spec = call.codec.payload_spec(call.x.numel(), call.x.dtype)
-        buf = None
-        if spec is not None:  # encoded straight into the message (only its flag slot written apart)
-            buf = self._lend(call, (spec_bytes(spec),), call.x.device)
-            payload = call.encode(call.x, out=payload_views(buf, spec))
-        else:
-            payload = call.encode(call.x)
-        call.keep_own(payload)
-        buf = to_bytes(payload.tensors, call.flag, out=buf)
         if not call.codec.fixed_size:
-            specs, gathered = self._gather_variable(payload, buf, w)
-            nonfinite = any_flag(gathered, specs[0], specs)
-            payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
-            avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
-            return Exchanged(avg, nonfinite, payload.nbytes)
-        spec = spec_of(payload.tensors)
+            return self._exchange_variable(call)
+        x = call.flat
+        n, align = x.numel(), call.align
+        seg = max(align, segment_length(self.segment, x) // align * align)  # segments start on block boundaries
+        if "sra" not in call.codec.collectives:  # a codec whose encoding of a piece is not that of its values
+            seg = max(n, 1)  # in the whole (a per-tensor scale, a shape a CompLL body reads): one segment
+        bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)] or [(0, 0)]
+        if len(bounds) == 1:  # the input as it is, in its shape
+            parts = [self._send(call, call.x, 0, n, call.name)]
+        else:  # per segment: encoded into its message, the all-gather issued (asynchronously), so
+            # the next segment is encoded while this one is on the wire
+            parts = [self._send(call, x[a:b], a, b, f"{call.name}/{s}") for s, (a, b) in enumerate(bounds)]
         if w > 1:
-            gathered = self._lend(call, (w, buf.numel()), buf.device)
-            work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
             yield  # the payloads are on the wire
-            work.wait()
+        for part in parts:
+            if part["work"] is not None:
+                part["work"].wait()
+        flags = [any_flag(part["gathered"], part["spec"]) for part in parts]
+        nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()  # each covers its segments so far
+        call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
+        out = call.out
+        into = out is not None and out.dtype == torch.float32  # summed in its place: no tensor of its size made
+        poisoned, pieces = True, []
+        for part in parts:
+            done, poisoned_here = self._average(call, part, nonfinite, out.view(-1)[part["a"] : part["b"]] if into else None)
+            pieces.append(done)
+            poisoned = poisoned and poisoned_here
+        avg = out.view(-1) if into else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return Exchanged(avg, nonfinite, sum(part["payload"].nbytes for part in parts), poisoned=poisoned)
+
+    def _send(self, call: Call, x: torch.Tensor, a: int, b: int, name: str) -> dict:
+        """Encode segment ``x`` (values ``a`` to ``b`` of the input, or the input itself) into
+        its message and issue the all-gather of the messages of every rank."""
+        fmt = call.codec.payload_spec(x.numel(), x.dtype)
+        buf = None
+        if fmt is not None:  # encoded straight into the message (only its flag slot written apart)
+            buf = self._lend(call, (spec_bytes(fmt),), x.device)
+            payload = call.encode(x, name, out=payload_views(buf, fmt))
+        else:
+            payload = call.encode(x, name)
+        call.keep_own(payload, a, b)
+        buf = to_bytes(payload.tensors, call.flag, out=buf)
+        work = None
+        if call.world_size > 1:
+            gathered = self._lend(call, (call.world_size, buf.numel()), buf.device)
+            work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
         else:  # one rank receives what it sent (its own payload, kept intact for error feedback)
             gathered = buf.view(1, -1)
-        nonfinite = any_flag(gathered, spec)
-        call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
-        # where every decoded value comes from the payload's statistics (a max-min scale, a QSGD
-        # norm), those of the received payloads are divided by W and the payloads summed: no
-        # division pass over the average, no overflow of a sum of large finite values; and a
-        # flagged step is poisoned through them (one small fill) instead of a pass over the result
-        # (in the codec's own format only; at one rank the statistics are this rank's own payload's)
-        stats = call.codec.stats_tensor if fmt is not None and w > 1 else None
-        mean = not (stats is not None and call.codec.stats_scale)
+        # where every decoded value comes from the payload's statistics (in the codec's own
+        # format; at one rank those are this rank's own payload's, left alone)
+        stats = call.codec.stats_tensor if fmt is not None and call.world_size > 1 else None
+        return {"payload": payload, "spec": spec_of(payload.tensors), "gathered": gathered, "work": work,
+                "stats": stats, "a": a, "b": b}
+
+    @staticmethod
+    def _average(call: Call, part: dict, nonfinite: torch.Tensor, dest: Optional[torch.Tensor]):
+        """A segment's average, summed into ``dest`` where given, and whether it was poisoned.
+        Where the values come from the statistics (a max-min scale, a QSGD norm), those of the
+        received payloads are divided by W and the payloads summed: no division pass over the
+        average, no overflow of a sum of large finite values; and a flagged step is poisoned
+        through them (one small fill) instead of a pass over the result."""
+        codec, w, spec, stats = call.codec, call.world_size, part["spec"], part["stats"]
+        mean = not (stats is not None and codec.stats_scale)
         poisoned = stats is not None and call.flagged
         if stats is not None:
-            column = payload_column(gathered, spec, stats)
+            column = payload_column(part["gathered"], spec, stats)
             if not mean:
                 column.div_(w)
             if poisoned:  # on the device: the flag is not read on the host
                 column.masked_fill_(nonfinite, float("nan"))
-        payloads = [Payload(payload_views(gathered[r], spec), payload.ctx) for r in range(w)]
-        out = call.out
-        if out is not None and out.dtype == torch.float32:  # summed in its place: no tensor of its size made
-            avg = call.decode(lambda ps, o: call.codec.aggregate_into(ps, o, mean=mean), payloads, out.view(-1))
-        else:
-            aggregate = call.codec.aggregate if mean else (lambda ps: call.codec.aggregate(ps, mean=False))
-            avg = call.decode(aggregate, payloads).reshape(-1)
-        return Exchanged(avg, nonfinite, payload.nbytes, poisoned=poisoned)
+        payloads = [Payload(payload_views(part["gathered"][r], spec), part["payload"].ctx) for r in range(w)]
+        if dest is not None:
+            return call.decode(lambda ps, o: codec.aggregate_into(ps, o, mean=mean), payloads, dest), poisoned
+        aggregate = codec.aggregate if mean else (lambda ps: codec.aggregate(ps, mean=False))
+        return call.decode(aggregate, payloads).reshape(-1), poisoned
+
+    def _exchange_variable(self, call: Call) -> Exchanged:
+        """Payloads whose size depends on the data: their lengths first, then the payloads."""
+        w = call.world_size
+        payload = call.encode(call.x)
+        call.keep_own(payload)
+        buf = to_bytes(payload.tensors, call.flag)
+        specs, gathered = self._gather_variable(payload, buf, w)
+        nonfinite = any_flag(gathered, specs[0], specs)
+        payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
+        avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
+        return Exchanged(avg, nonfinite, payload.nbytes)
 
     def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
         sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)

@@ -26,6 +26,13 @@ from .base import (
 )
 
 
+# the values per pipelined segment (also the all-gather's)
+SEGMENT = Option(
+    None, optional(int_in(1)), "a positive integer or None",
+    "values per segment (None: 4 Mi on the CPU, the whole tensor on an accelerator)",
+)
+
+
 @register_collective
 class ScatterReduceAllGather(Collective):
     """Compressed reduce-scatter then all-gather (Markov et al., CGX, Middleware'22).
@@ -45,10 +52,7 @@ class ScatterReduceAllGather(Collective):
     name = "sra"
     releases_input = True
 
-    options = {"segment": Option(
-        None, optional(int_in(1)), "a positive integer or None",
-        "values per segment (None: 4 Mi on the CPU, the whole tensor on an accelerator)",
-    )}
+    options = {"segment": SEGMENT}
 
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
