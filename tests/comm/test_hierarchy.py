@@ -89,12 +89,15 @@ def _exchange(rank: int, world: int, codec: str, options: dict, memory: str, siz
 
 @pytest.mark.parametrize(
     "collective, intra",
-    [("sra", "shared"), ("allgather", "shared"), ("sra", "all-reduce"), ("sra", "reduce-scatter")],
+    [("sra", "shared"), ("allgather", "shared"), (None, "shared"), ("sra", "all-reduce"), ("sra", "reduce-scatter")],
 )
 def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collective, intra):
+    """None: the communicator chooses, for the group across the two nodes: the all-gather."""
     sizes = [5000, 3001]  # one not a whole number of blocks
-    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, "collective": collective}, "none", sizes, 3, intra)
+    named = {} if collective is None else {"collective": collective}
+    res = _run(_exchange, 4, 2, "maxmin", {"bits": 8, **named}, "none", sizes, 3, intra)
     assert all(r["hier"] for r in res)
+    assert res[0]["topology"]["stages"][1]["stage"] == (collective or "allgather")
     assert all(r["shared"] == (intra == "shared") for r in res)  # the ranks of a node do share /dev/shm here
     topo = res[0]["topology"]
     assert topo["hierarchical"] and topo["topology"] == "2 nodes x 2 ranks" and topo["found_from"] == "GROUP_RANK"
@@ -276,8 +279,10 @@ def _planned(rank: int, world: int) -> dict:
 
 def test_the_planner_times_the_flat_exchange_beside_the_hierarchical_one():
     res = _run(_planned, 4, 2)
-    assert {"sra:hierarchy=0", "sra:node=bf16"} <= set(res[0]["routes"])  # measured on this layout, chosen where cheaper
-    assert "sra:hierarchy=0" in res[0]["without_memory"] and "sra:node=bf16" not in res[0]["without_memory"]
+    # measured on this layout, chosen where cheaper: across two nodes the all-gather is the
+    # default, flat over the four ranks the SRA
+    assert {"sra:hierarchy=0", "allgather:node=bf16"} <= set(res[0]["routes"])
+    assert "sra:hierarchy=0" in res[0]["without_memory"] and "allgather:node=bf16" not in res[0]["without_memory"]
     costs = res[0]["costs"]  # both link classes calibrated on the real groups, and the plain exchange both ways
     assert set(costs["links"]) == {"intra-node", "inter-node"}
     assert costs["links"]["inter-node"]["s_per_value"] > 0 and costs["plain_hierarchical_s_per_value"] > 0

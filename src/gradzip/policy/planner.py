@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec
+from ..comm.allgather import default_collective
 from ..comm.hierarchy import plain_goes_hierarchical
 from ..sync.groups import padding
 
@@ -198,7 +199,9 @@ def candidate_routes(comm: Any) -> List[str]:
     own = route_label(comm.collective_name, _changed(comm.collective))
     out = []
     if comm.describe_topology().get("hierarchical"):  # the configured collective flat, over every rank
-        out.append(route_label(comm.collective_name, {**_changed(comm.collective), "hierarchy": 0}))
+        # (one the communicator chose for the group across nodes: the one it would choose flat)
+        flat = default_collective(comm.codec, comm.world_size) if comm._collective_defaulted else comm.collective_name
+        out.append(route_label(flat, {**_changed(comm.collective), "hierarchy": 0}))
         # and with the other precision of the intra-node stage: 16 bits where it is fp32 and error
         # feedback keeps the rounding (never without: that would lose what the user kept exact)
         if comm._node_dtype != "fp32" or comm.memory.stateful:

@@ -168,8 +168,9 @@ class Communicator:
             self.memory = _memory.memory(memory, **(memory_options or {}))
             # none named: the codec's own, or the one-round all-gather in place of the SRA at two
             # ranks (options given for the codec's own keep it, since they are that one's)
+            self._collective_defaulted = collective is None and not collective_options
             self.collective_name = collective or (
-                self.codec.collective if collective_options else default_collective(self.codec, world(group)[1])
+                default_collective(self.codec, world(group)[1]) if self._collective_defaulted else self.codec.collective
             )
             self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
         except ValueError as exc:
@@ -244,6 +245,7 @@ class Communicator:
                 self._node_groups = node_groups(self.topology, dist.get_backend(self.group), self.timeout, whole)
                 if dist.get_backend(self.group) == "gloo":  # CPU tensors: the node's shared memory
                     self._node_memory = NodeSharedMemory(self._node_groups[0], self.topology)
+                self._default_across_nodes()
                 self.collective = self._hierarchical(self.collective)
                 self._plain_hierarchical = self._hierarchical_plain()
 
@@ -271,6 +273,16 @@ class Communicator:
             coll = self._make_collective(coll_name, self.codec, options, self.group)
             coll = self._route_collectives[label] = coll if flat else self._hierarchical(coll, node_dtype)
         return coll
+
+    def _default_across_nodes(self) -> None:
+        """A collective left to the communicator runs, on a hierarchical layout, across nodes on
+        a group of one rank per node: chosen for that group's size (two nodes: the all-gather
+        where the codec's own is the SRA), as every rank's topology, and so choice, is the same."""
+        if self._collective_defaulted and self.topology is not None:
+            name = default_collective(self.codec, len(self.topology.nodes))
+            if name != self.collective_name:
+                self.collective_name = name
+                self.collective = self._make_collective(name, self.codec, {}, self.group)
 
     def _hierarchical(self, coll: Collective, node_dtype: Optional[str] = None) -> Collective:
         """``coll`` moved across nodes, inside the intra-node stages (of ``node_dtype``, default
@@ -324,6 +336,7 @@ class Communicator:
         if other._node_groups is not None and self._node_groups is None:
             self._node_groups, self._owns_node_groups = other._node_groups, False
             self._node_memory = other._node_memory
+            self._default_across_nodes()
             self.collective = self._hierarchical(self.collective)
             self._plain_hierarchical = self._hierarchical_plain()
 
