@@ -293,12 +293,14 @@ def _segmented(rank: int, world: int) -> dict:
             coll = collectives.get("allgather")(None, segment=segment)
             res = coll.run(codec(name), x, "w", 3, need_own=True, out=torch.empty_like(x))
             out[name, segment] = {"avg": res.avg, "own": res.own, "wire": res.wire_bytes}
-    return {"x": x, "out": out}
+    c = codec("maxmin", bucket_size=1000)  # segments of 1024 values cut on its buckets: 1000
+    res = collectives.get("allgather")(None, segment=1024).run(c, x, "w", 3, need_own=False)
+    return {"x": x, "out": out, "odd_bucket_wire": (res.wire_bytes, c.wire_bytes(x.numel()))}
 
 
-def test_the_all_gather_pipelines_segments_of_a_codec_the_sra_may_cut_and_no_other():
-    """With ``segment`` the all-gather encodes and sends a chunk-safe codec's tensor in pieces
-    (each on the wire while the next is encoded): every rank gets the same average, close to the
+def test_the_all_gather_pipelines_segments_of_a_block_codec_and_sends_others_whole():
+    """With ``segment`` the all-gather encodes and sends a block codec's tensor in pieces (each
+    on the wire while the next is encoded): every rank gets the same average, close to the
     mean, and its own payloads for error feedback cover the whole tensor. A codec whose
     encoding depends on the whole tensor (EF-signSGD's scale, the mean magnitude) is sent whole
     whatever the option."""
@@ -311,8 +313,50 @@ def test_the_all_gather_pipelines_segments_of_a_codec_the_sra_may_cut_and_no_oth
         assert float((cut["own"] - r["x"]).abs().max()) <= step  # this rank's own, every segment
         assert cut["wire"] == whole["wire"]  # ten one-bucket segments: the same ten buckets
         assert torch.equal(r["out"]["efsignsgd", 1024]["avg"], r["out"]["efsignsgd", None]["avg"])
+        got, whole = r["odd_bucket_wire"]
+        assert got == whole  # no bucket split by a segment's end
     for key in results[0]["out"]:
         assert torch.equal(results[0]["out"][key]["avg"], results[1]["out"][key]["avg"]), key
+
+
+def _released_in_place(rank: int, world: int) -> dict:
+    """In place (``out`` is the input) with an ``on_release`` that reads the input and this
+    rank's own payloads, as the engine's error feedback does, at each segment size; rank 1's
+    input holds a NaN in its first segment in the second case."""
+    out = {}
+    for segment, nan in ((None, False), (1000, False), (1000, True)):
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+        if nan and rank == 1:
+            x[10] = float("nan")
+        original, seen = x.clone(), {}
+
+        def on_release(call, nonfinite):
+            seen["x"] = call.x.clone()
+            own = torch.zeros(call.x.numel())
+            call.decode_own_into(own)
+            seen["own"], seen["flag"] = own, bool(nonfinite)
+
+        coll = collectives.get("allgather")(None, segment=segment)
+        res = drive(coll.stages(codec("maxmin"), x, "w", 0, need_own=True, out=x, on_release=on_release))
+        out[segment, nan] = {**seen, "original": original, "avg": res.avg.clone(), "in_place": res.avg.data_ptr() == x.data_ptr(),
+                             "poisoned": res.poisoned}
+    return out
+
+
+def test_the_all_gather_releases_the_input_before_it_writes_the_average_over_it():
+    results = run_workers(_released_in_place, 2)
+    for r in results:
+        for (segment, nan), rec in r.items():
+            assert torch.equal(rec["x"].nan_to_num(), rec["original"].nan_to_num()), (segment, nan)  # intact when released
+            # (poisoned: the flag went into the statistics, so the engine need not fill the average)
+            assert rec["in_place"] and rec["flag"] == nan and rec["poisoned"]
+            if nan:
+                assert bool(rec["avg"].isnan().all())  # every segment, the one without the NaN too
+            else:
+                step = float(rec["original"].max() - rec["original"].min()) / 15
+                assert float((rec["own"] - rec["original"]).abs().max()) <= step  # its own payloads, whole
+    for key in results[0]:
+        assert torch.equal(results[0][key]["avg"], results[1][key]["avg"]) or key[1]
 
 
 def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():

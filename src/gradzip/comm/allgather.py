@@ -1,6 +1,7 @@
 """All-gather of arbitrary payloads, fixed or variable in size, aggregated by the codec."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -46,9 +47,10 @@ class AllGather(Collective):
 
     Payloads whose size depends on the data (``codec.fixed_size`` false) first exchange their
     tensor lengths. Fixed-size payloads need one all-gather per segment of ``segment`` values
-    (as the SRA's: 4 Mi on the CPU, the whole tensor on an accelerator; one segment for a codec
-    that the SRA cannot cut into chunks either), issued asynchronously while the next segment
-    is encoded; the exchange yields while they are on the wire (a
+    (as the SRA's: 4 Mi on the CPU, the whole tensor on an accelerator), cut on the codec's
+    block boundaries (:meth:`~gradzip.codecs.base.Codec.fusion_block`; a codec without blocks,
+    such as one with a scale per tensor, goes whole), issued asynchronously while the next
+    segment is encoded; the exchange yields while they are on the wire (a
     pipeline encodes or decodes other groups meanwhile), and their average is decoded straight
     into ``out``.
 
@@ -70,10 +72,12 @@ class AllGather(Collective):
         if not call.codec.fixed_size:
             return self._exchange_variable(call)
         x = call.flat
-        n, align = x.numel(), call.align
-        seg = max(align, segment_length(self.segment, x) // align * align)  # segments start on block boundaries
-        if "sra" not in call.codec.collectives:  # a codec whose encoding of a piece is not that of its values
-            seg = max(n, 1)  # in the whole (a per-tensor scale, a shape a CompLL body reads): one segment
+        n, block = x.numel(), call.codec.fusion_block()
+        if block > 0:  # a value's encoding depends on its block alone: segments start on block boundaries
+            align = math.lcm(call.align, block)
+            seg = max(align, segment_length(self.segment, x) // align * align)
+        else:  # a per-tensor scale, a shape a CompLL body reads: the tensor goes whole
+            seg = max(n, 1)
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)] or [(0, 0)]
         if len(bounds) == 1:  # the input as it is, in its shape
             parts = [self._send(call, call.x, 0, n, call.name)]
