@@ -271,6 +271,16 @@ def test_environment_overrides_and_state_dict_round_trip():
         assert res["steps"] == 3
 
 
+def test_gpu_users_are_told_to_let_gradients_be_bucket_views():
+    """On a GPU, DDP's copy of every average into ``.grad`` after the last exchange is what
+    ``gradient_as_bucket_view=True`` avoids: register says so where it is off (not on the CPU)."""
+    from gradzip.frontends.ddp import bucket_view_hint
+
+    assert "gradient_as_bucket_view=True" in bucket_view_hint(False, torch.device("cuda", 0))
+    assert bucket_view_hint(True, torch.device("cuda", 0)) is None
+    assert bucket_view_hint(False, torch.device("cpu")) is None and bucket_view_hint(False, None) is None
+
+
 def test_register_rejects_bad_input_at_construction():
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         gradzip.register(nn.Linear(2, 2), "maxmin")

@@ -726,7 +726,21 @@ def register(
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))
+        hint = bucket_view_hint(getattr(model, "gradient_as_bucket_view", True), state.device)
+        if hint:
+            logger.info("%s", hint)
     return state
+
+
+def bucket_view_hint(bucket_view: bool, device: Optional[torch.device]) -> Optional[str]:
+    """What to tell a GPU user whose DDP copies every average into ``.grad`` (None: nothing).
+    With ``gradient_as_bucket_view=True`` the gradients are views of DDP's buckets, where the
+    hook writes the averages, so that copy, issued after a step's last exchange, does not happen
+    (docs/gpu.md times what it saves)."""
+    if bucket_view or device is None or device.type == "cpu":
+        return None
+    return ("gradzip: build the model with DDP(..., gradient_as_bucket_view=True) so DDP does not copy every "
+            "averaged gradient into .grad after the last exchange of a step")
 
 
 def _register_fsdp(
