@@ -369,6 +369,31 @@ def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():
     assert torch.equal(results[0]["avg"], results[1]["avg"])
 
 
+def _own_aggregate(rank: int, world: int) -> dict:
+    from gradzip.codecs.quantize import MaxMin
+
+    class Summed(MaxMin):  # statistics that scale, and an aggregate of its own (the base one's values)
+        name = "_test_summed"
+
+        def aggregate(self, payloads, mean=True):
+            return super().aggregate(payloads, mean)
+
+    x = torch.full((4096,), 2.0 + rank)
+    out = {}
+    for coll in ("sra", "allgather"):
+        res = collectives.get(coll)(None).run(Summed(bits=8), x, "w", 0, need_own=False, out=torch.empty_like(x))
+        out[coll] = res.avg
+    return out
+
+
+def test_a_codec_with_its_own_aggregate_is_averaged_by_it_not_by_dividing_its_statistics():
+    """Dividing the statistics by W assumes the base sum of decoded payloads; a codec with an
+    aggregate of its own gets the plain average (not one divided by W twice)."""
+    for res in run_workers(_own_aggregate, 2):
+        for coll, avg in res.items():
+            assert torch.allclose(avg, torch.full_like(avg, 2.5), atol=0.02), (coll, avg[:3])
+
+
 class _NonZeros(Codec):
     """Test codec (not registered) with a data-dependent size: values above a threshold + indices."""
 

@@ -238,6 +238,12 @@ class Codec(Configurable):
             total.div_(len(payloads))
         return saturate(total.reshape(meta.shape), meta.dtype)
 
+    def averages_by_stats(self) -> bool:
+        """Whether a collective may average this codec's payloads by dividing their statistics by
+        W and summing (:attr:`stats_scale`): only where the average is the base sum of decoded
+        payloads, not a codec's own :meth:`aggregate` (which knows nothing of the division)."""
+        return self.stats_scale and self.stats_tensor is not None and type(self).aggregate is Codec.aggregate
+
     def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
         """:meth:`aggregate` written into the flat fp32 ``out`` (as many values as the payloads
         hold): the mean (or with ``mean`` False the sum) is summed there in place, no tensor of

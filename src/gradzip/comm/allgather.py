@@ -134,7 +134,7 @@ class AllGather(Collective):
         average, no overflow of a sum of large finite values; and a flagged step is poisoned
         through them (one small fill) instead of a pass over the result."""
         codec, w, spec, stats = call.codec, call.world_size, part["spec"], part["stats"]
-        mean = not (stats is not None and codec.stats_scale)
+        mean = not (stats is not None and codec.averages_by_stats())
         poisoned = stats is not None and call.flagged
         if stats is not None:
             column = payload_column(part["gathered"], spec, stats)

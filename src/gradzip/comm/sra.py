@@ -131,7 +131,7 @@ class ScatterReduceAllGather(Collective):
         dest = self._own_chunk_of_out(call, p1)
         # the received statistics divided by W, then the payloads summed: the average with no
         # pass over it for the division, and no overflow of the sum of large finite values
-        mean = not (w > 1 and p1["stats"] is not None and call.codec.stats_scale)
+        mean = not (w > 1 and p1["stats"] is not None and call.codec.averages_by_stats())
         if not mean:
             payload_column(p1["recv"], p1["spec"], p1["stats"]).div_(w)
         if dest is None:
