@@ -117,7 +117,8 @@ class Communicator:
 
     ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
     ``memory`` defaults to the codec's own default and ``collective`` to the first collective
-    the codec supports; ``memory_options`` and ``collective_options`` (e.g. ``{"partitions":
+    the codec supports, except that the all-gather takes the SRA's place at one or two ranks
+    and across two nodes (:func:`~gradzip.comm.allgather.default_collective`); ``memory_options`` and ``collective_options`` (e.g. ``{"partitions":
     8}`` for ``ps``) go to those. An impossible combination raises ``ValueError`` at construction. Every
     call is executed by one ordered worker thread, so calls made in the same order on every rank
     issue their collectives in the same order.
