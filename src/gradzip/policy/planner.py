@@ -200,7 +200,7 @@ def candidate_routes(comm: Any) -> List[str]:
     out = []
     if comm.describe_topology().get("hierarchical"):  # the configured collective flat, over every rank
         # (one the communicator chose for the group across nodes: the one it would choose flat)
-        flat = default_collective(comm.codec, comm.world_size) if comm._collective_defaulted else comm.collective_name
+        flat = default_collective(comm.codec, comm.world_size) if comm.collective_defaulted else comm.collective_name
         out.append(route_label(flat, {**_changed(comm.collective), "hierarchy": 0}))
         # and with the other precision of the intra-node stage: 16 bits where it is fp32 and error
         # feedback keeps the rounding (never without: that would lose what the user kept exact)

@@ -118,8 +118,9 @@ class Communicator:
     ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
     ``memory`` defaults to the codec's own default and ``collective`` to the first collective
     the codec supports, except that the all-gather takes the SRA's place at one or two ranks
-    and across two nodes (:func:`~gradzip.comm.allgather.default_collective`); ``memory_options`` and ``collective_options`` (e.g. ``{"partitions":
-    8}`` for ``ps``) go to those. An impossible combination raises ``ValueError`` at construction. Every
+    and across two nodes (:func:`~gradzip.comm.allgather.default_collective`);
+    ``memory_options`` and ``collective_options`` (e.g. ``{"partitions": 8}`` for ``ps``) go to
+    those. An impossible combination raises ``ValueError`` at construction. Every
     call is executed by one ordered worker thread, so calls made in the same order on every rank
     issue their collectives in the same order.
 
@@ -167,11 +168,11 @@ class Communicator:
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
-            # none named: the codec's own, or the one-round all-gather in place of the SRA at two
-            # ranks (options given for the codec's own keep it, since they are that one's)
-            self._collective_defaulted = collective is None and not collective_options
+            # none named: the codec's own, or the one-round all-gather in place of the SRA at one
+            # or two ranks (options given for the codec's own keep it, since they are that one's)
+            self.collective_defaulted = collective is None and not collective_options
             self.collective_name = collective or (
-                default_collective(self.codec, world(group)[1]) if self._collective_defaulted else self.codec.collective
+                default_collective(self.codec, world(group)[1]) if self.collective_defaulted else self.codec.collective
             )
             self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
         except ValueError as exc:
@@ -279,7 +280,7 @@ class Communicator:
         """A collective left to the communicator runs, on a hierarchical layout, across nodes on
         a group of one rank per node: chosen for that group's size (two nodes: the all-gather
         where the codec's own is the SRA), as every rank's topology, and so choice, is the same."""
-        if self._collective_defaulted and self.topology is not None:
+        if self.collective_defaulted and self.topology is not None:
             name = default_collective(self.codec, len(self.topology.nodes))
             if name != self.collective_name:
                 self.collective_name = name
