@@ -1,7 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -171,8 +171,13 @@ def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
     CUDA, where ``x / w`` multiplies by ``1 / w``, they may differ from it in the last bit for a
     world size that is not a power of two (every rank divides the same way)."""
     w = calls[0].world_size
-    fresh = [i for i, call in enumerate(calls) if w > 1 and not _divided_in_place(call)]
-    out = [_scaled(call) if i not in fresh else None for i, call in enumerate(calls)]
+    out: List[Optional[torch.Tensor]] = [None] * len(calls)
+    fresh = []  # the calls divided into new tensors, together below
+    for i, call in enumerate(calls):
+        if w > 1 and not _divided_in_place(call):
+            fresh.append(i)
+        else:
+            out[i] = _scaled(call)
     if fresh:
         for i, x in zip(fresh, torch._foreach_div([calls[i].x for i in fresh], float(w))):
             out[i] = x
