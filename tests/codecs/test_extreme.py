@@ -172,6 +172,37 @@ def test_orthonormalize_fills_a_matrix_the_same_whatever_shares_its_batch():
     torch.testing.assert_close(alone.T @ alone, torch.eye(2), rtol=0, atol=1e-6)
 
 
+def test_orthonormalize_costs_the_same_operations_for_2_or_16_matrices():
+    """A stack is orthonormalised by a fixed number of operations a column (each column after
+    the first projected side by side with its filler: one product and one update a projection
+    for both), whatever its number of matrices: on an accelerator each operation is host time."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.work: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.work[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for k in (2, 16):
+        mats = [_randn((40, 4), seed=i) for i in range(k)]
+        orthonormalize(mats)  # the layout's index and filler tensors made once
+        with Ops() as ops:
+            qs = orthonormalize(mats)
+        counts.append(ops.work)
+        for q in qs:
+            torch.testing.assert_close(q.T @ q, torch.eye(4), rtol=0, atol=1e-5)
+    assert counts[0] == counts[1], counts
+    assert counts[0]["bmm"] == counts[0]["baddbmm"] == 2 * 3, counts[0]  # twice for columns 2-4
+
+
 def test_powersgd_warm_start_survives_large_finite_steps():
     """The warm-start Q is kept for finite (if huge) steps and stays orthonormal in use."""
     m = _randn((40, 30), seed=3) * 1e30

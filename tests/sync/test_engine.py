@@ -229,11 +229,15 @@ def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, option
     assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))
 
 
+def _batch_shapes():
+    return [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64)]
+
+
 def _batched_memory(rank: int, world: int) -> dict:
     from gradzip.sync import engine, memory
 
     g = torch.Generator().manual_seed(20 + rank)
-    shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64)]
+    shapes = _batch_shapes()
     steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
     steps[2][1].view(-1)[7] = float("nan") if rank == 1 else 0.0  # a non-finite step: residuals kept
     names = [f"layer{i}.weight" for i in range(len(shapes))]
@@ -263,7 +267,8 @@ def _batched_memory(rank: int, world: int) -> dict:
 def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_values():
     """PowerSGD's matrices of a bucket are compensated by one multi-tensor add and, with the
     flag on the device, their residuals computed by one multi-tensor subtraction (each then
-    picked by the flag): the averages and residuals are those of the matrices one by one,
+    picked by the flag), this rank's own payloads scaled by one multi-tensor multiplication:
+    the averages and residuals are those of the matrices one by one,
     a non-finite step keeps every residual, and both ranks agree."""
     results = run_workers(_batched_memory, 2)
     same = lambda a, b: torch.equal(a.nan_to_num(1.5), b.nan_to_num(1.5))  # noqa: E731
@@ -280,6 +285,9 @@ def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_v
             assert steady["_foreach_add"] == 1 and steady["_foreach_div"] == 1, steady  # compensated, divided by W
             assert steady["_foreach_sub"] == (1 if device_flag else 0), steady
             assert alone["ops"][3]["_foreach_add"] == 0
+            # this rank's own payloads, decoded for the residuals, scaled by W in one operation
+            assert steady["_foreach_mul_"] == 1 and steady["mul_"] == 0, steady
+            assert alone["ops"][3]["mul_"] == len(_batch_shapes()), alone["ops"][3]
         # the flag used on the device gives what the flag read on the host gives, every step
         for step in range(4):
             on_device, on_host = res[(True, True)], res[(False, True)]

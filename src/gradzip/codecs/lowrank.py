@@ -129,33 +129,43 @@ def _fillers(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tenso
     """The fixed directions that stand in for dependent columns: value ``(i, j)`` of every
     matrix a counter hash of ``i · r + j`` (the same bits on every device and host, and the same
     for a matrix whatever the height of the others in its stack), zero in each matrix's padding
-    (so orthonormalising one keeps it inside the matrix)."""
+    (so orthonormalising one keeps it inside the matrix); the first column normalised."""
     def make() -> torch.Tensor:
         base = (counter_uniform(rows[0] * r, 0x5EED) - 0.5).view(rows[0], r)
         fill = torch.zeros(len(rows), rows[0], r)
         for i, n in enumerate(rows):
             fill[i, :n] = base[:n]
+        first = fill[:, :, :1]  # used as it is (nothing is projected out of a first column)
+        first.div_(torch.linalg.vector_norm(first, dim=1, keepdim=True))
         return fill.to(device)
     return _cached(("fill", rows, r, device), make)
 
 
 def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:
-    """Orthonormalise the columns of every matrix of the stack ``a`` (``k × n × r``) in place."""
+    """Orthonormalise the columns of every matrix of the stack ``a`` (``k × n × r``) in place.
+
+    Each column after the first is projected side by side with its filler (one ``k × n × 2``
+    pair: one product and one update a projection for both), so a stack costs about a dozen
+    operations a column, whatever its number of matrices: on an accelerator each costs host
+    time, which is what a bucket of small factors is made of."""
     top = a.abs().amax(dim=(1, 2), keepdim=True)  # NaN where the matrix holds one
     # ``top * 0``: NaN for a NaN or ±inf top, so such a matrix comes back all NaN
-    a.div_(torch.where(top > 0, top, torch.ones_like(top)).add_(top * 0))
-    for j in range(a.shape[2]):
-        v, f = a[:, :, j : j + 1], fill[:, :, j : j + 1]
-        before = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-        if j:
-            done = a[:, :, :j]
-            for _ in range(2):
-                v = torch.baddbmm(v, done, done.transpose(1, 2) @ v, alpha=-1)
-                f = torch.baddbmm(f, done, done.transpose(1, 2) @ f, alpha=-1)
-        after = torch.linalg.vector_norm(v, dim=1, keepdim=True)
-        dependent = after <= before * _DEPENDENT  # NaN compares False: a NaN column stays
-        f = f / torch.linalg.vector_norm(f, dim=1, keepdim=True)
-        a[:, :, j : j + 1] = torch.where(dependent, f, v / after)
+    a.div_(torch.where(top > 0, top, 1.0).add_(top * 0))
+    v = a[:, :, :1]
+    norm = torch.linalg.vector_norm(v, dim=1, keepdim=True)
+    # the first column: nothing to project out, so it is dependent only where it is zero; its
+    # filler is stored normalised (_fillers)
+    a[:, :, :1] = torch.where(norm <= norm * _DEPENDENT, fill[:, :, :1], v / norm)
+    for j in range(1, a.shape[2]):
+        pair = torch.cat([a[:, :, j : j + 1], fill[:, :, j : j + 1]], dim=2)  # the column and its filler
+        before = torch.linalg.vector_norm(pair[:, :, :1], dim=1, keepdim=True)
+        done = a[:, :, :j]
+        for _ in range(2):
+            pair = torch.baddbmm(pair, done, done.transpose(1, 2) @ pair, alpha=-1)
+        after = torch.linalg.vector_norm(pair, dim=1, keepdim=True)  # the column's and the filler's
+        dependent = after[:, :, :1] <= before * _DEPENDENT  # NaN compares False: a NaN column stays
+        unit = pair / after
+        a[:, :, j : j + 1] = torch.where(dependent, unit[:, :, 1:], unit[:, :, :1])
 
 
 @register_codec

@@ -1,13 +1,13 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import Call, Collective, Exchanged, Stages, Timer, nonfinite_flag, register_collective
+from .base import Call, Collective, Exchanged, Stages, nonfinite_flag, register_collective, shared_section
 
 
 @register_collective
@@ -69,7 +69,7 @@ class AllReduce(Collective):
         # where every NaN/Inf of an input reaches its payload, one pass over the packed payloads
         # flags them all (not one pass over each input)
         from_payloads = self.flagged and codec.payload_keeps_nonfinite
-        payloads = [call.encode(x, flag=not from_payloads) for call, x in zip(calls, _scaled_many(calls))]
+        payloads = Call.encode_many(calls, _scaled_many(calls), flag=not from_payloads)
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
         wire = [0] * len(calls)
@@ -108,9 +108,9 @@ class AllReduce(Collective):
                     reduced[i].append(packed[t.dtype][at : at + t.numel()].view(t.shape))
                     offsets[t.dtype] = at + t.numel()
             going = []
-            nexts, seconds = _timed(codec.next_round_many, [payloads[i] for i in live], [reduced[i] for i in live])
+            nexts = shared_section([calls[i].timer for i in live], "encode", codec.next_round_many,
+                                   [payloads[i] for i in live], [reduced[i] for i in live])
             for i, nxt in zip(live, nexts):
-                calls[i].timer.add_encode(*(s / len(live) for s in seconds))
                 if nxt is not None:
                     payloads[i] = nxt
                     going.append(i)
@@ -124,13 +124,7 @@ class AllReduce(Collective):
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
-        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned) for i, call in enumerate(calls)]
-
-
-def _timed(fn, *args) -> Tuple[Any, Tuple[float, float]]:
-    """``fn(*args)`` and its (wall, thread CPU) seconds, as :class:`Timer` measures a section."""
-    out, wall, cpu = Timer().section(fn, args, {})
-    return out, (wall, cpu)
+        return _finish_many(calls, payloads, reduced, nonfinite, wire, poisoned)
 
 
 def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -199,6 +193,27 @@ def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite
     else:
         avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), call.out)
     return Exchanged(avg, nonfinite, wire, poisoned=poisoned)
+
+
+def _finish_many(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
+                 nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool) -> List[Exchanged]:
+    """:func:`_finish` of a batch: every input released before any average is written (an
+    ``out`` may be another call's memory), and the averages that have an ``out`` decoded there
+    in one timed section."""
+    into = [i for i, call in enumerate(calls) if call.out is not None]
+    if len(into) < 2:
+        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned) for i, call in enumerate(calls)]
+    for i in into:
+        calls[i].keep_own(payloads[i], scale=float(calls[i].world_size))
+        calls[i].release_input(nonfinite)
+    codec = calls[0].codec
+    shared_section([calls[i].timer for i in into], "decode",
+                   lambda: [codec.decode_into(Payload(reduced[i], payloads[i].ctx), calls[i].out) for i in into])
+    return [
+        Exchanged(call.out, nonfinite, wire[i], poisoned=poisoned) if call.out is not None
+        else _finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned)
+        for i, call in enumerate(calls)
+    ]
 
 
 def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:
