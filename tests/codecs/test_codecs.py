@@ -757,6 +757,51 @@ def test_residual_memory_does_not_alias_input():
     assert torch.equal(g, keep)
 
 
+def test_residuals_updated_together_share_one_buffer_and_stale_buffers_are_not_kept(monkeypatch):
+    """With the flag on the device (an accelerator's way), a batch's residuals become views of
+    one buffer, so one pick updates them all; a name that joins another batch leaves the
+    others of its old buffer with copies of their own (no stale buffer kept alive through
+    them); a non-finite step keeps every residual; a loaded checkpoint starts afresh."""
+    from gradzip.sync import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "reads_on_host", lambda flag: False)
+    m = memory("residual")
+    shapes = {"a": (4, 3), "b": (5,), "c": (2, 2), "d": (3,)}
+    grads = {n: _randn(s, seed=i) for i, (n, s) in enumerate(shapes.items())}
+    ok, bad = torch.tensor(False), torch.tensor(True)
+
+    def step(names, skip, scale=0.5):
+        comp = m.compensate_many([grads[n] for n in names], names)
+        m.update_many(names, comp, [c * scale for c in comp], skip=skip)
+        return comp
+
+    for n in "abc":  # every residual there, so the batch takes the multi-tensor way
+        m.update(n, grads[n], torch.zeros_like(grads[n]))
+    comp = step(list("abc"), ok)
+    for n, c in zip("abc", comp):
+        torch.testing.assert_close(m.residuals[n], c * 0.5, rtol=0, atol=0)
+    flat = m.residuals["a"]._base
+    assert flat is not None and all(m.residuals[n]._base is flat for n in "abc")
+    before = {n: m.residuals[n].clone() for n in "abc"}
+    step(list("abc"), bad)  # a non-finite step: every residual kept
+    assert all(torch.equal(m.residuals[n], before[n]) for n in "abc")
+    assert m.residuals["a"]._base is flat  # the same buffer, not made again
+
+    m.update("d", grads["d"], torch.zeros_like(grads["d"]))
+    step(["b", "d"], ok)
+    assert m.residuals["b"]._base is m.residuals["d"]._base is not flat
+    assert all(m.residuals[n]._base is not flat for n in "ac")  # copies of their own
+    assert torch.equal(m.residuals["a"], before["a"]) and torch.equal(m.residuals["c"], before["c"])
+    assert len(m._flats) == 1
+
+    saved = m.state_dict()
+    m.load_state_dict(saved)
+    assert not m._flats and all(torch.equal(m.residuals[n], saved["residuals"][n]) for n in "abcd")
+    comp = step(list("abcd"), ok)
+    for n, c in zip("abcd", comp):
+        torch.testing.assert_close(m.residuals[n], c * 0.5, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_residual_memory_keeps_fp32(dtype):
     m = memory("residual")

@@ -48,6 +48,7 @@ class _Ops(TorchDispatchMode):
         self.work: Counter = Counter()
         self.views = 0
         self.filled = []  # the sizes of the tensors masked_fill_ wrote
+        self.picks = 0  # where(..., out=...): a pick written over one of its inputs (a residual)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.is_view:
@@ -56,6 +57,7 @@ class _Ops(TorchDispatchMode):
             self.work[func.overloadpacket.__name__] += 1
             if func.overloadpacket.__name__ in ("masked_fill_", "fill_"):
                 self.filled.append(args[0].numel())
+            self.picks += func.overloadpacket.__name__ == "where" and "out" in (kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
@@ -256,7 +258,7 @@ def _batched_memory(rank: int, world: int) -> dict:
                         avgs.append(drive(comm.reduce_many_stages([t.clone() for t in grads], names, [True] * len(grads),
                                                                   groups=[[i] for i in range(len(grads))], step=step)))
                     residuals.append({n: r.clone() for n, r in comm.memory.residuals.items()})
-                    ops_of_step.append(ops.work)
+                    ops_of_step.append(ops.work + Counter(picks=ops.picks))
                 out[(device_flag, fusion)] = {"avgs": avgs, "residuals": residuals, "ops": ops_of_step}
                 comm.close()
     finally:
@@ -266,8 +268,8 @@ def _batched_memory(rank: int, world: int) -> dict:
 
 def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_values():
     """PowerSGD's matrices of a bucket are compensated by one multi-tensor add and, with the
-    flag on the device, their residuals computed by one multi-tensor subtraction (each then
-    picked by the flag), this rank's own payloads scaled by one multi-tensor multiplication:
+    flag on the device, their residuals computed by one multi-tensor subtraction and picked by
+    the flag in one operation (the residuals are views of one buffer), this rank's own payloads scaled by one multi-tensor multiplication:
     the averages and residuals are those of the matrices one by one,
     a non-finite step keeps every residual, and both ranks agree."""
     results = run_workers(_batched_memory, 2)
@@ -283,7 +285,9 @@ def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_v
             assert all(torch.equal(batched["residuals"][2][n], batched["residuals"][1][n]) for n in batched["residuals"][1])
             steady = batched["ops"][3]  # a step after the first: every residual exists
             assert steady["_foreach_add"] == 1 and steady["_foreach_div"] == 1, steady  # compensated, divided by W
-            assert steady["_foreach_sub"] == (1 if device_flag else 0), steady
+            # with the flag on the device: the residuals written by one multi-tensor copy and
+            # subtraction into one buffer, then picked against the old ones in one operation
+            assert steady["_foreach_sub_"] == steady["_foreach_copy_"] == steady["picks"] == device_flag, steady
             assert alone["ops"][3]["_foreach_add"] == 0
             # this rank's own payloads, decoded for the residuals, scaled by W in one operation
             assert steady["_foreach_mul_"] == 1 and steady["mul_"] == 0, steady

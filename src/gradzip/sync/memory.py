@@ -11,7 +11,7 @@ example an fp16 overflow that a GradScaler will skip) never poisons the memory.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +32,15 @@ def reads_on_host(flag: torch.Tensor) -> bool:
 def _all_fp32(tensors: Sequence[torch.Tensor], residuals: Sequence[Optional[torch.Tensor]]) -> bool:
     """Every tensor fp32 and every residual there, in fp32: what the multi-tensor operations take."""
     return all(r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, residuals))
+
+
+def _offsets(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """Where each tensor starts in a flat buffer holding them back to back."""
+    out, at = [], 0
+    for t in tensors:
+        out.append(at)
+        at += t.numel()
+    return out
 
 
 class Memory(Configurable):
@@ -107,6 +116,8 @@ class ResidualMemory(Memory):
         super().__init__(**opts)  # beta and gamma, where they are options (1 where they are not)
         self.beta, self.gamma = float(getattr(self, "beta", 1.0)), float(getattr(self, "gamma", 1.0))
         self.residuals: Dict[str, torch.Tensor] = {}
+        # names updated together -> (their flat buffer, the residuals as its views): see _flat
+        self._flats: Dict[Tuple[str, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
 
     @property
     def stateful(self) -> bool:
@@ -157,11 +168,38 @@ class ResidualMemory(Memory):
         (``torch.where``: NaN-safe, which arithmetic on the flag is not), where every residual
         exists in fp32; else one :meth:`update` each."""
         olds = [self._residual(name, c) for name, c in zip(names, compensated)]
-        if skip is None or reads_on_host(skip) or len(names) < 2 or not _all_fp32(compensated, olds):
+        if (skip is None or reads_on_host(skip) or len(names) < 2 or not _all_fp32(compensated, olds)
+                or any(old.device != olds[0].device for old in olds)):
             return super().update_many(names, compensated, decoded, skip)
-        news = torch._foreach_sub(list(compensated), [d.view(c.shape) for c, d in zip(compensated, decoded)])
-        for old, new in zip(olds, news):
-            torch.where(skip, old, new, out=old)
+        flat = self._flat(names, olds)
+        news = torch.empty_like(flat)
+        parts = [news[a : a + old.numel()].view(old.shape) for a, old in zip(_offsets(olds), olds)]
+        torch._foreach_copy_(parts, list(compensated))
+        torch._foreach_sub_(parts, [d.view(c.shape) for c, d in zip(compensated, decoded)])
+        torch.where(skip, flat, news, out=flat)  # one pick for the batch: NaN-safe, no host read
+
+    def _flat(self, names: Sequence[str], olds: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The residuals of ``names`` (``olds``) as views of one flat buffer, back to back, so the
+        flag picks them all in one operation. Made (one multi-tensor copy) the first time these
+        names are updated together, and again after any of them was replaced (a checkpoint
+        loaded, a name released); the residuals of other names that shared a buffer made
+        before get copies of their own, so no stale buffer stays alive through them."""
+        key = tuple(names)
+        kept = self._flats.get(key)
+        if kept is not None and all(self.residuals.get(n) is v for n, v in zip(names, kept[1])):
+            return kept[0]
+        for other in [k for k in self._flats if not set(k).isdisjoint(key)]:
+            _, views = self._flats.pop(other)
+            for n, v in zip(other, views):
+                if n not in key and self.residuals.get(n) is v:
+                    self.residuals[n] = v.clone()
+        flat = torch.empty(sum(old.numel() for old in olds), dtype=torch.float32, device=olds[0].device)
+        views = [flat[a : a + old.numel()].view(old.shape) for a, old in zip(_offsets(olds), olds)]
+        torch._foreach_copy_(views, list(olds))
+        for n, v in zip(names, views):
+            self.residuals[n] = v
+        self._flats[key] = (flat, views)
+        return flat
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         old = self._residual(name, compensated)
@@ -191,6 +229,7 @@ class ResidualMemory(Memory):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
+        self._flats.clear()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(beta={self.beta}, gamma={self.gamma})"
