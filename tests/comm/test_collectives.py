@@ -369,6 +369,42 @@ def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():
     assert torch.equal(results[0]["avg"], results[1]["avg"])
 
 
+def _gathered_in_place(rank: int, world: int) -> dict:
+    coll = collectives.get("allgather")(None)
+    lent = []
+    lend = coll._lend
+    coll._lend = lambda call, shape, device: lent.append(shape) or lend(call, shape, device)
+    c = codec("maxmin", bits=4, mode="nearest")  # deterministic: encoded again below
+    g = torch.Generator().manual_seed(rank)
+    out = {"steps": []}
+    for step in range(2):
+        x = torch.randn(3000, generator=g) * (rank + 1)
+        if step == 1 and rank == 1:
+            x[5] = float("nan")  # a non-finite step: the average poisoned, this rank's own payload not
+        lent.clear()
+        res = coll.run(c, x.clone(), "w", step, need_own=True, out=torch.empty_like(x))
+        sent = c.decode(c.encode(x, "w", step)).reshape(-1)  # what this rank's payload decodes to
+        out["steps"].append({"lent": list(lent), "own_as_sent": torch.equal(res.own.nan_to_num(7.0), sent.nan_to_num(7.0)), "avg": res.avg,
+                             "nonfinite": bool(res.nonfinite)})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_all_gather_sends_from_its_own_row_and_leaves_the_own_payload_as_sent(world):
+    """This rank's message is encoded into its own row of the gathered messages and sent from
+    there (one buffer of W rows lent, no send buffer beside it); dividing the statistics by W
+    and poisoning a non-finite step work on a copy of the statistics, so the own payload that
+    error feedback decodes is the one sent, on a finite step and a non-finite one."""
+    results = run_workers(_gathered_in_place, world)
+    for res in results:
+        for step in res["steps"]:
+            assert len(step["lent"]) == 1 and step["lent"][0][0] == world, step["lent"]
+            assert step["own_as_sent"]
+        assert not res["steps"][0]["nonfinite"] and res["steps"][1]["nonfinite"]
+        assert res["steps"][0]["avg"].isfinite().all() and res["steps"][1]["avg"].isnan().all()
+    assert all(torch.equal(r["steps"][0]["avg"], results[0]["steps"][0]["avg"]) for r in results)
+
+
 def _own_aggregate(rank: int, world: int) -> dict:
     from gradzip.codecs.quantize import MaxMin
 

@@ -105,18 +105,23 @@ class AllGather(Collective):
     def _send(self, call: Call, x: torch.Tensor, a: int, b: int, name: str) -> dict:
         """Encode segment ``x`` (values ``a`` to ``b`` of the input, or the input itself) into
         its message and issue the all-gather of the messages of every rank."""
+        w = call.world_size
         fmt = call.codec.payload_spec(x.numel(), x.dtype)
-        buf = None
-        if fmt is not None:  # encoded straight into the message (only its flag slot written apart)
-            buf = self._lend(call, (spec_bytes(fmt),), x.device)
+        buf = gathered = None
+        if fmt is not None:  # encoded straight into the message (only its flag slot written apart):
+            # at several ranks this rank's row of the gathered messages, so the all-gather works
+            # in place (no send buffer beside the W rows; the row is left as sent)
+            gathered = self._lend(call, (w, spec_bytes(fmt)), x.device)
+            buf = gathered[call.rank] if w > 1 else gathered[0]
             payload = call.encode(x, name, out=payload_views(buf, fmt))
         else:
             payload = call.encode(x, name)
         call.keep_own(payload, a, b)
         buf = to_bytes(payload.tensors, call.flag, out=buf)
         work = None
-        if call.world_size > 1:
-            gathered = self._lend(call, (call.world_size, buf.numel()), buf.device)
+        if w > 1:
+            if gathered is None:
+                gathered = self._lend(call, (w, buf.numel()), buf.device)
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
         else:  # one rank receives what it sent (its own payload, kept intact for error feedback)
             gathered = buf.view(1, -1)
@@ -136,13 +141,17 @@ class AllGather(Collective):
         codec, w, spec, stats = call.codec, call.world_size, part["spec"], part["stats"]
         mean = not (stats is not None and codec.averages_by_stats())
         poisoned = stats is not None and call.flagged
-        if stats is not None:
+        rows = [payload_views(part["gathered"][r], spec) for r in range(w)]
+        if stats is not None and (poisoned or not mean):
+            # a new tensor of the statistics alone (a few values a block): this rank's row of the
+            # gathered messages is its own payload, which error feedback decodes as it was sent
             column = payload_column(part["gathered"], spec, stats)
-            if not mean:
-                column.div_(w)
+            column = column / w if not mean else column.clone()
             if poisoned:  # on the device: the flag is not read on the host
                 column.masked_fill_(nonfinite, float("nan"))
-        payloads = [Payload(payload_views(part["gathered"][r], spec), part["payload"].ctx) for r in range(w)]
+            for r, tensors in enumerate(rows):
+                tensors[stats] = column[r]
+        payloads = [Payload(tensors, part["payload"].ctx) for tensors in rows]
         if dest is not None:
             return call.decode(lambda ps, o: codec.aggregate_into(ps, o, mean=mean), payloads, dest), poisoned
         aggregate = codec.aggregate if mean else (lambda ps: codec.aggregate(ps, mean=False))
