@@ -52,7 +52,9 @@ class AllGather(Collective):
     such as one with a scale per tensor, goes whole), issued asynchronously while the next
     segment is encoded; the exchange yields while they are on the wire (a
     pipeline encodes or decodes other groups meanwhile), and their average is decoded straight
-    into ``out``.
+    into ``out``. A fixed-size message is encoded into this rank's own row of the gathered
+    messages and all-gathered in place (the input a view of the output at this rank's offset,
+    as FSDP2 gathers its shards), so no send buffer is held beside the W rows.
 
     At two ranks this moves the bytes of the SRA's two rounds in one round, with no second
     quantisation: the communicator takes it by default there, and at one rank (see
