@@ -392,13 +392,17 @@ def _gathered_in_place(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_all_gather_sends_from_its_own_row_and_leaves_the_own_payload_as_sent(world):
     """This rank's message is encoded into its own row of the gathered messages and sent from
-    there (one buffer of W rows lent, no send buffer beside it); dividing the statistics by W
-    and poisoning a non-finite step work on a copy of the statistics, so the own payload that
-    error feedback decodes is the one sent, on a finite step and a non-finite one."""
+    there (no send buffer beside the W rows); dividing the statistics by W and poisoning a
+    non-finite step work on a copy of the statistics (lent by the pool, as the rows are), so the
+    own payload that error feedback decodes is the one sent, on a finite step and a non-finite
+    one."""
     results = run_workers(_gathered_in_place, world)
     for res in results:
         for step in res["steps"]:
-            assert len(step["lent"]) == 1 and step["lent"][0][0] == world, step["lent"]
+            # the W rows, and a copy of their statistics (a few values a block): no send buffer
+            rows, *rest = step["lent"]
+            assert all(len(shape) == 2 and shape[0] == world for shape in step["lent"]), step["lent"]
+            assert sum(shape[1] for shape in rest) * 16 < rows[1], step["lent"]
             assert step["own_as_sent"]
         assert not res["steps"][0]["nonfinite"] and res["steps"][1]["nonfinite"]
         assert res["steps"][0]["avg"].isfinite().all() and res["steps"][1]["avg"].isnan().all()

@@ -133,8 +133,7 @@ class AllGather(Collective):
         return {"payload": payload, "spec": spec_of(payload.tensors), "gathered": gathered, "work": work,
                 "stats": stats, "a": a, "b": b}
 
-    @staticmethod
-    def _average(call: Call, part: dict, nonfinite: torch.Tensor, dest: Optional[torch.Tensor]):
+    def _average(self, call: Call, part: dict, nonfinite: torch.Tensor, dest: Optional[torch.Tensor]):
         """A segment's average, summed into ``dest`` where given, and whether it was poisoned.
         Where the values come from the statistics (a max-min scale, a QSGD norm), those of the
         received payloads are divided by W and the payloads summed: no division pass over the
@@ -145,10 +144,11 @@ class AllGather(Collective):
         poisoned = stats is not None and call.flagged
         rows = [payload_views(part["gathered"][r], spec) for r in range(w)]
         if stats is not None and (poisoned or not mean):
-            # a new tensor of the statistics alone (a few values a block): this rank's row of the
-            # gathered messages is its own payload, which error feedback decodes as it was sent
-            column = payload_column(part["gathered"], spec, stats)
-            column = column / w if not mean else column.clone()
+            # a copy of the statistics alone (a few values a block, in a pool buffer): this rank's
+            # row of the gathered messages is its own payload, which error feedback decodes as sent
+            sent = payload_column(part["gathered"], spec, stats)
+            column = self._lend(call, (w, sent.shape[1] * sent.element_size()), sent.device).view(sent.dtype)
+            torch.div(sent, w, out=column) if not mean else column.copy_(sent)
             if poisoned:  # on the device: the flag is not read on the host
                 column.masked_fill_(nonfinite, float("nan"))
             for r, tensors in enumerate(rows):
