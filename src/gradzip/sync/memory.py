@@ -163,10 +163,11 @@ class ResidualMemory(Memory):
 
     def update_many(self, names: Sequence[str], compensated: Sequence[torch.Tensor], decoded: Sequence[torch.Tensor],
                     skip: Optional[torch.Tensor] = None) -> None:
-        """With the flag on the device (an accelerator's, not read back): the new residuals in
-        one multi-tensor subtraction, then each picked against the old one in place
-        (``torch.where``: NaN-safe, which arithmetic on the flag is not), where every residual
-        exists in fp32; else one :meth:`update` each."""
+        """With the flag on the device (an accelerator's, not read back): the new residuals
+        written into one scratch buffer by a multi-tensor copy and subtraction, then picked
+        against the old ones, which are views of one buffer (:meth:`_flat`), in one
+        ``torch.where`` (NaN-safe, which arithmetic on the flag is not), where every residual
+        exists in fp32 on one device; else one :meth:`update` each."""
         olds = [self._residual(name, c) for name, c in zip(names, compensated)]
         if (skip is None or reads_on_host(skip) or len(names) < 2 or not _all_fp32(compensated, olds)
                 or any(old.device != olds[0].device for old in olds)):
