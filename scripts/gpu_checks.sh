@@ -1,35 +1,63 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/gpu.md in one run, from a source checkout on a CUDA machine:
-#   bash scripts/gpu_checks.sh [results-folder]        (default: gpu-results)
-# 1. the gpu-marked tests, kernels compiled; 2. every codec's encode/decode against a device
-# copy; 3. the max-min and QSGD kernels alone across tile geometries; 4. what each hook adds to
-# a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over gloo;
-# 6. Chrome traces of a few ResNet-50 steps per method, on one rank and on two sharing the GPU
-# (where the two-rank step spends its time above the compute). The folder is also packed as <folder>.tar.gz.
-# Each step writes its log (and JSON) into the folder and the run goes on if one fails.
+#   bash scripts/gpu_checks.sh [results-folder]              (default: gpu-results)
+#   bash scripts/gpu_checks.sh --targets [results-folder]    (default: gpu-targets)
+# Everything: 1. the gpu-marked tests, kernels compiled; 2. every codec's encode/decode against
+# a device copy; 3. the max-min and QSGD kernels alone across tile geometries; 4. what each hook
+# adds to a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over
+# gloo; 6. Chrome traces of a few ResNet-50 steps per method, on one rank and on two sharing the
+# GPU (where the two-rank step spends its time above the compute).
+# --targets, the targets at the end of docs/gpu.md in under ten minutes (every step
+# time-limited): the gpu-marked tests and tests/frontends/test_cuda.py (DDP over NCCL, CUDA
+# tensors over gloo); what each hook adds on one rank, three runs in fresh processes (the
+# machine's speed drifts between runs: compare within one), then once with every DDP built with
+# gradient_as_bucket_view=True; two ranks sharing the GPU, ResNet-50, with and without them.
+# Each step writes its log (and JSON) into the folder, packed as <folder>.tar.gz after each step,
+# and the run goes on if one fails or runs past its limit.
 set -u
-out=${1:-gpu-results}
+targets=0
+if [ "${1:-}" = "--targets" ]; then targets=1; shift; fi
+out=${1:-$([ $targets = 1 ] && echo gpu-targets || echo gpu-results)}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 workers=$($py -c "import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))")
 xdist=$($py -c "import xdist" 2>/dev/null && echo "-n $workers")
 status=0
-step() {  # name, command...
-    local name=$1; shift
-    echo "== $name: $*"
-    "$@" > "$out/$name.log" 2>&1 || { status=1; echo "   failed (see $out/$name.log)"; }
-    tail -n 25 "$out/$name.log"
+start=$(date +%s)
+step() {  # name, time limit (s), command...
+    local name=$1 limit=$2; shift 2
+    echo "== [$(( $(date +%s) - start ))s] $name: $*"
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1 || { status=1; echo "   failed or timed out (see $out/$name.log)"; }
+    # a test run's summary line, a table's rows (the lines with a step time or a ratio), or the error
+    grep -E "(passed|failed|skipped).* in [0-9.]+s|^ .*[0-9] +[0-9.]+×|no DDP|error:" "$out/$name.log" | cut -c1-110 | tail -n 25
+    tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 }
-step tests $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
-step codecs $py -m gradzip bench codecs --device cuda --numel 67108864 --json "$out/codecs.json"
-step geometry $py scripts/kernel_geometry.py
-step overhead $py -m gradzip bench overhead --device cuda --json "$out/overhead.json"
-step overhead-2ranks $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
-    --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
-step traces $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
-    --steps 4 --trace "$out/traces"
-step traces-2ranks $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \
-    --steps 4 --trace "$out/traces-2ranks"
-tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "== all of it in $out.tar.gz"
+if [ $targets = 1 ]; then
+    one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,powersgd
+    two=fp32,maxmin:bits=4,maxmin4
+    step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
+    step cuda-frontends 60 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
+    for i in 1 2 3; do
+        step "overhead-$i" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$i.json"
+    done
+    step overhead-bucket-view 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \
+        --json "$out/overhead-bucket-view.json"
+    step overhead-2ranks 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs "$two" \
+        --json "$out/overhead-2ranks.json"
+    step overhead-2ranks-bucket-view 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
+        --configs "$two" --bucket-view --json "$out/overhead-2ranks-bucket-view.json"
+else
+    step tests 600 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
+    step codecs 600 $py -m gradzip bench codecs --device cuda --numel 67108864 --json "$out/codecs.json"
+    step geometry 600 $py scripts/kernel_geometry.py
+    step overhead 600 $py -m gradzip bench overhead --device cuda --json "$out/overhead.json"
+    step overhead-2ranks 600 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
+        --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
+    step traces 600 $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
+        --steps 4 --trace "$out/traces"
+    step traces-2ranks 600 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \
+        --steps 4 --trace "$out/traces-2ranks"
+fi
+echo "== [$(( $(date +%s) - start ))s] all of it in $out.tar.gz"
 exit $status

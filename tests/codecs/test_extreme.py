@@ -5,7 +5,6 @@ tests/codecs/test_fuzz.py searches the same ground at random; these are the fixe
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
