@@ -8,10 +8,18 @@ time is the host time of its operations (docs/gpu.md), so this count is what to 
 Prints the count and where the operations are issued. On the CPU, ``times`` in
 ``codecs/lowrank.py`` makes a transposing copy per product that a GPU does not: those are
 counted apart.
+
+    python scripts/powersgd_ops.py [rank] --host-time
+
+Times the host work instead: ResNet-50's parameter shapes with their channels divided by 8 (the
+same matrices and repetitions, products too small to matter), cut into DDP's 25 MiB buckets by
+their real sizes, each bucket one job of the engine as the DDP hook runs it; the best of five
+rounds of 30 backward passes, in milliseconds a pass.
 """
 import collections
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -63,5 +71,49 @@ def main(rank: int) -> None:
     dist.destroy_process_group()
 
 
+def host_time(rank: int, passes: int = 30) -> None:
+    from gradzip.sync.engine import Batch
+    from gradzip.sync.pipeline import drive
+
+    gpu_path_ops.accelerator_choices()
+    memory.reads_on_host = lambda flag: False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29564")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    comm = gradzip.Communicator("powersgd", rank=rank)
+    buckets, bucket, size = [], [], 0
+    for p in list(resnet50().parameters())[::-1]:  # DDP's order: the last layers' gradients first
+        bucket.append(tuple(max(1, d // 8) if i < 2 else d for i, d in enumerate(p.shape)))
+        size += p.numel() * 4
+        if size >= 25 * 2**20:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    buckets.append(bucket)
+    jobs = []
+    for b, shapes in enumerate(buckets):  # the gradients as views of their bucket
+        buffer = torch.randn(sum(torch.Size(s).numel() for s in shapes))
+        views = list(torch.split(buffer, [torch.Size(s).numel() for s in shapes]))
+        views = [v.view(s) for v, s in zip(views, shapes)]
+        jobs.append(Batch(views, [f"b{b}.p{i}" for i in range(len(shapes))], [len(s) > 1 for s in shapes], buffer=buffer))
+
+    def backward(step: int) -> None:
+        for job in jobs:
+            drive(comm.batch_stages(job, step))
+
+    for step in range(5):
+        backward(step)
+    best = float("inf")
+    for r in range(5):
+        start = time.perf_counter()
+        for step in range(5 + r * passes, 5 + (r + 1) * passes):
+            backward(step)
+        best = min(best, (time.perf_counter() - start) / passes)
+    print(f"powersgd rank {rank}: {best * 1e3:.2f} ms of host time a backward pass ({len(jobs)} buckets)")
+    comm.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
+    args = [a for a in sys.argv[1:] if a != "--host-time"]
+    (host_time if "--host-time" in sys.argv else main)(int(args[0]) if args else 2)
