@@ -3,8 +3,10 @@
 Starting W ranks costs about two seconds a job on two cores (each imports torch and meets the
 others), more than many tests take themselves. So the ranks of :func:`run_workers` are started
 once per world size and kept for the session: each joins the gloo job once, then runs one test
-function after another. Between two functions a rank puts back what a fresh process would have:
-its environment and torch's default random generator. A function that fails, or a rank that dies or hangs, ends the pool: its ranks
+function after another. A call's node layout (``ranks_per_node``) is set in the environment for
+that call only, where gradzip reads it (when a communicator is built), so the layouts share the
+ranks. Between two functions a rank puts back what a fresh process would have: its environment
+and torch's default random generator. A function that fails, or a rank that dies or hangs, ends the pool: its ranks
 are killed and the next call starts fresh ones. ``GRADZIP_FRESH_WORKERS=1`` starts new ranks for
 every call instead, as :func:`gradzip.comm.launch.spawn_local` does.
 """
@@ -19,23 +21,17 @@ import subprocess
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from gradzip.comm.launch import free_port, spawn_local
 
 TIMEOUT_S = 120  # a collective that waits longer has hung
 
 
-def _serve(rank: int, world_size: int, port: int, ranks_per_node: Optional[int], conn: Any) -> None:
+def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
     """One kept rank: join the job, then run each function sent until told to stop."""
     import torch
     import torch.distributed as dist
-
-    if ranks_per_node:  # told its node as torchrun tells the ranks of one (spawn_local's ranks_per_node)
-        os.environ.update(
-            GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
-            LOCAL_WORLD_SIZE=str(ranks_per_node),
-        )
 
     torch.set_num_threads(1)  # as spawn_local's ranks: several share few cores
     for key in [k for k in os.environ if k.startswith("GRADZIP_")]:
@@ -50,8 +46,13 @@ def _serve(rank: int, world_size: int, port: int, ranks_per_node: Optional[int],
         message = conn.recv_bytes()
         if not message:
             break
-        fn, args = pickle.loads(message)
+        fn, args, ranks_per_node = pickle.loads(message)
         torch.manual_seed(seed)  # the generator as a fresh process has it
+        if ranks_per_node:  # told its node as torchrun tells the ranks of one (spawn_local's ranks_per_node)
+            os.environ.update(
+                GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
+                LOCAL_WORLD_SIZE=str(ranks_per_node),
+            )
         try:
             record = {"ok": True, "result": fn(rank, world_size, *args)}
         except BaseException:  # noqa: BLE001 - sent back to the test
@@ -66,21 +67,21 @@ def _serve(rank: int, world_size: int, port: int, ranks_per_node: Optional[int],
 class _Pool:
     """W kept ranks and a pipe to each."""
 
-    def __init__(self, world_size: int, ranks_per_node: Optional[int]) -> None:
+    def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world_size, port, ranks_per_node, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, fn: Callable, args: tuple) -> List[Dict[str, Any]]:
+    def run(self, fn: Callable, args: tuple, ranks_per_node: Optional[int]) -> List[Dict[str, Any]]:
         """Every rank's record of ``fn``; raises where a rank died or the job hung."""
-        message = pickle.dumps((fn, args))
+        message = pickle.dumps((fn, args, ranks_per_node))
         for conn in self.conns:
             conn.send_bytes(message)
         records: Dict[int, Dict[str, Any]] = {}
@@ -127,7 +128,7 @@ class _Pool:
             proc.join()
 
 
-_POOLS: Dict[Tuple[int, Optional[int]], _Pool] = {}
+_POOLS: Dict[int, _Pool] = {}  # by world size
 
 
 @atexit.register
@@ -144,12 +145,12 @@ def run_workers(fn: Callable, world_size: int, *args: Any, ranks_per_node: Optio
     """
     if os.environ.get("GRADZIP_FRESH_WORKERS") == "1":
         return spawn_local(fn, world_size, *args, all_ranks=True, timeout_s=TIMEOUT_S, ranks_per_node=ranks_per_node)
-    key = (world_size, ranks_per_node)
+    key = world_size
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = _Pool(world_size, ranks_per_node)
+        pool = _POOLS[key] = _Pool(world_size)
     try:
-        records = pool.run(fn, args)
+        records = pool.run(fn, args, ranks_per_node)
     except BaseException:
         _POOLS.pop(key).kill()
         raise
