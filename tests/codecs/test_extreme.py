@@ -171,6 +171,20 @@ def test_orthonormalize_fills_a_matrix_the_same_whatever_shares_its_batch():
     torch.testing.assert_close(alone.T @ alone, torch.eye(2), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1e-21, 1e-30, 1e-36])
+def test_orthonormalize_keeps_a_column_tiny_beside_the_others_orthonormal(scale):
+    """A finite column far smaller than the others (its squares below fp32's normal range once
+    the matrix is scaled by its largest value) still comes out a unit vector orthogonal to the
+    others: each column is scaled by its own largest magnitude first."""
+    for first in (False, True):
+        m = _randn((16, 3), seed=5)
+        m[:, 0 if first else 1] *= scale
+        q = orthonormalize([m])[0]
+        torch.testing.assert_close(q.T @ q, torch.eye(3), rtol=0, atol=1e-5)
+        lost = (q @ (q.T @ m) - m).abs().amax(dim=0)  # the columns spanned, each to its own scale
+        assert (lost <= 1e-5 * m.abs().amax(dim=0)).all(), lost
+
+
 def test_orthonormalize_costs_the_same_operations_for_2_or_16_matrices():
     """A stack is orthonormalised by a fixed number of operations a column (each column after
     the first projected side by side with its filler: one product and one update a projection

@@ -40,9 +40,10 @@ def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     Classical Gram-Schmidt with the projections taken twice ("twice is enough": Giraud et al.,
     Numer. Math. 2005), which keeps the columns orthonormal to fp32 rounding, on a zero-padded
     stack of the matrices: a constant number of batched operations for all of them, where a
-    Householder QR costs a few dozen kernel launches per matrix on a GPU. Each matrix is first
-    scaled by its largest magnitude, so no norm overflows or underflows. A column that lies in
-    the span of the ones before it (a rank-deficient or zero matrix) is replaced by a fixed
+    Householder QR costs a few dozen kernel launches per matrix on a GPU. Each column is first
+    scaled by its largest magnitude (its direction, and so the result, stays as it is), so no
+    norm overflows or underflows, however small a column is beside the others. A column that
+    lies in the span of the ones before it (a rank-deficient or zero matrix) is replaced by a fixed
     direction orthogonalised the same way, so the result is orthonormal for every finite input:
     ``Q Qᵀ`` is a projection onto a space holding the matrix's columns. Deterministic for a
     given input (every rank orthonormalises the same all-reduced factors); a matrix with NaN or
@@ -148,9 +149,9 @@ def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:
     pair: one product and one update a projection for both), so a stack costs about a dozen
     operations a column, whatever its number of matrices: on an accelerator each costs host
     time, which is what a bucket of small factors is made of."""
-    top = a.abs().amax(dim=(1, 2), keepdim=True)  # NaN where the matrix holds one
-    # ``top * 0``: NaN for a NaN or ±inf top, so such a matrix comes back all NaN
-    a.div_(torch.where(top > 0, top, 1.0).add_(top * 0))
+    top = a.abs().amax(dim=1, keepdim=True)  # each column's largest magnitude; NaN where it holds one
+    # ``+ matrix's top * 0``: NaN for a NaN or ±inf anywhere in the matrix, so it comes back all NaN
+    a.div_(torch.where(top > 0, top, 1.0).add_(top.amax(dim=2, keepdim=True) * 0))
     v = a[:, :, :1]
     norm = torch.linalg.vector_norm(v, dim=1, keepdim=True)
     # the first column: nothing to project out, so it is dependent only where it is zero; its
