@@ -761,7 +761,9 @@ def test_residuals_updated_together_share_one_buffer_and_stale_buffers_are_not_k
     """With the flag on the device (an accelerator's way), a batch's residuals become views of
     one buffer, so one pick updates them all; a name that joins another batch leaves the
     others of its old buffer with copies of their own (no stale buffer kept alive through
-    them); a non-finite step keeps every residual; a loaded checkpoint starts afresh."""
+    them); a non-finite step keeps every residual; a loaded checkpoint starts afresh; a name
+    released or updated alone leaves the others their own memory, and nothing holds a buffer
+    that no residual is a view of."""
     from gradzip.sync import memory as memory_module
 
     monkeypatch.setattr(memory_module, "reads_on_host", lambda flag: False)
@@ -800,6 +802,31 @@ def test_residuals_updated_together_share_one_buffer_and_stale_buffers_are_not_k
     comp = step(list("abcd"), ok)
     for n, c in zip("abcd", comp):
         torch.testing.assert_close(m.residuals[n], c * 0.5, rtol=0, atol=0)
+
+    # a name released (sent uncompressed from now on): the others get their own memory, and
+    # once every name of a buffer has left, nothing holds the buffer
+    import gc
+    import weakref
+
+    flat = weakref.ref(m.residuals["a"]._base)
+    kept = {n: m.residuals[n].clone() for n in "bcd"}
+    m.release("a")
+    assert all(m.residuals[n]._base is None and torch.equal(m.residuals[n], kept[n]) for n in "bcd")
+    gc.collect()
+    assert flat() is None and not m._flats
+    step(list("bc"), ok)
+    flat = weakref.ref(m.residuals["b"]._base)
+    for n in "bc":
+        m.release(n)
+    gc.collect()
+    assert flat() is None and not m._flats
+    # a residual replaced by a step of its own (a batch of one) leaves the others their own memory
+    m.update("c", grads["c"], torch.zeros_like(grads["c"]))  # released above: a residual again
+    step(list("cd"), ok)
+    flat = weakref.ref(m.residuals["c"]._base)
+    m.update("c", grads["c"], grads["c"] * 0.5, skip=ok)
+    gc.collect()
+    assert flat() is None and m.residuals["d"]._base is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -11,6 +11,7 @@ example an fp16 overflow that a GradScaler will skip) never poisons the memory.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -116,8 +117,8 @@ class ResidualMemory(Memory):
         super().__init__(**opts)  # beta and gamma, where they are options (1 where they are not)
         self.beta, self.gamma = float(getattr(self, "beta", 1.0)), float(getattr(self, "gamma", 1.0))
         self.residuals: Dict[str, torch.Tensor] = {}
-        # names updated together -> (their flat buffer, the residuals as its views): see _flat
-        self._flats: Dict[Tuple[str, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        # names updated together -> their residuals, views of one flat buffer (weakly: see _flat)
+        self._flats: Dict[Tuple[str, ...], List["weakref.ref[torch.Tensor]"]] = {}
 
     @property
     def stateful(self) -> bool:
@@ -183,24 +184,37 @@ class ResidualMemory(Memory):
         """The residuals of ``names`` (``olds``) as views of one flat buffer, back to back, so the
         flag picks them all in one operation. Made (one multi-tensor copy) the first time these
         names are updated together, and again after any of them was replaced (a checkpoint
-        loaded, a name released); the residuals of other names that shared a buffer made
-        before get copies of their own, so no stale buffer stays alive through them."""
+        loaded, a name released, a fused group's residual put in its place)."""
         key = tuple(names)
-        kept = self._flats.get(key)
-        if kept is not None and all(self.residuals.get(n) is v for n, v in zip(names, kept[1])):
-            return kept[0]
-        for other in [k for k in self._flats if not set(k).isdisjoint(key)]:
-            _, views = self._flats.pop(other)
-            for n, v in zip(other, views):
-                if n not in key and self.residuals.get(n) is v:
-                    self.residuals[n] = v.clone()
+        views = self._views(key)
+        if views is not None:
+            return views[0]._base
+        self._detach(key)
         flat = torch.empty(sum(old.numel() for old in olds), dtype=torch.float32, device=olds[0].device)
         views = [flat[a : a + old.numel()].view(old.shape) for a, old in zip(_offsets(olds), olds)]
         torch._foreach_copy_(views, list(olds))
         for n, v in zip(names, views):
             self.residuals[n] = v
-        self._flats[key] = (flat, views)
+        self._flats[key] = [weakref.ref(v) for v in views]
         return flat
+
+    def _views(self, key: Tuple[str, ...]) -> Optional[List[torch.Tensor]]:
+        """The residuals of ``key``'s flat buffer, where each is still the residual of its name."""
+        refs = self._flats.get(key)
+        views = None if refs is None else [ref() for ref in refs]
+        if views is None or any(v is None or self.residuals.get(n) is not v for n, v in zip(key, views)):
+            return None
+        return views
+
+    def _detach(self, names: Sequence[str]) -> None:
+        """Forget the flat buffers that hold a residual of ``names``, or one whose residual was
+        replaced; the residuals of other names still in them get copies of their own, so no
+        buffer stays alive for a part of it (the buffers are held by their views alone)."""
+        for key in [k for k in self._flats if not set(k).isdisjoint(names) or self._views(k) is None]:
+            for n, ref in zip(key, self._flats.pop(key)):
+                v = ref()
+                if n not in names and v is not None and self.residuals.get(n) is v:
+                    self.residuals[n] = v.clone()
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         old = self._residual(name, compensated)
@@ -219,9 +233,13 @@ class ResidualMemory(Memory):
             return
         new = compensated.float() - decoded.reshape(compensated.shape).float()
         self.residuals[name] = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
+        if self._flats:  # ``old`` may have been a view of a flat buffer
+            self._detach([name])
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         res = self.residuals.pop(name, None)
+        if self._flats:
+            self._detach([name])
         return None if res is None else res * self.beta  # as compensate() would add it
 
     def state_dict(self) -> Dict[str, Any]:
