@@ -815,6 +815,30 @@ def test_allreduce_into_a_destination_matches_a_fresh_result():
         assert all(res.values()), res
 
 
+def _batch_with_some_outs(rank: int, world: int) -> dict:
+    coll, c = collectives.get("allreduce")(None), codec("powersgd", rank=2)
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(s, generator=g) for s in [(32, 16), (8,), (24, 40), (16, 16)]]
+    names = [f"w{i}" for i in range(len(xs))]
+    alone = [coll.run(c, x.clone(), n, 0, need_own=True) for x, n in zip(xs, names)]
+    c2 = codec("powersgd", rank=2)
+    outs = [torch.full_like(x, 7.0).view(-1) if i % 2 == 0 else None for i, x in enumerate(xs)]
+    batch = drive(coll.stages_many(c2, [x.clone() for x in xs], names, 0, True, outs))
+    return {
+        "avg": all(torch.equal(a.avg, b.avg) for a, b in zip(alone, batch)),
+        "own": all(torch.equal(a.own, b.own) for a, b in zip(alone, batch)),
+        "into_out": all(b.avg.data_ptr() == o.data_ptr() for b, o in zip(batch, outs) if o is not None),
+    }
+
+
+def test_a_batch_where_some_calls_have_an_out_gives_what_each_call_alone_gives():
+    """The all-reduce of a batch (PowerSGD's matrices and a 1-D tensor it sends raw) decodes the
+    averages that have an ``out`` there and the others into fresh tensors, and every average
+    and own payload has the bits of the tensor exchanged alone, on every rank."""
+    for res in run_workers(_batch_with_some_outs, 2):
+        assert res == {"avg": True, "own": True, "into_out": True}, res
+
+
 def test_out_must_match_the_input():
     comm = gradzip.Communicator("maxmin")
     try:

@@ -203,17 +203,15 @@ def _finish_many(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Se
     into = [i for i, call in enumerate(calls) if call.out is not None]
     if len(into) < 2:
         return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned) for i, call in enumerate(calls)]
-    for i in into:
-        calls[i].keep_own(payloads[i], scale=float(calls[i].world_size))
-        calls[i].release_input(nonfinite)
+    for call, payload in zip(calls, payloads):
+        call.keep_own(payload, scale=float(call.world_size))
+    for call in calls:
+        call.release_input(nonfinite)
     codec = calls[0].codec
-    shared_section([calls[i].timer for i in into], "decode",
-                   lambda: [codec.decode_into(Payload(reduced[i], payloads[i].ctx), calls[i].out) for i in into])
-    return [
-        Exchanged(call.out, nonfinite, wire[i], poisoned=poisoned) if call.out is not None
-        else _finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned)
-        for i, call in enumerate(calls)
-    ]
+    sums = [Payload(r, p.ctx) for r, p in zip(reduced, payloads)]
+    shared_section([calls[i].timer for i in into], "decode", lambda: [codec.decode_into(sums[i], calls[i].out) for i in into])
+    avgs = [call.out if call.out is not None else call.decode(codec.decode, s).reshape(-1) for call, s in zip(calls, sums)]
+    return [Exchanged(avg, nonfinite, w, poisoned=poisoned) for avg, w in zip(avgs, wire)]
 
 
 def _same_memory(out: torch.Tensor, x: torch.Tensor) -> bool:
