@@ -369,8 +369,8 @@ def test_the_all_gather_yields_while_on_the_wire_and_decodes_into_out():
     assert torch.equal(results[0]["avg"], results[1]["avg"])
 
 
-def _gathered_in_place(rank: int, world: int) -> dict:
-    coll = collectives.get("allgather")(None)
+def _gathered_in_place(rank: int, world: int, collective: str = "allgather") -> dict:
+    coll = collectives.get(collective)(None)
     lent = []
     lend = coll._lend
     coll._lend = lambda call, shape, device: lent.append(shape) or lend(call, shape, device)
@@ -407,6 +407,17 @@ def test_the_all_gather_sends_from_its_own_row_and_leaves_the_own_payload_as_sen
         assert not res["steps"][0]["nonfinite"] and res["steps"][1]["nonfinite"]
         assert res["steps"][0]["avg"].isfinite().all() and res["steps"][1]["avg"].isnan().all()
     assert all(torch.equal(r["steps"][0]["avg"], results[0]["steps"][0]["avg"]) for r in results)
+
+
+def test_the_sra_gathers_the_averaged_chunks_from_its_own_row():
+    """The SRA's second round sends this rank's re-encoded chunk from its own row of the
+    gathered chunks: every buffer it is lent has W rows (the chunks sent, received and
+    gathered), none is a send buffer of one chunk; a non-finite step still poisons the average."""
+    for res in run_workers(_gathered_in_place, 3, "sra"):
+        for step in res["steps"]:
+            assert all(len(shape) == 2 and shape[0] == 3 for shape in step["lent"]), step["lent"]
+        assert not res["steps"][0]["nonfinite"] and res["steps"][1]["nonfinite"]
+        assert res["steps"][0]["avg"].isfinite().all() and res["steps"][1]["avg"].isnan().all()
 
 
 def _own_aggregate(rank: int, world: int) -> dict:

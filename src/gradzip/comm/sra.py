@@ -152,8 +152,8 @@ class ScatterReduceAllGather(Collective):
         recv = p1["recv"]
         own = recv is p1["send"] and call.need_own
         gathered = recv if recv.shape == shape and not own else self._lend(call, shape, reduced.device)
-        # what this rank sends: with one rank its row of the gathered buffer, else a buffer of its own
-        buf = gathered[0] if w == 1 else self._lend(call, (shape[1],), reduced.device)
+        # what this rank sends: its own row of the gathered buffer (an in-place all-gather)
+        buf = gathered[rank]
         if second is None:
             second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, out=payload_views(buf, spec))
         to_bytes(second.tensors, flag, out=buf)
