@@ -57,7 +57,8 @@ class AllReduce(Collective):
         nonfinite = call.flag if flag is None else flag[0] > 0
         if rounds and self.flagged:  # the sums of a later round: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(reduced)
-        return _finish(call, payload, reduced, nonfinite, wire, _poison(self.flagged, call.codec, reduced, nonfinite))
+        poisoned = _poison(self.flagged, call.codec, reduced, nonfinite)
+        return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned)[0]
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -124,7 +125,7 @@ class AllReduce(Collective):
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
-        return _finish_many(calls, payloads, reduced, nonfinite, wire, poisoned)
+        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned)
 
 
 def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -183,33 +184,22 @@ def _divided_in_place(call: Call) -> bool:
     return call.out is not None and not call.need_own and _same_memory(call.out, call.x)
 
 
-def _finish(call: Call, payload: Payload, reduced: List[torch.Tensor], nonfinite: torch.Tensor, wire: int,
-            poisoned: bool = False) -> Exchanged:
-    """The last round's own payload kept (before the sum), the input released, the sum decoded."""
-    call.keep_own(payload, scale=float(call.world_size))
-    call.release_input(nonfinite)
-    if call.out is None:
-        avg = call.decode(call.codec.decode, Payload(reduced, payload.ctx)).reshape(-1)
-    else:
-        avg = call.decode(call.codec.decode_into, Payload(reduced, payload.ctx), call.out)
-    return Exchanged(avg, nonfinite, wire, poisoned=poisoned)
-
-
-def _finish_many(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
-                 nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool) -> List[Exchanged]:
-    """:func:`_finish` of a batch: every input released before any average is written (an
-    ``out`` may be another call's memory), and the averages that have an ``out`` decoded there
-    in one timed section."""
-    into = [i for i, call in enumerate(calls) if call.out is not None]
-    if len(into) < 2:
-        return [_finish(call, payloads[i], reduced[i], nonfinite, wire[i], poisoned) for i, call in enumerate(calls)]
+def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
+            nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool = False) -> List[Exchanged]:
+    """The end of an exchange of one call or a batch: each call's last-round payload kept as its
+    own (before the sum), every input released before any average is written (an ``out`` may be
+    another call's memory), and the sums decoded, into the ``out`` of the calls that have one in
+    one timed section."""
     for call, payload in zip(calls, payloads):
         call.keep_own(payload, scale=float(call.world_size))
     for call in calls:
         call.release_input(nonfinite)
     codec = calls[0].codec
     sums = [Payload(r, p.ctx) for r, p in zip(reduced, payloads)]
-    shared_section([calls[i].timer for i in into], "decode", lambda: [codec.decode_into(sums[i], calls[i].out) for i in into])
+    into = [i for i, call in enumerate(calls) if call.out is not None]
+    if into:
+        shared_section([calls[i].timer for i in into], "decode",
+                       lambda: [codec.decode_into(sums[i], calls[i].out) for i in into])
     avgs = [call.out if call.out is not None else call.decode(codec.decode, s).reshape(-1) for call, s in zip(calls, sums)]
     return [Exchanged(avg, nonfinite, w, poisoned=poisoned) for avg, w in zip(avgs, wire)]
 
