@@ -114,22 +114,18 @@ class AllGather(Collective):
             # at several ranks this rank's row of the gathered messages, so the all-gather works
             # in place (no send buffer beside the W rows; the row is left as sent)
             gathered = self._lend(call, (w, spec_bytes(fmt)), x.device)
-            buf = gathered[call.rank] if w > 1 else gathered[0]
+            buf = gathered[call.rank]
             payload = call.encode(x, name, out=payload_views(buf, fmt))
         else:
             payload = call.encode(x, name)
         call.keep_own(payload, a, b)
         buf = to_bytes(payload.tensors, call.flag, out=buf)
-        work = None
-        if w > 1:
-            if gathered is None:
-                gathered = self._lend(call, (w, buf.numel()), buf.device)
-            work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
-        else:  # one rank receives what it sent (its own payload, kept intact for error feedback)
-            gathered = buf.view(1, -1)
+        if gathered is None:  # the message made apart: gathered beside it (one rank: it is the row)
+            gathered = self._lend(call, (w, buf.numel()), buf.device) if w > 1 else buf.view(1, -1)
+        work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True) if w > 1 else None
         # where every decoded value comes from the payload's statistics (in the codec's own
         # format; at one rank those are this rank's own payload's, left alone)
-        stats = call.codec.stats_tensor if fmt is not None and call.world_size > 1 else None
+        stats = call.codec.stats_tensor if fmt is not None and w > 1 else None
         return {"payload": payload, "spec": spec_of(payload.tensors), "gathered": gathered, "work": work,
                 "stats": stats, "a": a, "b": b}
 
