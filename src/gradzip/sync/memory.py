@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from ..options import Registry
 from ..options import Configurable, Option, float_in, optional
@@ -33,15 +34,6 @@ def reads_on_host(flag: torch.Tensor) -> bool:
 def _all_fp32(tensors: Sequence[torch.Tensor], residuals: Sequence[Optional[torch.Tensor]]) -> bool:
     """Every tensor fp32 and every residual there, in fp32: what the multi-tensor operations take."""
     return all(r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, residuals))
-
-
-def _offsets(tensors: Sequence[torch.Tensor]) -> List[int]:
-    """Where each tensor starts in a flat buffer holding them back to back."""
-    out, at = [], 0
-    for t in tensors:
-        out.append(at)
-        at += t.numel()
-    return out
 
 
 class Memory(Configurable):
@@ -175,7 +167,7 @@ class ResidualMemory(Memory):
             return super().update_many(names, compensated, decoded, skip)
         flat = self._flat(names, olds)
         news = torch.empty_like(flat)
-        parts = [news[a : a + old.numel()].view(old.shape) for a, old in zip(_offsets(olds), olds)]
+        parts = _unflatten_dense_tensors(news, olds)  # views of the scratch, shaped as the residuals
         torch._foreach_copy_(parts, list(compensated))
         torch._foreach_sub_(parts, [d.view(c.shape) for c, d in zip(compensated, decoded)])
         torch.where(skip, flat, news, out=flat)  # one pick for the batch: NaN-safe, no host read
@@ -191,7 +183,7 @@ class ResidualMemory(Memory):
             return views[0]._base
         self._detach(key)
         flat = torch.empty(sum(old.numel() for old in olds), dtype=torch.float32, device=olds[0].device)
-        views = [flat[a : a + old.numel()].view(old.shape) for a, old in zip(_offsets(olds), olds)]
+        views = list(_unflatten_dense_tensors(flat, olds))
         torch._foreach_copy_(views, list(olds))
         for n, v in zip(names, views):
             self.residuals[n] = v
