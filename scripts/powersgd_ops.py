@@ -5,9 +5,8 @@ time is the host time of its operations (docs/gpu.md), so this count is what to 
 
     python scripts/powersgd_ops.py [rank]       (default 2; error feedback, as registered by default)
 
-Prints the count and where the operations are issued. On the CPU, ``times`` in
-``codecs/lowrank.py`` makes a transposing copy per product that a GPU does not: those are
-counted apart.
+Prints the count and where the operations are issued. The fused groups are the size the DDP
+hook makes them for CUDA gradients (``ACCELERATOR_FUSION_MB``), not the CPU's.
 
     python scripts/powersgd_ops.py [rank] --host-time
 
@@ -32,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import gradzip  # noqa: E402
 from gradzip.bench.models import resnet50  # noqa: E402
+from gradzip.frontends.ddp import ACCELERATOR_FUSION_MB  # noqa: E402
 from gradzip.sync import memory  # noqa: E402
 
 
@@ -48,13 +48,13 @@ def main(rank: int) -> None:
                 mine = [f for f in frames if "/gradzip/" in f.filename]
                 if mine:  # issued by gradzip (its hook or its comm thread), not by the model
                     f = mine[-1]
-                    ops["cpu only" if f.name == "times" and name == "clone" else "ops"] += 1
+                    ops["ops"] += 1
                     where[f"{f.filename.split('gradzip/')[-1]}:{f.lineno} {name}"] += 1
             return func(*args, **(kwargs or {}))
 
     gpu_path_ops.count_on_comm_thread(Count, "29563")
     ddp = torch.nn.parallel.DistributedDataParallel(resnet50())
-    state = gradzip.register(ddp, "powersgd", rank=rank)
+    state = gradzip.register(ddp, "powersgd", rank=rank, fusion_mb=ACCELERATOR_FUSION_MB)  # a GPU's groups
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 1000, (2,))
     for _ in range(4):  # past the warm-up; DDP's buckets rebuilt
         F.cross_entropy(ddp(x), y).backward()
@@ -63,8 +63,7 @@ def main(rank: int) -> None:
         F.cross_entropy(ddp(x), y).backward()
         state.comm.flush()
         counting[0] = False
-    print(f"powersgd rank {rank}: {ops['ops']} torch operations in a backward pass"
-          f" (and {ops['cpu only']} transposing copies the CPU makes and a GPU does not)")
+    print(f"powersgd rank {rank}: {ops['ops']} torch operations in a backward pass")
     for line, count in where.most_common(20):
         print(f"  {count:4d}  {line}")
     state.close()

@@ -126,6 +126,69 @@ def _power_rounds(c, mats, names):
     return [c.decode(Payload(r, p.ctx)) for r, p in zip(reduced, payloads)]
 
 
+def _power_parts(c, flat, parts, key="group"):
+    """One PowerSGD step of a fused buffer of ``parts``, one call, as the all-reduce drives it
+    at one rank."""
+    payloads = [c.encode(flat, name=key, parts=parts)]
+    sizes = [[t.numel() for t in payloads[0].tensors]]
+    reduced = [t.clone() for t in payloads[0].tensors]
+    while (nxt := c.next_round(payloads[-1], reduced)) is not None:
+        payloads.append(nxt)
+        sizes.append([t.numel() for t in nxt.tensors])
+        reduced = [t.clone() for t in nxt.tensors]
+    return c.decode(Payload(reduced, payloads[-1].ctx)), sizes
+
+
+POWER_PARTS = {"a.weight": (48, 30), "a.bias": (48,), "b.weight": (16, 3, 3, 3), "d.weight": (64, 8), "c.weight": (3, 3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_powersgd_encodes_a_fused_buffer_tensor_by_tensor(dtype):
+    """A fused group given as parts: one payload a round for all its tensors, each factorised
+    by its own shape with its own warm start, the ones too small to factorise (1-D, 3 × 3)
+    sent as they are in the last round; over steps the values are those of each tensor alone,
+    and so are the per-name Qs a checkpoint holds, to rounding: a product's last bits may
+    follow where its output lies in memory (BLAS takes another path for an unaligned one), so
+    a group's layout, the same on every rank, decides them."""
+    parts = list(POWER_PARTS.items())
+    fused, alone = gradzip.codec("powersgd", rank=2), gradzip.codec("powersgd", rank=2)
+    for step in range(3):
+        grads = [_randn(shape, dtype, seed=10 * step + i) for i, shape in enumerate(POWER_PARTS.values())]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        got, sizes = _power_parts(fused, flat, parts)
+        expected = _power_rounds(alone, grads, list(POWER_PARTS))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, torch.cat([e.reshape(-1) for e in expected]), rtol=1e-5, atol=1e-5)
+    # Pᵀ of the three matrices packed; then their Qᵀ, and the 48 + 9 values sent as they are
+    # (in the same tensor for an fp32 input, in their own dtype beside it for a 16-bit one)
+    raw = [57] if dtype == torch.float32 else [0, 57]
+    assert sizes == [[2 * (48 + 16 + 64)], [2 * (30 + 27 + 8) + raw[0]] + raw[1:]]
+    assert fused._q.keys() == alone._q.keys() == {"a.weight", "b.weight", "d.weight"}
+    for n in fused._q:
+        torch.testing.assert_close(fused._q[n], alone._q[n], rtol=1e-5, atol=1e-6)
+
+
+def test_powersgd_fused_buffer_keeps_nonfinite_values_where_they_are():
+    """A NaN in a tensor sent as it is and an inf in a factorised one reach the decoded sum
+    (a collective flags the step from them: see tests/sync/test_engine.py)."""
+    c = gradzip.codec("powersgd", rank=2)
+    grads = [_randn(shape, seed=i) for i, shape in enumerate(POWER_PARTS.values())]
+    grads[1][3], grads[3][1, 1] = float("nan"), float("inf")
+    got, _ = _power_parts(c, torch.cat([g.reshape(-1) for g in grads]), list(POWER_PARTS.items()))
+    bias, d = 48 * 30, 48 * 30 + 48 + 16 * 27
+    assert torch.isnan(got[bias + 3]) and torch.isfinite(got[bias + 4 : d]).all()
+    assert not torch.isfinite(got[d : d + 64 * 8]).all() and torch.isfinite(got[:bias]).all()
+    first = c.encode(torch.cat([g.reshape(-1) for g in grads]), name="g", parts=list(POWER_PARTS.items()))
+    assert bool(c.nonfinite(first))  # the inf reached d.weight's factor
+
+
+def test_encode_checks_that_parts_cover_the_tensor():
+    c = gradzip.codec("powersgd")
+    with pytest.raises(ValueError, match="parts cover 9 values, the tensor has 10"):
+        c.encode(torch.zeros(10), parts=[("a", (3, 3))])
+    assert c.encode(torch.zeros(10), parts=[("a", [2, 5])]).ctx.parts == (("a", torch.Size([2, 5])),)
+
+
 def test_powersgd_resumes_bit_exactly_from_its_state_dict():
     import io
 

@@ -921,3 +921,22 @@ def test_an_exchange_that_keeps_own_payloads_for_part_of_the_input_fails_loudly(
     with pytest.raises(RuntimeError, match="own payloads for 10 of 100 values"):
         _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=True)
     assert _ForgetsOwn(None).run(gradzip.codec("maxmin", bits=4), x, "w", 0, need_own=False).own is None
+
+
+def test_only_a_collective_that_encodes_its_input_whole_carries_parts():
+    """A fused buffer's parts go to the codec only through a collective that encodes the input
+    in one piece (the all-reduce); one that cuts it into chunks or segments refuses them."""
+    parts = (("a", torch.Size([4, 4])), ("b", torch.Size([16])))
+    assert collectives.get("allreduce").carries_parts
+    for name in ("sra", "allgather", "ps"):
+        coll = collectives.get(name)(None)
+        assert not coll.carries_parts
+        with pytest.raises(ValueError, match=f"collective {name!r} encodes its input in pieces"):
+            drive(coll.stages(codec("fp16"), torch.zeros(32), "g", 0, False, parts=parts))
+    res = collectives.get("allreduce")(None).run(codec("powersgd"), torch.ones(32), "g", 0, False)
+    assert torch.equal(res.avg, torch.ones(32))  # without parts: one tensor, sent as it is (1-D)
+    coll = collectives.get("allreduce")(None)
+    x = torch.randn(32, generator=torch.Generator().manual_seed(0))
+    fused = drive(coll.stages(codec("powersgd", rank=1), x, "g", 0, False, parts=parts))
+    alone = [coll.run(codec("powersgd", rank=1), x[:16].view(4, 4), "a", 0, False), coll.run(codec("powersgd", rank=1), x[16:], "b", 0, False)]
+    torch.testing.assert_close(fused.avg, torch.cat([r.avg.reshape(-1) for r in alone]), rtol=1e-6, atol=1e-6)

@@ -231,6 +231,59 @@ def test_gradients_that_cannot_fuse_share_one_all_reduce_per_round(codec, option
     assert all(torch.equal(x, y) for x, y in zip(results[0][True]["avgs"][-1], results[1][True]["avgs"][-1]))
 
 
+def _fused_powersgd(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(30 + rank)
+    shapes = [(64, 32), (64,), (16, 3, 3, 3), (3, 3), (128, 64), (10, 64)]
+    names = [f"layer{i}" for i in range(len(shapes))]
+    steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    steps[2][1][5] = float("nan") if rank == 1 else 0.0  # on one rank, in a tensor sent as it is
+    out = {}
+    for fusion in (True, False):
+        comm = gradzip.Communicator("powersgd", rank=2, fusion=fusion)
+        encodes, encode = [], comm.codec.encode
+        comm.codec.encode = lambda *a, **k: encodes.append(k.get("parts", a[4] if len(a) > 4 else None)) or encode(*a, **k)
+        avgs, residuals, sums, calls = [], [], [], []
+        for step, grads in enumerate(steps):
+            with _Ops() as ops:
+                avgs.append(comm.reduce_many_now([t.clone() for t in grads], names, [True] * len(grads), step=step))
+            residuals.append({n: r.clone() for n, r in comm.memory.residuals.items()})
+            sums.append(ops.work["allreduce_"])
+            calls.append(ops.work["mm"])
+        out[fusion] = {"avgs": avgs, "residuals": residuals, "allreduce": sums, "mm": calls, "encodes": encodes}
+        comm.close()
+    return out
+
+
+def test_a_group_of_powersgd_gradients_is_one_call_with_the_values_of_each_alone():
+    """PowerSGD's gradients of a group (the plan's; here a whole call) go through the codec as
+    one fused buffer: one all-reduce a round for them all and one for the flag, four products a
+    matrix (two factors, this rank's own decode for error feedback, the average), with the
+    averages and residuals of each gradient exchanged alone (to the rounding of its products'
+    layout), on both ranks the same bits; a NaN on one rank in a 1-D gradient, sent as it is in
+    the last round, makes every average of the group NaN and keeps every residual."""
+    results = run_workers(_fused_powersgd, 2)
+    for res in results:
+        fused, alone = res[True], res[False]
+        for step in (0, 1):
+            for x, y in zip(fused["avgs"][step], alone["avgs"][step]):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            for n, r in alone["residuals"][step].items():
+                torch.testing.assert_close(fused["residuals"][step][n], r, rtol=1e-5, atol=1e-5)
+        # one encode a step, of the group's buffer with its parts (in name order); one a gradient alone
+        assert [len(p) for p in fused["encodes"]] == [6] * 4 and alone["encodes"] == [None] * 6 * 4
+        assert [name for name, _ in fused["encodes"][0]] == sorted(f"layer{i}" for i in range(6))
+        assert fused["allreduce"] == [3] * 4, fused["allreduce"]  # P, the flag beside it, Q with the rest
+        assert alone["allreduce"][1] > 3
+        assert fused["mm"][1] == 4 * 4, fused["mm"]  # four matrices: (64,), (3, 3) go as they are
+        assert all(t.isnan().all() for t in fused["avgs"][2])
+        assert [bool(t.isnan().all()) for t in alone["avgs"][2]] == [i == 1 for i in range(6)]
+        assert all(torch.equal(fused["residuals"][2][n], r) for n, r in fused["residuals"][1].items())
+        assert all(t.isfinite().all() for t in fused["avgs"][3])
+    for step in range(4):
+        for x, y in zip(results[0][True]["avgs"][step], results[1][True]["avgs"][step]):
+            assert torch.equal(x.nan_to_num(1.5), y.nan_to_num(1.5))
+
+
 def _batch_shapes():
     return [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64)]
 

@@ -134,6 +134,10 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor
     for name in ("topk", "powersgd", "natural", "signsgd"):
         assert gradzip.codec(name).fusion_block() == 0
+    # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
+    assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
+    assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "terngrad"))
 
 
 def _params(sizes):

@@ -11,6 +11,7 @@ are the same on every rank (shape, dtype, name, step, shared random indices, sha
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
@@ -33,6 +34,9 @@ class Meta:
     name: str = ""
     step: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    # a fused input: the tensors it holds back to back, ``(name, shape)`` each (see
+    # :attr:`Codec.parts_format`); None: one tensor, ``name`` of ``shape``
+    parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
 
     @property
     def numel(self) -> int:
@@ -97,6 +101,27 @@ def _check_payload_out(out: Sequence[torch.Tensor], spec: Optional[List[Tuple[to
         )
 
 
+def _parts_of(parts: Optional[Sequence[Tuple[str, Sequence[int]]]], numel: int
+              ) -> Optional[Tuple[Tuple[str, torch.Size], ...]]:
+    """``encode``'s ``parts`` as :attr:`Meta.parts`, checked to cover the ``numel`` values
+    (a group's parts repeat every step: checked once)."""
+    if parts is None:
+        return None
+    try:
+        return _checked_parts(tuple(parts), numel)
+    except TypeError:  # unhashable (shapes given as lists)
+        return _checked_parts.__wrapped__(tuple((n, tuple(s)) for n, s in parts), numel)
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_parts(parts: Tuple[Tuple[str, Sequence[int]], ...], numel: int) -> Tuple[Tuple[str, torch.Size], ...]:
+    out = tuple((str(name), torch.Size(shape)) for name, shape in parts)
+    covered = sum(shape.numel() for _, shape in out)
+    if covered != numel:
+        raise ValueError(f"parts cover {covered} values, the tensor has {numel}")
+    return out
+
+
 def empty_result(meta: "Meta") -> torch.Tensor:
     """The decode of a tensor without elements."""
     return torch.empty(meta.shape, dtype=meta.dtype, device=meta.device)
@@ -142,6 +167,11 @@ class Codec(Configurable):
     # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
     # also agree on which kernels run (compared at registration)
     kernels_bit_exact: ClassVar[bool] = True
+    # its format is per tensor (a factorisation by the tensor's shape), but one call encodes a
+    # fused buffer of several given their names and shapes (``encode``'s ``parts``): one
+    # payload and one exchange for a group, each tensor encoded by its shape inside it (see
+    # :meth:`fused_alignment`); collectives that carry parts pass them (``Collective.carries_parts``)
+    parts_format: ClassVar[bool] = False
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
@@ -170,16 +200,19 @@ class Codec(Configurable):
         return self._payload_spec(numel, dtype)
 
     def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None,
-               out: Optional[Sequence[torch.Tensor]] = None) -> Payload:
+               out: Optional[Sequence[torch.Tensor]] = None,
+               parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None) -> Payload:
         """Encode ``t``; ``step`` keys shared randomness (defaults to a per-name call counter).
         ``out``: flat tensors as :meth:`payload_spec` gives them (only where it is not None),
-        which become the payload's tensors."""
+        which become the payload's tensors. ``parts``: ``t`` is a fused buffer holding these
+        tensors back to back, ``(name, shape)`` each (their sizes add up to ``t``'s); a codec
+        whose format is per tensor (:attr:`parts_format`) encodes each by its shape."""
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"codec {self.name!r} encodes floating-point tensors, got {t.dtype}")
         if step is None:
             step = self._calls.get(name, 0)
             self._calls[name] = step + 1
-        meta = Meta(t.shape, t.dtype, t.device, name, step)
+        meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel()))
         self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)
@@ -273,6 +306,12 @@ class Codec(Configurable):
         """:meth:`next_round` for several tensors summed in the same round; a codec overrides it
         to treat them as one batch (PowerSGD orthonormalises all its factors at once)."""
         return [self.next_round(p, r) for p, r in zip(payloads, reduced)]
+
+    def fused_alignment(self) -> int:
+        """Where each tensor of a fused buffer starts: on a multiple of this many values
+        (:meth:`fusion_block`, or 1 for a codec that encodes a fused buffer by its parts:
+        :attr:`parts_format`); 0: the codec's tensors are never fused."""
+        return self.fusion_block() or (1 if self.parts_format else 0)
 
     def fusion_block(self) -> int:
         """Values per independent block when several tensors share one encoding; 0: never fuse.

@@ -8,19 +8,8 @@ import torch
 
 from ..kernels import shared_generator
 from ..kernels.rng import counter_uniform
-from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in
+from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in
 from .registry import register_codec
-
-
-def times(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``m @ v`` for a thin ``v`` (``k × r``, r small), contiguous. On the CPU computed as
-    ``(vᵀ mᵀ)ᵀ``: one row of r outputs per stride of ``m`` is what BLAS does worst; a short,
-    wide product is what it does best (on one core 1.5–10× faster for gradient-sized matrices).
-    A GPU's BLAS takes either layout as fast, so there it is one product, without the copy
-    that makes the transposed result contiguous. ``m`` may be a transposed view (``Mᵀ P``)."""
-    if m.device.type != "cpu":
-        return m @ v
-    return (v.T @ m.T).T.contiguous()
 
 
 # A column whose part outside the columns before it is below this fraction of its length is
@@ -59,17 +48,48 @@ def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 def orthonormal_stacks(mats: Sequence[torch.Tensor]) -> List[Tuple[List[int], torch.Tensor]]:
     """:func:`orthonormalize` as it computes it: ``(indices, stack)`` pairs, the stack holding
     the results for ``mats[indices]``, zero-padded to the tallest (the first)."""
-    by_kind: Dict[Tuple[int, torch.device], List[int]] = {}
-    for i, m in enumerate(mats):
-        by_kind.setdefault((m.shape[1], m.device), []).append(i)
     stacks = []
-    for (r, device), idx in by_kind.items():
-        for batch in _padded_batches(sorted(idx, key=lambda i: -mats[i].shape[0]), mats):
-            rows = tuple(mats[i].shape[0] for i in batch)
-            stack = padded_stack([mats[i] for i in batch])
-            _gram_schmidt(stack, _fillers(rows, r, device))
-            stacks.append((batch, stack))
+    for batch in _stack_batches([m.shape for m in mats], [m.device for m in mats]):
+        rows, r = tuple(mats[i].shape[0] for i in batch), mats[batch[0]].shape[1]
+        stack = padded_stack([mats[i] for i in batch])
+        _gram_schmidt(stack, _fillers(rows, r, stack.device))
+        stacks.append((batch, stack))
     return stacks
+
+
+def orthonormal_packed(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]]) -> List[Tuple[List[int], torch.Tensor]]:
+    """:func:`orthonormal_stacks` of the ``n × r`` matrices whose transposes (``r × n``, row
+    by row) lie back to back in ``flat``, as PowerSGD packs its factors for the all-reduce:
+    each stack is filled from ``flat`` by one indexed copy (no copy a matrix). The stacks are
+    those :func:`orthonormal_stacks` makes of the same matrices, so are the results: each an
+    ``n × r`` view of rows of ``r`` values, a layout that does not depend on the other matrices
+    of its stack (a product's rounding may depend on its operands' layout)."""
+    starts, at = [], 0
+    for n, r in shapes:
+        starts.append(at)
+        at += n * r
+    stacks = []
+    for batch in _stack_batches(shapes, [flat.device] * len(shapes)):
+        rows, r = tuple(shapes[i][0] for i in batch), shapes[batch[0]][1]
+        src, dst = _packed_index(tuple(starts[i] for i in batch), rows, r, flat.numel(), flat.device)
+        values = flat if src is None else flat.index_select(0, src)
+        stack = torch.zeros(len(batch), rows[0], r, dtype=torch.float32, device=flat.device)
+        stack.view(-1).index_copy_(0, dst, values.float())
+        _gram_schmidt(stack, _fillers(rows, r, flat.device))
+        stacks.append((batch, stack))
+    return stacks
+
+
+def _stack_batches(shapes: Sequence[Sequence[int]], devices: Sequence[torch.device]) -> List[List[int]]:
+    """The matrices that share a padded stack: by rank and device, tallest first, cut where
+    padding would grow past :data:`_PAD_FACTOR` (:func:`_padded_batches`)."""
+    by_kind: Dict[Tuple[int, torch.device], List[int]] = {}
+    for i, (shape, device) in enumerate(zip(shapes, devices)):
+        by_kind.setdefault((shape[1], device), []).append(i)
+    out = []
+    for idx in by_kind.values():
+        out.extend(_padded_batches(sorted(idx, key=lambda i: -shapes[i][0]), [shapes[i][0] for i in range(len(shapes))]))
+    return out
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
@@ -77,13 +97,13 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     return orthonormalize([p])[0]
 
 
-def _padded_batches(order: List[int], mats: Sequence[torch.Tensor]) -> List[List[int]]:
+def _padded_batches(order: List[int], rows: Sequence[int]) -> List[List[int]]:
     """``order`` (tallest first) cut into runs whose padded stack stays near their own size."""
     batches: List[List[int]] = []
     real = 0
     for i in order:
-        n = mats[i].shape[0]
-        if batches and (len(batches[-1]) + 1) * mats[batches[-1][0]].shape[0] <= _PAD_FACTOR * (real + n) + _PAD_SLACK:
+        n = rows[i]
+        if batches and (len(batches[-1]) + 1) * rows[batches[-1][0]] <= _PAD_FACTOR * (real + n) + _PAD_SLACK:
             batches[-1].append(i)
             real += n
         else:
@@ -97,17 +117,17 @@ def padded_stack(mats: Sequence[torch.Tensor]) -> torch.Tensor:
     few operations for them all)."""
     rows, r, device = tuple(m.shape[0] for m in mats), mats[0].shape[1], mats[0].device
     if len(mats) == 1:
-        return mats[0].to(torch.float32, copy=True).reshape(1, rows[0], r)
+        return mats[0].to(torch.float32, copy=True, memory_format=torch.contiguous_format).reshape(1, rows[0], r)
     stack = torch.zeros(len(mats), rows[0], r, dtype=torch.float32, device=device)
     flat = torch.cat([m.reshape(-1) for m in mats]).to(torch.float32)
     stack.view(-1).index_copy_(0, _slots(rows, r, device), flat)
     return stack
 
 
-_CACHE: Dict[Tuple[Any, ...], torch.Tensor] = {}
+_CACHE: Dict[Tuple[Any, ...], Any] = {}
 
 
-def _cached(key: Tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _cached(key: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
     """Index and filler tensors, made once per layout (the layouts of a model's factors repeat
     every step)."""
     got = _CACHE.get(key)
@@ -124,6 +144,23 @@ def _slots(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
         width = rows[0] * r
         return torch.cat([i * width + torch.arange(n * r) for i, n in enumerate(rows)]).to(device)
     return _cached(("slots", rows, r, device), make)
+
+
+def _packed_index(starts: Tuple[int, ...], rows: Tuple[int, ...], r: int, total: int, device: torch.device
+                  ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """For the transposed ``n_i × r`` matrices at ``starts`` of a packed buffer of ``total``
+    values, in stack order: the values to take from it (None: all of it, as it lies) and where
+    each goes in their ``k × n_0 × r`` stack."""
+    def make() -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        width = rows[0] * r
+        dst = torch.cat([  # value (c, j) of a transpose is value (j, c) of the matrix
+            (i * width + torch.arange(r)[:, None] + torch.arange(n)[None, :] * r).reshape(-1)
+            for i, n in enumerate(rows)
+        ])
+        src = torch.cat([a + torch.arange(n * r) for a, n in zip(starts, rows)])
+        whole = src.numel() == total and bool((src == torch.arange(total)).all())
+        return (None if whole else src.to(device)), dst.to(device)
+    return _cached(("packed", starts, rows, r, total, device), make)
 
 
 def _fillers(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
@@ -219,6 +256,7 @@ class PowerSGD(Codec):
     # NaN Q makes every value NaN
     stats_tensor = 0
     tensor_state = "q"
+    parts_format = True  # a fused group: one call, its factors packed (see the class docstring)
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),
         "warm_start": Option(True, lambda v: isinstance(v, bool), "True or False", "reuse last step's Q"),
@@ -232,6 +270,7 @@ class PowerSGD(Codec):
         self._q: Dict[str, torch.Tensor] = {}
         self._warm: Dict[Tuple[str, ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._cold: Dict[Tuple[str, int, int, str], torch.Tensor] = {}  # the shared random Qs
+        self._layouts: Dict[Tuple[Any, ...], _Layout] = {}
 
     def _matrix(self, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[Tuple[int, int, int]]:
         """(n, m, r) when compressing ``shape`` pays off, else None."""
@@ -244,6 +283,17 @@ class PowerSGD(Codec):
             return None
         return n, m, r
 
+    def _layout(self, meta: Meta) -> "_Layout":
+        """Where each tensor of the input goes in the payloads (made once per layout)."""
+        parts = meta.parts if meta.parts is not None else ((meta.name, meta.shape),)
+        key = (parts, meta.dtype)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            lay = self._layouts[key] = _Layout(parts, meta.dtype, self._matrix)
+        return lay
+
     def _cold_q(self, name: str, m: int, r: int, device: torch.device) -> torch.Tensor:
         """The first Q of tensor ``name``, the same on every rank: from a generator shared by
         all ranks, orthonormalised (made once; it is also the fallback after a non-finite step)."""
@@ -254,22 +304,34 @@ class PowerSGD(Codec):
             q = self._cold[key] = orthogonalize(torch.randn(m, r, generator=gen, device=device))
         return q
 
-    def _initial_q(self, meta: Meta, m: int, r: int) -> torch.Tensor:
-        """This step's Q, orthonormal: last step's (warm start) or the shared random one."""
-        q = self._q.get(meta.name)
+    def _initial_q(self, name: str, m: int, r: int, device: torch.device) -> torch.Tensor:
+        """This step's Q of tensor ``name``, orthonormal: last step's (warm start) or the shared random one."""
+        q = self._q.get(name)
         if self.warm_start and q is not None and q.shape == (m, r):
-            return q.to(meta.device)
-        return self._cold_q(meta.name, m, r, meta.device)
+            return q.to(device)
+        return self._cold_q(name, m, r, device)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        dims = self._matrix(tuple(meta.shape), meta.dtype)
-        if dims is None:
+        """Round 1: every matrix's ``P = M Q``, stored transposed (``r × n``) and packed into one
+        tensor; a short, wide product is what a CPU's BLAS does best, and a GPU's takes either.
+        Tensors sent as they are go with the last round (so this rank's own last payload holds
+        them, as error feedback needs); with no matrix to factorise the input goes as it is."""
+        lay = self._layout(meta)
+        if not lay.mats:
             meta.extra["round"] = 0
             return [x]
-        n, m, r = dims
-        mat = x.float().view(n, m).contiguous()  # BLAS rounds by layout: one layout on every rank
-        meta.extra.update(round=1, M=mat)
-        return [times(mat, self._initial_q(meta, m, r))]
+        xf = x.float().contiguous()  # (no copy of a contiguous fp32 input) BLAS rounds by layout: one on every rank
+        pt = torch.empty(lay.p_numel, dtype=torch.float32, device=x.device)
+        for mat in lay.mats:
+            torch.mm(self._initial_q(mat.name, mat.m, mat.r, x.device).T, mat.of(xf).T, out=mat.p(pt))
+        meta.extra.update(round=1, x=x, xf=xf, layout=lay)
+        return [pt]
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the first payload: ``P = M Q`` carries every NaN or ±inf of a factorised tensor
+        (``NaN · 0`` is NaN), a payload sent as it is is the input; the tensors sent as they
+        are beside factors go in the last round, whose sums the all-reduce checks."""
+        return None if not payload.tensors else ~all_finite(payload.tensors[0])
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         return self.next_round_many([payload], [reduced])[0]
@@ -278,34 +340,56 @@ class PowerSGD(Codec):
         self, payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
     ) -> List[Optional[Payload]]:
         """Round 1 (``P`` summed): ``P̂``, every matrix's ``P`` orthonormalised in one batch, and
-        ``Q = Mᵀ P̂`` to sum next. Round 2 (``Q`` summed): the warm starts of the next step."""
+        ``Q = Mᵀ P̂`` (transposed, packed) to sum next, with the tensors sent as they are.
+        Round 2 (``Q`` summed): the warm starts of the next step."""
         out: List[Optional[Payload]] = [None] * len(payloads)
         first = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 1]
-        for i, p_hat in zip(first, orthonormalize([reduced[i][0] for i in first])):
+        hats = self._p_hats([payloads[i].ctx.extra["layout"] for i in first], [reduced[i][0] for i in first])
+        for i, p_hat in zip(first, hats):
             meta = payloads[i].ctx
+            tensors = self._second_factors(meta, p_hat)
             meta.extra.update(round=2, P=p_hat)
-            out[i] = Payload([times(meta.extra["M"].T, p_hat)], meta)
+            del meta.extra["xf"], meta.extra["x"]  # the input is read no more
+            out[i] = Payload(tensors, meta)
         second = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 2 and out[i] is None]
         if second and self.warm_start:
-            self._keep_warm([payloads[i].ctx for i in second], [reduced[i][0] for i in second])
+            self._keep_warm([payloads[i].ctx.extra["layout"] for i in second], [reduced[i][0] for i in second])
         return out
 
-    def _keep_warm(self, metas: Sequence[Meta], qs: Sequence[torch.Tensor]) -> None:
+    def _p_hats(self, layouts: Sequence["_Layout"], sums: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+        """Each layout's ``P̂``s (``n × r``) from its summed, packed ``Pᵀ``: all in one batch."""
+        if not layouts:
+            return []
+        flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+        shapes = [(mat.n, mat.r) for lay in layouts for mat in lay.mats]
+        hats: List[Optional[torch.Tensor]] = [None] * len(shapes)
+        for batch, stack in orthonormal_packed(flat, shapes):
+            for i, q in zip(batch, stack):
+                hats[i] = q[: shapes[i][0]]
+        out, at = [], 0
+        for lay in layouts:
+            out.append(hats[at : at + len(lay.mats)])
+            at += len(lay.mats)
+        return out  # type: ignore[return-value]
+
+    def _keep_warm(self, layouts: Sequence["_Layout"], sums: Sequence[torch.Tensor]) -> None:
         """Next step's Qs: this step's summed ones, orthonormalised. A non-finite step (NaN/Inf on
         any rank: the sum is then non-finite everywhere, and its orthonormalised Q all NaN)
         keeps the Q before it, or every later step would be NaN too."""
-        for batch, stack in orthonormal_stacks(qs):
-            names = tuple(metas[i].name for i in batch)
+        flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+        mats = [mat for lay in layouts for mat in lay.mats]
+        for batch, stack in orthonormal_packed(flat, [(mat.m, mat.r) for mat in mats]):
+            names = tuple(mats[i].name for i in batch)
             kept = self._warm.get(names)
             if kept is not None and kept[0].shape == stack.shape and all(
-                self._q.get(name) is q and q.shape == qs[i].shape for name, q, i in zip(names, kept[1], batch)
+                self._q.get(mats[i].name) is q and q.shape == (mats[i].m, mats[i].r) for q, i in zip(kept[1], batch)
             ):
                 old = kept[0]  # the stack whose views are these tensors' Qs now, in their shapes
             else:  # each tensor's current Q (or its first one) where the stack is not that
-                old = padded_stack([self._initial_q(metas[i], *qs[i].shape) for i in batch])
+                old = padded_stack([self._initial_q(mats[i].name, mats[i].m, mats[i].r, flat.device) for i in batch])
             corner = stack[:, :1, :1]
             stack = torch.where(corner == corner, stack, old)  # NaN != NaN
-            views = [q[: qs[i].shape[0]] for i, q in zip(batch, stack)]
+            views = [q[: mats[i].m] for i, q in zip(batch, stack)]
             if len(self._warm) >= _KEPT_STACKS and names not in self._warm:
                 self._warm.clear()
             self._warm[names] = (stack, views)
@@ -323,22 +407,50 @@ class PowerSGD(Codec):
             self._q = dict(zip(names, orthonormalize([self._q[n] for n in names])))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        rnd = meta.extra["round"]
-        if rnd == 0:
+        if meta.extra["round"] == 0:
             return tensors[0]
-        if rnd == 1:  # a local round trip without a collective: finish the power step here
-            p_hat = orthogonalize(tensors[0])
-            return (p_hat @ times(meta.extra["M"].T, p_hat).T).reshape(-1)
-        return (meta.extra["P"] @ tensors[0].T).reshape(-1)
+        out = torch.empty(meta.numel, dtype=torch.float32, device=tensors[0].device)
+        return self._write(tensors, meta, out)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        # the product written straight into ``out``: no matrix-sized temporary and no copy
-        if (meta.extra["round"] == 2 and not accumulate and out.numel() == meta.numel and out.is_contiguous()
+        # the products written straight into ``out``: no matrix-sized temporary and no copy
+        if (meta.extra["round"] != 0 and not accumulate and out.numel() == meta.numel and out.is_contiguous()
                 and out.dtype == torch.float32):
-            n, m = meta.extra["M"].shape
-            torch.mm(meta.extra["P"], tensors[0].T, out=out.view(n, m))
+            self._write(tensors, meta, out.view(-1))
             return out
         return super()._decode_into(tensors, meta, out, accumulate)
+
+    def _second_factors(self, meta: Meta, hats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The second round's payload: each matrix's ``Qᵀ = P̂ᵀ M`` packed, and the tensors sent as
+        they are; for an fp32 input in one tensor (one all-reduce), else in their own dtype
+        beside it."""
+        lay, xf, x = meta.extra["layout"], meta.extra["xf"], meta.extra["x"]
+        one = x.dtype == torch.float32
+        qt = torch.empty(lay.q_numel + (lay.raw_numel if one else 0), dtype=torch.float32, device=xf.device)
+        for mat, h in zip(lay.mats, hats):
+            torch.mm(h.T, mat.of(xf), out=mat.q(qt))
+        if not lay.raws:
+            return [qt]
+        if one:
+            lay.gather_raw(x, qt[lay.q_numel :])
+            return [qt]
+        return [qt, lay.gather_raw(x)]
+
+    def _write(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor) -> torch.Tensor:
+        """Decode a payload of round 1 or 2 into the flat fp32 ``out``:
+        ``P̂ Qᵀ`` a matrix, one product each, and the tensors sent as they are."""
+        lay = meta.extra["layout"]
+        if meta.extra["round"] == 1:  # a local round trip without a collective: finish the power step here
+            (hats,) = self._p_hats([lay], tensors[:1])
+            tensors = self._second_factors(meta, hats)
+        else:
+            hats = meta.extra["P"]
+        qt = tensors[0]
+        for mat, h in zip(lay.mats, hats):
+            torch.mm(h, mat.q(qt), out=mat.of(out))
+        if lay.raws:
+            lay.write_raw(qt[lay.q_numel :] if len(tensors) == 1 else tensors[1], out)
+        return out
 
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
         """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D)."""
@@ -350,3 +462,65 @@ class PowerSGD(Codec):
         n, m, r = dims
         return (n + m) * r * 4
 
+
+
+class _Matrix:
+    """One factorised tensor of a PowerSGD input: ``n × m`` at ``at`` in the input, rank ``r``,
+    its ``Pᵀ`` at ``p_at`` and ``Qᵀ`` at ``q_at`` of the packed factors."""
+
+    __slots__ = ("name", "at", "n", "m", "r", "p_at", "q_at")
+
+    def __init__(self, name: str, at: int, n: int, m: int, r: int, p_at: int, q_at: int) -> None:
+        self.name, self.at, self.n, self.m, self.r, self.p_at, self.q_at = name, at, n, m, r, p_at, q_at
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """The matrix in a flat buffer as long as the input."""
+        return flat[self.at : self.at + self.n * self.m].view(self.n, self.m)
+
+    def p(self, pt: torch.Tensor) -> torch.Tensor:
+        """Its ``Pᵀ`` (``r × n``) in the packed first factors."""
+        return pt[self.p_at : self.p_at + self.r * self.n].view(self.r, self.n)
+
+    def q(self, qt: torch.Tensor) -> torch.Tensor:
+        """Its ``Qᵀ`` (``r × m``) in the packed second factors."""
+        return qt[self.q_at : self.q_at + self.r * self.m].view(self.r, self.m)
+
+
+class _Layout:
+    """Where each tensor of a PowerSGD input goes: the matrices it factorises (``mats``) and
+    the spans it sends as they are (``raws``: ``(start, length)``, neighbours merged), made
+    once per input layout (``parts`` and dtype)."""
+
+    def __init__(self, parts: Sequence[Tuple[str, torch.Size]], dtype: torch.dtype,
+                 matrix: Callable[[Tuple[int, ...], torch.dtype], Optional[Tuple[int, int, int]]]) -> None:
+        self.mats: List[_Matrix] = []
+        self.raws: List[Tuple[int, int]] = []
+        at = p_at = q_at = 0
+        for name, shape in parts:
+            numel = shape.numel()
+            dims = matrix(tuple(shape), dtype)
+            if dims is None:
+                if numel and self.raws and sum(self.raws[-1]) == at:
+                    self.raws[-1] = (self.raws[-1][0], self.raws[-1][1] + numel)
+                elif numel:
+                    self.raws.append((at, numel))
+            else:
+                n, m, r = dims
+                self.mats.append(_Matrix(name, at, n, m, r, p_at, q_at))
+                p_at += r * n
+                q_at += r * m
+            at += numel
+        self.p_numel, self.q_numel = p_at, q_at
+        self.raw_numel = sum(n for _, n in self.raws)
+
+    def gather_raw(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The spans sent as they are, gathered from the flat input ``x`` (into ``out``, of
+        :attr:`raw_numel` values, or a new tensor of ``x``'s dtype): one operation."""
+        return torch.cat([x[a : a + n] for a, n in self.raws], out=out)
+
+    def write_raw(self, raw: torch.Tensor, out: torch.Tensor) -> None:
+        """The spans sent as they are, from their gathered (summed) ``raw``, into the flat ``out``."""
+        at = 0
+        for a, n in self.raws:
+            out[a : a + n].copy_(raw[at : at + n])
+            at += n

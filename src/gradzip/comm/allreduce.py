@@ -24,13 +24,14 @@ class AllReduce(Collective):
 
     name = "allreduce"
     releases_input = True
+    carries_parts = True
 
     def supports(self, codec: Codec) -> bool:
         return codec.summable and super().supports(codec)
 
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
-        payload = call.encode(_scaled(call))
+        payload = call.encode(_scaled(call), parts=call.parts)
         # read after encoding (it covers the input); summed only where there is more than one rank
         flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None
         wire = 0

@@ -284,6 +284,9 @@ class Call:
     # decoded (a hierarchical one: see gradzip.comm.hierarchy): writes what this rank's input
     # lost, in the input's units, into a zeroed flat buffer as long as the input
     loss_into: Optional[Callable[[torch.Tensor], None]] = None
+    # the input is a fused buffer of these tensors, ``(name, shape)`` each (see
+    # :attr:`Codec.parts_format`): only a collective that ``carries_parts`` gets it
+    parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
 
     @property
     def flat(self) -> torch.Tensor:
@@ -297,16 +300,18 @@ class Call:
         return self.found
 
     def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None,
-               flag: bool = True, out: Optional[Sequence[torch.Tensor]] = None) -> Payload:
+               flag: bool = True, out: Optional[Sequence[torch.Tensor]] = None,
+               parts: Optional[Sequence[Tuple[str, torch.Size]]] = None) -> Payload:
         """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
         the call's step, timed as encoding; :attr:`flag` then covers ``x`` too, read from the
         payload's statistics where the codec can (:meth:`Codec.nonfinite`), else from ``x``.
         An exchange puts the flag on the wire after encoding what the message carries.
         ``flag=False``: ``x`` is not this rank's input (an aggregate of received payloads, whose
         own flags the exchange carries on), so it is not looked at. ``out``: where the payload's
-        tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance."""
+        tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance.
+        ``parts``: ``x`` is the whole input, a fused buffer of these tensors (:attr:`parts`)."""
         codec = codec or self.codec
-        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out)
+        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out, parts)
         if flag:
             self._cover(codec, payload, x)
         return payload
@@ -325,7 +330,7 @@ class Call:
         codec = calls[0].codec
 
         def encode_all() -> List[Payload]:
-            return [codec.encode(x, call.name, call.step) for call, x in zip(calls, xs)]
+            return [codec.encode(x, call.name, call.step, parts=call.parts) for call, x in zip(calls, xs)]
 
         payloads = shared_section([c.timer for c in calls], "encode", encode_all)
         if flag:
@@ -484,9 +489,14 @@ class Collective(Configurable):
     # in place with error feedback; the frame calls it for exchanges that return a fresh average)
     releases_input = False
 
+    # whether exchange() hands a fused input's parts to the codec (Call.parts): a collective
+    # that encodes the whole input in one piece; one that cuts it into chunks does not
+    carries_parts = False
+
     def stages(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1, on_release: Optional[Callable[[Call, torch.Tensor], None]] = None,
+        parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None,
     ) -> Stages:
         """:meth:`run` cut into stages: a generator that yields each time it has issued
         asynchronous collectives and would next wait for them, and returns the :class:`Result`.
@@ -494,8 +504,13 @@ class Collective(Configurable):
         A pipeline (:class:`~gradzip.sync.pipeline.Pipeline`) advances the stages of several calls in
         turn, so one call's payloads are on the wire while another is encoded or decoded. The
         stages are those of :meth:`exchange`, framed by the steps every collective shares.
+        ``parts``: ``x`` is a fused buffer of these tensors, for a codec whose format is per
+        tensor (:attr:`Codec.parts_format`; only where :attr:`carries_parts`).
         """
+        if parts is not None and not self.carries_parts:
+            raise ValueError(f"collective {self.name!r} encodes its input in pieces: it cannot carry parts")
         (call,) = self._calls(codec, [x], [name], step, need_own, [out], align, on_release)
+        call.parts = parts
         try:
             got = yield from staged(self.exchange(call))
             return self._result(call, got)

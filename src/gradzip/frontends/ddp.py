@@ -185,7 +185,7 @@ class GradzipState:
         level: Optional[Callable[[str], Any]] = None,
     ) -> FusionPlan:
         """:meth:`FusionPlan.build` with this state's codec block and group size."""
-        block = self.comm.codec.fusion_block() if self.comm.fusion else 0
+        block = self.comm.codec.fused_alignment() if self.comm.fusion else 0
         return FusionPlan.build(params, compress, block, int(self.group_mb() * 2**20), level=level)
 
     def group_mb(self) -> float:

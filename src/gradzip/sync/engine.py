@@ -374,7 +374,7 @@ class Communicator:
         out.update({f"memory.{k}": v for k, v in self.memory.config().items()})
         out["collective"] = self.collective_name
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
-        if self.codec.fusion_block() > 0:
+        if self.codec.fused_alignment() > 0:
             out["fusion"] = self.fusion
         if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
             out["hierarchy"] = self._hierarchy
@@ -751,7 +751,7 @@ class Communicator:
             owners.append(plain)
         alone = []  # gradients that cannot share an encoding
         for group in groups:
-            if self._fusable([tensors[i] for i in group]):
+            if self._fusable([tensors[i] for i in group], [names[i] for i in group]):
                 parts.append(self._reduce_fused([tensors[i] for i in group], [names[i] for i in group], inplace, step))
                 owners.append(list(group))
             else:
@@ -794,14 +794,21 @@ class Communicator:
             return list(tensors)
         return [part.to(t.dtype) for part, t in zip(out, tensors)]
 
-    def _fusable(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`)."""
-        if not self.fusion or not tensors or self.codec.fusion_block() <= 0:
+    def _fusable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
+        """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`):
+        a codec with independent blocks, or one that encodes a buffer by its parts
+        (:attr:`Codec.parts_format`, PowerSGD) where the collective hands them over."""
+        align = self.codec.fused_alignment()
+        if not self.fusion or not tensors or align <= 0:
             return False
+        if self.codec.parts_format and (len(tensors) < 2 or not all(
+            self.codec_for(n) is self.codec and self.collective_for(n).carries_parts for n in names
+        )):
+            return False  # (one alone joins the others of its job in one batch: :meth:`_reduce_batched`)
         first = tensors[0]
         if len(tensors) == 1 and not (
             self.memory.stateful and self._residual_settles(self.memory, torch.float32)
-            and first.numel() % self.codec.fusion_block() == 0
+            and first.numel() % align == 0
         ):
             return False  # alone, without error feedback or not a whole number of blocks: exchanged where it lies
         return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
@@ -821,7 +828,7 @@ class Communicator:
         """
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
-        block = codec.fusion_block()
+        block = codec.fused_alignment()
         layout = self._fused_layout(tensors, names, block, step)
         order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
@@ -862,6 +869,7 @@ class Communicator:
                 out = pool.lend((total,), flat.device, lent)
             res = yield from staged(coll.stages(
                 codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
+                parts=layout.parts if codec.parts_format else None,
             ))
             if mem.stateful and settle is None:  # one flag covers the group
                 own = layout.views(res.own, "own", keep=False)

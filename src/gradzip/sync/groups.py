@@ -104,6 +104,8 @@ class FusedLayout:
         self.total = total
         self.key = key
         self.used = -1  # the last step that exchanged the group (the engine drops layouts left unused)
+        # ``(name, shape)`` of each gradient in order, for a codec that encodes the buffer by its parts
+        self.parts = tuple(zip(self.names, self.shapes))
         self._views: Dict[str, Tuple[Tuple[Any, ...], List[torch.Tensor]]] = {}
         self._members: Dict[int, Tuple[Tuple[str, int], ...]] = {}
 
