@@ -89,7 +89,7 @@ def test_every_codec_keeps_replicas_bit_identical_over_20_steps():
             assert rec["moved"], f"{name}: training did not change the parameters"
             assert rec["loss"] == rec["loss"], f"{name}: loss is NaN"
             assert rec["compressed"] == 3, f"{name}: expected the three weight matrices compressed"
-            if gradzip.codec(name).fused_alignment() > 0:  # PowerSGD's too: one call for the three, across buckets
+            if name == "powersgd":  # one call for the three matrices, across buckets
                 assert rec["groups"] == 1, f"{name}: {rec['groups']} groups"
             if name != "none":
                 assert rec["ratio"] > 1.2, f"{name}: ratio {rec['ratio']} shows no compression"

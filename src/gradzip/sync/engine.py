@@ -801,8 +801,9 @@ class Communicator:
         align = self.codec.fused_alignment()
         if not self.fusion or not tensors or align <= 0:
             return False
-        if self.codec.parts_format and (len(tensors) < 2 or not all(
-            self.codec_for(n) is self.codec and self.collective_for(n).carries_parts for n in names
+        codec = self.codec_for(names[0])  # (a group holds one level: the plan's)
+        if codec.parts_format and (len(tensors) < 2 or not all(
+            self.codec_for(n) is codec and self.collective_for(n).carries_parts for n in names
         )):
             return False  # (one alone joins the others of its job in one batch: :meth:`_reduce_batched`)
         first = tensors[0]
