@@ -14,6 +14,15 @@ Times the host work instead: ResNet-50's parameter shapes with their channels di
 same matrices and repetitions, products too small to matter), cut into DDP's 25 MiB buckets by
 their real sizes, each bucket one job of the engine as the DDP hook runs it; the best of five
 rounds of 30 backward passes, in milliseconds a pass.
+
+    python scripts/powersgd_ops.py --against-torch [--repeat N]
+
+What each PowerSGD hook adds to a DDP step where the step itself is small, so the hooks' host
+work shows: ResNet-50 with its channels divided by 8 (``width=8``: its 161 parameters, 54
+matrices), two 32×32 images, one rank over gloo, one thread, every gradient in one DDP bucket
+(PyTorch's hook hangs on gloo with several); fp32 DDP, PyTorch's ``powerSGD_hook`` and
+gradzip's ``powersgd`` (both rank 2 with error feedback, as ``gradzip bench`` runs them) timed
+in turns, the median of 40 turns of two steps each, ``N`` times (default 1).
 """
 import collections
 import os
@@ -113,6 +122,55 @@ def host_time(rank: int, passes: int = 30) -> None:
     dist.destroy_process_group()
 
 
+def against_torch(repeat: int, turns: int = 40) -> None:
+    import statistics
+
+    from gradzip.bench.methods import attach
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29565")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 100, (2,))
+    steps = {}
+    for label in ("fp32", "torch-powersgd", "powersgd"):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(resnet50(num_classes=100, width=8), bucket_cap_mb=1000)
+        attach(ddp, label)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+        def step(ddp=ddp, opt=opt) -> None:
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+        steps[label] = step
+    for step in steps.values():  # past the warm-ups (PyTorch's hook starts at iteration 2)
+        for _ in range(10):
+            step()
+    for _ in range(repeat):
+        times = {label: [] for label in steps}
+        for _ in range(turns):
+            for label, step in steps.items():
+                start = time.perf_counter()
+                step()
+                step()
+                times[label].append((time.perf_counter() - start) / 2)
+        base = statistics.median(times["fp32"])
+        print("  ".join(f"{label} {statistics.median(t) * 1e3:.2f} ms (+{(statistics.median(t) - base) * 1e3:.2f})"
+                        for label, t in times.items()))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--host-time"]
-    (host_time if "--host-time" in sys.argv else main)(int(args[0]) if args else 2)
+    flags = {"--host-time", "--against-torch"}
+    argv = sys.argv[1:]
+    repeat = int(argv[argv.index("--repeat") + 1]) if "--repeat" in argv else 1
+    if "--repeat" in argv:
+        del argv[argv.index("--repeat") : argv.index("--repeat") + 2]
+    args = [a for a in argv if a not in flags]
+    rank = int(args[0]) if args else 2
+    if "--against-torch" in argv:
+        against_torch(repeat)
+    else:
+        (host_time if "--host-time" in argv else main)(rank)

@@ -198,6 +198,8 @@ def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:
         pair = torch.cat([a[:, :, j : j + 1], fill[:, :, j : j + 1]], dim=2)  # the column and its filler
         before = torch.linalg.vector_norm(pair[:, :, :1], dim=1, keepdim=True)
         done = a[:, :, :j]
+        if a.device.type == "cpu":  # a CPU's bmm copies a strided operand matrix by matrix: one copy here
+            done = done.contiguous()
         for _ in range(2):
             pair = torch.baddbmm(pair, done, done.transpose(1, 2) @ pair, alpha=-1)
         after = torch.linalg.vector_norm(pair, dim=1, keepdim=True)  # the column's and the filler's
