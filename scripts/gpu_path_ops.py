@@ -7,8 +7,8 @@ comm thread, which is what the 4-bit hook's overhead is made of (docs/gpu.md).
     python scripts/gpu_path_ops.py maxmin:bits=4                 (no error feedback)
     python scripts/gpu_path_ops.py maxmin:bits=4:memory=residual
 
-Prints the operations per step and per group (views excluded; groups counted by max-min's
-encode launches, two a group in the SRA) and where they are issued.
+Prints the operations per step and per group of the plan (views excluded) and where they are
+issued.
 """
 import collections
 import os
@@ -99,7 +99,7 @@ def main(spec: str) -> None:
     ddp(x).square().mean().backward()
     state.comm.flush()
     counting[0] = False
-    groups = launches["_maxmin_encode_kernel"] // 2 or 1  # two encodes a group (the SRA's two rounds)
+    groups = len(state.fusion_plan.groups)  # every group is exchanged once a step
     total = sum(ops.values())
     print(f"{spec}: {total} torch operations a step, {total / groups:.1f} a group ({groups} groups); "
           f"Triton launches {dict(launches)}")
