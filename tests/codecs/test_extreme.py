@@ -509,3 +509,28 @@ def test_dense_forms_keep_tensor_count_and_dtypes(name, opts, dense_x, sparse_x)
         assert torch.equal(y, dense_x)
     out = c.aggregate([pd, Payload(ps.tensors, pd.ctx)])
     assert out.shape == (64,) and torch.isfinite(out).all()
+
+
+def test_powersgd_layouts_follow_the_rank_and_batches_of_fused_buffers_keep_each_q():
+    """A layout is made again when ``rank`` changes; two fused buffers orthonormalised in one
+    batch (``next_round_many``) keep the Qs each would keep alone (an fp32 buffer's raw values
+    follow its Qᵀ in the same tensor and are not read as Qs)."""
+    c = gradzip.codec("powersgd", rank=2)
+    x = _randn((64, 32), seed=1)
+    assert c.encode(x, name="w").tensors[0].numel() == 2 * 64
+    c.set_options({"rank": 4})
+    assert c.encode(x, name="w").tensors[0].numel() == 4 * 64
+    parts_a, parts_b = [("a.w", (40, 30)), ("a.b", (40,))], [("b.w", (24, 16)), ("b.b", (24,))]
+    xa = torch.cat([_randn(s, seed=2 + i).reshape(-1) for i, (_, s) in enumerate(parts_a)])
+    xb = torch.cat([_randn(s, seed=5 + i).reshape(-1) for i, (_, s) in enumerate(parts_b)])
+    many, alone = gradzip.codec("powersgd", rank=2), gradzip.codec("powersgd", rank=2)
+    payloads = [many.encode(xa, name="A", parts=parts_a), many.encode(xb, name="B", parts=parts_b)]
+    reduced = [[t.clone() for t in p.tensors] for p in payloads]
+    nexts = many.next_round_many(payloads, reduced)
+    while all(n is not None for n in nexts):
+        payloads, reduced = nexts, [[t.clone() for t in n.tensors] for n in nexts]
+        nexts = many.next_round_many(payloads, reduced)
+    _power_parts(alone, xa, parts_a, "A")
+    _power_parts(alone, xb, parts_b, "B")
+    for name in ("a.w", "b.w"):
+        torch.testing.assert_close(many._q[name], alone._q[name], rtol=1e-5, atol=1e-6)

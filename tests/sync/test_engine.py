@@ -284,6 +284,25 @@ def test_a_group_of_powersgd_gradients_is_one_call_with_the_values_of_each_alone
             assert torch.equal(x.nan_to_num(1.5), y.nan_to_num(1.5))
 
 
+def _empty_group(rank: int, world: int) -> dict:
+    comm = gradzip.Communicator("powersgd", rank=2)
+    out = comm.reduce_many_now([torch.zeros(0, 5), torch.zeros(0)], ["e1", "e2"], [True, True])
+    shapes = [tuple(t.shape) for t in out]
+    settings = (comm.settings(), gradzip.Communicator("powersgd", fusion=False).settings())
+    comm.close()
+    return {"shapes": shapes, "settings": settings}
+
+
+def test_a_powersgd_group_of_empty_gradients_comes_back_empty_and_fusion_is_a_setting_only_when_off():
+    """Nothing to encode: the empty gradients are exchanged one by one. PowerSGD's settings
+    name ``fusion`` only where it is off, so state saved before its groups were fused still
+    loads, while ranks that differ on it are told."""
+    for res in run_workers(_empty_group, 2):
+        assert res["shapes"] == [(0, 5), (0,)]
+        fused, unfused = res["settings"]
+        assert "fusion" not in fused and unfused["fusion"] is False
+
+
 def _batch_shapes():
     return [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64)]
 

@@ -298,7 +298,7 @@ class PowerSGD(Codec):
     def _layout(self, meta: Meta) -> "_Layout":
         """Where each tensor of the input goes in the payloads (made once per layout)."""
         parts = meta.parts if meta.parts is not None else ((meta.name, meta.shape),)
-        key = (parts, meta.dtype)
+        key = (parts, meta.dtype, self.rank)
         lay = self._layouts.get(key)
         if lay is None:
             if len(self._layouts) > 256:
@@ -355,7 +355,7 @@ class PowerSGD(Codec):
         ``Q = Mᵀ P̂`` (transposed, packed) to sum next, with the tensors sent as they are.
         Round 2 (``Q`` summed): the warm starts of the next step."""
         out: List[Optional[Payload]] = [None] * len(payloads)
-        first = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 1]
+        first = [i for i, p in enumerate(payloads) if p.ctx.extra.get("round") == 1]  # (an empty input has none)
         hats = self._p_hats([payloads[i].ctx.extra["layout"] for i in first], [reduced[i][0] for i in first])
         for i, p_hat in zip(first, hats):
             meta = payloads[i].ctx
@@ -363,7 +363,7 @@ class PowerSGD(Codec):
             meta.extra.update(round=2, P=p_hat)
             del meta.extra["xf"], meta.extra["x"]  # the input is read no more
             out[i] = Payload(tensors, meta)
-        second = [i for i, p in enumerate(payloads) if p.ctx.extra["round"] == 2 and out[i] is None]
+        second = [i for i, p in enumerate(payloads) if p.ctx.extra.get("round") == 2 and out[i] is None]
         if second and self.warm_start:
             self._keep_warm([payloads[i].ctx.extra["layout"] for i in second], [reduced[i][0] for i in second])
         return out
@@ -372,7 +372,7 @@ class PowerSGD(Codec):
         """Each layout's ``P̂``s (``n × r``) from its summed, packed ``Pᵀ``: all in one batch."""
         if not layouts:
             return []
-        flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+        flat = sums[0] if len(sums) == 1 else torch.cat([s[: lay.p_numel] for s, lay in zip(sums, layouts)])
         shapes = [(mat.n, mat.r) for lay in layouts for mat in lay.mats]
         hats: List[Optional[torch.Tensor]] = [None] * len(shapes)
         for batch, stack in orthonormal_packed(flat, shapes):
@@ -388,7 +388,8 @@ class PowerSGD(Codec):
         """Next step's Qs: this step's summed ones, orthonormalised. A non-finite step (NaN/Inf on
         any rank: the sum is then non-finite everywhere, and its orthonormalised Q all NaN)
         keeps the Q before it, or every later step would be NaN too."""
-        flat = sums[0] if len(sums) == 1 else torch.cat(sums)
+        # (each sum's Qᵀ alone: an fp32 input's raw values follow them in the same tensor)
+        flat = sums[0] if len(sums) == 1 else torch.cat([s[: lay.q_numel] for s, lay in zip(sums, layouts)])
         mats = [mat for lay in layouts for mat in lay.mats]
         for batch, stack in orthonormal_packed(flat, [(mat.m, mat.r) for mat in mats]):
             names = tuple(mats[i].name for i in batch)

@@ -374,7 +374,9 @@ class Communicator:
         out.update({f"memory.{k}": v for k, v in self.memory.config().items()})
         out["collective"] = self.collective_name
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
-        if self.codec.fused_alignment() > 0:
+        if self.codec.fusion_block() > 0 or (self.codec.parts_format and not self.fusion):
+            # (a codec fused by its parts records only the non-default: checkpoints saved before
+            # it was fused still load)
             out["fusion"] = self.fusion
         if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
             out["hierarchy"] = self._hierarchy
@@ -802,7 +804,7 @@ class Communicator:
         if not self.fusion or not tensors or align <= 0:
             return False
         codec = self.codec_for(names[0])  # (a group holds one level: the plan's)
-        if codec.parts_format and (len(tensors) < 2 or not all(
+        if codec.parts_format and (len(tensors) < 2 or not any(t.numel() for t in tensors) or not all(
             self.codec_for(n) is codec and self.collective_for(n).carries_parts for n in names
         )):
             return False  # (one alone joins the others of its job in one batch: :meth:`_reduce_batched`)
