@@ -38,10 +38,16 @@ def orthonormalize(mats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     given input (every rank orthonormalises the same all-reduced factors); a matrix with NaN or
     ±inf comes back all NaN, so a non-finite step stays visible.
     """
-    out: List[Optional[torch.Tensor]] = [None] * len(mats)
-    for batch, stack in orthonormal_stacks(mats):
+    return _unstacked(orthonormal_stacks(mats), [m.shape[0] for m in mats])
+
+
+def _unstacked(stacks: Sequence[Tuple[List[int], torch.Tensor]], rows: Sequence[int]) -> List[torch.Tensor]:
+    """The matrices of ``(indices, stack)`` pairs back in their order, each a view of its
+    ``rows[i]`` rows of its stack."""
+    out: List[Optional[torch.Tensor]] = [None] * len(rows)
+    for batch, stack in stacks:
         for i, q in zip(batch, stack):
-            out[i] = q[: mats[i].shape[0]]
+            out[i] = q[: rows[i]]
     return out  # type: ignore[return-value]
 
 
@@ -86,9 +92,10 @@ def _stack_batches(shapes: Sequence[Sequence[int]], devices: Sequence[torch.devi
     by_kind: Dict[Tuple[int, torch.device], List[int]] = {}
     for i, (shape, device) in enumerate(zip(shapes, devices)):
         by_kind.setdefault((shape[1], device), []).append(i)
+    rows = [shape[0] for shape in shapes]
     out = []
     for idx in by_kind.values():
-        out.extend(_padded_batches(sorted(idx, key=lambda i: -shapes[i][0]), [shapes[i][0] for i in range(len(shapes))]))
+        out.extend(_padded_batches(sorted(idx, key=lambda i: -rows[i]), rows))
     return out
 
 
@@ -374,15 +381,12 @@ class PowerSGD(Codec):
             return []
         flat = sums[0] if len(sums) == 1 else torch.cat([s[: lay.p_numel] for s, lay in zip(sums, layouts)])
         shapes = [(mat.n, mat.r) for lay in layouts for mat in lay.mats]
-        hats: List[Optional[torch.Tensor]] = [None] * len(shapes)
-        for batch, stack in orthonormal_packed(flat, shapes):
-            for i, q in zip(batch, stack):
-                hats[i] = q[: shapes[i][0]]
+        hats = _unstacked(orthonormal_packed(flat, shapes), [n for n, _ in shapes])
         out, at = [], 0
         for lay in layouts:
             out.append(hats[at : at + len(lay.mats)])
             at += len(lay.mats)
-        return out  # type: ignore[return-value]
+        return out
 
     def _keep_warm(self, layouts: Sequence["_Layout"], sums: Sequence[torch.Tensor]) -> None:
         """Next step's Qs: this step's summed ones, orthonormalised. A non-finite step (NaN/Inf on
