@@ -123,6 +123,81 @@ def test_hook_with_no_compression_matches_plain_ddp():
             assert err < 1e-6, f"{flags}: max gradient difference {err}"
 
 
+class Tower(nn.Module):
+    """Six 64×64 layers: with DDP's buckets of about one layer and groups of three weights,
+    most buckets complete no group; one layer in fp16 makes its bucket leave the in-place path."""
+
+    def __init__(self, half: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        if half:
+            self.layers[3].half()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype))).float()
+        return x
+
+
+def _held_plain(rank: int, world: int) -> dict:
+    """The biases of buckets that complete no group ride in a later job's plain sum: fewer jobs,
+    their averages those of DDP's own all-reduce, replicas identical; held or not, the weights'
+    averages do not change. In place, the fp16 bucket's group (its other members averaged in
+    their own buckets) is exchanged as backward ends: its bucket once waited for it forever."""
+    out = {}
+    for case, half, opts in (
+        ("held", False, {}), ("not held", False, {}), ("in place", True, {"in_place": True, "memory": "residual"}),
+    ):
+        grads, jobs = [], []
+        for hook in (False, True):
+            torch.manual_seed(0)
+            model = Tower(half)
+            ddp = DDP(model, bucket_cap_mb=0.015)
+            state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.05, **opts) if hook else None
+            if state is not None:
+                if case == "not held":
+                    state.collector.hold_bytes = 0
+                submit = state.comm.submit_batch
+
+                def counted(batch, step, device, what="", flush=True, submit=submit):
+                    jobs.append(what)
+                    return submit(batch, step, device, what=what, flush=flush)
+
+                state.comm.submit_batch = counted
+            per_step = []
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            for x, _ in _batches(rank, 4):
+                opt.zero_grad()
+                before = len(jobs)  # (the last step's are counted: DDP rebuilds its buckets after the first)
+                ddp(x[:, :64].repeat(1, 2)[:, :64]).square().mean().backward()
+                per_step.append([p.grad.float().clone() for p in model.parameters()])
+                opt.step()
+            grads.append(per_step)
+            if state is not None:
+                out[case] = {
+                    "jobs": len(jobs) - before, "groups": len(state.fusion_plan.groups),
+                    "held jobs": sum("held gradients" in w for w in jobs), "identical": _identical(model, world),
+                    "nothing left": state.collector.take_held(state.step - 1) == ([], [], []),
+                }
+                state.close()
+        names = [n for n, _ in Tower().named_parameters()]
+        step0 = zip(names, grads[0][0], grads[1][0])  # the first step: the same parameters on both
+        out[case]["biases equal DDP's"] = all(torch.equal(a, b) for n, a, b in step0 if n.endswith("bias"))
+        out[case]["weights"] = [b for n, b in zip(names, grads[1][0]) if n.endswith("weight")]
+    return out
+
+
+def test_plain_gradients_of_buckets_that_complete_no_group_ride_in_a_later_job():
+    for res in run_workers(_held_plain, 2):
+        held, alone, in_place = res["held"], res["not held"], res["in place"]
+        assert held["groups"] == alone["groups"] == 2
+        assert alone["jobs"] >= 6 and held["jobs"] <= held["groups"] + 1 < alone["jobs"], (held, alone)
+        assert all(torch.equal(a, b) for a, b in zip(held["weights"], alone["weights"]))
+        assert in_place["held jobs"] > 0  # the fp16 bucket held its bias; the next one released it
+        for rec in (held, alone, in_place):
+            assert rec["identical"] and rec["biases equal DDP's"] and rec["nothing left"]
+
+
 def _features(rank: int, world: int) -> dict:
     out = {}
     cases = {

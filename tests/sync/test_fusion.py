@@ -10,7 +10,7 @@ import torch.distributed as dist
 import gradzip
 from gradzip.comm.ps import partition_bounds
 from gradzip.comm.sra import _chunks, chunk_length
-from gradzip.sync.groups import FusionPlan, padding
+from gradzip.sync.groups import FusionPlan, GroupCollector, padding
 
 from ..dist_utils import run_workers
 
@@ -165,6 +165,28 @@ def test_plan_without_a_block_or_filtered_parameters():
     frozen = params[1][1].requires_grad_(False)
     assert FusionPlan.build(params, lambda p: p is not params[2][1], 1, 1 << 30).groups == [["p0"]]
     frozen.requires_grad_(True)
+
+
+def test_collector_holds_plain_gradients_up_to_its_bound_and_for_one_step_only():
+    plan = FusionPlan([["w1", "w0"]])
+    vec = [torch.zeros(16), torch.zeros(8)]  # 64 + 32 bytes
+    collector = GroupCollector(plan, hold_bytes=128)
+    first = collector.hold(["b1", "g1"], vec, step=3)
+    assert first is not None and not first.done()
+    assert collector.hold(["b0"], [torch.zeros(9)], step=3) is None  # 96 + 36 > 128: sum them now
+    second = collector.hold(["b0"], [torch.zeros(8)], step=3)  # 96 + 32 = 128 fits
+    assert second is not None
+    names, grads, futures = collector.take_held(3)
+    assert names == ["b1", "g1", "b0"] and [g.numel() for g in grads] == [16, 8, 8]
+    assert futures == [first, second]
+    assert collector.take_held(3) == ([], [], [])  # taken: forgotten
+    # a backward pass that did not end leaves gradients of its own step: never summed in another
+    collector.hold(["b1"], [torch.zeros(4)], step=4)
+    assert collector.take_held(5) == ([], [], [])
+    collector.hold(["b1"], [torch.zeros(4)], step=6)
+    later = collector.hold(["b0"], [torch.zeros(4)], step=7)
+    assert later is not None and collector.take_held(7)[0] == ["b0"]
+    assert GroupCollector(plan).hold(["b"], [torch.zeros(1)], step=0) is None  # bound 0: never held
 
 
 def _group_sizes(rank: int, world: int) -> Dict[str, float]:

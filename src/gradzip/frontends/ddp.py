@@ -33,6 +33,9 @@ from ..sync.groups import FusionPlan, GroupCollector
 # group costs host time and the wire is fast, groups are larger still
 ACCELERATOR_FUSION_MB = 32.0
 NCCL_NODE_FUSION_MB = 128.0
+# the most plain gradients a step holds for a later job (GroupCollector.hold), as a share of a
+# group's bytes: bias and norm vectors, far below it in the models measured
+HELD_PLAIN_SHARE = 1 / 8
 
 logger = logging.getLogger("gradzip")
 
@@ -164,7 +167,7 @@ class GradzipState:
             self.regroup()  # the levels chosen so far, one a group
         else:
             self.fusion_plan = FusionPlan([d.members for d in decisions if d.compress])
-            self.collector = GroupCollector(self.fusion_plan)
+            self.collector = self._collector()
         if self.drift is not None:
             self.drift.reset()
 
@@ -178,7 +181,12 @@ class GradzipState:
             self._compressed, lambda p: True,
             level=lambda name: (levels.level(name) if levels is not None else None, routes.get(name)),
         )
-        self.collector = GroupCollector(self.fusion_plan)
+        self.collector = self._collector()
+
+    def _collector(self) -> GroupCollector:
+        """A collector for the current plan, holding plain gradients of buckets that complete no
+        group up to :data:`HELD_PLAIN_SHARE` of a group's size."""
+        return GroupCollector(self.fusion_plan, hold_bytes=int(self.group_mb() * 2**20 * HELD_PLAIN_SHARE))
 
     def build_plan(
         self, params: Sequence[Tuple[str, torch.Tensor]], compress: Callable[[torch.Tensor], bool],
@@ -405,7 +413,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
             waits = [_plain_bucket(state, buffer, names, grads, what, step)]
     elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)
-        waits = [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
+        waits = _leftovers(state, buffer, step, last, what) + [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
     else:
         waits = _bucket_job(state, buffer, names, grads, plain, last, step, what)
     if last:
@@ -417,33 +425,54 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
 
 def _bucket_job(
     state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], plain: List[int],
-    last: bool, step: int, what: str,
+    last: bool, step: int, what: str, flush: Optional[bool] = None,
 ) -> List[torch.futures.Future]:
-    """Submit a bucket's job to the pipeline: its plain gradients in one all-reduce and every
-    group it completes; the futures the bucket waits on (the job, and its gradients' groups)."""
+    """Submit a bucket's job to the pipeline: its plain gradients (with those held from earlier
+    buckets) in one all-reduce and every group it completes; the futures the bucket waits on
+    (the job, and its gradients' groups). ``flush``: whether the job drains the pipeline
+    (default: when ``last``)."""
     waits: Dict[int, torch.futures.Future] = {}
     for i, g in enumerate(grads):
         if i not in plain:
             group, fut = state.collector.add(names[i], g)
             waits[group] = fut
     ready = state.collector.ready(last)
-    tensors = [grads[i] for i in plain]
-    job_names = [names[i] for i in plain]
-    compress = [False] * len(plain)
+    if waits and not ready and not last:  # the bucket waits for a later group's job anyway
+        # (the groups' futures complete with another bucket's job: DDP gets this one's buffer)
+        if not plain:
+            return [_all_of(list(waits.values()), buffer)]
+        held = state.collector.hold([names[i] for i in plain], [grads[i] for i in plain], step)
+        if held is not None:  # its plain sum rides in that job's
+            return [_all_of(list(waits.values()) + [held], buffer)]
+    held_names, held_grads, held_futures = state.collector.take_held(step)
+    if not (held_grads or plain or ready):
+        return [_all_of(list(waits.values()), buffer)] if waits else []
+    tensors = held_grads + [grads[i] for i in plain]
+    job_names = held_names + [names[i] for i in plain]
+    compress = [False] * len(tensors)
     groups = []
     for members, member_grads, _ in ready:
         groups.append(list(range(len(tensors), len(tensors) + len(members))))
         tensors.extend(member_grads)
         job_names.extend(members)
         compress.extend([True] * len(members))
-    predicted = _predicted_s(state, tensors[: len(plain)], ready)
+    predicted = _predicted_s(state, tensors[: len(held_grads) + len(plain)], ready)
     # the gradients are views into DDP's bucket buffers: the averages are written into them;
     # pipelined: this job's encode overlaps the previous one's transfer; the last bucket drains
     batch = Batch(tensors, job_names, compress, groups=groups, buffer=buffer, on_done=_drift_watch(state, predicted, step))
-    done = state.comm.submit_batch(batch, step, buffer.device, what=what, flush=last)
+    done = state.comm.submit_batch(batch, step, buffer.device, what=what, flush=last if flush is None else flush)
     for _, _, group_future in ready:
         done.add_done_callback(_settle_with(group_future))
+    for held_future in held_futures:
+        done.add_done_callback(_settle_with(held_future))
     return [done] + list(waits.values())
+
+
+def _leftovers(state: GradzipState, buffer: torch.Tensor, step: int, last: bool, what: str) -> List[torch.futures.Future]:
+    """Before a bucket averaged in its own memory (which joins no group): a job for the plain
+    gradients held from earlier buckets and, as backward ends, for the groups still waiting for
+    members that went in place, so that the buckets waiting on them complete."""
+    return _bucket_job(state, buffer, [], [], [], last, step, f"{what}: held gradients", flush=False)
 
 
 def _in_place_job(

@@ -139,12 +139,26 @@ def padding(numel: int, block: int) -> int:
 
 
 class GroupCollector:
-    """Gathers a step's gradients group by group as DDP's buckets arrive (hook thread only)."""
+    """Gathers a step's gradients group by group as DDP's buckets arrive (hook thread only).
 
-    def __init__(self, plan: FusionPlan) -> None:
+    It also holds the uncompressed gradients of a bucket that completes no group (:meth:`hold`):
+    such a bucket waits for a later group anyway, so its plain sum can ride in the next job's
+    instead of a job of its own. Where groups are larger than DDP's buckets (on a GPU, 32 or 128
+    MiB against DDP's 25) most buckets complete none, and a job each costs the comm thread's
+    host time (and the interpreter lock that backward's own Python needs) for a sum of a few
+    bias and norm vectors; ``hold_bytes`` bounds what is held, so that no large plain sum waits
+    for the end of backward.
+    """
+
+    def __init__(self, plan: FusionPlan, hold_bytes: int = 0) -> None:
         self.plan = plan
+        self.hold_bytes = hold_bytes
         self._pending: Dict[int, Dict[str, torch.Tensor]] = {}
         self._futures: Dict[int, torch.futures.Future] = {}
+        self._held: List[Tuple[str, torch.Tensor]] = []
+        self._held_futures: List[torch.futures.Future] = []
+        self._held_step: Optional[int] = None
+        self._held_total = 0
 
     def add(self, name: str, grad: torch.Tensor) -> Tuple[int, torch.futures.Future]:
         """Record one gradient; its group's index and the future that completes with the group."""
@@ -167,3 +181,34 @@ class GroupCollector:
         for names, _, _ in out:
             self._pending.pop(self.plan.group_of[names[0]], None)
         return out
+
+    def hold(self, names: Sequence[str], grads: Sequence[torch.Tensor], step: int) -> Optional[torch.futures.Future]:
+        """Keep these plain gradients of step ``step`` for the next job's plain sum; the future
+        that completes with that job, or None where they would take the held bytes past
+        :attr:`hold_bytes` (the caller sums them now, with what is held)."""
+        if self._held_step != step:  # left from a backward pass that did not end: not this step's
+            self._drop_held()
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        if self._held_total + nbytes > self.hold_bytes:
+            return None
+        self._held_step = step
+        self._held.extend(zip(names, grads))
+        self._held_total += nbytes
+        fut = torch.futures.Future()
+        self._held_futures.append(fut)
+        return fut
+
+    def take_held(self, step: int) -> Tuple[List[str], List[torch.Tensor], List[torch.futures.Future]]:
+        """The plain gradients held for step ``step`` (names, gradients, the futures that wait
+        for their sum), forgotten here: they go into the job now being made."""
+        if self._held_step != step:
+            self._drop_held()
+            return [], [], []
+        names = [n for n, _ in self._held]
+        grads = [g for _, g in self._held]
+        futures = self._held_futures
+        self._drop_held()
+        return names, grads, futures
+
+    def _drop_held(self) -> None:
+        self._held, self._held_futures, self._held_step, self._held_total = [], [], None, 0
