@@ -81,6 +81,43 @@ def test_without_a_model_every_group_is_compressed_unpredicted():
     assert decisions[0].compress and decisions[0].numel == 30 and math.isnan(decisions[0].plain_s)
 
 
+def _calibrated_wire(rank: int, world: int) -> Dict[str, float]:
+    """What the calibration's compressed exchanges put on the wire, per codec: the throwaway
+    communicator's metrics, read as calibrate closes it."""
+    from gradzip.sync.engine import Communicator
+
+    seen: Dict[str, float] = {}
+    close = Communicator.close
+
+    def reading(self, *args, **kwargs):
+        per = self.metrics.summary(per_tensor=True)["per_tensor"]
+        compressed = [v for k, v in per.items() if ".compressed." in k]
+        if compressed:
+            seen[self.codec.name] = sum(v["raw_bytes"] for v in compressed) / sum(v["wire_bytes"] for v in compressed)
+        return close(self, *args, **kwargs)
+
+    Communicator.close = reading
+    try:
+        for codec, opts in (("powersgd", {"rank": 2}), ("maxmin", {"bits": 4})):
+            comm = gradzip.Communicator(codec, memory="residual", **opts)
+            planner.calibrate(comm, repeats=1)
+            comm.close()
+    finally:
+        Communicator.close = close
+    return seen
+
+
+def test_calibration_exchanges_matrices_for_a_codec_that_factorises_them():
+    # flat, PowerSGD sent the calibration groups as they were: its compressed line was a plain
+    # all-reduce's, and plan="auto" never compressed a PowerSGD group
+    assert planner.calibration_shape(gradzip.codec("powersgd"), 1 << 18) == (512, 512)
+    assert planner.calibration_shape(gradzip.codec("powersgd"), 1 << 15) == (128, 256)
+    assert planner.calibration_shape(gradzip.codec("maxmin"), 1 << 15) == (1 << 15,)
+    for ratios in run_workers(_calibrated_wire, 2):
+        assert ratios["powersgd"] > 50  # rank 2 of 128×256 to 1024×1024: 43× to 256×
+        assert 6 < ratios["maxmin"] < 8  # 4 bits and the statistics
+
+
 def test_auto_spells_out_its_codec_and_plan_is_validated():
     cfg = Config(codec="auto", options={"bucket_size": 512}).resolved()
     assert (cfg.codec, cfg.options, cfg.memory, cfg.plan) == ("maxmin", {"bits": 4, "bucket_size": 512}, "residual", "auto")

@@ -5,9 +5,10 @@ model of the network and the codec. gradzip calibrates its model online, once, a
 registration, on the process group the gradients will cross, and from what will really run:
 
 - A throwaway communicator with the same codec, memory and collective, on the same process
-  group, exchanges groups of 32 Ki, 256 Ki and 1 Mi fp32 values (128 KiB to 4 MiB) both ways:
-  compressed (error feedback, encode, the collective, decode) and plain (gradzip's in-place
-  all-reduce), a few times each, on every rank at once. Ranks that share cores or a link
+  group, exchanges groups of 32 Ki, 256 Ki and 1 Mi fp32 values (128 KiB to 4 MiB; matrices
+  of them for a codec that factorises each tensor, PowerSGD) both ways: compressed (error
+  feedback, encode, the collective, decode) and plain (gradzip's in-place all-reduce), a few
+  times each, on every rank at once. Ranks that share cores or a link
   measure the sharing. Each time, ``GROUPS`` groups go side by side, stage by stage, as the
   pipeline runs a step's groups, so one group's encode overlaps another's transfer; a group's
   cost is the total over ``GROUPS``. (Timed one at a time, CPU and wire add up, and on a slow
@@ -258,7 +259,8 @@ def calibrate(
         for n in SIZES:
             x = torch.randn(GROUPS * n, generator=torch.Generator().manual_seed(n)).to(device)
             buf = torch.empty(GROUPS * n, device=device)  # groups back to back, as in a DDP bucket
-            parts = [buf[i * n : (i + 1) * n] for i in range(GROUPS)]
+            shape = calibration_shape(probe.codec, n)
+            parts = [buf[i * n : (i + 1) * n].view(shape) for i in range(GROUPS)]
             for way, compress, route in ways:
                 names = [f"planner.{n}.{way}.{i}" for i in range(GROUPS)]
                 if route is not None:
@@ -300,6 +302,17 @@ def calibrate(
         plain_hierarchical=lines.get("plain-hierarchical"), inter_node=lines.get("inter-node"),
         nodes=len(probe.topology.nodes) if layered else 1,
     )
+
+
+def calibration_shape(codec: Codec, numel: int) -> Tuple[int, ...]:
+    """The shape of a calibration group of ``numel`` values (a power of two): flat, or for a
+    codec that factorises each tensor by its shape (:attr:`Codec.parts_format`, PowerSGD) a
+    matrix as square as the count allows, as a layer's weight is; flat, PowerSGD would send
+    it as it is and the compressed line would be a plain all-reduce's."""
+    if not codec.parts_format:
+        return (numel,)
+    rows = 1 << (numel.bit_length() - 1) // 2
+    return (rows, numel // rows)
 
 
 def median_seconds(fn, repeats: int, before=None) -> float:
