@@ -252,6 +252,40 @@ def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_id
     assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
 
 
+def _powersgd_on_nodes(rank: int, world: int) -> dict:
+    """PowerSGD under DDP on two nodes, with the hierarchy left on ("auto") and off: the
+    weights' gradients alike to the bit (one flat exchange of factors either way)."""
+    out = {}
+    for hierarchy in ("auto", "off"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+        state = gradzip.register(ddp, "powersgd", rank=2, memory="residual", hierarchy=hierarchy)
+        g = torch.Generator().manual_seed(rank)
+        grads = []
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        per = state.stats(per_tensor=True)["per_tensor"]
+        out[hierarchy] = {"grads": grads, "ratio": min(per[n]["ratio"] for n in ("0.weight", "2.weight")),
+                          "topology": state.comm.describe_topology()}
+        state.close()
+    return out
+
+
+def test_powersgd_stays_flat_across_nodes_and_compresses():
+    # the node stage's flat shares cannot be factorised: PowerSGD once sent them as they were
+    res = _run(_powersgd_on_nodes, 4, 2)
+    for r in res:
+        auto, off = r["auto"], r["off"]
+        assert auto["ratio"] > 10 and off["ratio"] > 10
+        assert not auto["topology"]["hierarchical"] and "factorises" in auto["topology"]["flat_because"]
+        for step_auto, step_off in zip(auto["grads"], off["grads"]):
+            assert torch.equal(step_auto[0], step_off[0]) and torch.equal(step_auto[2], step_off[2])  # the weights
+        assert all(torch.equal(a, b) for a, b in zip(r["auto"]["grads"][-1], res[0]["auto"]["grads"][-1]))
+
+
 def _trained(rank: int, outputs: int, steps: int, **settings):
     """A two-layer model under DDP and gradzip (``settings``), trained ``steps`` steps on this rank's data."""
     torch.manual_seed(0)

@@ -286,10 +286,15 @@ class Communicator:
                 self.collective_name = name
                 self.collective = self._make_collective(name, self.codec, {}, self.group)
 
-    def _hierarchical(self, coll: Collective, node_dtype: Optional[str] = None) -> Collective:
+    def _hierarchical(self, coll: Collective, node_dtype: Optional[str] = None, compressed: bool = True) -> Collective:
         """``coll`` moved across nodes, inside the intra-node stages (of ``node_dtype``, default
-        the communicator's), where the topology is hierarchical; else ``coll`` as it is."""
-        if self._node_groups is None or self.topology is None:
+        the communicator's), where the topology is hierarchical; else ``coll`` as it is.
+
+        A ``compressed`` exchange stays flat where the codec factorises each tensor by its shape
+        (:attr:`Codec.parts_format`, PowerSGD): the node stage cuts a group into flat shares
+        of 1/L each, which it could only send as they are, where flat its factors, a few
+        hundredths of the gradients, cross the slow link."""
+        if self._node_groups is None or self.topology is None or (compressed and self.codec.parts_format):
             return coll
         node, cross = self._node_groups
         coll.group = cross
@@ -304,7 +309,7 @@ class Communicator:
             return None
         inner = _collectives.get("allreduce")(None)
         inner.flagged = False  # uncompressed: NaN/Inf reach every rank through the sums
-        return self._hierarchical(inner, "fp32")  # exact
+        return self._hierarchical(inner, "fp32", compressed=False)  # exact
 
     def plain_goes_hierarchical(self, numel: int, element_size: int = 4) -> bool:
         """Whether a plain exchange of ``numel`` values of ``element_size`` bytes is hierarchical:
@@ -353,6 +358,9 @@ class Communicator:
         coll = self._reduce_scatter if reduce_scatter else self.collective
         if isinstance(coll, Hierarchical):
             out.update(coll.describe())
+        elif out.get("hierarchical") and not reduce_scatter and self.codec.parts_format:
+            out.update(hierarchical=False, flat_because=f"{self.codec.name} factorises each tensor: the node "
+                       "stage's flat shares could not be compressed (plain exchanges still go through the nodes)")
         return out
 
     @property
