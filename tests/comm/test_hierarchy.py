@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import gradzip
 from gradzip.comm.hierarchy import Hierarchical
