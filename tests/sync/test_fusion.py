@@ -214,6 +214,32 @@ def test_groups_are_larger_on_an_accelerator_unless_the_size_is_given():
     assert sizes["default reported"] == ACCELERATOR_FUSION_MB and sizes["given reported"] == 2.0
 
 
+def _batched_in_place(rank: int, world: int) -> Dict[str, Dict[str, float]]:
+    """PowerSGD's tensors in one batch, averaged in their own memory (as DDP's bucket views
+    are), with and without error feedback: what each put on the wire."""
+    from gradzip.sync.pipeline import drive
+
+    out = {}
+    for memory in ("none", "residual"):
+        comm = gradzip.Communicator("powersgd", rank=2, memory=memory)
+        g = torch.Generator().manual_seed(rank)
+        tensors = [torch.randn(256, 256, generator=g), torch.randn(128, 64, 3, 3, generator=g)]
+        drive(comm.reduce_many_stages(tensors, ["a", "b"], [True, True], inplace=True, groups=[[0], [1]]))
+        per = comm.metrics.summary(per_tensor=True)["per_tensor"]
+        out[memory] = {name: per[name]["ratio"] for name in ("a", "b")}
+        out[memory]["identical"] = all(all(torch.equal(x, y) for y in _gather(x)) for x in tensors)
+        comm.close()
+    return out
+
+
+def test_a_batch_averaged_in_place_is_factorised_without_error_feedback_too():
+    # divided by the world size in place, the inputs once reached the codec flat: sent as they were
+    for res in run_workers(_batched_in_place, 2):
+        for memory, rec in res.items():
+            assert rec["a"] == 64.0 and rec["b"] > 50, (memory, rec)
+            assert rec["identical"]
+
+
 def _batched_flag(rank: int, world: int) -> Dict[str, object]:
     """PowerSGD's matrices in one batch, flagged by one pass over their packed factors: a NaN or
     ±inf on one rank, even where the warm-start Q has a zero row (a column that was zero the

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
-from .base import Call, Collective, Exchanged, Stages, nonfinite_flag, register_collective, shared_section
+from .base import Call, Collective, Exchanged, Stages, nonfinite_flag, overlaps, register_collective, shared_section
 
 
 @register_collective
@@ -154,10 +154,14 @@ def _poison(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor], nonfinite
 
 def _scaled(call: Call) -> torch.Tensor:
     """The input divided by the world size before encoding, so sums stay in range and decode to
-    the average (in place where the caller wants its input overwritten with the average)."""
+    the average: in place where the caller wants its input overwritten with the average, else
+    into the memory the average will be decoded into where the call has one of its own (no
+    buffer the size of the input for the exchange's length), else into a new tensor."""
     x, w = call.x, call.world_size
     if w > 1 and _divided_in_place(call):
-        return x.view(-1).div_(w)
+        return x.div_(w)  # in its shape, as ``x / w``: a codec that factorises matrices needs it
+    if w > 1 and _holds_quotient(call):
+        return torch.div(x, w, out=call.out.view(x.shape))
     return x / w if w > 1 else x
 
 
@@ -168,12 +172,22 @@ def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
     world size that is not a power of two (every rank divides the same way)."""
     w = calls[0].world_size
     out: List[Optional[torch.Tensor]] = [None] * len(calls)
-    fresh = []  # the calls divided into new tensors, together below
+    fresh, into = [], []  # the calls divided into new tensors, and into their averages' memory
     for i, call in enumerate(calls):
-        if w > 1 and not _divided_in_place(call):
+        if w > 1 and _divided_in_place(call):
+            out[i] = _scaled(call)
+        elif w > 1 and _holds_quotient(call):
+            into.append(i)
+        elif w > 1:
             fresh.append(i)
         else:
-            out[i] = _scaled(call)
+            out[i] = call.x
+    if into:  # the same division, one copy and one division in place for them all
+        quotients = [calls[i].out.view(calls[i].x.shape) for i in into]
+        torch._foreach_copy_(quotients, [calls[i].x for i in into])
+        torch._foreach_div_(quotients, float(w))
+        for i, q in zip(into, quotients):
+            out[i] = q
     if fresh:
         for i, x in zip(fresh, torch._foreach_div([calls[i].x for i in fresh], float(w))):
             out[i] = x
@@ -183,6 +197,16 @@ def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
 def _divided_in_place(call: Call) -> bool:
     """Whether the caller wants its input overwritten with the average (``out`` is its memory)."""
     return call.out is not None and not call.need_own and _same_memory(call.out, call.x)
+
+
+def _holds_quotient(call: Call) -> bool:
+    """Whether the input divided by the world size can wait in the memory its average will be
+    decoded into: ``out`` of its size and dtype, contiguous, sharing no storage with the input
+    (which error feedback reads after the exchange). The codec reads its input only while it
+    encodes (PowerSGD: in each round), before any average is decoded (:func:`_finish`)."""
+    out, x = call.out, call.x
+    return (out is not None and out.numel() == x.numel() and out.dtype == x.dtype and out.is_contiguous()
+            and not overlaps(out, x))
 
 
 def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
