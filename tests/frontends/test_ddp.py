@@ -127,11 +127,11 @@ class Tower(nn.Module):
     """Six 64×64 layers: with DDP's buckets of about one layer and groups of three weights,
     most buckets complete no group; one layer in fp16 makes its bucket leave the in-place path."""
 
-    def __init__(self, half: bool = False) -> None:
+    def __init__(self, half: tuple = ()) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-        if half:
-            self.layers[3].half()
+        for i in half:
+            self.layers[i].half()
 
     def forward(self, x):
         for layer in self.layers:
@@ -141,12 +141,14 @@ class Tower(nn.Module):
 
 def _held_plain(rank: int, world: int) -> dict:
     """The biases of buckets that complete no group ride in a later job's plain sum: fewer jobs,
-    their averages those of DDP's own all-reduce, replicas identical; held or not, the weights'
-    averages do not change. In place, the fp16 bucket's group (its other members averaged in
+    their averages those of DDP's own all-reduce (fp16 ones held for an fp32 job too: each
+    dtype summed in its own), replicas identical; held or not, the weights' averages do not
+    change. In place, the fp16 bucket's group (its other members averaged in
     their own buckets) is exchanged as backward ends: its bucket once waited for it forever."""
     out = {}
     for case, half, opts in (
-        ("held", False, {}), ("not held", False, {}), ("in place", True, {"in_place": True, "memory": "residual"}),
+        ("held", (), {}), ("not held", (), {}), ("in place", (3,), {"in_place": True, "memory": "residual"}),
+        ("fp16 held", (4, 5), {}),  # fp16 biases held, taken by an fp32 bucket's job: a sum per dtype
     ):
         grads, jobs = [], []
         for hook in (False, True):
@@ -194,7 +196,7 @@ def test_plain_gradients_of_buckets_that_complete_no_group_ride_in_a_later_job()
         assert alone["jobs"] >= 6 and held["jobs"] <= held["groups"] + 1 < alone["jobs"], (held, alone)
         assert all(torch.equal(a, b) for a, b in zip(held["weights"], alone["weights"]))
         assert in_place["held jobs"] > 0  # the fp16 bucket held its bias; the next one released it
-        for rec in (held, alone, in_place):
+        for rec in (held, alone, in_place, res["fp16 held"]):
             assert rec["identical"] and rec["biases equal DDP's"] and rec["nothing left"]
 
 

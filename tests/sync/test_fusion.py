@@ -240,6 +240,29 @@ def test_a_batch_averaged_in_place_is_factorised_without_error_feedback_too():
             assert rec["identical"]
 
 
+def _own_of_a_raw_payload(rank: int, world: int) -> Dict[str, float]:
+    """Error feedback where the payload is the input itself (``none``; PowerSGD's tensors too
+    small to factorise) and the average goes into the input's own memory, where the input
+    divided by the world size waits: the residual stays what was lost, nothing."""
+    out = {}
+    for codec, shape, opts in (("none", (64,), {}), ("powersgd", (2, 64), {"rank": 2})):
+        comm = gradzip.Communicator(codec, memory="residual", **opts)
+        for step in range(3):
+            t = torch.randn(*shape, generator=torch.Generator().manual_seed(100 * step + rank))
+            expected = sum(_gather(t)) / world
+            comm.reduce_now(t, "w", out=t, step=step)
+            out[f"{codec} average"] = max(out.get(f"{codec} average", 0.0), float((t - expected).abs().max()))
+        out[f"{codec} residual"] = float(comm.memory.residuals["w"].abs().max())
+        comm.close()
+    return out
+
+
+def test_a_payload_that_is_its_input_keeps_this_ranks_own_for_error_feedback():
+    # its own payload was once decoded after the average had overwritten it: residual x - W·avg
+    for res in run_workers(_own_of_a_raw_payload, 2):
+        assert all(v < 1e-6 for v in res.values()), res
+
+
 def _batched_flag(rank: int, world: int) -> Dict[str, object]:
     """PowerSGD's matrices in one batch, flagged by one pass over their packed factors: a NaN or
     ±inf on one rank, even where the warm-start Q has a zero row (a column that was zero the

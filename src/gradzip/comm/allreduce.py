@@ -203,7 +203,8 @@ def _holds_quotient(call: Call) -> bool:
     """Whether the input divided by the world size can wait in the memory its average will be
     decoded into: ``out`` of its size and dtype, contiguous, sharing no storage with the input
     (which error feedback reads after the exchange). The codec reads its input only while it
-    encodes (PowerSGD: in each round), before any average is decoded (:func:`_finish`)."""
+    encodes (PowerSGD: in each round), before any average is decoded (:func:`_finish`, which
+    keeps a copy of a payload that is the input itself for this rank's own)."""
     out, x = call.out, call.x
     return (out is not None and out.numel() == x.numel() and out.dtype == x.dtype and out.is_contiguous()
             and not overlaps(out, x))
@@ -216,6 +217,11 @@ def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequenc
     another call's memory), and the sums decoded, into the ``out`` of the calls that have one in
     one timed section."""
     for call, payload in zip(calls, payloads):
+        if call.need_own and call.out is not None and any(overlaps(t, call.out) for t in payload.tensors):
+            # a payload that is its input (a tensor sent as it is) holding the quotient in
+            # ``out`` (:func:`_holds_quotient`): this rank's own is decoded after the average
+            # overwrites it, so it keeps a copy
+            payload = Payload([t.clone() for t in payload.tensors], payload.ctx)
         call.keep_own(payload, scale=float(call.world_size))
     for call in calls:
         call.release_input(nonfinite)

@@ -756,9 +756,10 @@ class Communicator:
         if groups is None:
             groups = [[i for i, c in enumerate(compress) if c]]
         parts, owners = [], []
-        if plain:
-            parts.append(self._reduce_plain([tensors[i] for i in plain], [names[i] for i in plain], inplace, step))
-            owners.append(plain)
+        for dtype in dict.fromkeys(tensors[i].dtype for i in plain):  # one exact sum per dtype
+            same = [i for i in plain if tensors[i].dtype == dtype]
+            parts.append(self._reduce_plain([tensors[i] for i in same], [names[i] for i in same], inplace, step))
+            owners.append(same)
         alone = []  # gradients that cannot share an encoding
         for group in groups:
             if self._fusable([tensors[i] for i in group], [names[i] for i in group]):
@@ -784,25 +785,24 @@ class Communicator:
         return out
 
     def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
-        """One plain all-reduce of the uncompressed gradients of a bucket: in place where they lie
+        """One plain all-reduce of uncompressed gradients of one dtype: in place where they lie
         back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
         span = _contiguous_span(tensors) if inplace else None
         if span is not None:
             avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span, step)
             self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
             return list(tensors)
-        dtype = tensors[0].dtype
-        if len(tensors) > 1 and all(t.dtype == dtype for t in tensors):  # one concatenation, its loop in C++
-            flat = _flatten_dense_tensors(tensors)  # (of one tensor it would be a view, not a copy)
-        else:
-            flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        if len(tensors) > 1:  # one concatenation, its loop in C++
+            flat = _flatten_dense_tensors(tensors)
+        else:  # (of one tensor that would be a view, not a copy)
+            flat = torch.cat([tensors[0].reshape(-1)])
         avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
         self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
         out = _unflatten_dense_tensors(avg, tensors)  # views of the average shaped as the gradients
-        if inplace:  # one multi-tensor copy into the gradients (converting dtypes where they differ)
+        if inplace:  # one multi-tensor copy into the gradients
             _copy_all(tensors, out)
             return list(tensors)
-        return [part.to(t.dtype) for part, t in zip(out, tensors)]
+        return list(out)
 
     def _fusable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
         """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`):
