@@ -84,3 +84,33 @@ def test_ddp_over_gloo_with_cuda_tensors_on_two_ranks_sharing_a_gpu(memory, in_p
         assert res["pipelines"] is True and res["group_mb"] == ACCELERATOR_FUSION_MB  # gloo blocks the worker
         assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
         assert res["skipped"] == 1  # every rank skips the step one rank overflowed
+
+
+def _held_on_cuda(rank: int, world: int) -> dict:
+    """Buckets that complete no group hold their biases for a later job, on CUDA tensors over
+    gloo: the biases' averages are DDP's own, bit for bit, once the step ends (the held futures
+    are completed on the worker's side stream, as the groups' are)."""
+    from .test_ddp import Tower
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    grads = []
+    for hook in (False, True):
+        torch.manual_seed(0)
+        model = Tower().to(device)
+        ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.015)
+        state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.05) if hook else None
+        per_step = []
+        for x, _ in _batches(rank, 3):
+            ddp.zero_grad()
+            ddp(x[:, :64].to(device)).square().mean().backward()
+            per_step.append({n: p.grad.cpu() for n, p in model.named_parameters() if n.endswith("bias")})
+        grads.append(per_step)
+        if state is not None:
+            state.close()
+    return {"equal": all(torch.equal(a[n], b[n]) for a, b in zip(*grads) for n in a)}
+
+
+def test_held_plain_gradients_on_cuda_tensors_are_ddps_averages():
+    for res in run_workers(_held_on_cuda, 2):
+        assert res["equal"]
