@@ -127,9 +127,10 @@ class Tower(nn.Module):
     """Six 64×64 layers: with DDP's buckets of about one layer and groups of three weights,
     most buckets complete no group; one layer in fp16 makes its bucket leave the in-place path."""
 
-    def __init__(self, half: tuple = ()) -> None:
+    def __init__(self, half: tuple = (), unused: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.unused = nn.Linear(64, 64) if unused else None  # never in forward
         for i in half:
             self.layers[i].half()
 
@@ -198,6 +199,44 @@ def test_plain_gradients_of_buckets_that_complete_no_group_ride_in_a_later_job()
         assert in_place["held jobs"] > 0  # the fp16 bucket held its bias; the next one released it
         for rec in (held, alone, in_place, res["fp16 held"]):
             assert rec["identical"] and rec["biases equal DDP's"] and rec["nothing left"]
+
+
+def _held_with_ddp_features(rank: int, world: int) -> dict:
+    """Held plain gradients beside DDP's features: unused parameters, a static graph, gradient
+    accumulation under no_sync, dense warm-up steps, in place with an fp16 layer: every step
+    ends (no future left waiting), replicas identical, nothing held past a step."""
+    out = {}
+    cases = {
+        "unused": ({"find_unused_parameters": True}, {}, (), True, False),
+        "static graph": ({"static_graph": True}, {}, (), False, False),
+        "no_sync": ({}, {}, (), False, True),
+        "warm-up": ({}, {"warmup": 2}, (), False, False),
+        "in place, fp16, unused": ({"find_unused_parameters": True}, {"in_place": True, "memory": "residual"}, (3,), True, False),
+    }
+    for case, (ddp_opts, opts, half, unused, accumulate) in cases.items():
+        torch.manual_seed(0)
+        model = Tower(half, unused)
+        ddp = DDP(model, bucket_cap_mb=0.015, **ddp_opts)
+        state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.05, **opts)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            opt.zero_grad()
+            if accumulate:
+                with ddp.no_sync():
+                    ddp(torch.randn(4, 64, generator=g)).square().mean().backward()
+            ddp(torch.randn(4, 64, generator=g)).square().mean().backward()
+            opt.step()
+        out[case] = {"identical": _identical(model, world), "steps": state.step,
+                     "nothing held": state.collector.take_held(state.step - 1) == ([], [], [])}
+        state.close()
+    return out
+
+
+def test_held_plain_gradients_beside_ddp_features_keep_replicas_identical():
+    for res in run_workers(_held_with_ddp_features, 2):
+        for case, rec in res.items():
+            assert rec == {"identical": True, "steps": 5, "nothing held": True}, (case, rec)
 
 
 def _features(rank: int, world: int) -> dict:
