@@ -788,13 +788,13 @@ class Communicator:
         """One plain all-reduce of uncompressed gradients of one dtype: in place where they lie
         back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
         span = _contiguous_span(tensors) if inplace else None
-        if span is not None:
+        numel = sum(t.numel() for t in tensors)
+        if inplace and numel and not self.plain_goes_hierarchical(numel, tensors[0].element_size()):
+            return (yield from self._plain_sum(tensors, names, step, span))
+        if span is not None:  # the hierarchical all-reduce, in place
             avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span, step)
             self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
             return list(tensors)
-        numel = sum(t.numel() for t in tensors)
-        if inplace and numel and not self.plain_goes_hierarchical(numel, tensors[0].element_size()):
-            return (yield from self._plain_sum(tensors, names, step))
         if len(tensors) > 1:  # one concatenation, its loop in C++
             flat = _flatten_dense_tensors(tensors)
         else:  # (of one tensor that would be a view, not a copy)
@@ -807,23 +807,26 @@ class Communicator:
             return list(tensors)
         return list(out)
 
-    def _plain_sum(self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int) -> Stages:
+    def _plain_sum(self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int,
+                   span: Optional[torch.Tensor] = None) -> Stages:
         """The flat plain sum of gradients of one dtype, averaged into them, as DDP's own hook
-        makes it: copied back to back into a buffer of the pool, divided by the world size and
-        all-reduced in place there, copied back; the values of the plain collective's path (the
-        same division, the same sum), without its codec, payload and call objects, which cost
-        the worker's host time a job, and with nothing allocated from step to step."""
+        makes it: divided by the world size and all-reduced in place, where they lie back to
+        back (``span``: the memory they fill), else in a buffer of the pool they are copied
+        into and back out of; the values of the plain collective's path (the same division,
+        the same sum), without its codec, payload and call objects, which cost the worker's
+        host time a job, and with nothing allocated from step to step."""
         w = self.world_size
-        pool = self._pool(tensors[0].dtype, step)
-        lent: List[torch.Tensor] = []
-        flat = pool.lend((sum(t.numel() for t in tensors),), tensors[0].device, lent)
+        pool, lent = self._pool(tensors[0].dtype, step), []
+        flat = span if span is not None else pool.lend((sum(t.numel() for t in tensors),), tensors[0].device, lent)
         try:
-            torch.cat([t.reshape(-1) for t in tensors], out=flat)
+            if span is None:
+                torch.cat([t.reshape(-1) for t in tensors], out=flat)
             if w > 1:
                 work = dist.all_reduce(flat.div_(w), group=self.group, async_op=True)
                 yield  # the sum is on the wire
                 work.wait()
-            _copy_all(tensors, _unflatten_dense_tensors(flat, tensors))
+            if span is None:
+                _copy_all(tensors, _unflatten_dense_tensors(flat, tensors))
         finally:
             pool.give_back(lent)
         nbytes = flat.numel() * flat.element_size()
