@@ -817,16 +817,22 @@ class Communicator:
         host time a job, and with nothing allocated from step to step."""
         w = self.world_size
         pool, lent = self._pool(tensors[0].dtype, step), []
-        flat = span if span is not None else pool.lend((sum(t.numel() for t in tensors),), tensors[0].device, lent)
+        views = sources = None
+        if span is None:  # the gradients' places in the buffer: kept from step to step, as a fused group's
+            layout = self._fused_layout(tensors, names, 1, step)
+            flat = pool.lend((layout.total,), tensors[0].device, lent)
+            views, sources = layout.views(flat, "plain"), [tensors[i] for i in layout.order]
+        else:
+            flat = span
         try:
-            if span is None:
-                torch.cat([t.reshape(-1) for t in tensors], out=flat)
+            if views is not None:  # one multi-tensor copy in, one out
+                _copy_all(views, sources)
             if w > 1:
                 work = dist.all_reduce(flat.div_(w), group=self.group, async_op=True)
                 yield  # the sum is on the wire
                 work.wait()
-            if span is None:
-                _copy_all(tensors, _unflatten_dense_tensors(flat, tensors))
+            if views is not None:
+                _copy_all(sources, views)
         finally:
             pool.give_back(lent)
         nbytes = flat.numel() * flat.element_size()
@@ -1365,11 +1371,15 @@ def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = N
 
 
 def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair: one multi-tensor copy where every tensor has one dtype,
-    else a copy each (the CUDA fast path of ``torch._foreach_copy_`` takes its kernel from the
-    first destination's dtype, and before PyTorch 2.11 did not check that the others match)."""
-    dtype = dsts[0].dtype if dsts else None
-    if all(t.dtype == dtype for t in dsts) and all(t.dtype == dtype for t in srcs):
+    """``dst.copy_(src)`` for every pair, where ``dsts`` hold one dtype and ``srcs`` one dtype
+    (views of one buffer, the gradients of one group or one plain sum): one multi-tensor copy
+    where the two dtypes are the same, else a copy each (the CUDA fast path of
+    ``torch._foreach_copy_`` takes its kernel from the first destination's dtype, and before
+    PyTorch 2.11 did not check that the sources match). Only the first of each is read: a
+    check of every tensor costs the worker more host time than the copy on an accelerator."""
+    if not dsts:
+        return
+    if dsts[0].dtype == srcs[0].dtype:
         torch._foreach_copy_(list(dsts), list(srcs))
         return
     for dst, src in zip(dsts, srcs):
