@@ -375,7 +375,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     buffer = bucket.buffer()
     params = bucket.parameters()
     grads = bucket.gradients()
-    names = [state.param_names.get(id(p), f"bucket{bucket.index()}.{i}") for i, p in enumerate(params)]
+    known = state.param_names.get  # (a default name made only for a parameter without one)
+    names = [known(id(p)) or f"bucket{bucket.index()}.{i}" for i, p in enumerate(params)]
     step = state.step  # this backward pass's, taken here: the jobs run later, on the worker
     what = f"step {step}, {_bucket_label(bucket.index(), names)}"
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
