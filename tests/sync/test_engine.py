@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import List, Tuple
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import gradzip
 from gradzip.sync.pipeline import drive
@@ -184,6 +186,65 @@ def test_a_fused_group_makes_its_views_of_the_gradients_once(memory):
         few, many = res[8], res[64]
         assert few[1] == few[2] == many[1] == many[2], (few, many)
         assert many[0] > many[1] + 2 * 64  # the first step made them: at least two a gradient
+
+
+class _Made(TorchDispatchMode):
+    """The bytes of every tensor an operator made (storage not among its inputs'), by operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: List[Tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.made.append((func.overloadpacket.__name__, t.untyped_storage().nbytes()))
+        return out
+
+
+def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
+    from gradzip.sync import engine
+
+    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
+    engine._multi_tensor = lambda device: True  # the accelerator's ways, on the CPU
+    engine._reads_flag_on_host = lambda device: False
+    try:
+        out = {}
+        for collective in ("sra", "allgather"):
+            comm = gradzip.Communicator("maxmin", bits=4, memory=memory, collective=collective)
+            buffer, tensors, names, compress = _bucket(16, 1 << 16)
+            made = []
+            for step in range(4):  # the first steps make the residuals and the pools' buffers
+                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+                with _Made() as m:
+                    if in_place:
+                        drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+                    else:
+                        drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+                made.append(m.made)
+            out[collective] = {"made": made[2:], "bucket_bytes": buffer.numel() * buffer.element_size()}
+            comm.close()
+        return out
+    finally:
+        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "fused"])
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_buffers(memory, in_place):
+    """With the accelerator's choices, from the third step on a bucket's exchange takes its
+    buffers (the group's input, the average, payloads, a chunk's average that cannot go into
+    the result yet) from the pools: what operators still make are flags and statistics, each
+    under 1/64 of the bucket; on a GPU, nothing for the caching allocator to find a step, and
+    the same addresses every step. Through the SRA and the all-gather."""
+    for res in run_workers(_made_per_step, 2, memory, in_place):
+        for collective, r in res.items():
+            for made in r["made"]:
+                largest = max(made, key=lambda m: m[1], default=("", 0))
+                assert largest[1] <= r["bucket_bytes"] // 64, (collective, largest, r["bucket_bytes"])
 
 
 def _batched(rank: int, world: int, codec: str, options: dict) -> dict:

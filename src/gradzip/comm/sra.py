@@ -134,6 +134,10 @@ class ScatterReduceAllGather(Collective):
         mean = not (w > 1 and p1["stats"] is not None and call.codec.averages_by_stats())
         if not mean:
             payload_column(p1["recv"], p1["spec"], p1["stats"]).div_(w)
+        if dest is None and parts[0].ctx.dtype == torch.float32 and parts[0].ctx.numel:
+            # the result's memory still holds the input (error feedback reads it as the exchange
+            # ends): the chunk's average waits in a buffer of the call, not a tensor made each step
+            dest = self._lend(call, (parts[0].ctx.numel * 4,), p1["recv"].device).view(torch.float32)
         if dest is None:
             reduced = call.decode(lambda ps: call.codec.aggregate(ps, mean=mean), parts).reshape(-1)
         else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
