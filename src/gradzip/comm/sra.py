@@ -134,10 +134,12 @@ class ScatterReduceAllGather(Collective):
         mean = not (w > 1 and p1["stats"] is not None and call.codec.averages_by_stats())
         if not mean:
             payload_column(p1["recv"], p1["spec"], p1["stats"]).div_(w)
+        spare: List[torch.Tensor] = []
         if dest is None and parts[0].ctx.dtype == torch.float32 and parts[0].ctx.numel:
             # the result's memory still holds the input (error feedback reads it as the exchange
-            # ends): the chunk's average waits in a buffer of the call, not a tensor made each step
-            dest = self._lend(call, (parts[0].ctx.numel * 4,), p1["recv"].device).view(torch.float32)
+            # ends): the chunk's average waits in a buffer of the pool, not a tensor made each
+            # step, given back once it is re-encoded (the next segment or group takes it)
+            dest = self._pool.lend((parts[0].ctx.numel * 4,), p1["recv"].device, spare).view(torch.float32)
         if dest is None:
             reduced = call.decode(lambda ps: call.codec.aggregate(ps, mean=mean), parts).reshape(-1)
         else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
@@ -161,6 +163,7 @@ class ScatterReduceAllGather(Collective):
         if second is None:
             second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, out=payload_views(buf, spec))
         to_bytes(second.tensors, flag, out=buf)
+        self._pool.give_back(spare)  # (read no more: later work on it is queued after this on a GPU)
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
