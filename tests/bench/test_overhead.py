@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradzip.bench.overhead import _interleaved
+from gradzip.bench.overhead import _interleaved, _paired_overhead, _per_turn
 
 
 def test_methods_are_timed_in_rotating_turns_of_two_steps():
@@ -17,3 +17,14 @@ def test_methods_are_timed_in_rotating_turns_of_two_steps():
     assert order[:6] == ["fp32", "fp32", "a", "a", "b", "b"]
     assert order[6:12] == ["a", "a", "b", "b", "fp32", "fp32"]
     assert order[12:] == ["b", "fp32", "a"]
+
+
+def test_the_overhead_turn_by_turn_takes_the_differences_within_each_turn():
+    # the machine slows down by 10 ms halfway: the steps' medians mix that in, the turns do not
+    fp32 = [0.030, 0.030, 0.030, 0.030, 0.040, 0.040, 0.040, 0.040]
+    hook = [0.031, 0.031, 0.032, 0.032, 0.041, 0.041, 0.042, 0.042]
+    mid, q1, q3 = _paired_overhead(hook, fp32)
+    assert abs(mid - 0.0015) < 1e-9 and abs(q1 - 0.001) < 1e-9 and abs(q3 - 0.002) < 1e-9
+    assert _per_turn([mid, q1, q3]) == "+1.5 (+1.0…+2.0)"
+    assert _paired_overhead(hook[:2], fp32[:2]) is None  # one turn: no spread to tell
+    assert _per_turn(None) == "-"

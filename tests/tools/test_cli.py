@@ -283,7 +283,7 @@ def test_bench_overhead(tmp_path, device, workers):
     traces = tmp_path / "traces"
     view = ["--bucket-view"] if device == "cpu" else []
     rc = cli.main(["bench", "overhead", "--device", device, "--models", "resnet18", "--configs", "maxmin4,torch-fp16,maxmin:bits=2",
-                   "--steps", "1", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile",
+                   "--steps", "4", "--warmup", "2", "--workers", str(workers), "--json", str(path), "--profile",
                    "--trace", str(traces), *view])
     assert rc == 0
     report = json.loads(path.read_text())
@@ -297,6 +297,9 @@ def test_bench_overhead(tmp_path, device, workers):
     assert rows["fp32"]["payload_bytes"] == 4 * model["numel"] == 2 * rows["torch-fp16"]["payload_bytes"]
     assert 0 < rows["maxmin4"]["payload_bytes"] < rows["torch-fp16"]["payload_bytes"]  # 4 bits and the plain ones
     assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 and r["vs_fp32"] > 0 for r in rows.values())
+    # turn by turn (two turns of two steps): fp32 against itself adds nothing; the quartiles hold the median
+    assert rows["fp32"]["paired_overhead_s"] == [0.0, 0.0, 0.0]
+    assert all(q1 <= mid <= q3 for mid, q1, q3 in (r["paired_overhead_s"] for r in rows.values()))
     # every rank profiled the same steps (each is a collective); rank 0's operator tables kept
     assert all("aten::" in r["profile"] for r in rows.values())
     # and its Chrome traces, one per method, the spec's ':' and '=' made file-safe

@@ -9,7 +9,9 @@ ResNet-50 forward/backward, GPT-2 small from ``transformers`` under bf16 autocas
 method (fp32 DDP, PyTorch's fp16 and PowerSGD hooks, gradzip's methods) this measures the
 median step (every method's model built side by side and timed two steps at a time in turns,
 so a drift of the device's speed during the run falls on all methods alike), the overhead
-over fp32 DDP (milliseconds and share of the step), and the link rate at which the method's
+over fp32 DDP (milliseconds and share of the step; and turn by turn, the method's step minus
+fp32 DDP's in the same turn, whose quartiles say whether an overhead of a millisecond or two
+stands out from the machine's noise), and the link rate at which the method's
 exchange would hide behind the step: a rank of a large ring sends about twice its payload per
 step, so ``2 · payload · 8 / step`` bits per second (the payload as gradzip counts it; the
 gradients' bytes for fp32, half for the fp16 hook).
@@ -154,6 +156,22 @@ def _interleaved(built: Sequence[Tuple[str, nn.Module, Any, Callable[[], None]]]
     return times
 
 
+def _paired_overhead(times: Sequence[float], fp32: Sequence[float]) -> Optional[Tuple[float, float, float]]:
+    """What a method adds to fp32 DDP's step turn by turn (its mean step in a turn minus fp32's in
+    the same turn of :func:`_interleaved`): the median and the quartiles of those differences,
+    or None with fewer than two turns. The machine's state moves both within a turn alike, so
+    the spread of the differences says how far the overhead itself can be told apart, where the
+    spread of the steps says more about the machine."""
+    def means(v: Sequence[float]) -> List[float]:
+        return [statistics.fmean(v[i : i + _PER_TURN]) for i in range(0, len(v), _PER_TURN)]
+
+    diffs = [a - b for a, b in zip(means(times), means(fp32))]
+    if len(diffs) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(diffs, n=4, method="inclusive")
+    return statistics.median(diffs), q1, q3
+
+
 def _trace_path(trace_dir: str, model: str, method: str) -> str:
     """``trace_dir/<model>-<method>.json.gz``, the method spec's ``:`` and ``=`` made file-safe."""
     os.makedirs(trace_dir, exist_ok=True)
@@ -210,6 +228,9 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
                 rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}",
                              "step_s": statistics.median(times[name]),
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
+                paired = _paired_overhead(times[name], times["fp32"]) if "fp32" in times else None
+                if paired is not None:  # median and quartiles of the per-turn differences
+                    rows[-1]["paired_overhead_s"] = list(paired)
                 if profile or trace_dir is not None:  # every rank profiles (each step is a collective)
                     trace = _trace_path(trace_dir, model_name, name) if trace_dir is not None and rank == 0 else None
                     table = _profile(step, device, trace=trace)
@@ -283,21 +304,32 @@ def table(report: Dict[str, Any]):
 
     t = new_table(
         title=f"what a hook adds to a step: {report['device_name']}, median of {report['steps']}",
-        caption=("overhead: step − fp32 DDP's step, and its share of the step; hides at: the link rate at which a "
+        caption=("overhead: step − fp32 DDP's step, and its share of the step; per turn: the median and quartiles "
+                 "of the method's step minus fp32 DDP's in the same turn; hides at: the link rate at which a "
                  "rank's exchange (about twice its payload per step on a large ring) fits in the step"),
     )
-    for col in ("model", "method", "step ms", "vs fp32", "overhead ms", "share", "payload MB", "hides at Gbit/s"):
+    for col in ("model", "method", "step ms", "vs fp32", "overhead ms", "share", "per turn ms", "payload MB",
+                "hides at Gbit/s"):
         t.add_column(col, justify="left" if col in ("model", "method") else "right", no_wrap=True)
     for m in report["models"]:
         first = f"{m['model']} ({m['batch']}×{m['size']})"
-        t.add_row(first, "no DDP (forward+backward)", f"{m['compute_s'] * 1e3:.1f}", "-", "-", "-", "-", "-")
+        t.add_row(first, "no DDP (forward+backward)", f"{m['compute_s'] * 1e3:.1f}", "-", "-", "-", "-", "-", "-")
         for r in m["rows"]:
             t.add_row(
                 "", r["method"], f"{r['step_s'] * 1e3:.1f}",
                 "-" if r.get("vs_fp32") is None else f"{r['vs_fp32']:.2f}×",
                 "-" if r["overhead_s"] is None else f"{r['overhead_s'] * 1e3:+.1f}",
                 "-" if r["overhead_share"] is None else f"{r['overhead_share']:.0%}",
+                _per_turn(r.get("paired_overhead_s")),
                 "-" if r["payload_bytes"] is None else f"{r['payload_bytes'] / 1e6:.1f}",
                 "-" if r["hide_gbps"] is None else f"{r['hide_gbps']:.1f}",
             )
     return t
+
+
+def _per_turn(paired: Optional[Sequence[float]]) -> str:
+    """``+1.2 (+0.4…+2.0)``: the median per-turn difference and its quartiles, in ms."""
+    if not paired:
+        return "-"
+    mid, q1, q3 = (v * 1e3 for v in paired)
+    return f"{mid:+.1f} ({q1:+.1f}…{q3:+.1f})"
