@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -299,6 +300,7 @@ def test_bench_overhead(tmp_path, device, workers):
     assert all(r["step_s"] > 0 and r["hide_gbps"] > 0 and r["vs_fp32"] > 0 for r in rows.values())
     # turn by turn (two turns of two steps): fp32 against itself adds nothing; the quartiles hold the median
     assert rows["fp32"]["paired_overhead_s"] == [0.0, 0.0, 0.0]
+    assert all(len(r["step_times_s"]) == 4 and r["step_s"] == statistics.median(r["step_times_s"]) for r in rows.values())
     assert all(q1 <= mid <= q3 for mid, q1, q3 in (r["paired_overhead_s"] for r in rows.values()))
     # every rank profiled the same steps (each is a collective); rank 0's operator tables kept
     assert all("aten::" in r["profile"] for r in rows.values())

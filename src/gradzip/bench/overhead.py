@@ -226,7 +226,7 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
             rows = []
             for name, model, state, step in built:
                 rows.append({"method": name, "label": describe(name) if name in CONFIGS else f"gradzip {name}",
-                             "step_s": statistics.median(times[name]),
+                             "step_s": statistics.median(times[name]), "step_times_s": times[name],
                              "payload_bytes": _payload_bytes(name, model, state, steps)})
                 paired = _paired_overhead(times[name], times["fp32"]) if "fp32" in times else None
                 if paired is not None:  # median and quartiles of the per-turn differences
