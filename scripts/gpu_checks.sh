@@ -30,7 +30,7 @@ step() {  # name, time limit (s), command...
     echo "== [$(( $(date +%s) - start ))s] $name: $*"
     timeout "$limit" "$@" > "$out/$name.log" 2>&1 || { status=1; echo "   failed or timed out (see $out/$name.log)"; }
     # a test run's summary line, a table's rows (the lines with a step time or a ratio), or the error
-    grep -E "(passed|failed|skipped).* in [0-9.]+s|^ .*[0-9] +[0-9.]+×|no DDP|error:" "$out/$name.log" | cut -c1-110 | tail -n 25
+    grep -E "(passed|failed|skipped).* in [0-9.]+s|^ .*[0-9] +[0-9.]+×|no DDP|error:" "$out/$name.log" | cut -c1-140 | tail -n 25
     tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 }
 if [ $targets = 1 ]; then
