@@ -9,9 +9,10 @@
 # GPU (where the two-rank step spends its time above the compute).
 # --targets, the targets at the end of docs/gpu.md in under ten minutes (every step
 # time-limited): the gpu-marked tests and tests/frontends/test_cuda.py (DDP over NCCL, CUDA
-# tensors over gloo); what each hook adds on one rank, three runs in fresh processes (the
-# machine's speed drifts between runs: compare within one), then once with every DDP built with
-# gradient_as_bucket_view=True; two ranks sharing the GPU, ResNet-50, with and without them.
+# tensors over gloo); what each hook adds on one rank, four runs in fresh processes (the
+# machine's speed drifts between runs: compare within one, and read the per-turn column), every
+# other one with every DDP built with gradient_as_bucket_view=True (what the guide recommends
+# on GPUs); two ranks sharing the GPU, ResNet-50, with and without them.
 # Each step writes its log (and JSON) into the folder, packed as <folder>.tar.gz after each step,
 # and the run goes on if one fails or runs past its limit.
 set -u
@@ -38,11 +39,11 @@ if [ $targets = 1 ]; then
     two=fp32,maxmin:bits=4,maxmin4
     step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step cuda-frontends 60 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
-    for i in 1 2 3; do
+    for i in 1 2; do
         step "overhead-$i" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$i.json"
+        step "overhead-bucket-view-$i" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \
+            --json "$out/overhead-bucket-view-$i.json"
     done
-    step overhead-bucket-view 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \
-        --json "$out/overhead-bucket-view.json"
     step overhead-2ranks 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs "$two" \
         --json "$out/overhead-2ranks.json"
     step overhead-2ranks-bucket-view 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
