@@ -7,6 +7,7 @@ what each rank computes.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -283,6 +284,20 @@ def test_powersgd_stays_flat_across_nodes_and_compresses():
         for step_auto, step_off in zip(auto["grads"], off["grads"]):
             assert torch.equal(step_auto[0], step_off[0]) and torch.equal(step_auto[2], step_off[2])  # the weights
         assert all(torch.equal(a, b) for a, b in zip(r["auto"]["grads"][-1], res[0]["auto"]["grads"][-1]))
+
+
+def _powersgd_hierarchy_on(rank: int, world: int) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm = gradzip.Communicator("powersgd", rank=2, hierarchy="on")
+        flat = not comm.describe_topology()["hierarchical"]
+        comm.close()
+    return [flat, [str(w.message) for w in caught]]
+
+
+def test_powersgd_with_hierarchy_on_says_its_factors_stay_flat():
+    for flat, messages in _run(_powersgd_hierarchy_on, 4, 2):
+        assert flat and any("hierarchy='on'" in m and "stays flat" in m for m in messages), messages
 
 
 def _trained(rank: int, outputs: int, steps: int, **settings):

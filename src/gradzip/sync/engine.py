@@ -250,6 +250,12 @@ class Communicator:
                 self._default_across_nodes()
                 self.collective = self._hierarchical(self.collective)
                 self._plain_hierarchical = self._hierarchical_plain()
+                if hierarchy == "on" and self.codec.parts_format:  # asked for, and not what happens
+                    warnings.warn(
+                        f"hierarchy='on': {self.codec.name} factorises each tensor, so its compressed exchange stays "
+                        "flat across nodes (the node stage's flat shares could not be factorised); plain exchanges "
+                        "still go through the nodes (see describe_topology())", stacklevel=2,
+                    )
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
