@@ -247,6 +247,49 @@ def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_bu
                 assert largest[1] <= r["bucket_bytes"] // 64, (collective, largest, r["bucket_bytes"])
 
 
+def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
+    from gradzip.sync import engine
+
+    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
+    engine._multi_tensor = lambda device: device_flag
+    engine._reads_flag_on_host = lambda device: not device_flag
+    try:
+        g = torch.Generator().manual_seed(rank)
+        steps = [[torch.randn(64, 96, generator=g), torch.randn(300, generator=g)] for _ in range(3)]
+        steps[1][0][5, 7] = float("nan") if rank == 1 else steps[1][0][5, 7]
+        names, compress = ["w.weight", "b.bias"], [True, False]
+        out = {}
+        for inplace in (True, False):
+            comm = gradzip.Communicator("maxmin", bits=4, memory="residual")
+            avgs, ptrs = [], []
+            for step, ts in enumerate(steps):
+                ts = [t.clone() for t in ts]
+                res = drive(comm.reduce_many_stages(ts, names, compress, inplace=inplace, groups=[[0]], step=step))
+                avgs.append([t.clone() for t in res])
+                ptrs.append(res[0].data_ptr() == ts[0].data_ptr())
+            out[inplace] = {"avgs": avgs, "pooled": sum(p.nbytes for p in comm._flat_pools.values()),
+                            "in_its_memory": ptrs, "residual": comm.memory.residuals["w.weight"].clone()}
+            comm.close()
+        return out
+    finally:
+        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+
+
+@pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
+def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(device_flag):
+    """A gradient alone in its group is fused only for its error feedback; averaged in place, its
+    own memory is the group's buffer (compensated there, the average written over it): the same
+    values and residuals as through a buffer of the pool, a NaN step included, and one buffer of
+    its size fewer held by the pool."""
+    for res in run_workers(_alone_in_its_memory, 2, device_flag):
+        lean, pooled = res[True], res[False]
+        # (on an accelerator both keep the residual's scratch buffer)
+        assert all(lean["in_its_memory"]) and lean["pooled"] <= pooled["pooled"] - 64 * 96 * 4
+        for a, b in zip(lean["avgs"], pooled["avgs"]):
+            assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+        assert bool(lean["avgs"][1][0].isnan().all()) and torch.equal(lean["residual"], pooled["residual"])
+
+
 def _batched(rank: int, world: int, codec: str, options: dict) -> dict:
     g = torch.Generator().manual_seed(10 + rank)
     shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64), (50, 7)]

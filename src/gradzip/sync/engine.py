@@ -893,10 +893,15 @@ class Communicator:
         # the collective's own staging memory where it has some (the node's shared memory of a
         # hierarchical exchange), else a buffer of the pool
         flat = coll.input_buffer(key, total, dtype, tensors[0].device, step, align=block)
-        if flat is None:
+        # a gradient alone whose input is its own memory compensated in place (the average
+        # overwrites it anyway): no copy in or out, no buffer of its size from the pool
+        alone = flat is None and inplace and self._averaged_where_it_lies(tensors, total, dtype, coll)
+        if alone:
+            flat = tensors[0].view(-1)
+        elif flat is None:
             flat = pool.lend((total,), tensors[0].device, lent)
         try:
-            inputs = layout.views(flat, "input")  # in the order of the layout
+            inputs = layout.views(flat, "input", keep=not alone)  # in the order of the layout (no view of DDP's memory kept)
             # the average overwrites the input buffer when the collective has read it by then and
             # error feedback, if any, is a residual settled at that moment (see _settle_residual)
             settle = residual = None
@@ -908,7 +913,8 @@ class Communicator:
             # its size, where the memory is none or the group's residual; else the memory's own,
             # gradient by gradient (on the CPU one pass each, where a call costs next to nothing)
             if _multi_tensor(flat.device) and (residual is not None or not mem.stateful):
-                _copy_all(inputs, [tensors[i] for i in order])
+                if not alone:
+                    _copy_all(inputs, [tensors[i] for i in order])
                 if residual is not None:
                     if mem.gamma != 1.0:
                         flat.mul_(mem.gamma)
@@ -935,7 +941,8 @@ class Communicator:
             if inplace:  # one multi-tensor copy into DDP's views
                 # (the average's views are kept where it lies in the group's own buffer)
                 own_buffer = avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel()
-                _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
+                if not (alone and own_buffer):  # (alone, it is there already)
+                    _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer and not alone))
                 results = list(tensors)
             else:  # views of the caller's copy, in the gradients' own order
                 results = [None] * len(tensors)  # type: ignore[list-item]
@@ -948,6 +955,16 @@ class Communicator:
             return results
         finally:
             pool.give_back(lent)
+
+    def _averaged_where_it_lies(self, tensors: Sequence[torch.Tensor], total: int, dtype: torch.dtype,
+                                coll: Collective) -> bool:
+        """Whether a group of one gradient can be its own buffer: contiguous, of the codec's input
+        dtype and a whole number of blocks (no padding), with a collective that releases its input
+        before writing the average and a residual settled at that moment (error feedback is why a
+        gradient alone is fused at all: see :meth:`_fusable`)."""
+        t, mem = tensors[0], self.memory
+        return (len(tensors) == 1 and t.is_contiguous() and t.dtype == dtype and t.numel() == total
+                and mem.stateful and coll.releases_input and self._residual_settles(mem, dtype))
 
     def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int) -> FusedLayout:
         """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
