@@ -942,7 +942,7 @@ class Communicator:
                 # (the average's views are kept where it lies in the group's own buffer)
                 own_buffer = avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel()
                 if not (alone and own_buffer):  # (alone, it is there already)
-                    _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer and not alone))
+                    _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
                 results = list(tensors)
             else:  # views of the caller's copy, in the gradients' own order
                 results = [None] * len(tensors)  # type: ignore[list-item]
