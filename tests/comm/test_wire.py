@@ -76,12 +76,15 @@ def test_one_rank_keeps_its_own_payloads_while_it_re_encodes_into_its_buffers(sp
 
 
 @pytest.mark.skipif(native.available() is not None, reason="the torch kernels write a payload, then copy it")
-@pytest.mark.parametrize("coll,rounds", [("sra", 2), ("allgather", 1)])
-@pytest.mark.parametrize("name", ["maxmin", "qsgd"])
-def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name, coll, rounds):
-    """Only each message's flag slot is copied into a byte buffer (one per round; one rank's
-    all-gather decodes its message where it was written): the payloads (packed codes,
-    statistics) are written where they are sent from (``Codec.payload_spec``)."""
+@pytest.mark.parametrize("name,coll,rounds", [
+    (name, coll, rounds) for name in ("maxmin", "qsgd", "fp8", "mxfp8", "mxfp4", "signsgd")
+    for coll, rounds in (("sra", 2), ("allgather", 1)) if coll in codec(name).collectives
+])
+def test_fixed_form_payloads_are_encoded_straight_into_the_message_buffers(name, coll, rounds):
+    """Max-min, QSGD, FP8, MX and signSGD: only each message's flag slot is copied into a byte buffer
+    (one per round; one rank's all-gather decodes its message where it was written): the
+    payloads (codes, statistics, scales) are written where they are sent from
+    (``Codec.payload_spec``)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     copies = []
@@ -93,7 +96,7 @@ def test_max_min_and_qsgd_are_encoded_straight_into_the_message_buffers(name, co
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(4096)
-    c = codec(name, bucket_size=64)
+    c = codec(name, **({"block_size": 64} if name.startswith(("fp8", "mx")) else {} if name == "signsgd" else {"bucket_size": 64}))
     with Spy():
         res = collectives.get(coll)(None).run(c, x, "w", 0, need_own=True)
     assert copies == [8] * rounds, copies

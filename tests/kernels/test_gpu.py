@@ -498,6 +498,9 @@ def test_fp8_bit_identical(fmt):
         codes, scales = gpu.fp8_encode(x, fmt, block)
         ref_codes, ref_scales = reference.fp8_encode(x, fmt, block)
         assert torch.equal(codes, ref_codes) and _same_bits(scales, ref_scales), (n, block)
+        into = (torch.full_like(codes, 7), torch.full_like(scales, 7.0))  # given buffers: every byte written
+        assert all(a is b for a, b in zip(gpu.fp8_encode(x, fmt, block, into), into))
+        assert torch.equal(into[0], ref_codes) and _same_bits(into[1], ref_scales), (n, block)
         out = gpu.fp8_decode(codes, scales, fmt, block, n)
         assert _same_bits(out, reference.fp8_decode(codes, scales, fmt, block, n)), (n, block)
 
@@ -509,6 +512,9 @@ def test_mx_bit_identical(elem):
         codes, scales = gpu.mx_encode(x, elem, block)
         ref_codes, ref_scales = reference.mx_encode(x, elem, block)
         assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales), (n, block)
+        into = (torch.full_like(codes, 7), torch.full_like(scales, 7))  # given buffers: every byte written
+        assert all(a is b for a, b in zip(gpu.mx_encode(x, elem, block, into), into))
+        assert torch.equal(into[0], ref_codes) and torch.equal(into[1], ref_scales), (n, block)
         out = gpu.mx_decode(codes, scales, elem, block, n)
         assert _same_bits(out, reference.mx_decode(codes, scales, elem, block, n)), (n, block)
 
@@ -573,6 +579,9 @@ def test_saturating_cast_matches_reference(dtype):
         nan = torch.isnan(ref)
         assert torch.equal(torch.isnan(got), nan)  # NaN stays NaN (its payload bits are unspecified)
         assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16)), (x[~nan][got[~nan] != ref[~nan]])
+        into = torch.full(x.shape, 7.0, dtype=dtype, device=DEVICE)  # a given buffer: the same bits
+        assert gpu.saturate(x, dtype, out=into) is into
+        assert torch.equal(into[~nan].view(torch.int16), ref[~nan].view(torch.int16))
     view = _randn(64, seed=5).view(8, 8).t()  # non-contiguous
     assert torch.equal(gpu.saturate(view, dtype).view(torch.int16), reference.saturate(view, dtype).view(torch.int16))
     with pytest.raises(ValueError, match="fp32 to fp16 or bf16"):

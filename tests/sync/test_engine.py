@@ -205,6 +205,13 @@ class _Made(TorchDispatchMode):
         return out
 
 
+# codecs whose exchanges take every buffer of a bucket's size from the pools (fixed-size
+# payloads written where they are sent from; the all-reduce's quotient and summed copy lent);
+# signSGD encodes gradients one by one, with error feedback each compensated into a new tensor
+LEAN_CODECS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 4}, "fp8": {}, "mxfp4": {}, "fp16": {}, "bf16": {}, "none": {},
+               "signsgd": {}}
+
+
 def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
     from gradzip.sync import engine
 
@@ -213,20 +220,25 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
     engine._reads_flag_on_host = lambda device: False
     try:
         out = {}
-        for collective in ("sra", "allgather"):
-            comm = gradzip.Communicator("maxmin", bits=4, memory=memory, collective=collective)
-            buffer, tensors, names, compress = _bucket(16, 1 << 16)
-            made = []
-            for step in range(4):  # the first steps make the residuals and the pools' buffers
-                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
-                with _Made() as m:
-                    if in_place:
-                        drive(comm.bucket_stages(buffer, tensors, names, compress, step))
-                    else:
-                        drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
-                made.append(m.made)
-            out[collective] = {"made": made[2:], "bucket_bytes": buffer.numel() * buffer.element_size()}
-            comm.close()
+        for name, options in LEAN_CODECS.items():
+            if name == "signsgd" and memory != "none" and not in_place:
+                continue
+            for collective in ("sra", "allgather", "allreduce"):
+                if collective not in gradzip.codec(name, **options).collectives:
+                    continue
+                comm = gradzip.Communicator(name, memory=memory, collective=collective, **options)
+                buffer, tensors, names, compress = _bucket(16, 1 << 16)
+                made = []
+                for step in range(4):  # the first steps make the residuals and the pools' buffers
+                    buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+                    with _Made() as m:
+                        if in_place:
+                            drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+                        else:
+                            drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+                    made.append(m.made)
+                out[f"{name}/{collective}"] = {"made": made[2:], "bucket_bytes": buffer.numel() * buffer.element_size()}
+                comm.close()
         return out
     finally:
         engine._multi_tensor, engine._reads_flag_on_host = multi, reads
@@ -237,14 +249,17 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
 def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_buffers(memory, in_place):
     """With the accelerator's choices, from the third step on a bucket's exchange takes its
     buffers (the group's input, the average, payloads, a chunk's average that cannot go into
-    the result yet) from the pools: what operators still make are flags and statistics, each
-    under 1/64 of the bucket; on a GPU, nothing for the caching allocator to find a step, and
-    the same addresses every step. Through the SRA and the all-gather."""
+    the result yet, the all-reduce's quotient and its summed copy) from the pools: what
+    operators still make are flags and statistics, each under 1/64 of the bucket; on a GPU,
+    nothing for the caching allocator to find a step, and the same addresses every step.
+    Through every collective of each codec of :data:`LEAN_CODECS`."""
     for res in run_workers(_made_per_step, 2, memory, in_place):
-        for collective, r in res.items():
+        skipped = {"signsgd"} if memory != "none" and not in_place else set()
+        assert {case.split("/")[0] for case in res} == set(LEAN_CODECS) - skipped and len(res) >= 13, sorted(res)
+        for case, r in res.items():
             for made in r["made"]:
                 largest = max(made, key=lambda m: m[1], default=("", 0))
-                assert largest[1] <= r["bucket_bytes"] // 64, (collective, largest, r["bucket_bytes"])
+                assert largest[1] <= r["bucket_bytes"] // 64, (case, largest, r["bucket_bytes"])
 
 
 def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:

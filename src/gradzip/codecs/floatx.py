@@ -10,7 +10,7 @@ elsewhere) produce the same bytes.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import torch
 
@@ -75,6 +75,12 @@ class FP8(_BlockFloat):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return list(fused.fp8_encode(x, self.format, self.block_size))
 
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, numel), (torch.float32, self._blocks(numel))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        return list(fused.fp8_encode(x, self.format, self.block_size, out))
+
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.fp8_decode(*tensors, self.format, self.block_size, meta.numel)
 
@@ -105,6 +111,12 @@ class _MX(_BlockFloat):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return list(fused.mx_encode(x, self.element, self.block_size))
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, numel if self.bits == 8 else (numel + 1) // 2), (torch.uint8, self._blocks(numel))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        return list(fused.mx_encode(x, self.element, self.block_size, out))
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.mx_decode(*tensors, self.element, self.block_size, meta.numel)

@@ -33,6 +33,14 @@ class _Cast(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [saturate(x, self._wdtype(x.dtype))]
 
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
+        # a cast to the input's own dtype sends the input itself: nothing to write
+        wire = self._wdtype(dtype)
+        return None if wire == dtype else [(wire, numel)]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [saturate(x, out[0].dtype, out=out[0])]
+
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return tensors[0]
 

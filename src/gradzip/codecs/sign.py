@@ -28,7 +28,13 @@ class SignSGD(Codec):
     collectives = ("allgather",)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [fused.sign_encode(x)]
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 1))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
+        return [fused.sign_encode(x, None if out is None else out[0])]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return fused.sign_decode(tensors[0], meta.numel)
@@ -44,6 +50,13 @@ class SignSGD(Codec):
         for i, p in enumerate(payloads):
             fused.sign_decode(p.tensors[0], meta.numel, out=votes, accumulate=i > 0)
         return votes.sign_().reshape(meta.shape).to(meta.dtype)
+
+    def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
+        """The vote counted in the flat fp32 ``out`` itself (-1, 0, +1 are exact in every dtype:
+        :meth:`aggregate`'s values, no tensor of their size made)."""
+        for i, p in enumerate(payloads):
+            fused.sign_decode(p.tensors[0], out.numel(), out=out, accumulate=i > 0)
+        return out.sign_()
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1)
@@ -190,7 +203,7 @@ class Signum(SignSGD):
         super().__init__(**opts)
         self._momentum: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
 
-    def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         g = x.float()
         old = self._momentum.get(meta.name)
         if old is None or old.shape != g.shape:
@@ -200,5 +213,5 @@ class Signum(SignSGD):
         m = torch.add(old * self.momentum, g, alpha=1.0 - self.momentum)
         finite = all_finite(g)  # 0-dim, on device: a NaN/Inf step keeps the old momentum
         self._momentum[meta.name] = torch.where(finite, m, old)
-        return [fused.sign_encode(m)]
+        return [fused.sign_encode(m, None if out is None else out[0])]
 

@@ -116,12 +116,12 @@ class AllGather(Collective):
             gathered = self._lend(call, (w, spec_bytes(fmt)), x.device)
             buf = gathered[call.rank]
             payload = call.encode(x, name, out=payload_views(buf, fmt))
-        else:
+        else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form)
             payload = call.encode(x, name)
+            gathered = self._lend(call, (w, spec_bytes(spec_of(payload.tensors))), x.device)
+            buf = gathered[call.rank]
         call.keep_own(payload, a, b)
         buf = to_bytes(payload.tensors, call.flag, out=buf)
-        if gathered is None:  # the message made apart: gathered beside it (one rank: it is the row)
-            gathered = self._lend(call, (w, buf.numel()), buf.device) if w > 1 else buf.view(1, -1)
         work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True) if w > 1 else None
         # where every decoded value comes from the payload's statistics (in the codec's own
         # format; at one rank those are this rank's own payload's, left alone)

@@ -458,6 +458,12 @@ class Collective(Configurable):
         the collective's pool; it goes back when the call ends."""
         return self._pool.lend(shape, device, call.lent)
 
+    def _lend_values(self, call: "Call", numel: int, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``numel`` values of ``dtype`` (default ``like``'s) on ``like``'s device, lent for the
+        call (bytes of the collective's pool, see :meth:`_lend`)."""
+        dtype = like.dtype if dtype is None else dtype
+        return self._lend(call, (numel * dtype.itemsize,), like.device).view(dtype)
+
     def _evict(self, step: int) -> None:
         """Drop buffers no call has used in this step or the one before (a tensor no longer
         exchanged, a DDP bucket that its rebuild replaced)."""

@@ -141,15 +141,10 @@ class Hierarchical(Collective):
             return None
         return self.node_dtype
 
-    def _values(self, call: Call, numel: int, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """``numel`` values of ``dtype`` (default ``like``'s), lent for the call (as bytes from the collective's pool)."""
-        dtype = like.dtype if dtype is None else dtype
-        return self._lend(call, (numel * dtype.itemsize,), like.device).view(dtype)
-
     def _fill_half(self, call: Call, x: torch.Tensor, dst: torch.Tensor) -> None:
         """``dst`` (16-bit, the padding zeroed) = x / L rounded, finite values saturated."""
         n = x.numel()
-        scaled = self._values(call, n, x)
+        scaled = self._lend_values(call, n, x)
         torch.div(x, self.topology.local_size, out=scaled)
         dst[:n].copy_(fused.saturate(scaled, dst.dtype))
         dst[n:].zero_()
@@ -165,9 +160,9 @@ class Hierarchical(Collective):
         """Stage 1 in 16 bits through the node group: every rank's 16-bit values of this rank's
         share received (an all-to-all: a reduce-scatter's bytes) and summed in fp32."""
         local = self.topology.local_size
-        got = self._values(call, span * local, src)
+        got = self._lend_values(call, span * local, src)
         dist.all_to_all_single(got, src, group=self.node_group)
-        return self._sum_rows(got.view(local, span), self._values(call, span, x))
+        return self._sum_rows(got.view(local, span), self._lend_values(call, span, x))
 
     @staticmethod
     def _sum_rows(rows: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
@@ -211,7 +206,7 @@ class Hierarchical(Collective):
         fill(slots[i])
         dist.all_reduce(torch.zeros(1), group=self.node_group)
         self.shared.mapped(call.name)
-        share = self._sum_rows(slots[:, i * span : (i + 1) * span], self._values(call, span, x))
+        share = self._sum_rows(slots[:, i * span : (i + 1) * span], self._lend_values(call, span, x))
         return share, spread
 
     def _node_sum_collective(self, call: Call, src: torch.Tensor, span: int, by_all_reduce: bool) -> torch.Tensor:
@@ -223,7 +218,7 @@ class Hierarchical(Collective):
         if by_all_reduce:
             dist.all_reduce(src, group=self.node_group)
             return src[i * span : (i + 1) * span]
-        share = self._values(call, span, src)
+        share = self._lend_values(call, span, src)
         dist.reduce_scatter_tensor(share, src, group=self.node_group)
         return share
 
@@ -237,7 +232,7 @@ class Hierarchical(Collective):
         loss: Dict[str, torch.Tensor] = {}
 
         def keep_loss(inner: Call, nonfinite: torch.Tensor) -> None:
-            decoded = self._values(call, share.numel(), share)
+            decoded = self._lend_values(call, share.numel(), share)
             inner.decode_own_into(decoded)
             loss["share"] = torch.sub(share, decoded, out=decoded).mul_(local)
 
@@ -282,7 +277,7 @@ class Hierarchical(Collective):
         elif shared is not None:  # nothing to copy where the caller wrote its slot (input_buffer)
             share, spread = self._node_sum_shared(call, x, chunk, lambda slot: self._copy_in(x, slot, exact))
         elif half is not None:
-            sent = self._values(call, chunk * local, x, half)
+            sent = self._lend_values(call, chunk * local, x, half)
             self._fill_half(call, x, sent)
             share = self._node_sum_half(call, sent, chunk, x)
         else:
@@ -295,7 +290,7 @@ class Hierarchical(Collective):
             if chunk * local == n and exact and (not by_all_reduce or overwritten):
                 src = x
             else:
-                src = self._values(call, chunk * local, x)
+                src = self._lend_values(call, chunk * local, x)
                 self._copy_in(x, src, exact)
             share = self._node_sum_collective(call, src, chunk, by_all_reduce)
         if exact:
@@ -330,7 +325,7 @@ class Hierarchical(Collective):
         if chunk * local == n:
             whole = avg
         else:  # padded: gathered apart, then cut (on gloo into the summed copy, which holds the share)
-            whole = src if by_all_reduce and half is None else self._values(call, chunk * local, x)
+            whole = src if by_all_reduce and half is None else self._lend_values(call, chunk * local, x)
         if by_all_reduce:  # every other share zero, summed over the node
             mine = whole[i * chunk : (i + 1) * chunk]
             if mine.data_ptr() != share.data_ptr():
@@ -406,7 +401,7 @@ class HierarchicalReduceScatter(Hierarchical):
         if shared is not None:
             share, _ = self._node_sum_shared(call, x, span, gather_in)
         else:
-            src = self._values(call, n, x)
+            src = self._lend_values(call, n, x)
             gather_in(src)
             share = self._node_sum_collective(call, src, span, self.by_all_reduce)
         if exact:

@@ -223,8 +223,12 @@ def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: 
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))
 
 
-def sign_encode(x: torch.Tensor) -> torch.Tensor:
-    return backend(x).sign_encode(x)
+def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One bit per value, set where ``x >= 0``; into ``out`` (contiguous bytes) if given."""
+    impl = backend(x)
+    if impl is reference:
+        return _into(None if out is None else (out,), (reference.sign_encode(x),))[0]
+    return impl.sign_encode(x, out)
 
 
 def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
@@ -232,15 +236,20 @@ def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = Fal
     return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))
 
 
-def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturate(y: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y`` cast to ``dtype`` with finite values beyond its range clamped (see
     ``reference.saturate``): one pass for fp32 to fp16/bf16 (the fp16 and bf16 codecs' encode, a
-    copy's worth of memory traffic) with the fused kernels of the device, torch's four elsewhere."""
+    copy's worth of memory traffic) with the fused kernels of the device, torch's four elsewhere.
+    ``out``: a contiguous tensor of ``dtype`` and ``y``'s size that receives the result (a
+    collective's lent buffer), which is returned."""
+    if out is not None and (out.dtype != dtype or out.numel() != y.numel() or not out.is_contiguous()):
+        raise ValueError(f"out must be contiguous, {dtype} and of {y.numel()} values")
     if y.dtype == torch.float32 and dtype in (torch.float16, torch.bfloat16) and y.device.type in ("cpu", "cuda"):
         impl = backend(y)  # raises where GRADZIP_KERNELS forces a version that cannot run here
         if impl is not reference:
-            return impl.saturate(y, dtype)
-    return reference.saturate(y, dtype)
+            return impl.saturate(y, dtype, out)
+    cast = reference.saturate(y, dtype)
+    return cast if out is None else out.copy_(cast.reshape(out.shape))
 
 
 def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -269,9 +278,15 @@ def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
 MX_MAX_BLOCK = native.MAX_BUCKET  # the largest MX block the codecs accept
 
 
-def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp8 codes and per-block fp32 scales (see :func:`.reference.fp8_encode`)."""
-    return backend(x, 8, block).fp8_encode(x, fmt, block)
+def fp8_encode(
+    x: torch.Tensor, fmt: str, block: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes and per-block fp32 scales (see :func:`.reference.fp8_encode`), into ``out``
+    (codes, scales) if given."""
+    impl = backend(x, 8, block)
+    if impl is reference:
+        return _into(out, reference.fp8_encode(x, fmt, block))
+    return impl.fp8_encode(x, fmt, block, out)
 
 
 def fp8_decode(codes, scales, fmt: str, block: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
@@ -283,9 +298,15 @@ def _mx_bits(elem: str) -> int:
     return 4 if elem == "e2m1" else 8
 
 
-def mx_encode(x: torch.Tensor, elem: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """MX element codes and E8M0 scale codes (see :func:`.reference.mx_encode`)."""
-    return backend(x, _mx_bits(elem), block).mx_encode(x, elem, block)
+def mx_encode(
+    x: torch.Tensor, elem: str, block: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes and E8M0 scale codes (see :func:`.reference.mx_encode`), into ``out``
+    (codes, scales) if given."""
+    impl = backend(x, _mx_bits(elem), block)
+    if impl is reference:
+        return _into(out, reference.mx_encode(x, elem, block))
+    return impl.mx_encode(x, elem, block, out)
 
 
 def mx_decode(codes, scales, elem: str, block: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:

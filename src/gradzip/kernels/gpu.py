@@ -1016,12 +1016,13 @@ def qsgd_decode(
     return out
 
 
-def sign_encode(x: torch.Tensor) -> torch.Tensor:
-    """One bit per value, set where ``x >= 0`` in ``x``'s own dtype (NaN counts as negative)."""
+def sign_encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One bit per value, set where ``x >= 0`` in ``x``'s own dtype (NaN counts as negative);
+    into ``out`` (contiguous, of that size) if given."""
     _require()
     x = _flat(x)
     n = x.numel()
-    packed = torch.empty(packed_bytes(n, 1), dtype=torch.uint8, device=x.device)
+    packed = torch.empty(packed_bytes(n, 1), dtype=torch.uint8, device=x.device) if out is None else out
     if n:
         _launch(
             _sign_encode_kernel, (-(-n // _SIGN_BLOCK),), x.device, x, packed, n,
@@ -1030,17 +1031,17 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturate(y: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
     its largest value (``reference.saturate``, bit for bit: both round to nearest even; a NaN
-    stays NaN, its payload bits unspecified)."""
+    stays NaN, its payload bits unspecified); into ``out`` (contiguous) if given."""
     _require()
     if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
     flat = y.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    out = torch.empty(y.shape, dtype=dtype, device=y.device) if out is None else out
     n = flat.numel()
     if n:
         bf16 = dtype == torch.bfloat16
@@ -1240,16 +1241,21 @@ _FORMATS = {
 _MX_EMAX = {"e4m3": 8, "e2m1": 2}
 
 
-def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 codes (one byte per value) and per-block fp32 scales (see ``reference.fp8_encode``)."""
+def fp8_encode(
+    x: torch.Tensor, fmt: str, block: int, out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes (one byte per value) and per-block fp32 scales (see ``reference.fp8_encode``),
+    into ``out`` (contiguous, of those sizes) if given."""
     _require()
     _check(8, block)
     mbits, ebias, _, top, _ = _FORMATS[fmt]
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // block)
-    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(num_buckets, dtype=torch.float32, device=x.device)
+    codes, scales = out if out is not None else (
+        torch.empty(n, dtype=torch.uint8, device=x.device),
+        torch.empty(num_buckets, dtype=torch.float32, device=x.device),
+    )
     if n:
         rows, width, chunked, warps = _geometry(block)
         _launch(
@@ -1284,8 +1290,11 @@ def _check_mx(block: int) -> None:
         raise ValueError(f"MX blocks are multiples of 32 values up to {MAX_BUCKET}, got {block}")
 
 
-def mx_encode(x: torch.Tensor, elem: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """MX element codes (e4m3 one per byte, e2m1 two per byte) and E8M0 scale codes."""
+def mx_encode(
+    x: torch.Tensor, elem: str, block: int, out: Sequence[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX element codes (e4m3 one per byte, e2m1 two per byte) and E8M0 scale codes, into
+    ``out`` (contiguous, of those sizes) if given."""
     _require()
     _check_mx(block)
     mbits, ebias, sign_at, top, _ = _FORMATS[elem]
@@ -1293,8 +1302,10 @@ def mx_encode(x: torch.Tensor, elem: str, block: int) -> tuple[torch.Tensor, tor
     n = x.numel()
     num_buckets = -(-n // block)
     pack4 = elem == "e2m1"
-    codes = torch.empty((n + 1) // 2 if pack4 else n, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(num_buckets, dtype=torch.uint8, device=x.device)
+    codes, scales = out if out is not None else (
+        torch.empty((n + 1) // 2 if pack4 else n, dtype=torch.uint8, device=x.device),
+        torch.empty(num_buckets, dtype=torch.uint8, device=x.device),
+    )
     if n:
         rows, width, chunked, warps = _geometry(block)
         _launch(

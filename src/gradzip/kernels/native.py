@@ -214,21 +214,21 @@ def qsgd_decode(
     return out
 
 
-def saturate(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def saturate(y: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``y`` as fp16 or bf16 in one pass, finite values beyond the type's range clamped to
     its largest value (``reference.saturate``, bit for bit; a NaN stays NaN, the quiet one of
-    its sign, where torch's CPU cast may drop the sign)."""
+    its sign, where torch's CPU cast may drop the sign); into ``out`` (contiguous) if given."""
     if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
     x = y.reshape(-1).contiguous()
-    out = torch.empty(y.shape, dtype=dtype)
+    out = torch.empty(y.shape, dtype=dtype) if out is None else out
     _kernels().gz_saturate(x.data_ptr(), x.numel(), int(dtype == torch.bfloat16), out.data_ptr())
     return out
 
 
-def sign_encode(x: torch.Tensor) -> torch.Tensor:
+def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     x = _f32(x)
-    packed = torch.empty(packed_bytes(x.numel(), 1), dtype=torch.uint8)
+    packed = torch.empty(packed_bytes(x.numel(), 1), dtype=torch.uint8) if out is None else out
     _kernels().gz_sign_encode(x.data_ptr(), x.numel(), packed.data_ptr())
     return packed
 
@@ -262,11 +262,13 @@ _FP8 = {"e4m3": 0, "e5m2": 1}
 _MX = {"e4m3": 0, "e2m1": 1}
 
 
-def fp8_encode(x: torch.Tensor, fmt: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def fp8_encode(
+    x: torch.Tensor, fmt: str, block: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     x = _f32(x)
     n = x.numel()
-    codes = torch.empty(n, dtype=torch.uint8)
-    scales = torch.empty(-(-n // block), dtype=torch.float32)
+    codes, scales = out if out is not None else (
+        torch.empty(n, dtype=torch.uint8), torch.empty(-(-n // block), dtype=torch.float32))
     _kernels().gz_fp8_encode(x.data_ptr(), n, _FP8[fmt], block, codes.data_ptr(), scales.data_ptr())
     return codes, scales
 
@@ -282,13 +284,16 @@ def fp8_decode(
     return out
 
 
-def mx_encode(x: torch.Tensor, elem: str, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def mx_encode(
+    x: torch.Tensor, elem: str, block: int, out: Optional[Sequence[torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     if block % 32:
         raise ValueError(f"MX blocks are multiples of 32 values, got {block}")
     x = _f32(x)
     n = x.numel()
-    codes = torch.empty(n if elem == "e4m3" else (n + 1) // 2, dtype=torch.uint8)
-    scales = torch.empty(-(-n // block), dtype=torch.uint8)
+    codes, scales = out if out is not None else (
+        torch.empty(n if elem == "e4m3" else (n + 1) // 2, dtype=torch.uint8),
+        torch.empty(-(-n // block), dtype=torch.uint8))
     _kernels().gz_mx_encode(x.data_ptr(), n, _MX[elem], block, codes.data_ptr(), scales.data_ptr())
     return codes, scales
 
