@@ -205,9 +205,11 @@ class _Made(TorchDispatchMode):
         return out
 
 
-# codecs whose exchanges take every buffer of a bucket's size from the pools (fixed-size
-# payloads written where they are sent from; the all-reduce's quotient and summed copy lent);
-# signSGD encodes gradients one by one, with error feedback each compensated into a new tensor
+# codecs whose exchanges through the SRA and the all-gather take every buffer of a bucket's
+# size from the pools (fixed-size payloads written where they are sent from); signSGD encodes
+# gradients one by one, with error feedback each compensated into a new tensor. (The all-reduce
+# makes its quotient and payload per call, as PyTorch's fp16 hook does: kept in a pool per size
+# class, every bucket's would stay resident between steps.)
 LEAN_CODECS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 4}, "fp8": {}, "mxfp4": {}, "fp16": {}, "bf16": {}, "none": {},
                "signsgd": {}}
 
@@ -223,7 +225,7 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
         for name, options in LEAN_CODECS.items():
             if name == "signsgd" and memory != "none" and not in_place:
                 continue
-            for collective in ("sra", "allgather", "allreduce"):
+            for collective in ("sra", "allgather"):
                 if collective not in gradzip.codec(name, **options).collectives:
                     continue
                 comm = gradzip.Communicator(name, memory=memory, collective=collective, **options)
@@ -249,13 +251,13 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
 def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_buffers(memory, in_place):
     """With the accelerator's choices, from the third step on a bucket's exchange takes its
     buffers (the group's input, the average, payloads, a chunk's average that cannot go into
-    the result yet, the all-reduce's quotient and its summed copy) from the pools: what
-    operators still make are flags and statistics, each under 1/64 of the bucket; on a GPU,
-    nothing for the caching allocator to find a step, and the same addresses every step.
-    Through every collective of each codec of :data:`LEAN_CODECS`."""
+    the result yet) from the pools: what operators still make are flags and statistics, each
+    under 1/64 of the bucket; on a GPU, nothing for the caching allocator to find a step, and
+    the same addresses every step. Through the SRA and the all-gather, for each codec of
+    :data:`LEAN_CODECS` they take."""
     for res in run_workers(_made_per_step, 2, memory, in_place):
         skipped = {"signsgd"} if memory != "none" and not in_place else set()
-        assert {case.split("/")[0] for case in res} == set(LEAN_CODECS) - skipped and len(res) >= 13, sorted(res)
+        assert {case.split("/")[0] for case in res} == set(LEAN_CODECS) - skipped and len(res) >= 10, sorted(res)
         for case, r in res.items():
             for made in r["made"]:
                 largest = max(made, key=lambda m: m[1], default=("", 0))

@@ -1,16 +1,13 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
 from .base import Call, Collective, Exchanged, Stages, nonfinite_flag, overlaps, register_collective, shared_section
-
-# ``lend(numel, like, dtype=None)``: ``numel`` values of ``dtype`` (default ``like``'s) lent for a call
-Lend = Callable[..., torch.Tensor]
 
 
 @register_collective
@@ -34,12 +31,7 @@ class AllReduce(Collective):
 
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
-        # where the average goes to ``out``, nothing made here outlives the call: the quotient,
-        # the payload and the copy summed in place are lent by the pool (no tensor of the
-        # input's size is made per step); else the average may be one of them
-        lend = (lambda n, like, dtype=None: self._lend_values(call, n, like, dtype)) if call.out is not None else None
-        x = _scaled(call, lend)
-        payload = call.encode(x, parts=call.parts, out=_payload_out(call.codec, x, lend))
+        payload = call.encode(_scaled(call), parts=call.parts)
         # read after encoding (it covers the input); summed only where there is more than one rank
         flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None
         wire = 0
@@ -49,7 +41,7 @@ class AllReduce(Collective):
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
             if call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
-                tensors = [t.clone() if lend is None else lend(t.numel(), t).copy_(t) for t in tensors]
+                tensors = [t.clone() for t in tensors]
             if w > 1:
                 extra = [flag] if first and flag is not None else []
                 works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors + extra]
@@ -160,27 +152,17 @@ def _poison(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor], nonfinite
     return True
 
 
-def _scaled(call: Call, lend: Optional[Lend] = None) -> torch.Tensor:
+def _scaled(call: Call) -> torch.Tensor:
     """The input divided by the world size before encoding, so sums stay in range and decode to
     the average: in place where the caller wants its input overwritten with the average, else
     into the memory the average will be decoded into where the call has one of its own (no
-    buffer the size of the input for the exchange's length), else into a buffer ``lend`` gives
-    (``lend(numel, like)``), else into a new tensor."""
+    buffer the size of the input for the exchange's length), else into a new tensor."""
     x, w = call.x, call.world_size
     if w > 1 and _divided_in_place(call):
         return x.div_(w)  # in its shape, as ``x / w``: a codec that factorises matrices needs it
     if w > 1 and _holds_quotient(call):
         return torch.div(x, w, out=call.out.view(x.shape))
-    if w > 1 and lend is not None:
-        return torch.div(x, w, out=lend(x.numel(), x).view(x.shape))
     return x / w if w > 1 else x
-
-
-def _payload_out(codec: Codec, x: torch.Tensor, lend: Optional[Lend]) -> Optional[List[torch.Tensor]]:
-    """Lent tensors for the payload of ``x`` where the codec can encode into given ones
-    (:meth:`Codec.payload_spec`), else None (the codec makes its own)."""
-    spec = codec.payload_spec(x.numel(), x.dtype) if lend is not None else None
-    return None if spec is None else [lend(n, x, dtype) for dtype, n in spec]
 
 
 def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
