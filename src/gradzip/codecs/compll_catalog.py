@@ -23,12 +23,9 @@ def _ternary(code: torch.Tensor, scale) -> torch.Tensor:
 class CLTernGrad(cl.CompLLCodec):
     """TernGrad (Wen et al., NeurIPS'17) in CompLL: same options and output as ``terngrad``.
 
-    Speed on CUDA: its bodies go through ``torch.compile``, but the encode reads the input
-    twice (the scale is a reduction) and its draws are a tensor of their own, written by their
-    kernel and read by the map, where ``terngrad``'s Triton kernel draws in the pass that codes.
-    An H200 encoded at 28% and decoded at 41% of a device copy (``gradzip bench codecs
-    --device cuda --numel 67108864``, each call's host work included;
-    ``docs/bench/gpu-codecs-h200.json``); use ``terngrad`` where speed matters.
+    Speed on CUDA (compiled): the encode reads the input twice (the scale is a reduction) and
+    its draws are a tensor of their own, where ``terngrad``'s kernel draws as it codes; an H200
+    encoded at 28% and decoded at 41% of a device copy (``docs/bench/gpu-codecs-h200.json``).
     """
 
     name, family, paper, stochastic = "cl_terngrad", "quantization", TernGrad.paper, True
@@ -54,11 +51,9 @@ class CLTernGrad(cl.CompLLCodec):
 class CLTBQ(cl.CompLLCodec):
     """Threshold binary quantization (Strom'15; HiPress) in CompLL: same output as ``tbq``.
 
-    Speed on CUDA: its bodies go through ``torch.compile``; the decode unpacks the codes into a
-    byte tensor of their own before the map reads it. An H200 encoded at 71% and decoded at 28%
-    of a device copy (``gradzip bench codecs --device cuda --numel 67108864``, each call's host
-    work included; ``docs/bench/gpu-codecs-h200.json``); ``tbq``'s Triton kernels decode in
-    one pass.
+    Speed on CUDA (compiled): the decode unpacks the codes into a tensor of their own before
+    the map reads them; an H200 encoded at 71% and decoded at 28% of a device copy
+    (``docs/bench/gpu-codecs-h200.json``).
     """
 
     name, family, paper, wire_bits = "cl_tbq", "quantization", TBQ.paper, 2
@@ -81,10 +76,8 @@ class CLTBQ(cl.CompLLCodec):
 class CLOneBit(cl.CompLLCodec):
     """1-bit SGD (Seide et al., Interspeech'14) in CompLL: same output as ``onebit``.
 
-    Speed on CUDA: its bodies go through ``torch.compile``; the encode's bucket means are fp64
-    sums, as ``onebit``'s (fp32 sums of values near its maximum would overflow). An H200
-    encoded at 23% and decoded at 34% of a device copy (``gradzip bench codecs --device cuda
-    --numel 67108864``, each call's host work included; ``docs/bench/gpu-codecs-h200.json``).
+    Speed on CUDA (compiled): its bucket means are fp64 sums, as ``onebit``'s; an H200 encoded
+    at 23% and decoded at 34% of a device copy (``docs/bench/gpu-codecs-h200.json``).
     """
 
     name, family, paper = "cl_onebit", "sign", OneBit.paper
