@@ -307,6 +307,53 @@ def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(devi
         assert bool(lean["avgs"][1][0].isnan().all()) and torch.equal(lean["residual"], pooled["residual"])
 
 
+def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, device_flag: bool) -> dict:
+    from gradzip.sync import engine
+
+    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
+    engine._multi_tensor = lambda device: device_flag
+    engine._reads_flag_on_host = lambda device: not device_flag
+    try:
+        g = torch.Generator().manual_seed(rank)
+        shapes = [(64, 48), (96, 32), (300,), (40, 40)]
+        names, compress = [f"layer{i}.weight" for i in range(4)], [True, True, False, True]
+        steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+        if rank == 1:
+            steps[1][1][5, 7] = float("nan")
+        out = {}
+        for inplace in (True, False):
+            comm = gradzip.Communicator(codec, memory="residual", **options)
+            avgs, kept = [], []
+            for step, grads in enumerate(steps):
+                grads = [t.clone() for t in grads]
+                res = drive(comm.reduce_many_stages(grads, names, compress, inplace=inplace, groups=[[0], [1], [3]], step=step))
+                avgs.append([t.clone() for t in res])
+                kept.append(sum(b.numel() for (_, role), b in comm.collective._buffers.items() if role == "own"))
+            out[inplace] = {"avgs": avgs, "kept": kept, "residuals": {n: r.clone() for n, r in comm.memory.residuals.items()}}
+            comm.close()
+        return out
+    finally:
+        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+
+
+@pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
+@pytest.mark.parametrize("codec,options", [("powersgd", {"rank": 2}), ("topk", {"ratio": 0.05})])
+def test_gradients_that_cannot_share_an_encoding_are_compensated_and_averaged_in_their_own_memory(codec, options, device_flag):
+    """On DDP's path, gradients exchanged one by one (PowerSGD's matrices alone in their job,
+    summed in one all-reduce; top-k's, gathered side by side) are compensated where they lie
+    and their residuals settled as the collective releases them: the same averages and
+    residuals as through compensated copies, a NaN step included, and no buffer of this rank's
+    decoded payloads kept from step to step."""
+    for res in run_workers(_batch_in_its_memory, 2, codec, options, device_flag):
+        lean, copied = res[True], res[False]
+        assert lean["kept"] == [0, 0, 0] and copied["kept"][-1] >= 64 * 48 + 96 * 32 + 40 * 40
+        for a, b in zip(lean["avgs"], copied["avgs"]):
+            assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+        assert bool(lean["avgs"][1][1].isnan().all())
+        assert lean["residuals"].keys() == copied["residuals"].keys()
+        assert all(torch.equal(lean["residuals"][n], copied["residuals"][n]) for n in lean["residuals"])
+
+
 def _batched(rank: int, world: int, codec: str, options: dict) -> dict:
     g = torch.Generator().manual_seed(10 + rank)
     shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64), (50, 7)]

@@ -526,11 +526,15 @@ class Collective(Configurable):
     def stages_many(
         self, codec: Codec, xs: Sequence[torch.Tensor], names: Sequence[str], step: int, need_own: bool,
         outs: Sequence[Optional[torch.Tensor]],
+        on_release: Optional[Sequence[Callable[[Call, torch.Tensor], None]]] = None,
     ) -> Stages:
         """:meth:`stages` of several tensors at once: one :class:`Result` each. A collective
         whose :meth:`exchange_many` batches them (the all-reduce: one sum per round for all)
-        saves a collective per tensor; the others exchange them side by side."""
+        saves a collective per tensor; the others exchange them side by side. ``on_release``:
+        each call's (see :meth:`stages`)."""
         calls = self._calls(codec, xs, names, step, need_own, outs, 1, None)
+        for call, release in zip(calls, on_release or ()):
+            call.on_release = release
         try:
             gots = yield from self.exchange_many(calls)
             return self._results(calls, gots)

@@ -718,20 +718,76 @@ class Communicator:
         gradient. One non-finite flag covers them, as it covers a fused group."""
         started = time.perf_counter()
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
-        inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
-        self._observe(names, inputs, step)
-        dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
-        results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
+        if self._settles_batch_in_place(tensors, inplace, names):
+            results = yield from self._batch_in_place(codec, coll, tensors, names, step)
+            inputs, dests, settled = list(tensors), [t.view(-1) for t in tensors], True
+        else:
+            inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
+            self._observe(names, inputs, step)
+            dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
+            results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
+            settled = not mem.stateful
         one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
-        if mem.stateful and one_flag:  # one flag covers the batch: the residuals updated together
+        if not settled and one_flag:  # one flag covers the batch: the residuals updated together
             mem.update_many(names, inputs, [res.own for res in results], skip=results[0].nonfinite)
         out, sent = [], coll.sent_per_byte(self.world_size)
         for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
-            avg, record = self._settled(coll, codec, mem, x, name, res, True, update=not one_flag, sent_per_byte=sent)
+            update = not (settled or one_flag)
+            avg, record = self._settled(coll, codec, mem, x, name, res, True, update=update, sent_per_byte=sent)
             out.append(_delivered(t, t if inplace else None, avg, dest))
             self.metrics.record(name, t.numel() * t.element_size(), **record)
         self.metrics.record_group_time(group_key(sorted(names)), time.perf_counter() - started)
         return out
+
+    def _settles_batch_in_place(self, tensors: Sequence[torch.Tensor], inplace: bool, names: Sequence[str]) -> bool:
+        """Whether gradients that cannot share an encoding, with error feedback, can each be
+        compensated where it lies and its residual settled as the collective releases it
+        (:meth:`_batch_in_place`): on DDP's path (the averages overwrite the gradients anyway),
+        fp32 gradients, a plain residual memory, one codec and one collective that releases its
+        inputs before it writes the averages."""
+        if not (inplace and tensors and self.memory.name == "residual"):
+            return False
+        codec, coll = self.codec_for(names[0]), self.collective_for(names[0])
+        return coll.releases_input and all(
+            t.is_contiguous() and t.dtype == torch.float32 and t.numel() > 0
+            and self.codec_for(n) is codec and self.collective_for(n) is coll for t, n in zip(tensors, names)
+        )
+
+    def _batch_in_place(self, codec: Codec, coll: Collective, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                        step: int) -> Stages:
+        """The exchange of a batch with error feedback in its own memory: each gradient
+        compensated in place (a few multi-tensor operations), exchanged, its residual settled
+        from its own payloads when the collective releases it, and its average written over it.
+        No compensated copy of the batch, and no buffer of this rank's decoded payloads kept from
+        step to step per tensor (what :meth:`Memory.update_many` needs): the same values. On an
+        accelerator the new residuals go to one scratch buffer and the agreed flag picks old or
+        new in one operation, as for a fused group (:func:`_settle_residual`)."""
+        mem = self.memory
+        residuals, had = mem.residuals_for(names, tensors)
+        if mem.gamma != 1.0:
+            torch._foreach_mul_(list(tensors), mem.gamma)
+        owed = [i for i, h in enumerate(had) if h]  # a residual of zeros would turn -0.0 into +0.0
+        if owed:
+            torch._foreach_add_([tensors[i] for i in owed], [residuals[i] for i in owed], alpha=mem.beta)
+        self._observe(names, tensors, step)
+        flat = scratch = None
+        if _reads_flag_on_host(tensors[0].device):
+            settles = [_settle_residual(r.view(-1)) for r in residuals]
+        else:
+            flat = mem.flat_residuals(names, residuals)
+            scratch = torch.empty_like(flat)  # freed when the exchange ends, as update_many's
+            parts = _unflatten_dense_tensors(scratch, residuals)
+            settles = [_settle_into(part) for part in parts]
+        results = yield from coll.stages_many(codec, list(tensors), names, step, True, [t.view(-1) for t in tensors],
+                                              on_release=settles)
+        if flat is not None:
+            if all(res.nonfinite is results[0].nonfinite for res in results):  # one flag covers the batch
+                torch.where(results[0].nonfinite, flat, scratch, out=flat)
+            else:  # exchanged side by side, each with its own flag
+                for name, part, res in zip(names, parts, results):
+                    old = mem.residuals[name]
+                    torch.where(res.nonfinite, old, part, out=old)
+        return results
 
     def reduce_many_now(
         self, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool], inplace: bool = False,
@@ -773,7 +829,9 @@ class Communicator:
                 owners.append(list(group))
             else:
                 alone.extend(group)
-        if self._batchable([tensors[i] for i in alone], [names[i] for i in alone]):
+        if self._batchable([tensors[i] for i in alone], [names[i] for i in alone]) or self._settles_batch_in_place(
+            [tensors[i] for i in alone], inplace, [names[i] for i in alone]
+        ):  # (or exchanged side by side on DDP's path, each in its own memory: see _batch_in_place)
             parts.append(self._reduce_batched([tensors[i] for i in alone], [names[i] for i in alone], inplace, step))
             owners.append(alone)
         else:
@@ -1389,6 +1447,16 @@ def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = N
         if bool(nonfinite):
             return
         call.residual_into(residual)
+
+    return settle
+
+
+def _settle_into(scratch: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
+    """The ``on_release`` that writes the input less this rank's share into ``scratch``
+    whatever the flag (the caller then picks old or new residuals by the agreed flag)."""
+
+    def settle(call: Call, nonfinite: torch.Tensor) -> None:
+        call.residual_into(scratch.view(-1))
 
     return settle
 

@@ -172,6 +172,28 @@ class ResidualMemory(Memory):
         torch._foreach_sub_(parts, [d.view(c.shape) for c, d in zip(compensated, decoded)])
         torch.where(skip, flat, news, out=flat)  # one pick for the batch: NaN-safe, no host read
 
+    def residuals_for(self, names: Sequence[str], likes: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[bool]]:
+        """The fp32 residuals of ``names`` on their gradients' (``likes``) devices, to be settled
+        in place by an exchange, and whether each was there already: one without a residual of
+        its gradient's shape gets zeros, registered now (adding nothing to its gradient)."""
+        residuals, had = [], []
+        for name, like in zip(names, likes):
+            res = self._residual(name, like)
+            if res is None or res.dtype != torch.float32:
+                res = self.residuals[name] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+                if self._flats:
+                    self._detach([name])
+                had.append(False)
+            else:
+                had.append(True)
+            residuals.append(res)
+        return residuals, had
+
+    def flat_residuals(self, names: Sequence[str], residuals: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_flat`: the residuals of ``names`` as views of one flat buffer (they may be
+        copied there: use ``self.residuals`` afterwards), so one operation picks them all."""
+        return self._flat(names, residuals)
+
     def _flat(self, names: Sequence[str], olds: Sequence[torch.Tensor]) -> torch.Tensor:
         """The residuals of ``names`` (``olds``) as views of one flat buffer, back to back, so the
         flag picks them all in one operation. Made (one multi-tensor copy) the first time these
