@@ -6,13 +6,15 @@
 # a device copy; 3. the max-min and QSGD kernels alone across tile geometries; 4. what each hook
 # adds to a ResNet-50 and GPT-2 step on one rank over NCCL; 5. two ranks sharing the GPU over
 # gloo; 6. Chrome traces of a few ResNet-50 steps per method, on one rank and on two sharing the
-# GPU (where the two-rank step spends its time above the compute).
+# GPU (where the two-rank step spends its time above the compute); 7. the GPU memory each method
+# adds to fp32 DDP's on ResNet-50's gradient set.
 # --targets, the targets at the end of docs/gpu.md in under ten minutes (every step
 # time-limited): the gpu-marked tests and tests/frontends/test_cuda.py (DDP over NCCL, CUDA
 # tensors over gloo); what each hook adds on one rank, four runs in fresh processes (the
 # machine's speed drifts between runs: compare within one, and read the per-turn column), every
 # other one with every DDP built with gradient_as_bucket_view=True (what the guide recommends
-# on GPUs); two ranks sharing the GPU, ResNet-50, with and without them.
+# on GPUs); two ranks sharing the GPU, ResNet-50, with and without them; the GPU memory each
+# method adds on ResNet-50's gradient set.
 # Each step writes its log (and JSON) into the folder, packed as <folder>.tar.gz after each step,
 # and the run goes on if one fails or runs past its limit.
 set -u
@@ -26,12 +28,14 @@ workers=$($py -c "import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))")
 xdist=$($py -c "import xdist" 2>/dev/null && echo "-n $workers")
 status=0
 start=$(date +%s)
+mem=fp32,torch-fp16,maxmin:bits=4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual,powersgd,topk
 step() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     echo "== [$(( $(date +%s) - start ))s] $name: $*"
     timeout "$limit" "$@" > "$out/$name.log" 2>&1 || { status=1; echo "   failed or timed out (see $out/$name.log)"; }
     # a test run's summary line, a table's rows (the lines with a step time or a ratio), or the error
-    grep -E "(passed|failed|skipped).* in [0-9.]+s|^ .*[0-9] +[0-9.]+×|no DDP|error:" "$out/$name.log" | cut -c1-140 | tail -n 25
+    grep -E "(passed|failed|skipped).* in [0-9.]+s|^ .*[0-9] +[0-9.]+×|^ .* [+-][0-9]+\.[0-9]+ *$|no DDP|error:" "$out/$name.log" \
+        | cut -c1-140 | tail -n 25
     tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 }
 if [ $targets = 1 ]; then
@@ -48,6 +52,7 @@ if [ $targets = 1 ]; then
         --json "$out/overhead-2ranks.json"
     step overhead-2ranks-bucket-view 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
         --configs "$two" --bucket-view --json "$out/overhead-2ranks-bucket-view.json"
+    step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
 else
     step tests 600 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step codecs 600 $py -m gradzip bench codecs --device cuda --numel 67108864 --json "$out/codecs.json"
@@ -59,6 +64,7 @@ else
         --steps 4 --trace "$out/traces"
     step traces-2ranks 600 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \
         --steps 4 --trace "$out/traces-2ranks"
+    step memory 600 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
 fi
 echo "== [$(( $(date +%s) - start ))s] all of it in $out.tar.gz"
 exit $status

@@ -10,6 +10,8 @@ minus the resident memory before the first step: DDP's gradients and buckets, th
 buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess
 over fp32 DDP measured in the same run: the steady state of a long training run. The
 warm-up's own peak (a residual copied to a rebuilt bucket's layout, for one) is not in it.
+With ``device="cuda"`` the gradient set lives on the GPU and the same is measured with the
+caching allocator's statistics (its peak of allocated bytes, reset after the warm-up).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import os
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
 
 from ..comm.launch import spawn_local
 from .models import MODELS, ModelSpec, _build, numel, resolve
@@ -48,47 +52,81 @@ def available() -> Optional[str]:
     return None
 
 
-def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any], steps: int, warmup: int = 2) -> Dict[str, Any]:
-    import torch
+def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any], steps: int, warmup: int = 2,
+                  device: str = "cpu") -> Dict[str, Any]:
+    """One rank: the memory it adds over ``warmup`` + ``steps`` DDP steps. On the CPU its peak
+    resident memory; on a GPU the peak of what PyTorch's caching allocator has handed out on
+    the device (``torch.cuda.max_memory_allocated``: tensors, not the cache's spare blocks),
+    both from before the first step. One rank on a GPU exchanges over NCCL, several sharing it
+    over gloo."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import gradzip
 
-    module, loss_of = _build(spec, rank, world)
-    ddp = DistributedDataParallel(module, init_sync=False)
+    dev = torch.device(device)
+    group = None
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        if world == 1:  # NCCL takes one rank per GPU; ranks sharing one exchange over gloo
+            group = dist.new_group([0], backend="nccl")
+    module, loss_of = _build(spec, rank, world, dev)
+    ddp = DistributedDataParallel(module, device_ids=[dev.index or 0] if dev.type == "cuda" else None,
+                                  process_group=group, init_sync=False)
     state = None
     if method["kind"] == "torch":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp.register_comm_hook(None, getattr(default_hooks, method["hook"]))
+        ddp.register_comm_hook(group, getattr(default_hooks, method["hook"]))
     elif method["kind"] == "gradzip":
-        state = gradzip.register(ddp, method["codec"], **method["options"])
+        state = gradzip.register(ddp, method["codec"], group=group, **method["options"])
     gc.collect()
-    torch.distributed.barrier()
-    before = _status_kb("VmRSS")
+    dist.barrier()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+    else:
+        before = _status_kb("VmRSS") * 1024
     # the first steps allocate what stays (gradients, residuals, buffers): counted, since the
     # peak is taken from before them; DDP rebuilds its buckets at the second, a one-off whose
     # transient copies the high-water mark then forgets: the measured steps are the steady state
     for _ in range(warmup):
         loss_of(ddp).backward()
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from what is resident now
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)  # the peak starts again from what is allocated now
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from what is resident now
     for _ in range(steps):
         loss_of(ddp).backward()
-    peak = _status_kb("VmHWM")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        peak = _status_kb("VmHWM") * 1024
     if state is not None:
         state.close()
-    return {"added_bytes": (peak - before) * 1024}
+    if group is not None:
+        dist.destroy_process_group(group)
+    return {"added_bytes": peak - before}
 
 
 def run_memory(
     model: Union[str, ModelSpec] = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 2,
-    steps: int = 3, json_path: Optional[str] = None, warmup: int = 2,
+    steps: int = 3, json_path: Optional[str] = None, warmup: int = 2, device: str = "cpu",
 ) -> Dict[str, Any]:
     """Every method in ``configs`` on ``workers`` local ranks over loopback; the report.
-    ``model``: a name of :data:`gradzip.bench.models.MODELS` or a spec of one's own."""
-    why = available()
+    ``model``: a name of :data:`gradzip.bench.models.MODELS` or a spec of one's own.
+    ``device``: ``cpu`` (resident memory) or ``cuda[:index]`` (memory allocated on the GPU,
+    which the ranks share); ValueError for one this machine does not have."""
+    from .codecs import check_device
+
+    dev = check_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    why = available() if dev.type == "cpu" else None
     if why is not None:
         raise RuntimeError(f"gradzip bench memory: {why}")
     if isinstance(model, str):
@@ -104,7 +142,8 @@ def run_memory(
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
     try:
-        per_method = [spawn_local(memory_worker, workers, model, m, steps, warmup, all_ranks=True) for m in methods]
+        per_method = [spawn_local(memory_worker, workers, model, m, steps, warmup, str(dev), all_ranks=True)
+                      for m in methods]
     finally:
         if old is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -121,8 +160,11 @@ def run_memory(
         r["over_fp32_x"] = None if fp32 is None else r["added_x"] - fp32["added_x"]
     report = {
         "model": model.name, "workers": workers, "warmup": warmup, "steps": steps, "gradient_bytes": grad_bytes, "rows": rows,
-        "wall_s": time.perf_counter() - started,
+        "wall_s": time.perf_counter() - started, "device": str(dev),
+        "measure": "peak allocated on the GPU" if dev.type == "cuda" else "peak resident",
     }
+    if dev.type == "cuda":
+        report["device_name"] = torch.cuda.get_device_name(dev)
     if json_path:
         if os.path.dirname(json_path):
             os.makedirs(os.path.dirname(json_path), exist_ok=True)
@@ -134,9 +176,10 @@ def run_memory(
 def table(report: Dict[str, Any]):
     from .tables import table as new_table
 
+    where = f" on {report.get('device_name', report['device'])}" if report.get("device", "cpu") != "cpu" else ""
     t = new_table(
         title=f"Peak memory a rank adds during {report['steps']} DDP steps, {report['model']} "
-        f"({report['gradient_bytes'] / 1e6:.0f} MB of gradients), {report['workers']} ranks",
+        f"({report['gradient_bytes'] / 1e6:.0f} MB of gradients), {report['workers']} ranks{where}",
     )
     for header in ["method", "added (MB, median rank)", "× gradients", "over fp32 DDP (× gradients)"]:
         t.add_column(header, justify="left" if header == "method" else "right")

@@ -378,17 +378,18 @@ def methods_for(configs: Sequence[str]) -> List[Dict[str, Any]]:
 
 # ------------------------------------------------------------------------------ the ranks
 
-def _build(spec: ModelSpec, rank: int, world: int) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """The module (same parameters on every rank) and its loss on this rank's fixed input."""
+def _build(spec: ModelSpec, rank: int, world: int, device: "str | torch.device" = "cpu",
+           ) -> Tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """The module (same parameters on every rank) and its loss on this rank's fixed input, on ``device``."""
     if spec.module is None:
-        module = ShapeModel(spec.shapes(), seed=0)
-        x = torch.tensor(1.0 + rank / world)  # ranks' gradients differ
+        module = ShapeModel(spec.shapes(), seed=0).to(device)
+        x = torch.tensor(1.0 + rank / world, device=device)  # ranks' gradients differ
         return module, lambda m: m(x)
     torch.manual_seed(0)
-    module = spec.module()
+    module = spec.module().to(device)
     gen = torch.Generator().manual_seed(1000 + rank)
-    images = torch.randn(spec.image, generator=gen)
-    labels = torch.randint(0, spec.classes, (spec.image[0],), generator=gen)
+    images = torch.randn(spec.image, generator=gen).to(device)
+    labels = torch.randint(0, spec.classes, (spec.image[0],), generator=gen).to(device)
     return module, lambda m: F.cross_entropy(m(images), labels)
 
 

@@ -359,11 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Each method in processes of its own on local gloo ranks: the peak resident memory a rank "
         "adds from before its first DDP step to the end of the measured steps (gradients, DDP's buckets, the "
         "method's buffers and residuals) in the steady state after --warmup steps, in units of the gradient size "
-        "and as the excess over fp32 DDP. Linux only.",
+        "and as the excess over fp32 DDP. Linux only. With --device cuda, the gradient set on the GPU and the peak "
+        "memory the caching allocator has handed out there.",
         epilog="examples:\n"
         "  gradzip bench memory                                   # ResNet-50, 2 ranks\n"
         "  gradzip bench memory --configs fp32,maxmin4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual\n"
-        "  gradzip bench memory --model gpt2 --json out/memory.json",
+        "  gradzip bench memory --model gpt2 --json out/memory.json\n"
+        "  gradzip bench memory --device cuda --workers 1          # on a GPU, NCCL",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     mm.add_argument("--model", choices=list(MODELS), default="resnet50", help="gradient set (default %(default)s)")
@@ -378,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps before the measured ones; DDP rebuilds its buckets at the second (default %(default)s)",
     )
     mm.add_argument("--steps", type=_positive, default=3, help="measured steps after the warm-up (default %(default)s)")
+    mm.add_argument(
+        "--device", default="cpu",
+        help="cpu (peak resident memory) or cuda[:index] (peak memory allocated on the GPU; one rank over NCCL, "
+        "several sharing the GPU over gloo) (default %(default)s)",
+    )
     mm.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
 
     from ..bench import overhead as oh
@@ -613,7 +620,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             report = memory.run_memory(
                 args.model, args.configs, args.workers, args.steps, json_path=args.json_path, warmup=args.warmup,
+                device=args.device,
             )
+        except ValueError as exc:
+            raise SystemExit(f"gradzip bench memory: {exc}")
         except RuntimeError as exc:
             raise SystemExit(str(exc))
         console = _console()
