@@ -308,6 +308,8 @@ def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(devi
 
 
 def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, device_flag: bool) -> dict:
+    options = dict(options)
+    memory = options.pop("memory", "residual")
     from gradzip.sync import engine
 
     multi, reads = engine._multi_tensor, engine._reads_flag_on_host
@@ -322,7 +324,7 @@ def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, devic
             steps[1][1][5, 7] = float("nan")
         out = {}
         for inplace in (True, False):
-            comm = gradzip.Communicator(codec, memory="residual", **options)
+            comm = gradzip.Communicator(codec, memory=memory, **options)
             avgs, kept = [], []
             for step, grads in enumerate(steps):
                 grads = [t.clone() for t in grads]
@@ -337,13 +339,15 @@ def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, devic
 
 
 @pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
-@pytest.mark.parametrize("codec,options", [("powersgd", {"rank": 2}), ("topk", {"ratio": 0.05})])
+@pytest.mark.parametrize("codec,options", [("powersgd", {"rank": 2}), ("topk", {"ratio": 0.05}),
+                                           ("powersgd", {"rank": 1, "memory": "powersgd"}), ("efsignsgd", {"memory": "efsign"})])
 def test_gradients_that_cannot_share_an_encoding_are_compensated_and_averaged_in_their_own_memory(codec, options, device_flag):
     """On DDP's path, gradients exchanged one by one (PowerSGD's matrices alone in their job,
-    summed in one all-reduce; top-k's, gathered side by side) are compensated where they lie
-    and their residuals settled as the collective releases them: the same averages and
-    residuals as through compensated copies, a NaN step included, and no buffer of this rank's
-    decoded payloads kept from step to step."""
+    summed in one all-reduce; top-k's and EF-signSGD's, gathered side by side) are compensated
+    where they lie and their residuals settled as the collective releases them: the same
+    averages and residuals as through compensated copies, a NaN step included, and no buffer of
+    this rank's decoded payloads kept from step to step. (The memories that are a plain
+    residual: ``residual``, and PowerSGD's and EF-signSGD's own.)"""
     for res in run_workers(_batch_in_its_memory, 2, codec, options, device_flag):
         lean, copied = res[True], res[False]
         assert lean["kept"] == [0, 0, 0] and copied["kept"][-1] >= 64 * 48 + 96 * 32 + 40 * 40

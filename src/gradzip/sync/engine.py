@@ -33,8 +33,11 @@ from .groups import FusedLayout
 from .places import Places
 from .worker import OrderedWorker
 
+# the memories whose state is a plain fp32 residual, input − this rank's share (ResidualMemory's
+# update; EF-signSGD's and PowerSGD's are it with beta = gamma = 1): settled in place
+PLAIN_RESIDUALS = ("residual", "efsign", "powersgd")
 # error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
-IN_PLACE_MEMORIES = ("none", "residual", "efsign")
+IN_PLACE_MEMORIES = ("none", *PLAIN_RESIDUALS)
 
 STATE_FORMAT = 2  # 2: one step counter ("step"); 1 had per-name counters and the hook's "hook_step"
 
@@ -743,9 +746,9 @@ class Communicator:
         """Whether gradients that cannot share an encoding, with error feedback, can each be
         compensated where it lies and its residual settled as the collective releases it
         (:meth:`_batch_in_place`): on DDP's path (the averages overwrite the gradients anyway),
-        fp32 gradients, a plain residual memory, one codec and one collective that releases its
-        inputs before it writes the averages."""
-        if not (inplace and tensors and self.memory.name == "residual"):
+        fp32 gradients, a plain residual memory (:data:`PLAIN_RESIDUALS`), one codec and one
+        collective that releases its inputs before it writes the averages."""
+        if not (inplace and tensors and self.memory.name in PLAIN_RESIDUALS):
             return False
         codec, coll = self.codec_for(names[0]), self.collective_for(names[0])
         return coll.releases_input and all(
