@@ -516,3 +516,17 @@ def test_dgc_communicator_single_process():
     assert y.shape == x.shape and 0 < int((y != 0).sum()) <= 100
     assert isinstance(comm.memory, DGCMemory) and "w" in comm.memory.velocities
     comm.close()
+
+
+@pytest.mark.parametrize("dtype,votes", [(torch.bfloat16, 257), (torch.float16, 2049)])
+def test_signsgd_counts_its_vote_exactly_into_a_16_bit_destination(dtype, votes):
+    """``aggregate_into`` a 16-bit ``out`` (a reduce-scatter's, in the input's dtype): one more
+    '+' than '-' vote still gives +1 where the 16-bit count would round the tie away."""
+    c = gradzip.codec("signsgd")
+    plus, minus = c.encode(torch.ones(8, dtype=dtype), "w", 0), c.encode(-torch.ones(8, dtype=dtype), "w", 0)
+    payloads = [plus] * votes + [minus] * (votes - 1)
+    out = torch.zeros(8, dtype=dtype)
+    assert torch.equal(c.aggregate_into(payloads, out), torch.ones(8, dtype=dtype))
+    assert torch.equal(c.aggregate(payloads), torch.ones(8, dtype=dtype))
+    fp32 = torch.zeros(8)
+    assert c.aggregate_into(payloads, fp32) is fp32 and torch.equal(fp32, torch.ones(8))

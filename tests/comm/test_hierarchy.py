@@ -143,6 +143,34 @@ def _sixteen_bit_node(rank: int, world: int, node_dtype: str, intra: str) -> dic
     return out
 
 
+def _server_across_nodes(rank: int, world: int, intra: str) -> dict:
+    """The parameter server as the exchange across nodes, with error feedback, on DDP's path
+    (the average written over the gradient)."""
+    comm = gradzip.Communicator("randomk", ratio=0.1, memory="residual", collective="ps")
+    if intra != "shared":
+        comm.collective.shared = None
+        comm.collective.by_all_reduce = intra == "all-reduce"
+    x = _values(rank, 4096, 11)
+    avg = comm.reduce_many_now([x.clone()], ["w"], [True], inplace=True)[0].clone()
+    out = {"avg": avg, "residual": comm.memory.residuals["w"].reshape(-1).clone()}
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("intra", ["all-reduce", "reduce-scatter"])
+def test_a_server_across_nodes_keeps_error_feedback_where_the_average_overwrites_the_share(intra):
+    """The parameter server writes its average before it releases its input; where the node's
+    share is also where that average goes (no shared memory), what error feedback keeps is
+    taken before it is overwritten: the residuals equal those of the shared-memory layout, and
+    what the ranks kept and what reached the average add up to their inputs."""
+    apart, shared = _run(_server_across_nodes, 4, 2, intra), _run(_server_across_nodes, 4, 2, "shared")
+    xs = [_values(r, 4096, 11) for r in range(4)]
+    kept = sum(x.double() - r["residual"].double() for x, r in zip(xs, apart))
+    torch.testing.assert_close(kept, 4 * apart[0]["avg"].double(), rtol=1e-6, atol=1e-4)
+    for a, b in zip(apart, shared):
+        assert torch.equal(a["avg"], b["avg"]) and torch.equal(a["residual"], b["residual"])
+
+
 def _sixteen_bit_input(rank: int) -> torch.Tensor:
     x = _values(rank, 4001, 5)  # not a whole number of blocks or shares
     if rank == 1:

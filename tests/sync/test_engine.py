@@ -358,6 +358,43 @@ def test_gradients_that_cannot_share_an_encoding_are_compensated_and_averaged_in
         assert all(torch.equal(lean["residuals"][n], copied["residuals"][n]) for n in lean["residuals"])
 
 
+def _lone_edge_cases(rank: int, world: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(64, 48), (96, 32), (40, 40)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    if rank == 1:
+        grads[1][5, 7] = float("nan")
+    names = [f"layer{i}.weight" for i in range(3)]
+    out = {}
+    for inplace in (True, False):
+        # without fusion each lone gradient keeps its own non-finite flag
+        comm = gradzip.Communicator("powersgd", rank=2, memory="residual", fusion=False)
+        avgs = drive(comm.reduce_many_stages([t.clone() for t in grads], names, [True] * 3, inplace=inplace,
+                                             groups=[[0], [1], [2]], step=0))
+        out[("no fusion", inplace)] = [bool(a.isnan().any()) for a in avgs]
+        comm.close()
+        # a residual of another dtype (a checkpoint's) still counts, as fp32
+        comm = gradzip.Communicator("powersgd", rank=2, memory="residual")
+        comm.memory.residuals["layer0.weight"] = torch.full(shapes[0], 0.5, dtype=torch.float16)
+        clean = [t.nan_to_num(0.0) for t in grads]
+        avgs = drive(comm.reduce_many_stages([t.clone() for t in clean], names, [True] * 3, inplace=inplace,
+                                             groups=[[0], [1], [2]], step=0))
+        out[("fp16 residual", inplace)] = ([a.clone() for a in avgs], comm.memory.residuals["layer0.weight"].clone())
+        comm.close()
+    return out
+
+
+def test_lone_gradients_in_their_own_memory_keep_their_flags_without_fusion_and_a_residual_of_another_dtype():
+    """On DDP's path: with ``fusion=False`` a NaN in one lone gradient makes only its own
+    average NaN (no batch under one flag), and a stored fp16 residual is added as the copied
+    path adds it (in fp32), not dropped."""
+    for res in run_workers(_lone_edge_cases, 2):
+        assert res[("no fusion", True)] == res[("no fusion", False)] == [False, True, False]
+        (lean, r_lean), (copied, r_copied) = res[("fp16 residual", True)], res[("fp16 residual", False)]
+        assert all(torch.equal(a, b) for a, b in zip(lean, copied))
+        assert r_lean.dtype == torch.float32 and torch.equal(r_lean, r_copied)
+
+
 def _batched(rank: int, world: int, codec: str, options: dict) -> dict:
     g = torch.Generator().manual_seed(10 + rank)
     shapes = [(64, 32), (16, 3, 3, 3), (128, 64), (32, 32), (10, 64), (50, 7)]

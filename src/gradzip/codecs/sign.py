@@ -52,8 +52,11 @@ class SignSGD(Codec):
         return votes.sign_().reshape(meta.shape).to(meta.dtype)
 
     def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
-        """The vote counted in the flat fp32 ``out`` itself (-1, 0, +1 are exact in every dtype:
-        :meth:`aggregate`'s values, no tensor of their size made)."""
+        """The vote counted in the flat ``out`` itself where it is fp32 (-1, 0, +1 are exact in
+        every dtype: :meth:`aggregate`'s values, no tensor of their size made); a 16-bit ``out``
+        cannot count past 256 (bf16) or 2048 (fp16) votes exactly, so the vote is counted apart."""
+        if out.dtype != torch.float32:
+            return out.copy_(self.aggregate(payloads).reshape(-1))
         for i, p in enumerate(payloads):
             fused.sign_decode(p.tensors[0], out.numel(), out=out, accumulate=i > 0)
         return out.sign_()

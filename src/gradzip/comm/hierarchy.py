@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..codecs.base import Codec
 from ..kernels import fused
 from .allreduce import _same_memory
-from .base import Call, Collective, Exchanged, Stages, all_gather_flat
+from .base import Call, Collective, Exchanged, Stages, all_gather_flat, overlaps
 from .stages import staged
 from .sra import chunk_length
 from .shm import NodeSharedMemory
@@ -236,10 +236,16 @@ class Hierarchical(Collective):
             inner.decode_own_into(decoded)
             loss["share"] = torch.sub(share, decoded, out=decoded).mul_(local)
 
+        # an inner exchange that writes its result before it releases its input (the parameter
+        # server's) would overwrite the share before keep_loss reads it: its result goes apart
+        apart = call.need_own and not self.inner.releases_input and overlaps(out, share)
+        dest = self._lend_values(call, out.numel(), out) if apart else out
         res = yield from staged(self.inner.stages(
             call.codec, share, f"{call.name}@{self.topology.local_rank}/{local}", call.step, need_own=call.need_own,
-            out=out, align=align, on_release=keep_loss if call.need_own else None,
+            out=dest, align=align, on_release=keep_loss if call.need_own else None,
         ))
+        if apart:
+            out.copy_(dest)
         for key in ("encode_s", "decode_s", "encode_cpu_s", "decode_cpu_s"):
             setattr(call.timer, key, getattr(call.timer, key) + getattr(res, key))
         return res, loss

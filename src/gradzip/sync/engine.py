@@ -832,15 +832,17 @@ class Communicator:
                 owners.append(list(group))
             else:
                 alone.extend(group)
-        if self._batchable([tensors[i] for i in alone], [names[i] for i in alone]) or self._settles_batch_in_place(
-            [tensors[i] for i in alone], inplace, [names[i] for i in alone]
-        ):  # (or exchanged side by side on DDP's path, each in its own memory: see _batch_in_place)
+        if self._batchable([tensors[i] for i in alone], [names[i] for i in alone]):
             parts.append(self._reduce_batched([tensors[i] for i in alone], [names[i] for i in alone], inplace, step))
             owners.append(alone)
-        else:
+        else:  # one by one, each with its own flag (on DDP's path in its own memory: see _batch_in_place)
             for i in alone:
-                parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
-                owners.append(i)
+                if self._settles_batch_in_place([tensors[i]], inplace, [names[i]]):
+                    parts.append(self._reduce_batched([tensors[i]], [names[i]], inplace, step))
+                    owners.append([i])
+                else:
+                    parts.append(self._reduce_one(tensors[i], names[i], True, tensors[i] if inplace else None, step))
+                    owners.append(i)
         results = yield from lockstep(parts)
         out: List[Optional[torch.Tensor]] = [None] * len(tensors)
         for owner, result in zip(owners, results):

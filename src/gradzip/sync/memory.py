@@ -173,17 +173,23 @@ class ResidualMemory(Memory):
         torch.where(skip, flat, news, out=flat)  # one pick for the batch: NaN-safe, no host read
 
     def residuals_for(self, names: Sequence[str], likes: Sequence[torch.Tensor]) -> Tuple[List[torch.Tensor], List[bool]]:
-        """The fp32 residuals of ``names`` on their gradients' (``likes``) devices, to be settled
-        in place by an exchange, and whether each was there already: one without a residual of
-        its gradient's shape gets zeros, registered now (adding nothing to its gradient)."""
+        """The fp32 residuals of ``names`` on their gradients' (``likes``) devices, contiguous, to
+        be settled in place by an exchange, and whether each was there already: one without a
+        residual of its gradient's shape gets zeros, registered now (adding nothing to its
+        gradient); one of another dtype or layout is replaced by an fp32 contiguous copy."""
         residuals, had = [], []
         for name, like in zip(names, likes):
             res = self._residual(name, like)
-            if res is None or res.dtype != torch.float32:
-                res = self.residuals[name] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+            if res is None or res.dtype != torch.float32 or not res.is_contiguous():
+                # none yet: zeros; one of another dtype (a checkpoint's) or layout: as fp32, contiguous
+                new = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+                if res is not None:
+                    new.copy_(res)
+                self.residuals[name] = new
                 if self._flats:
                     self._detach([name])
-                had.append(False)
+                had.append(res is not None)
+                res = new
             else:
                 had.append(True)
             residuals.append(res)
