@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from ..comm.launch import spawn_local
+from .methods import rank_group
 from .models import MODELS, ModelSpec, _build, numel, resolve
 
 DEFAULT_CONFIGS = (
@@ -65,11 +66,7 @@ def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any]
     import gradzip
 
     dev = torch.device(device)
-    group = None
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-        if world == 1:  # NCCL takes one rank per GPU; ranks sharing one exchange over gloo
-            group = dist.new_group([0], backend="nccl")
+    group = rank_group(dev, world)
     module, loss_of = _build(spec, rank, world, dev)
     ddp = DistributedDataParallel(module, device_ids=[dev.index or 0] if dev.type == "cuda" else None,
                                   process_group=group, init_sync=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 # config name -> (codec, keyword arguments of gradzip.register); None means plain fp32 DDP.
@@ -87,3 +88,14 @@ def attach(ddp: Any, name: str, group: Optional[dist.ProcessGroup] = None, start
     import gradzip
 
     return gradzip.register(ddp, codec, **opts)
+
+
+def rank_group(device: "str | torch.device", world: int) -> Optional[dist.ProcessGroup]:
+    """A spawned rank's exchange on ``device``: on a GPU the rank's device made current and, for a
+    job of one rank, an NCCL group of its own (NCCL takes one rank per GPU; ranks sharing a GPU
+    exchange CUDA tensors over the default gloo group: None)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    torch.cuda.set_device(dev)
+    return dist.new_group([0], backend="nccl") if world == 1 else None

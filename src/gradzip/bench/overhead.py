@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import write_json
 from .codecs import check_device
-from .methods import CONFIGS, attach, describe
+from .methods import CONFIGS, attach, describe, rank_group
 
 MODELS = ("resnet50", "gpt2", "resnet18")
 DEFAULT_MODELS = ["resnet50", "gpt2"]
@@ -198,11 +198,7 @@ def _measure(rank: int, world: int, device_name: str, models: Sequence[str], con
     from torch.nn.parallel import DistributedDataParallel
 
     device = torch.device(device_name)
-    group = None
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        if world == 1:  # NCCL takes one rank per GPU; ranks sharing one exchange over gloo
-            group = dist.new_group([0], backend="nccl")
+    group = rank_group(device, world)
     report: Dict[str, Any] = {"models": []}
     for model_name in models:
         batch, size = batches[model_name]
