@@ -177,23 +177,19 @@ class ResidualMemory(Memory):
         be settled in place by an exchange, and whether each was there already: one without a
         residual of its gradient's shape gets zeros, registered now (adding nothing to its
         gradient); one of another dtype or layout is replaced by an fp32 contiguous copy."""
-        residuals, had = [], []
+        had = []
         for name, like in zip(names, likes):
             res = self._residual(name, like)
+            had.append(res is not None)
             if res is None or res.dtype != torch.float32 or not res.is_contiguous():
                 # none yet: zeros; one of another dtype (a checkpoint's) or layout: as fp32, contiguous
                 new = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
                 if res is not None:
                     new.copy_(res)
                 self.residuals[name] = new
-                if self._flats:
+                if self._flats:  # (the other names of its flat buffer get copies of their own)
                     self._detach([name])
-                had.append(res is not None)
-                res = new
-            else:
-                had.append(True)
-            residuals.append(res)
-        return residuals, had
+        return [self.residuals[name] for name in names], had  # read once every replacement is done
 
     def flat_residuals(self, names: Sequence[str], residuals: Sequence[torch.Tensor]) -> torch.Tensor:
         """:meth:`_flat`: the residuals of ``names`` as views of one flat buffer (they may be
