@@ -146,7 +146,7 @@ class Hierarchical(Collective):
         n = x.numel()
         scaled = self._lend_values(call, n, x)
         torch.div(x, self.topology.local_size, out=scaled)
-        dst[:n].copy_(fused.saturate(scaled, dst.dtype))
+        fused.saturate(scaled, dst.dtype, out=dst[:n])  # cast where it is sent from: no 16-bit copy to move
         dst[n:].zero_()
 
     def _rounding_loss(self, x: torch.Tensor, sent: torch.Tensor, dst: torch.Tensor) -> None:
