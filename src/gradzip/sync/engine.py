@@ -734,8 +734,8 @@ class Communicator:
         if not settled and one_flag:  # one flag covers the batch: the residuals updated together
             mem.update_many(names, inputs, [res.own for res in results], skip=results[0].nonfinite)
         out, sent = [], coll.sent_per_byte(self.world_size)
+        update = not (settled or one_flag)  # each residual on its own: flags per gradient, not settled
         for t, name, x, dest, res in zip(tensors, names, inputs, dests, results):
-            update = not (settled or one_flag)
             avg, record = self._settled(coll, codec, mem, x, name, res, True, update=update, sent_per_byte=sent)
             out.append(_delivered(t, t if inplace else None, avg, dest))
             self.metrics.record(name, t.numel() * t.element_size(), **record)
