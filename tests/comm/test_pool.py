@@ -56,3 +56,23 @@ def test_a_borrower_asking_in_the_same_order_gets_the_same_buffers_back():
         again = []
         assert (pool.lend((1000,), CPU, again).data_ptr(), pool.lend((1000,), CPU, again).data_ptr()) == ptrs, step
         first = again
+
+
+def test_a_request_whose_class_has_none_free_takes_the_smallest_free_buffer_up_to_twice_its_size():
+    """Exchanges of different sizes that are not in flight together share one buffer."""
+    pool = BufferPool(torch.float32)
+    lent = []
+    a, b = pool.lend((1000,), CPU, lent), pool.lend((1500,), CPU, lent)
+    pool.give_back(lent)
+    held = pool.nbytes
+    small = pool.lend((600,), CPU, [])  # its class has none free: the smaller of the two serves it
+    assert small.shape == (600,) and small.data_ptr() == a.data_ptr() and pool.nbytes == held - size_class(1000) * 4
+    tiny = pool.lend((400,), CPU, [])  # more than twice smaller than what is free: memory of its own
+    assert tiny.data_ptr() not in (a.data_ptr(), b.data_ptr()) and pool.nbytes == size_class(1500) * 4
+    again = BufferPool(torch.float32)
+    lent = []
+    x, y = again.lend((600,), CPU, lent), again.lend((1000,), CPU, lent)
+    again.give_back(lent)
+    assert again.lend((600,), CPU, []).data_ptr() == x.data_ptr()  # its own class first
+    assert again.lend((600,), CPU, []).data_ptr() == y.data_ptr()  # then a larger one
+    assert again.lend((1000,), CPU, []).data_ptr() not in (x.data_ptr(), y.data_ptr())  # none left of its size

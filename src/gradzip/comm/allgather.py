@@ -63,6 +63,7 @@ class AllGather(Collective):
 
     name = "allgather"
     releases_input = True  # it calls release_input before it writes ``out``
+    reads_input_first = True  # every segment is encoded before the first wait
     options = {"segment": SEGMENT}
 
     @classmethod
@@ -86,6 +87,7 @@ class AllGather(Collective):
         else:  # per segment: encoded into its message, the all-gather issued (asynchronously), so
             # the next segment is encoded while this one is on the wire
             parts = [self._send(call, x[a:b], a, b, f"{call.name}/{s}") for s, (a, b) in enumerate(bounds)]
+        call.input_read()
         if w > 1:
             yield  # the payloads are on the wire
         for part in parts:
@@ -94,7 +96,7 @@ class AllGather(Collective):
         flags = [any_flag(part["gathered"], part["spec"]) for part in parts]
         nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()  # each covers its segments so far
         call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
-        out = call.out
+        out = call.output()
         into = out is not None and out.dtype == torch.float32  # summed in its place: no tensor of its size made
         poisoned, pieces = True, []
         for part in parts:

@@ -252,6 +252,20 @@ class Exchanged:
 
 
 @dataclass
+class LateOut:
+    """A result buffer lent only when the average is first written, and an input buffer given
+    back as soon as the exchange has read it for the last time: between the two, the call holds
+    its payloads alone, and the buffer serves other calls (see :attr:`Collective.reads_input_first`).
+
+    ``input_read()`` gives the input's buffer back; ``lend()`` is the buffer the average goes
+    to: the input's own while it has not been given back (an exchange that never said it was
+    done with its input writes over it, as with ``out=x``)."""
+
+    lend: Callable[[], torch.Tensor]
+    input_read: Callable[[], None]
+
+
+@dataclass
 class Call:
     """One call of a collective as its exchange sees it.
 
@@ -287,6 +301,8 @@ class Call:
     # the input is a fused buffer of these tensors, ``(name, shape)`` each (see
     # :attr:`Codec.parts_format`): only a collective that ``carries_parts`` gets it
     parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
+    # where ``out`` is None: the caller's result buffer, lent when first asked for (:meth:`output`)
+    late: Optional[LateOut] = None
 
     @property
     def flat(self) -> torch.Tensor:
@@ -351,6 +367,19 @@ class Call:
             self.released = True
             if self.on_release is not None:
                 self.on_release(self, nonfinite)
+
+    def input_read(self) -> None:
+        """The exchange has read the input for the last time (its encode is issued) and reads
+        :meth:`output` only from now on: a caller that lent the input for the encode alone
+        (:class:`LateOut`) takes it back."""
+        if self.late is not None:
+            self.late.input_read()
+
+    def output(self) -> Optional[torch.Tensor]:
+        """``out``: where the average goes (None: a fresh tensor), lent now if the caller lends it late."""
+        if self.out is None and self.late is not None:
+            self.out, self.late = self.late.lend(), None
+        return self.out
 
     def decode_own_into(self, out: torch.Tensor) -> int:
         """Decode this rank's own payloads (:meth:`keep_own`) into their places in the flat
@@ -495,6 +524,11 @@ class Collective(Configurable):
     # in place with error feedback; the frame calls it for exchanges that return a fresh average)
     releases_input = False
 
+    # whether exchange() reads its input in its first stage alone, then calls Call.input_read,
+    # and takes ``out`` through Call.output after it (a caller may then lend its input buffer
+    # for the encode alone and its result buffer for the decode alone: see LateOut)
+    reads_input_first = False
+
     # whether exchange() hands a fused input's parts to the codec (Call.parts): a collective
     # that encodes the whole input in one piece; one that cuts it into chunks does not
     carries_parts = False
@@ -502,7 +536,7 @@ class Collective(Configurable):
     def stages(
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1, on_release: Optional[Callable[[Call, torch.Tensor], None]] = None,
-        parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None,
+        parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None, late: Optional[LateOut] = None,
     ) -> Stages:
         """:meth:`run` cut into stages: a generator that yields each time it has issued
         asynchronous collectives and would next wait for them, and returns the :class:`Result`.
@@ -511,12 +545,16 @@ class Collective(Configurable):
         turn, so one call's payloads are on the wire while another is encoded or decoded. The
         stages are those of :meth:`exchange`, framed by the steps every collective shares.
         ``parts``: ``x`` is a fused buffer of these tensors, for a codec whose format is per
-        tensor (:attr:`Codec.parts_format`; only where :attr:`carries_parts`).
+        tensor (:attr:`Codec.parts_format`; only where :attr:`carries_parts`). ``late``: in place
+        of ``out``, a result buffer lent when the average is written and the input's buffer
+        given back once read (:class:`LateOut`; only where :attr:`reads_input_first`).
         """
         if parts is not None and not self.carries_parts:
             raise ValueError(f"collective {self.name!r} encodes its input in pieces: it cannot carry parts")
+        if late is not None and (out is not None or not self.reads_input_first):
+            raise ValueError(f"collective {self.name!r} cannot lend its result late here")
         (call,) = self._calls(codec, [x], [name], step, need_own, [out], align, on_release)
-        call.parts = parts
+        call.parts, call.late = parts, late
         try:
             got = yield from staged(self.exchange(call))
             return self._result(call, got)
@@ -563,7 +601,8 @@ class Collective(Configurable):
         payloads decoded (unless an ``on_release`` took them already, or the caller gives them:
         ``own``)."""
         call.release_input(got.nonfinite)
-        avg = got.avg if call.out is None else store_into(got.avg, call.out, accumulate=False)
+        out = call.output()
+        avg = got.avg if out is None else store_into(got.avg, out, accumulate=False)
         if own is None and call.need_own and call.on_release is None:
             own = self._decode_own(call)
         return Result(avg, own, got.nonfinite, got.wire_bytes, *call.timer.times(), payload_bytes=got.payload_bytes,

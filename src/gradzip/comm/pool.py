@@ -6,7 +6,10 @@ groups in flight (a few, see :mod:`gradzip.sync.pipeline`) use them. A pool lend
 free buffer of the request's size class (sizes 2^(k/4): at most 19% more than asked) and takes
 it back when the exchange ends, so groups of nearly the same size share buffers and the pool
 holds, per class, what the exchanges in flight at once needed; a buffer nobody borrowed in the
-present step or the one before (a group that no longer exists) is dropped.
+present step or the one before (a group that no longer exists) is dropped. Where no buffer of
+the request's class is free, a free one up to :data:`FIT_CLASSES` classes larger (twice the
+size) serves it, so exchanges of different sizes that are not in flight together share one
+buffer, and the smaller class, no longer lent, is dropped.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import math
 from typing import Dict, List, Tuple
 
 import torch
+
+FIT_CLASSES = 4  # a free buffer this many classes larger (2x) serves a request whose own class has none
 
 
 def size_class(numel: int) -> int:
@@ -39,10 +44,23 @@ class BufferPool:
         """A buffer of ``shape``; the whole buffer is appended to ``into``, the borrower's list of
         what it gives back (:meth:`give_back`) when it ends."""
         need = math.prod(shape)
-        free = self._free.get((size_class(need), torch.device(device)))
+        device = torch.device(device)
+        free = self._free.get((size_class(need), device)) or self._larger_free(need, device)
         buf = free.pop()[0] if free else torch.empty(size_class(need), dtype=self.dtype, device=device)
         into.append(buf)
         return buf[:need].view(shape)
+
+    def _larger_free(self, need: int, device: torch.device) -> List[Tuple[torch.Tensor, int]]:
+        """The free list of the smallest class above ``need``'s, up to :data:`FIT_CLASSES` classes
+        up, that holds a buffer on ``device`` (empty if none does)."""
+        limit = size_class(need)
+        for _ in range(FIT_CLASSES):
+            limit = size_class(limit + 1)
+        best: List[Tuple[torch.Tensor, int]] = []
+        for (numel, dev), free in self._free.items():
+            if free and dev == device and need < numel <= limit and (not best or numel < best[0][0].numel()):
+                best = free
+        return best
 
     def give_back(self, lent: List[torch.Tensor]) -> None:
         """Take back what a borrower was lent (its transfers have completed). Last lent, first

@@ -51,6 +51,7 @@ class ScatterReduceAllGather(Collective):
 
     name = "sra"
     releases_input = True
+    reads_input_first = True  # every chunk of every segment is encoded before the first wait
 
     options = {"segment": SEGMENT}
 
@@ -66,6 +67,7 @@ class ScatterReduceAllGather(Collective):
 
         # phase 1, per segment: encode every chunk, send chunk j to rank j (asynchronously)
         phase1 = [self._scatter(call, x[a:b], a, tag(s)) for s, (a, b) in enumerate(bounds)]
+        call.input_read()
         yield  # the all-to-alls are on the wire
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
         phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
@@ -74,7 +76,9 @@ class ScatterReduceAllGather(Collective):
         nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
         call.release_input(nonfinite)  # the input is read no more: the result may overwrite it
         # every rank's decoded chunks land straight in their place in the result
-        avg = torch.empty(n, dtype=x.dtype, device=x.device) if call.out is None else call.out
+        avg = call.output()
+        if avg is None:
+            avg = torch.empty(n, dtype=x.dtype, device=x.device)
         wire, first_round = 0, 0
         poisoned = call.flagged
         for (a, b), p1, p2 in zip(bounds, phase1, phase2):
@@ -137,8 +141,9 @@ class ScatterReduceAllGather(Collective):
         spare: List[torch.Tensor] = []
         if dest is None and parts[0].ctx.dtype == torch.float32 and parts[0].ctx.numel:
             # the result's memory still holds the input (error feedback reads it as the exchange
-            # ends): the chunk's average waits in a buffer of the pool, not a tensor made each
-            # step, given back once it is re-encoded (the next segment or group takes it)
+            # ends), or is lent only for the decode: the chunk's average waits in a buffer of the
+            # pool, not a tensor made each step, given back once it is re-encoded (the next
+            # segment or group takes it)
             dest = self._pool.lend((parts[0].ctx.numel * 4,), p1["recv"].device, spare).view(torch.float32)
         if dest is None:
             reduced = call.decode(lambda ps: call.codec.aggregate(ps, mean=mean), parts).reshape(-1)
@@ -173,7 +178,11 @@ class ScatterReduceAllGather(Collective):
     def _own_chunk_of_out(call: Call, p1: dict):
         """Where this rank's chunk of the segment lands in ``call.out``, if the average of the
         chunk may be summed there now: the chunk is whole (not padded), the result is fp32, and
-        writing it cannot change an input still to be read (an ``on_release`` reads the input)."""
+        writing it cannot change an input still to be read (an ``on_release`` reads the input).
+        A result lent late (:class:`~gradzip.comm.base.LateOut`) is not lent for it: the chunk's
+        average waits in a buffer of its own size, and the result is lent when it is decoded."""
+        if call.out is None and call.late is not None:
+            return None
         out, chunk = call.out, p1["chunk"]
         lo = call.rank * chunk
         if out is None or out.dtype != torch.float32 or lo + chunk > p1["numel"]:

@@ -19,7 +19,7 @@ from ..codecs.base import FLOAT_DTYPES, Codec
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool
 from ..comm.allgather import default_collective
-from ..comm.base import Call, Collective, overlaps, parse_route, world
+from ..comm.base import Call, Collective, LateOut, overlaps, parse_route, world
 from ..comm.hierarchy import NODE_DTYPES, Hierarchical, plain_goes_hierarchical
 from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
@@ -953,16 +953,24 @@ class Communicator:
         dtype = mem.input_dtype(tensors[order[0]].dtype)
         pool = self._pool(dtype, step)
         lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
+        lent_input: List[torch.Tensor] = []  # the input's buffer where it goes back once encoded
         # the collective's own staging memory where it has some (the node's shared memory of a
         # hierarchical exchange), else a buffer of the pool
         flat = coll.input_buffer(key, total, dtype, tensors[0].device, step, align=block)
         # a gradient alone whose input is its own memory compensated in place (the average
         # overwrites it anyway): no copy in or out, no buffer of its size from the pool
         alone = flat is None and inplace and self._averaged_where_it_lies(tensors, total, dtype, coll)
+        late = None
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
-            flat = pool.lend((total,), tensors[0].device, lent)
+            # without error feedback nothing reads the input once it is encoded: where the
+            # collective says when that is, its buffer serves other groups until this one's
+            # average is written (then lent again), so the groups in flight do not each hold one
+            early = not mem.stateful and coll.reads_input_first and coll.releases_input
+            flat = pool.lend((total,), tensors[0].device, lent_input if early else lent)
+            if early:
+                late = _late_out(pool, lent_input, lent, flat)
         try:
             inputs = layout.views(flat, "input", keep=not alone)  # in the order of the layout (no view of DDP's memory kept)
             # the average overwrites the input buffer when the collective has read it by then and
@@ -987,13 +995,15 @@ class Communicator:
                     mem.compensate_into(tensors[i], names[i], x)
             self._places_of(flat.device, layout.gaps).fill_(flat, 0)
             self._observe(layout.names, inputs, step)
-            if coll.releases_input and (settle is not None or not mem.stateful):
+            if late is not None:
+                out = None
+            elif coll.releases_input and (settle is not None or not mem.stateful):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
                 out = pool.lend((total,), flat.device, lent)
             res = yield from staged(coll.stages(
                 codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
-                parts=layout.parts if codec.parts_format else None,
+                parts=layout.parts if codec.parts_format else None, late=late,
             ))
             if mem.stateful and settle is None:  # one flag covers the group
                 own = layout.views(res.own, "own", keep=False)
@@ -1003,7 +1013,8 @@ class Communicator:
                 avg = avg.to(tensors[0].dtype, copy=True)
             if inplace:  # one multi-tensor copy into DDP's views
                 # (the average's views are kept where it lies in the group's own buffer)
-                own_buffer = avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel()
+                own_buffer = any(avg.data_ptr() == b.data_ptr() for b in (*lent, *lent_input)) or (
+                    out is not None and avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel())
                 if not (alone and own_buffer):  # (alone, it is there already)
                     _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
                 results = list(tensors)
@@ -1017,6 +1028,7 @@ class Communicator:
             self.metrics.record_group_time(key, time.perf_counter() - started)
             return results
         finally:
+            pool.give_back(lent_input)
             pool.give_back(lent)
 
     def _averaged_where_it_lies(self, tensors: Sequence[torch.Tensor], total: int, dtype: torch.dtype,
@@ -1434,6 +1446,21 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         offset += t.numel()
     n = offset - first.storage_offset()
     return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
+
+
+def _late_out(pool: BufferPool, lent_input: List[torch.Tensor], lent: List[torch.Tensor],
+              flat: torch.Tensor) -> LateOut:
+    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``) goes back
+    to ``pool`` once the collective has encoded it, and the average gets a buffer of the pool
+    (into ``lent``) when it is written, or ``flat`` itself if it never went back. On a GPU the
+    next borrower's work is queued behind the encode on the same stream."""
+    def input_read() -> None:
+        pool.give_back(lent_input)
+
+    def lend() -> torch.Tensor:
+        return flat if lent_input else pool.lend((flat.numel(),), flat.device, lent)
+
+    return LateOut(lend, input_read)
 
 
 def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[[Call, torch.Tensor], None]:
