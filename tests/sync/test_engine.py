@@ -307,13 +307,13 @@ def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(devi
         assert bool(lean["avgs"][1][0].isnan().all()) and torch.equal(lean["residual"], pooled["residual"])
 
 
-def _groups_of_a_job(rank: int, world: int, collective: str, late: bool) -> dict:
+def _groups_of_a_job(rank: int, world: int, codec: str, collective: str, late: bool) -> dict:
     g = torch.Generator().manual_seed(rank)
     names = [f"layer{i}.weight" for i in range(6)]
     steps = [[torch.randn(64, 96, generator=g) for _ in names] for _ in range(3)]
     if rank == 1:
         steps[1][4][3, 5] = float("inf")
-    comm = gradzip.Communicator("maxmin", bits=4, collective=collective)
+    comm = gradzip.Communicator(codec, collective=collective)
     if not late:  # the collective as if it could not say when it has read its input
         comm.collective.reads_input_first = False
     avgs = []
@@ -327,15 +327,17 @@ def _groups_of_a_job(rank: int, world: int, collective: str, late: bool) -> dict
     return out
 
 
-@pytest.mark.parametrize("collective,world", [("allgather", 2), ("sra", 2), ("sra", 3)])
-def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(collective, world):
+@pytest.mark.parametrize("codec,collective,world", [
+    ("maxmin", "allgather", 2), ("maxmin", "sra", 2), ("maxmin", "sra", 3), ("fp16", "allreduce", 2), ("fp16", "allreduce", 3),
+])
+def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(codec, collective, world):
     """Without error feedback nothing reads a group's input once it is encoded: its buffer goes
     back to the pool then and the average gets one when it is decoded, so three groups in flight
     in one job hold one buffer of their size where they held three; the same averages, a step
     with Inf included."""
     group_bytes = 2 * 64 * 96 * 4
-    for late, early in zip(run_workers(_groups_of_a_job, world, collective, True),
-                           run_workers(_groups_of_a_job, world, collective, False)):
+    for late, early in zip(run_workers(_groups_of_a_job, world, codec, collective, True),
+                           run_workers(_groups_of_a_job, world, codec, collective, False)):
         assert early["pooled"] >= 3 * group_bytes and late["pooled"] < 2 * group_bytes, (late["pooled"], early["pooled"])
         for a, b in zip(late["avgs"], early["avgs"]):
             assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))

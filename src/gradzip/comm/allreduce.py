@@ -24,6 +24,7 @@ class AllReduce(Collective):
 
     name = "allreduce"
     releases_input = True
+    reads_input_first = True  # a one-round codec whose payload is not its input: see exchange
     carries_parts = True
 
     def supports(self, codec: Codec) -> bool:
@@ -32,6 +33,8 @@ class AllReduce(Collective):
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
         payload = call.encode(_scaled(call), parts=call.parts)
+        if not _multi_round(call.codec) and not any(overlaps(t, call.x) for t in payload.tensors):
+            call.input_read()  # the sums are of the payload alone (a later round reads the input)
         # read after encoding (it covers the input); summed only where there is more than one rank
         flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None
         wire = 0
@@ -195,8 +198,18 @@ def _scaled_many(calls: Sequence[Call]) -> List[torch.Tensor]:
 
 
 def _divided_in_place(call: Call) -> bool:
-    """Whether the caller wants its input overwritten with the average (``out`` is its memory)."""
-    return call.out is not None and not call.need_own and _same_memory(call.out, call.x)
+    """Whether the caller wants its input overwritten with the average (``out`` is its memory),
+    or lends it for the exchange alone (:class:`~gradzip.comm.base.LateOut`)."""
+    if call.need_own:
+        return False
+    if call.out is None:
+        return call.late is not None and call.x.is_contiguous()
+    return _same_memory(call.out, call.x)
+
+
+def _multi_round(codec) -> bool:
+    """Whether the codec sums more than one round (PowerSGD: each round reads the input)."""
+    return type(codec).next_round is not Codec.next_round
 
 
 def _holds_quotient(call: Call) -> bool:
@@ -227,11 +240,12 @@ def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequenc
         call.release_input(nonfinite)
     codec = calls[0].codec
     sums = [Payload(r, p.ctx) for r, p in zip(reduced, payloads)]
-    into = [i for i, call in enumerate(calls) if call.out is not None]
+    outs = [call.output() for call in calls]
+    into = [i for i, out in enumerate(outs) if out is not None]
     if into:
         shared_section([calls[i].timer for i in into], "decode",
-                       lambda: [codec.decode_into(sums[i], calls[i].out) for i in into])
-    avgs = [call.out if call.out is not None else call.decode(codec.decode, s).reshape(-1) for call, s in zip(calls, sums)]
+                       lambda: [codec.decode_into(sums[i], outs[i]) for i in into])
+    avgs = [out if out is not None else call.decode(codec.decode, s).reshape(-1) for call, out, s in zip(calls, outs, sums)]
     return [Exchanged(avg, nonfinite, w, poisoned=poisoned) for avg, w in zip(avgs, wire)]
 
 

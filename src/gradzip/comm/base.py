@@ -524,9 +524,11 @@ class Collective(Configurable):
     # in place with error feedback; the frame calls it for exchanges that return a fresh average)
     releases_input = False
 
-    # whether exchange() reads its input in its first stage alone, then calls Call.input_read,
-    # and takes ``out`` through Call.output after it (a caller may then lend its input buffer
-    # for the encode alone and its result buffer for the decode alone: see LateOut)
+    # whether exchange() calls Call.input_read once it has read its input for the last time
+    # (where it can tell: the all-reduce, after a one-round codec's encode into a payload of its
+    # own), may overwrite an input lent that way, and takes ``out`` only through Call.output (a
+    # caller may then lend its input buffer for the encode alone and its result buffer for the
+    # decode alone: see LateOut)
     reads_input_first = False
 
     # whether exchange() hands a fused input's parts to the codec (Call.parts): a collective
