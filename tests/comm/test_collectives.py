@@ -940,3 +940,22 @@ def test_only_a_collective_that_encodes_its_input_whole_carries_parts():
     fused = drive(coll.stages(codec("powersgd", rank=1), x, "g", 0, False, parts=parts))
     alone = [coll.run(codec("powersgd", rank=1), x[:16].view(4, 4), "a", 0, False), coll.run(codec("powersgd", rank=1), x[16:], "b", 0, False)]
     torch.testing.assert_close(fused.avg, torch.cat([r.avg.reshape(-1) for r in alone]), rtol=1e-6, atol=1e-6)
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_a_collective_that_lends_its_result_late_says_so_where_its_exchange_is_written():
+    """``reads_input_first`` promises what ``exchange`` does (``Call.input_read``, ``out`` through
+    ``Call.output``): a subclass that writes its own exchange must not inherit the promise."""
+    from gradzip.comm import base, reducescatter  # noqa: F401  (every collective class defined)
+
+    for cls in _subclasses(base.Collective):
+        if cls.reads_input_first:
+            owner = next(c for c in cls.__mro__ if "exchange" in c.__dict__)
+            declared = next(c for c in cls.__mro__ if "reads_input_first" in c.__dict__)
+            assert issubclass(declared, owner), (cls.__name__, owner.__name__, declared.__name__)
+    assert not reducescatter.CompressedReduceScatter.reads_input_first

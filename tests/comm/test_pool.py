@@ -76,3 +76,25 @@ def test_a_request_whose_class_has_none_free_takes_the_smallest_free_buffer_up_t
     assert again.lend((600,), CPU, []).data_ptr() == x.data_ptr()  # its own class first
     assert again.lend((600,), CPU, []).data_ptr() == y.data_ptr()  # then a larger one
     assert again.lend((1000,), CPU, []).data_ptr() not in (x.data_ptr(), y.data_ptr())  # none left of its size
+
+
+def test_a_class_whose_borrowing_made_a_larger_request_allocate_gets_buffers_of_its_own():
+    """A step that ran only the large exchange, then steps with both in flight: the small one
+    borrows the large buffer once, the large request allocates anew, and from then on the pool
+    holds one buffer of each size, not two large ones."""
+    pool = BufferPool(torch.float32)
+    pool.new_step(0)
+    lent = []
+    pool.lend((1900,), CPU, lent)
+    pool.give_back(lent)
+    held = []
+    for step in range(1, 6):
+        pool.new_step(step)
+        small, large = [], []
+        pool.lend((1000,), CPU, small)
+        pool.lend((1900,), CPU, large)
+        pool.give_back(large)
+        pool.give_back(small)
+        held.append(pool.nbytes)
+    assert held[-1] == (size_class(1000) + size_class(1900)) * 4, held
+    assert held[-3:] == [held[-1]] * 3

@@ -528,7 +528,7 @@ class Collective(Configurable):
     # (where it can tell: the all-reduce, after a one-round codec's encode into a payload of its
     # own), may overwrite an input lent that way, and takes ``out`` only through Call.output (a
     # caller may then lend its input buffer for the encode alone and its result buffer for the
-    # decode alone: see LateOut)
+    # decode alone: see LateOut); a subclass that overrides exchange() says it anew
     reads_input_first = False
 
     # whether exchange() hands a fused input's parts to the codec (Call.parts): a collective

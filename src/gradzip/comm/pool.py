@@ -7,9 +7,11 @@ free buffer of the request's size class (sizes 2^(k/4): at most 19% more than as
 it back when the exchange ends, so groups of nearly the same size share buffers and the pool
 holds, per class, what the exchanges in flight at once needed; a buffer nobody borrowed in the
 present step or the one before (a group that no longer exists) is dropped. Where no buffer of
-the request's class is free, a free one up to :data:`FIT_CLASSES` classes larger (twice the
-size) serves it, so exchanges of different sizes that are not in flight together share one
-buffer, and the smaller class, no longer lent, is dropped.
+the request's class is free, a free one up to :data:`FIT_CLASSES` classes above it (about
+twice the size) serves it, so exchanges of different sizes that are not in flight together
+share one buffer, and the smaller class, no longer lent, is dropped. A class whose borrowing
+once made a request of the larger class allocate anew (both were in flight together) borrows
+no more: it gets buffers of its own, and the extra large one, no longer lent, is dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-FIT_CLASSES = 4  # a free buffer this many classes larger (2x) serves a request whose own class has none
+FIT_CLASSES = 4  # a free buffer up to this many classes larger serves a request whose own class has none
 
 
 def size_class(numel: int) -> int:
@@ -39,26 +41,47 @@ class BufferPool:
         self.dtype = dtype
         self._free: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, int]]] = {}  # per class: (buffer, last lent)
         self._step = 0
+        # id of a larger buffer lent -> (the borrower's class and device, the buffer's class)
+        self._borrowed: Dict[int, Tuple[Tuple[int, torch.device], int]] = {}
+        self._own_only: set = set()  # (class, device) that borrows no more (see the module's docstring)
 
     def lend(self, shape: Tuple[int, ...], device: torch.device, into: List[torch.Tensor]) -> torch.Tensor:
         """A buffer of ``shape``; the whole buffer is appended to ``into``, the borrower's list of
         what it gives back (:meth:`give_back`) when it ends."""
         need = math.prod(shape)
         device = torch.device(device)
-        free = self._free.get((size_class(need), device)) or self._larger_free(need, device)
-        buf = free.pop()[0] if free else torch.empty(size_class(need), dtype=self.dtype, device=device)
+        key = (size_class(need), device)
+        free = self._free.get(key)
+        if free:
+            buf = free.pop()[0]
+        else:
+            free = [] if key in self._own_only else self._larger_free(need, device)
+            if free:
+                buf = free.pop()[0]
+                self._borrowed[id(buf)] = (key, buf.numel())
+            else:
+                # a buffer of this class lent to a smaller request made this allocation: that
+                # class gets its own from now on
+                self._own_only.update(k for k, cls in self._borrowed.values() if k[1] == device and cls == key[0])
+                buf = torch.empty(key[0], dtype=self.dtype, device=device)
         into.append(buf)
         return buf[:need].view(shape)
+
+    @staticmethod
+    def _fits(cls: int, larger: int) -> bool:
+        """Whether a buffer of class ``larger`` may serve a request of class ``cls``."""
+        limit = cls
+        for _ in range(FIT_CLASSES):
+            limit = size_class(limit + 1)
+        return cls < larger <= limit
 
     def _larger_free(self, need: int, device: torch.device) -> List[Tuple[torch.Tensor, int]]:
         """The free list of the smallest class above ``need``'s, up to :data:`FIT_CLASSES` classes
         up, that holds a buffer on ``device`` (empty if none does)."""
-        limit = size_class(need)
-        for _ in range(FIT_CLASSES):
-            limit = size_class(limit + 1)
+        cls = size_class(need)
         best: List[Tuple[torch.Tensor, int]] = []
         for (numel, dev), free in self._free.items():
-            if free and dev == device and need < numel <= limit and (not best or numel < best[0][0].numel()):
+            if free and dev == device and self._fits(cls, numel) and (not best or numel < best[0][0].numel()):
                 best = free
         return best
 
@@ -67,6 +90,7 @@ class BufferPool:
         back on the free list: a borrower that asks in the same order at the next step gets the
         same buffers, so views of them made once stay valid (:class:`~gradzip.sync.groups.FusedLayout`)."""
         for buf in reversed(lent):
+            self._borrowed.pop(id(buf), None)
             self._free.setdefault((buf.numel(), buf.device), []).append((buf, self._step))
         lent.clear()
 
@@ -81,6 +105,8 @@ class BufferPool:
 
     def clear(self) -> None:
         self._free.clear()
+        self._borrowed.clear()
+        self._own_only.clear()
 
     @property
     def nbytes(self) -> int:

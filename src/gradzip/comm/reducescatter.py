@@ -25,6 +25,7 @@ class CompressedReduceScatter(ScatterReduceAllGather):
     """Compressed reduce-scatter of a ``W × c`` flat input into a ``c``-value output."""
 
     name = "reduce-scatter"
+    reads_input_first = False  # its exchange is its own: it writes ``out`` (a shard) directly
 
     def supports(self, codec) -> bool:
         # every rank decodes and sums the others' payloads of its chunk, which must have a size
