@@ -344,6 +344,59 @@ def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(codec
         assert all(bool(t.isnan().all()) for t in late["avgs"][1][4:])
 
 
+def _jobs_in_the_pipeline(rank: int, world: int, late: bool, device_flag: bool) -> dict:
+    from gradzip.sync import engine
+    from gradzip.sync.pipeline import Pipeline
+
+    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
+    engine._multi_tensor = lambda device: device_flag
+    engine._reads_flag_on_host = lambda device: not device_flag
+    try:
+        g = torch.Generator().manual_seed(rank)
+        names = [[f"job{j}.w{i}" for i in range(2)] for j in range(3)]
+        comm = gradzip.Communicator("maxmin", bits=4, memory="residual", collective="sra")
+        if not late:
+            comm.collective.reads_input_first = False
+        avgs = []
+        for step in range(3):
+            grads = [[torch.randn(64, 96, generator=g) for _ in job] for job in names]
+            if step == 1 and rank == 2:
+                grads[1][0][3, 5] = float("nan")
+            pipeline = Pipeline(lambda what, exc, seconds: exc)
+            futures = [torch.futures.Future() for _ in names]
+            for j, (job, fut) in enumerate(zip(names, futures)):
+                pipeline.arrive(comm.reduce_many_stages(grads[j], job, [True, True], inplace=True, step=step),
+                                fut, f"job {j}", flush=j == len(names) - 1)
+            avgs.append([t.clone() for fut in futures for t in fut.value()])
+        out = {"avgs": avgs, "pooled": comm._flat_pools[torch.float32].nbytes,
+               "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
+        comm.close()
+        return out
+    finally:
+        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+
+
+@pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
+def test_with_error_feedback_the_sra_releases_a_group_when_its_flags_arrive(device_flag):
+    """With error feedback the SRA knows every rank's flag once the chunks have arrived (each
+    message carries its sender's flag over its whole input): the residual settles there and
+    the group's buffer, with the residual's scratch on an accelerator, goes back before the
+    all-gather, not after it. Three jobs in the pipeline: on an accelerator one buffer of a
+    group's size fewer (the oldest job lends its result before the middle one releases its
+    input, so the input buffers alone do not shrink); the same averages and residuals, a NaN
+    step included."""
+    group_bytes = 2 * 64 * 96 * 4
+    for late, early in zip(run_workers(_jobs_in_the_pipeline, 3, True, device_flag),
+                           run_workers(_jobs_in_the_pipeline, 3, False, device_flag)):
+        saved = group_bytes if device_flag else 0
+        assert late["pooled"] <= early["pooled"] - saved, (late["pooled"], early["pooled"])
+        for a, b in zip(late["avgs"], early["avgs"]):
+            assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+        assert all(bool(t.isnan().all()) for t in late["avgs"][1][2:4])
+        assert late["residuals"].keys() == early["residuals"].keys()
+        assert all(torch.equal(late["residuals"][k], early["residuals"][k]) for k in late["residuals"])
+
+
 def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, device_flag: bool) -> dict:
     options = dict(options)
     memory = options.pop("memory", "residual")

@@ -367,12 +367,15 @@ class Call:
             self.released = True
             if self.on_release is not None:
                 self.on_release(self, nonfinite)
+            self.input_read()
 
     def input_read(self) -> None:
         """The exchange has read the input for the last time (its encode is issued) and reads
-        :meth:`output` only from now on: a caller that lent the input for the encode alone
-        (:class:`LateOut`) takes it back."""
-        if self.late is not None:
+        :meth:`output` only from now on: a caller that lent the input for the exchange
+        (:class:`LateOut`) takes it back, unless the input is still to be read when it is
+        released (this rank's own payloads decoded from it, an ``on_release``): then
+        :meth:`release_input` gives it back."""
+        if self.late is not None and (self.released or (not self.need_own and self.on_release is None)):
             self.late.input_read()
 
     def output(self) -> Optional[torch.Tensor]:

@@ -70,11 +70,19 @@ class ScatterReduceAllGather(Collective):
         call.input_read()
         yield  # the all-to-alls are on the wire
         # phase 2, per segment: average my chunk, re-encode it once, all-gather (asynchronously)
-        phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
+        if len(phase1) == 1:
+            # every rank's message of this chunk carries its flag over its whole input: the
+            # agreed flag is known here, so the input is released now, not after the all-gather
+            # (error feedback settles, and an input lent for the exchange goes back)
+            got = self._received(call, phase1[0])
+            call.release_input(got[1])
+            phase2 = [self._reduce(call, phase1[0], tag(0), got)]
+        else:  # (a segment's flag covers the segments encoded before it: the last one's is known last)
+            phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
         yield  # the all-gathers are on the wire
         flags = [self._gathered_flag(call, p2) for p2 in phase2]
         nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        call.release_input(nonfinite)  # the input is read no more: the result may overwrite it
+        call.release_input(nonfinite)  # the input is read no more (if not released already): the result may overwrite it
         # every rank's decoded chunks land straight in their place in the result
         avg = call.output()
         if avg is None:
@@ -129,9 +137,9 @@ class ScatterReduceAllGather(Collective):
         parts = [Payload(payload_views(p1["recv"][r], p1["spec"]), mine) for r in range(call.world_size)]
         return parts, any_flag(p1["recv"], p1["spec"])
 
-    def _reduce(self, call: Call, p1: dict, name: str) -> dict:
+    def _reduce(self, call: Call, p1: dict, name: str, got: Optional[Tuple[List[Payload], torch.Tensor]] = None) -> dict:
         rank, w = call.rank, call.world_size
-        parts, flag = self._received(call, p1)
+        parts, flag = self._received(call, p1) if got is None else got
         dest = self._own_chunk_of_out(call, p1)
         # the received statistics divided by W, then the payloads summed: the average with no
         # pass over it for the division, and no overflow of the sum of large finite values

@@ -961,13 +961,15 @@ class Communicator:
         # overwrites it anyway): no copy in or out, no buffer of its size from the pool
         alone = flat is None and inplace and self._averaged_where_it_lies(tensors, total, dtype, coll)
         late = None
+        # nothing reads the input once it is encoded (no error feedback) or once the exchange
+        # releases it (a residual settled then): where the collective says when that is, its
+        # buffer serves other groups until this one's average is written (then lent again), so
+        # the groups in flight do not each hold one
+        early = coll.reads_input_first and coll.releases_input and (
+            not mem.stateful or self._residual_settles(mem, dtype))
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
-            # without error feedback nothing reads the input once it is encoded: where the
-            # collective says when that is, its buffer serves other groups until this one's
-            # average is written (then lent again), so the groups in flight do not each hold one
-            early = not mem.stateful and coll.reads_input_first and coll.releases_input
             flat = pool.lend((total,), tensors[0].device, lent_input if early else lent)
             if early:
                 late = _late_out(pool, lent_input, lent, flat)
@@ -979,7 +981,8 @@ class Communicator:
             if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype):
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
                 residual = self._group_residual(key, flat, members)
-                settle = _settle_residual(residual, self._scratch(flat, pool, lent))
+                # (the scratch goes back with an input lent for the exchange: read no more once settled)
+                settle = _settle_residual(residual, self._scratch(flat, pool, lent if late is None else lent_input))
             # the codec's input: on an accelerator a few operations for the whole group, whatever
             # its size, where the memory is none or the group's residual; else the memory's own,
             # gradient by gradient (on the CPU one pass each, where a call costs next to nothing)
