@@ -110,7 +110,7 @@ class AllGather(Collective):
         """Encode segment ``x`` (values ``a`` to ``b`` of the input, or the input itself) into
         its message and issue the all-gather of the messages of every rank."""
         w = call.world_size
-        fmt = call.codec.payload_spec(x.numel(), x.dtype)
+        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype)
         buf = gathered = None
         if fmt is not None:  # encoded straight into the message (only its flag slot written apart):
             # at several ranks this rank's row of the gathered messages, so the all-gather works
@@ -120,7 +120,8 @@ class AllGather(Collective):
             payload = call.encode(x, name, out=payload_views(buf, fmt))
         else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form)
             payload = call.encode(x, name)
-            gathered = self._lend(call, (w, spec_bytes(spec_of(payload.tensors))), x.device)
+            spec = spec_of(payload.tensors)
+            gathered = self._lend(call, (w, spec_bytes(spec)), x.device)
             buf = gathered[call.rank]
         call.keep_own(payload, a, b)
         buf = to_bytes(payload.tensors, call.flag, out=buf)
@@ -128,7 +129,7 @@ class AllGather(Collective):
         # where every decoded value comes from the payload's statistics (in the codec's own
         # format; at one rank those are this rank's own payload's, left alone)
         stats = call.codec.stats_tensor if fmt is not None and w > 1 else None
-        return {"payload": payload, "spec": spec_of(payload.tensors), "gathered": gathered, "work": work,
+        return {"payload": payload, "spec": spec, "gathered": gathered, "work": work,
                 "stats": stats, "a": a, "b": b}
 
     def _average(self, call: Call, part: dict, nonfinite: torch.Tensor, dest: Optional[torch.Tensor]):
