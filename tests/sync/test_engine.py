@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from typing import List, Tuple
 
 import pytest
@@ -264,13 +265,24 @@ def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_bu
                 assert largest[1] <= r["bucket_bytes"] // 64, (case, largest, r["bucket_bytes"])
 
 
-def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
+@contextmanager
+def _device_choices(device_flag: bool):
+    """The engine's accelerator choices (multi-tensor operations, the flag left on the device)
+    where ``device_flag``, else the CPU's, on CPU tensors."""
     from gradzip.sync import engine
 
     multi, reads = engine._multi_tensor, engine._reads_flag_on_host
     engine._multi_tensor = lambda device: device_flag
     engine._reads_flag_on_host = lambda device: not device_flag
     try:
+        yield
+    finally:
+        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+
+
+def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
+
+    with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
         steps = [[torch.randn(64, 96, generator=g), torch.randn(300, generator=g)] for _ in range(3)]
         steps[1][0][5, 7] = float("nan") if rank == 1 else steps[1][0][5, 7]
@@ -288,8 +300,6 @@ def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
                             "in_its_memory": ptrs, "residual": comm.memory.residuals["w.weight"].clone()}
             comm.close()
         return out
-    finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
 
 
 @pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
@@ -345,13 +355,9 @@ def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(codec
 
 
 def _jobs_in_the_pipeline(rank: int, world: int, late: bool, device_flag: bool) -> dict:
-    from gradzip.sync import engine
     from gradzip.sync.pipeline import Pipeline
 
-    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
-    engine._multi_tensor = lambda device: device_flag
-    engine._reads_flag_on_host = lambda device: not device_flag
-    try:
+    with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
         names = [[f"job{j}.w{i}" for i in range(2)] for j in range(3)]
         comm = gradzip.Communicator("maxmin", bits=4, memory="residual", collective="sra")
@@ -372,8 +378,6 @@ def _jobs_in_the_pipeline(rank: int, world: int, late: bool, device_flag: bool) 
                "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
         comm.close()
         return out
-    finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
 
 
 @pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
@@ -400,12 +404,8 @@ def test_with_error_feedback_the_sra_releases_a_group_when_its_flags_arrive(devi
 def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, device_flag: bool) -> dict:
     options = dict(options)
     memory = options.pop("memory", "residual")
-    from gradzip.sync import engine
 
-    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
-    engine._multi_tensor = lambda device: device_flag
-    engine._reads_flag_on_host = lambda device: not device_flag
-    try:
+    with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
         shapes = [(64, 48), (96, 32), (300,), (40, 40)]
         names, compress = [f"layer{i}.weight" for i in range(4)], [True, True, False, True]
@@ -424,8 +424,6 @@ def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, devic
             out[inplace] = {"avgs": avgs, "kept": kept, "residuals": {n: r.clone() for n, r in comm.memory.residuals.items()}}
             comm.close()
         return out
-    finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
 
 
 @pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
