@@ -953,7 +953,7 @@ class Communicator:
         dtype = mem.input_dtype(tensors[order[0]].dtype)
         pool = self._pool(dtype, step)
         lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
-        lent_input: List[torch.Tensor] = []  # the input's buffer where it goes back once encoded
+        lent_input: List[torch.Tensor] = []  # the input's buffer where it goes back once read (see _late_out)
         # the collective's own staging memory where it has some (the node's shared memory of a
         # hierarchical exchange), else a buffer of the pool
         flat = coll.input_buffer(key, total, dtype, tensors[0].device, step, align=block)
@@ -1453,8 +1453,9 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _late_out(pool: BufferPool, lent_input: List[torch.Tensor], lent: List[torch.Tensor],
               flat: torch.Tensor) -> LateOut:
-    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``) goes back
-    to ``pool`` once the collective has encoded it, and the average gets a buffer of the pool
+    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``, with the
+    residual's scratch where there is one) goes back to ``pool`` once the collective has read it
+    for the last time (encoded it, or released it), and the average gets a buffer of the pool
     (into ``lent``) when it is written, or ``flat`` itself if it never went back. On a GPU the
     next borrower's work is queued behind the encode on the same stream."""
     def input_read() -> None:
