@@ -67,21 +67,15 @@ class BufferPool:
         into.append(buf)
         return buf[:need].view(shape)
 
-    @staticmethod
-    def _fits(cls: int, larger: int) -> bool:
-        """Whether a buffer of class ``larger`` may serve a request of class ``cls``."""
-        limit = cls
-        for _ in range(FIT_CLASSES):
-            limit = size_class(limit + 1)
-        return cls < larger <= limit
-
     def _larger_free(self, need: int, device: torch.device) -> List[Tuple[torch.Tensor, int]]:
         """The free list of the smallest class above ``need``'s, up to :data:`FIT_CLASSES` classes
         up, that holds a buffer on ``device`` (empty if none does)."""
-        cls = size_class(need)
+        cls = limit = size_class(need)
+        for _ in range(FIT_CLASSES):
+            limit = size_class(limit + 1)
         best: List[Tuple[torch.Tensor, int]] = []
         for (numel, dev), free in self._free.items():
-            if free and dev == device and self._fits(cls, numel) and (not best or numel < best[0][0].numel()):
+            if free and dev == device and cls < numel <= limit and (not best or numel < best[0][0].numel()):
                 best = free
         return best
 

@@ -960,13 +960,14 @@ class Communicator:
         # a gradient alone whose input is its own memory compensated in place (the average
         # overwrites it anyway): no copy in or out, no buffer of its size from the pool
         alone = flat is None and inplace and self._averaged_where_it_lies(tensors, total, dtype, coll)
+        # error feedback that is a residual settled when the collective releases the input
+        settles = mem.stateful and coll.releases_input and self._residual_settles(mem, dtype)
         late = None
         # nothing reads the input once it is encoded (no error feedback) or once the exchange
         # releases it (a residual settled then): where the collective says when that is, its
         # buffer serves other groups until this one's average is written (then lent again), so
         # the groups in flight do not each hold one
-        early = coll.reads_input_first and coll.releases_input and (
-            not mem.stateful or self._residual_settles(mem, dtype))
+        early = coll.reads_input_first and coll.releases_input and (settles or not mem.stateful)
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
@@ -978,7 +979,7 @@ class Communicator:
             # the average overwrites the input buffer when the collective has read it by then and
             # error feedback, if any, is a residual settled at that moment (see _settle_residual)
             settle = residual = None
-            if mem.stateful and coll.releases_input and self._residual_settles(mem, flat.dtype):
+            if settles:
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
                 residual = self._group_residual(key, flat, members)
                 # (the scratch goes back with an input lent for the exchange: read no more once settled)
@@ -1015,9 +1016,9 @@ class Communicator:
             if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
                 avg = avg.to(tensors[0].dtype, copy=True)
             if inplace:  # one multi-tensor copy into DDP's views
-                # (the average's views are kept where it lies in the group's own buffer)
-                own_buffer = any(avg.data_ptr() == b.data_ptr() for b in (*lent, *lent_input)) or (
-                    out is not None and avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel())
+                # (the average's views are kept where it lies in the group's own buffer: a
+                # result lent late is one of the group's pool)
+                own_buffer = late is not None or (avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel())
                 if not (alone and own_buffer):  # (alone, it is there already)
                     _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
                 results = list(tensors)
