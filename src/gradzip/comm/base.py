@@ -259,10 +259,14 @@ class LateOut:
 
     ``input_read()`` gives the input's buffer back; ``lend()`` is the buffer the average goes
     to: the input's own while it has not been given back (an exchange that never said it was
-    done with its input writes over it, as with ``out=x``)."""
+    done with its input writes over it, as with ``out=x``). ``remade``: the caller's
+    ``on_release`` does not read this input but makes it again from what it was made of (error
+    feedback's compensated gradients, which are intact until the average is written), so it
+    goes back once encoded even where the call keeps its own payloads or settles on release."""
 
     lend: Callable[[], torch.Tensor]
     input_read: Callable[[], None]
+    remade: bool = False
 
 
 @dataclass
@@ -375,7 +379,8 @@ class Call:
         (:class:`LateOut`) takes it back, unless the input is still to be read when it is
         released (this rank's own payloads decoded from it, an ``on_release``): then
         :meth:`release_input` gives it back."""
-        if self.late is not None and (self.released or (not self.need_own and self.on_release is None)):
+        if self.late is not None and (self.released or self.late.remade
+                                      or (not self.need_own and self.on_release is None)):
             self.late.input_read()
 
     def output(self) -> Optional[torch.Tensor]:
@@ -402,15 +407,16 @@ class Call:
             covered += dst.numel()
         return covered
 
-    def residual_into(self, residual: torch.Tensor) -> None:
+    def residual_into(self, residual: torch.Tensor, x: Optional[torch.Tensor] = None) -> None:
         """``residual`` (flat, as long as the input) = the input − this rank's share of the
-        average as the exchange counted it: what error feedback carries to the next step."""
+        average as the exchange counted it: what error feedback carries to the next step.
+        ``x``: the input made again, where the call's own went back once read (:attr:`LateOut.remade`)."""
         if self.loss_into is not None:
             residual.zero_()
             self.loss_into(residual)
             return
         self.decode_own_into(residual)
-        torch.sub(self.flat, residual, out=residual)
+        torch.sub(self.flat if x is None else x.reshape(-1), residual, out=residual)
 
     def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
         """``payload`` is this rank's encoding of the input's values ``start`` to ``end`` (a chunk,

@@ -973,31 +973,49 @@ class Communicator:
         elif flat is None:
             flat = pool.lend((total,), tensors[0].device, lent_input if early else lent)
             if early:
-                late = _late_out(pool, lent_input, lent, flat)
+                # with error feedback the input is made again when the residual settles (the
+                # gradients and the old residual are intact until then), so the groups in
+                # flight hold no input buffer while their payloads are on the wire
+                late = _late_out(pool, lent_input, lent, flat, remade=settles)
+        residual = None
+
+        def compensate(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
+            """The codec's input written into ``buf`` (``views``: the gradients' places in it):
+            on an accelerator a few operations for the whole group, whatever its size, where the
+            memory is none or the group's residual; else the memory's own, gradient by gradient
+            (on the CPU one pass each, where a call costs next to nothing). The padding is zeroed."""
+            if _multi_tensor(buf.device) and (residual is not None or not mem.stateful):
+                if not alone:
+                    _copy_all(views, [tensors[i] for i in order])
+                if residual is not None:
+                    if mem.gamma != 1.0:
+                        buf.mul_(mem.gamma)
+                    buf.add_(residual, alpha=mem.beta)
+            else:
+                for x, i in zip(views, order):
+                    mem.compensate_into(tensors[i], names[i], x)
+            self._places_of(buf.device, layout.gaps).fill_(buf, 0)
+
+        def remake(held: List[torch.Tensor]) -> torch.Tensor:
+            """The input again, the same operations on the same values (the same bits), in a
+            buffer of the pool lent into ``held``."""
+            buf = pool.lend((total,), flat.device, held)
+            compensate(buf, layout.views(buf, "input"))
+            return buf
+
         try:
             inputs = layout.views(flat, "input", keep=not alone)  # in the order of the layout (no view of DDP's memory kept)
             # the average overwrites the input buffer when the collective has read it by then and
             # error feedback, if any, is a residual settled at that moment (see _settle_residual)
-            settle = residual = None
+            settle = None
             if settles:
                 members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
                 residual = self._group_residual(key, flat, members)
-                # (the scratch goes back with an input lent for the exchange: read no more once settled)
-                settle = _settle_residual(residual, self._scratch(flat, pool, lent if late is None else lent_input))
-            # the codec's input: on an accelerator a few operations for the whole group, whatever
-            # its size, where the memory is none or the group's residual; else the memory's own,
-            # gradient by gradient (on the CPU one pass each, where a call costs next to nothing)
-            if _multi_tensor(flat.device) and (residual is not None or not mem.stateful):
-                if not alone:
-                    _copy_all(inputs, [tensors[i] for i in order])
-                if residual is not None:
-                    if mem.gamma != 1.0:
-                        flat.mul_(mem.gamma)
-                    flat.add_(residual, alpha=mem.beta)
-            else:
-                for x, i in zip(inputs, order):
-                    mem.compensate_into(tensors[i], names[i], x)
-            self._places_of(flat.device, layout.gaps).fill_(flat, 0)
+                if late is not None:
+                    settle = _settle_remade(residual, remake, pool)
+                else:
+                    settle = _settle_residual(residual, self._scratch(flat, pool, lent))
+            compensate(flat, inputs)
             self._observe(layout.names, inputs, step)
             if late is not None:
                 out = None
@@ -1453,37 +1471,60 @@ def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _late_out(pool: BufferPool, lent_input: List[torch.Tensor], lent: List[torch.Tensor],
-              flat: torch.Tensor) -> LateOut:
-    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``, with the
-    residual's scratch where there is one) goes back to ``pool`` once the collective has read it
-    for the last time (encoded it, or released it), and the average gets a buffer of the pool
-    (into ``lent``) when it is written, or ``flat`` itself if it never went back. On a GPU the
-    next borrower's work is queued behind the encode on the same stream."""
+              flat: torch.Tensor, remade: bool = False) -> LateOut:
+    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``) goes back
+    to ``pool`` once the collective has read it for the last time (encoded it, or released it;
+    encoded it where error feedback makes it again: ``remade``, see :func:`_settle_remade`), and
+    the average gets a buffer of the pool (into ``lent``) when it is written, or ``flat`` itself
+    if it never went back. On a GPU the next borrower's work is queued behind the encode on the
+    same stream."""
     def input_read() -> None:
         pool.give_back(lent_input)
 
     def lend() -> torch.Tensor:
         return flat if lent_input else pool.lend((flat.numel(),), flat.device, lent)
 
-    return LateOut(lend, input_read)
+    return LateOut(lend, input_read, remade)
 
 
-def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[[Call, torch.Tensor], None]:
+def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[..., None]:
     """The ``on_release`` of an exchange whose average overwrites its input: there and then,
     residual = input − this rank's share as counted (its own payloads decoded into the
     residual, then one subtraction; :meth:`Call.residual_into`); kept as it was on a non-finite
     step (every rank alike, from the agreed flag). With a ``scratch`` buffer (accelerators) the
     new residual is computed there and the flag, left on the device, picks old or new: one pass
-    more, no wait for the device."""
+    more, no wait for the device. ``x``: the input made again (:func:`_settle_remade`)."""
 
-    def settle(call: Call, nonfinite: torch.Tensor) -> None:
+    def settle(call: Call, nonfinite: torch.Tensor, x: Optional[torch.Tensor] = None) -> None:
         if scratch is not None:
-            call.residual_into(scratch)
+            call.residual_into(scratch, x)
             torch.where(nonfinite, residual, scratch, out=residual)
             return
         if bool(nonfinite):
             return
-        call.residual_into(residual)
+        call.residual_into(residual, x)
+
+    return settle
+
+
+def _settle_remade(residual: torch.Tensor, remake: Callable[[List[torch.Tensor]], torch.Tensor],
+                   pool: BufferPool) -> Callable[[Call, torch.Tensor], None]:
+    """The ``on_release`` of an exchange whose input went back to ``pool`` once encoded
+    (:attr:`LateOut.remade`): the input is made again by ``remake`` (the compensation run anew
+    on the gradients and the residual, both untouched until then: the same bits) and the
+    residual settled from it as :func:`_settle_residual` does, the buffers given back at once.
+    A group in flight thus holds its payloads alone, not its input, for one pass more over the
+    gradients at release; on the CPU a non-finite step, which keeps the residual, makes nothing."""
+
+    def settle(call: Call, nonfinite: torch.Tensor) -> None:
+        if _reads_flag_on_host(residual.device) and bool(nonfinite):
+            return
+        held: List[torch.Tensor] = []
+        try:
+            x = remake(held)
+            _settle_residual(residual, Communicator._scratch(x, pool, held))(call, nonfinite, x)
+        finally:
+            pool.give_back(held)
 
     return settle
 
