@@ -1,7 +1,7 @@
 """The buffer pool behind the engine's group buffers and the collectives' payload buffers."""
 import torch
 
-from gradzip.comm.pool import BufferPool, size_class
+from gradzip.comm.pool import BufferPool, plan_serving, size_class
 
 CPU = torch.device("cpu")
 
@@ -98,3 +98,51 @@ def test_a_class_whose_borrowing_made_a_larger_request_allocate_gets_buffers_of_
         held.append(pool.nbytes)
     assert held[-1] == (size_class(1000) + size_class(1900)) * 4, held
     assert held[-3:] == [held[-1]] * 3
+
+
+def _step(pool: BufferPool, step: int, waves) -> None:
+    """One step: each wave lends its requests at once and gives them back together."""
+    pool.new_step(step)
+    for wave in waves:
+        lent = []
+        for numel in wave:
+            pool.lend((numel,), CPU, lent)
+        pool.give_back(lent)
+
+
+def test_classes_not_in_flight_together_are_served_by_the_larger_ones_buffers():
+    """Two exchanges of 1000 and of 1500 values, two of each in flight, one size after the
+    other: a step later the smaller are served by the larger ones' buffers, and the pool holds
+    two buffers where it held four."""
+    pool = BufferPool(torch.float32)
+    waves = [(1000, 1000), (1500, 1500)]
+    _step(pool, 0, waves)
+    assert pool.nbytes == 2 * (size_class(1000) + size_class(1500)) * 4
+    for step in range(1, 4):
+        _step(pool, step, waves)
+        assert pool.nbytes == 2 * size_class(1500) * 4, step
+    lent = []
+    small = pool.lend((1000,), CPU, lent)
+    assert lent[0].numel() == size_class(1500) and small.shape == (1000,)
+
+
+def test_classes_in_flight_together_keep_buffers_of_their_own():
+    """The same two sizes, always in flight together: one buffer of each size, step after
+    step, not two of the larger."""
+    pool = BufferPool(torch.float32)
+    for step in range(5):
+        _step(pool, step, [(1000, 1500)])
+        assert pool.nbytes == (size_class(1000) + size_class(1500)) * 4, step
+
+
+def test_a_class_is_served_only_by_buffers_up_to_about_twice_its_size():
+    """Sizes never in flight together but more than four classes apart keep their own
+    buffers; so do classes whose buffers together cost more than apart."""
+    classes = [size_class(100), size_class(1000)]
+    one_then_other = [(0, 1), (0, -1), (1, 1), (1, -1)]
+    assert plan_serving(classes, one_then_other) == {}
+    near = [size_class(1000), size_class(1500)]
+    assert plan_serving(near, one_then_other) == {near[0]: near[1]}
+    # three small in flight, later one large: three large buffers would cost more than apart
+    three_then_one = [(0, 1)] * 3 + [(0, -1)] * 3 + [(1, 1), (1, -1)]
+    assert plan_serving(near, three_then_one) == {}

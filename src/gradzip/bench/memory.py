@@ -4,7 +4,7 @@ Each method runs in processes of its own (a freed allocation stays resident in t
 of the process that made it, so methods sharing processes would hide each other's peaks). A
 rank builds the model's gradient set (:mod:`gradzip.bench.models`), wraps it in DDP, registers
 the method, notes its resident memory, runs ``warmup`` steps (DDP rebuilds its buckets at the
-second), then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
+second, and gradzip's buffer pools plan from the step after it: see :mod:`gradzip.comm.pool`), then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
 to ``/proc/self/clear_refs``) and runs the measured steps. What it adds is the high-water mark
 minus the resident memory before the first step: DDP's gradients and buckets, the method's
 buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess
@@ -53,7 +53,7 @@ def available() -> Optional[str]:
     return None
 
 
-def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any], steps: int, warmup: int = 2,
+def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any], steps: int, warmup: int = 3,
                   device: str = "cpu") -> Dict[str, Any]:
     """One rank: the memory it adds over ``warmup`` + ``steps`` DDP steps. On the CPU its peak
     resident memory; on a GPU the peak of what PyTorch's caching allocator has handed out on
@@ -112,7 +112,7 @@ def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any]
 
 def run_memory(
     model: Union[str, ModelSpec] = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, workers: int = 2,
-    steps: int = 3, json_path: Optional[str] = None, warmup: int = 2, device: str = "cpu",
+    steps: int = 3, json_path: Optional[str] = None, warmup: int = 3, device: str = "cpu",
 ) -> Dict[str, Any]:
     """Every method in ``configs`` on ``workers`` local ranks over loopback; the report.
     ``model``: a name of :data:`gradzip.bench.models.MODELS` or a spec of one's own.

@@ -2,25 +2,32 @@
 
 A fresh buffer costs a page fault per 4 KiB on every touch, so exchanges keep theirs from step
 to step; kept per group, though, every group's buffers would stay resident although only the
-groups in flight (a few, see :mod:`gradzip.sync.pipeline`) use them. A pool lends a
-free buffer of the request's size class (sizes 2^(k/4): at most 19% more than asked) and takes
-it back when the exchange ends, so groups of nearly the same size share buffers and the pool
-holds, per class, what the exchanges in flight at once needed; a buffer nobody borrowed in the
-present step or the one before (a group that no longer exists) is dropped. Where no buffer of
-the request's class is free, a free one up to :data:`FIT_CLASSES` classes above it (about
-twice the size) serves it, so exchanges of different sizes that are not in flight together
-share one buffer, and the smaller class, no longer lent, is dropped. A class whose borrowing
-once made a request of the larger class allocate anew (both were in flight together) borrows
-no more: it gets buffers of its own, and the extra large one, no longer lent, is dropped.
+groups in flight (a few, see :mod:`gradzip.sync.pipeline`) use them. A pool lends a free buffer
+of the request's size class (sizes 2^(k/4): at most 19% more than asked) and takes it back when
+the exchange ends, so groups of nearly the same size share buffers and the pool holds, per
+class, what the exchanges in flight at once needed; a buffer nobody borrowed in the present
+step or the one before (a group that no longer exists) is dropped.
+
+Classes of neighbouring sizes are often not in flight at once, or not at their peaks at once:
+held apart, each keeps as many buffers as its own busiest moment needed, and the sum is more
+than was ever lent together (ResNet-50's payloads at two ranks: a third more). So the pool
+notes, step by step, when each class's buffers are lent and given back, and at the next step
+serves a class by the buffers of a larger one (up to :data:`MERGE_CLASSES` classes up, about
+twice the size) where that larger class's buffers, as many as the two were lent together at
+most, cost fewer bytes than each class's own (:func:`plan_serving`). A training step repeats
+the one before it, so the plan holds; where the pattern changes it is made again.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-FIT_CLASSES = 4  # a free buffer up to this many classes larger serves a request whose own class has none
+MERGE_CLASSES = 4  # a class may be served by buffers up to this many classes larger (about 2x)
+RECORD_LIMIT = 1 << 16  # lends and returns noted per step; past it (no steps counted) no plan is made
+
+Key = Tuple[int, torch.device]  # (size class, device)
 
 
 def size_class(numel: int) -> int:
@@ -34,45 +41,83 @@ def size_class(numel: int) -> int:
     return math.ceil(2 ** (k / 4))
 
 
+def classes_up(cls: int, n: int) -> int:
+    """The size class ``n`` classes above ``cls``."""
+    for _ in range(n):
+        cls = size_class(cls + 1)
+    return cls
+
+
+def plan_serving(classes: Sequence[int], deltas: Sequence[Tuple[int, int]]) -> Dict[int, int]:
+    """Which class's buffers serve each class, from one step's record: ``deltas`` are (index
+    into the ascending ``classes``, +1 lent / -1 given back) in order. From the largest class
+    down, a run of classes is served by its largest where the buffers that many of it as the
+    run was lent together at most cost no more bytes than each class's own peak; a class more
+    than :data:`MERGE_CLASSES` below the run's largest starts a run of its own. Returns the
+    classes served by another (the rest serve themselves)."""
+    c = len(classes)
+    if c < 2 or not deltas:
+        return {}
+    steps = torch.zeros(len(deltas), c, dtype=torch.int64)
+    steps[torch.arange(len(deltas)), torch.tensor([i for i, _ in deltas])] = torch.tensor([d for _, d in deltas])
+    lent = steps.cumsum(0)  # buffers lent per class after each event
+    over = torch.cat([torch.zeros(len(deltas), 1, dtype=torch.int64), lent.cumsum(1)], 1)
+    peaks: Dict[Tuple[int, int], int] = {}  # (lowest, highest class index) -> peak lent together
+    for width in range(min(MERGE_CLASSES, c - 1) + 1):
+        together = (over[:, width + 1:] - over[:, : c - width]).amax(0).tolist()
+        for lo, peak in enumerate(together):
+            peaks[lo, lo + width] = peak
+    serves: Dict[int, int] = {}
+    top = c - 1
+    while top >= 0:
+        lo, cost = top, peaks[top, top] * classes[top]
+        while lo > 0 and top - (lo - 1) <= MERGE_CLASSES and classes[top] <= classes_up(classes[lo - 1], MERGE_CLASSES):
+            merged = peaks[lo - 1, top] * classes[top]
+            if merged > cost + peaks[lo - 1, lo - 1] * classes[lo - 1]:
+                break
+            lo, cost = lo - 1, merged
+        for i in range(lo, top):
+            serves[classes[i]] = classes[top]
+        top = lo - 1
+    return serves
+
+
 class BufferPool:
     """Flat buffers of one dtype, lent as views of the shape asked for."""
 
     def __init__(self, dtype: torch.dtype = torch.uint8) -> None:
         self.dtype = dtype
-        self._free: Dict[Tuple[int, torch.device], List[Tuple[torch.Tensor, int]]] = {}  # per class: (buffer, last lent)
+        self._free: Dict[Key, List[Tuple[torch.Tensor, int]]] = {}  # per class: (buffer, last lent)
         self._step = 0
-        # id of a larger buffer lent -> (the borrower's class and device, the buffer's class)
-        self._borrowed: Dict[int, Tuple[Tuple[int, torch.device], int]] = {}
-        self._own_only: set = set()  # (class, device) that borrows no more (see the module's docstring)
+        self._lent: Dict[int, Key] = {}  # id of a buffer lent -> the class of the request it serves
+        # this step's (request's class, +1 lent / -1 back); None past RECORD_LIMIT
+        self._record: Optional[List[Tuple[Key, int]]] = []
+        self._last_record: Optional[List[Tuple[Key, int]]] = []
+        self._serves: Dict[Key, int] = {}  # a request's class -> the class of the buffers serving it
+        self._planned: set = set()  # the classes the plan was made from
 
     def lend(self, shape: Tuple[int, ...], device: torch.device, into: List[torch.Tensor]) -> torch.Tensor:
         """A buffer of ``shape``; the whole buffer is appended to ``into``, the borrower's list of
         what it gives back (:meth:`give_back`) when it ends."""
         need = math.prod(shape)
         device = torch.device(device)
-        key = (size_class(need), device)
-        free = self._free.get(key)
-        if free:
-            buf = free.pop()[0]
-        else:
-            free = [] if key in self._own_only else self._larger_free(need, device)
-            if free:
-                buf = free.pop()[0]
-                self._borrowed[id(buf)] = (key, buf.numel())
-            else:
-                # a buffer of this class lent to a smaller request made this allocation: that
-                # class gets its own from now on
-                self._own_only.update(k for k, cls in self._borrowed.values() if k[1] == device and cls == key[0])
-                buf = torch.empty(key[0], dtype=self.dtype, device=device)
+        own = (size_class(need), device)
+        cls = self._serves.get(own, own[0])
+        free = self._free.get((cls, device))
+        if not free and own not in self._planned:  # (a class the plan knows gets what it planned)
+            free = self._larger_free(cls, device)
+        buf = free.pop()[0] if free else torch.empty(cls, dtype=self.dtype, device=device)
+        self._lent[id(buf)] = own
+        self._note(own, 1)
         into.append(buf)
         return buf[:need].view(shape)
 
-    def _larger_free(self, need: int, device: torch.device) -> List[Tuple[torch.Tensor, int]]:
-        """The free list of the smallest class above ``need``'s, up to :data:`FIT_CLASSES` classes
-        up, that holds a buffer on ``device`` (empty if none does)."""
-        cls = limit = size_class(need)
-        for _ in range(FIT_CLASSES):
-            limit = size_class(limit + 1)
+    def _larger_free(self, cls: int, device: torch.device) -> List[Tuple[torch.Tensor, int]]:
+        """The free list of the smallest class above ``cls``, up to :data:`MERGE_CLASSES` classes
+        up, that holds a buffer on ``device`` (empty if none does): for a class the plan does not
+        know yet (the first steps), so that exchanges not in flight together share a buffer
+        rather than allocate."""
+        limit = classes_up(cls, MERGE_CLASSES)
         best: List[Tuple[torch.Tensor, int]] = []
         for (numel, dev), free in self._free.items():
             if free and dev == device and cls < numel <= limit and (not best or numel < best[0][0].numel()):
@@ -84,23 +129,50 @@ class BufferPool:
         back on the free list: a borrower that asks in the same order at the next step gets the
         same buffers, so views of them made once stay valid (:class:`~gradzip.sync.groups.FusedLayout`)."""
         for buf in reversed(lent):
-            self._borrowed.pop(id(buf), None)
+            own = self._lent.pop(id(buf), None)
+            if own is not None:
+                self._note(own, -1)
             self._free.setdefault((buf.numel(), buf.device), []).append((buf, self._step))
         lent.clear()
 
+    def _note(self, own: Key, delta: int) -> None:
+        if self._record is not None:
+            self._record.append((own, delta))
+            if len(self._record) > RECORD_LIMIT:  # a step too long to plan from (or no steps counted)
+                self._record = None
+
     def new_step(self, step: int) -> None:
-        """Drop the free buffers nobody borrowed in ``step`` or the one before."""
+        """Plan which buffers serve which class from the step that ended (see the module's
+        docstring), and drop the free buffers nobody borrowed in ``step`` or the one before."""
         if step > self._step:
             self._step = step
+            if self._record is not None and self._record != self._last_record:  # (a step like the one before keeps its plan)
+                self._plan(self._record)
+            self._last_record = self._record
+            self._record = [(own, 1) for own in self._lent.values()]  # lent across the boundary
             for key, free in list(self._free.items()):
                 free[:] = [(buf, used) for buf, used in free if used >= step - 1]
                 if not free:
                     del self._free[key]
 
+    def _plan(self, record: Sequence[Tuple[Key, int]]) -> None:
+        serves: Dict[Key, int] = {}
+        for device in {dev for (_, dev), _ in record}:
+            classes = sorted({cls for (cls, dev), _ in record if dev == device})
+            index = {cls: i for i, cls in enumerate(classes)}
+            deltas = [(index[cls], d) for (cls, dev), d in record if dev == device]
+            serves.update(((cls, device), by) for cls, by in plan_serving(classes, deltas).items())
+        self._serves = serves
+        self._planned = {own for own, _ in record}
+        for key in serves:  # served by larger buffers from now on: its own are not lent again
+            self._free.pop(key, None)
+
     def clear(self) -> None:
         self._free.clear()
-        self._borrowed.clear()
-        self._own_only.clear()
+        self._lent.clear()
+        self._record, self._last_record = [], []
+        self._serves.clear()
+        self._planned = set()
 
     @property
     def nbytes(self) -> int:

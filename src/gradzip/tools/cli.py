@@ -376,8 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mm.add_argument("--workers", type=_positive, default=2, help="local ranks (default %(default)s)")
     mm.add_argument(
-        "--warmup", type=_positive, default=2,
-        help="steps before the measured ones; DDP rebuilds its buckets at the second (default %(default)s)",
+        "--warmup", type=_positive, default=3,
+        help="steps before the measured ones; DDP rebuilds its buckets at the second, gradzip's buffer pools "
+             "plan from the third (default %(default)s)",
     )
     mm.add_argument("--steps", type=_positive, default=3, help="measured steps after the warm-up (default %(default)s)")
     mm.add_argument(
