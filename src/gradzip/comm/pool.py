@@ -51,29 +51,37 @@ def classes_up(cls: int, n: int) -> int:
 def plan_serving(classes: Sequence[int], deltas: Sequence[Tuple[int, int]]) -> Dict[int, int]:
     """Which class's buffers serve each class, from one step's record: ``deltas`` are (index
     into the ascending ``classes``, +1 lent / -1 given back) in order. From the largest class
-    down, a run of classes is served by its largest where the buffers that many of it as the
-    run was lent together at most cost no more bytes than each class's own peak; a class more
-    than :data:`MERGE_CLASSES` below the run's largest starts a run of its own. Returns the
-    classes served by another (the rest serve themselves)."""
+    down, a run of neighbouring classes is served by buffers of its largest where as many of
+    them as the run had lent at once, at most, cost no more bytes than each class's own busiest
+    moment in buffers of its own size; a class more than :data:`MERGE_CLASSES` below the run's
+    largest starts a run of its own. Returns the classes served by another (the rest serve
+    themselves)."""
     c = len(classes)
     if c < 2 or not deltas:
         return {}
-    steps = torch.zeros(len(deltas), c, dtype=torch.int64)
-    steps[torch.arange(len(deltas)), torch.tensor([i for i, _ in deltas])] = torch.tensor([d for _, d in deltas])
-    lent = steps.cumsum(0)  # buffers lent per class after each event
-    over = torch.cat([torch.zeros(len(deltas), 1, dtype=torch.int64), lent.cumsum(1)], 1)
-    peaks: Dict[Tuple[int, int], int] = {}  # (lowest, highest class index) -> peak lent together
-    for width in range(min(MERGE_CLASSES, c - 1) + 1):
-        together = (over[:, width + 1:] - over[:, : c - width]).amax(0).tolist()
-        for lo, peak in enumerate(together):
-            peaks[lo, lo + width] = peak
+    width = min(MERGE_CLASSES, c - 1)
+    # buffers lent together, now and at most, per run of classes lo..lo+k (k <= width):
+    # index lo * (width + 1) + k; each event changes the runs that hold its class
+    now = [0] * (c * (width + 1))
+    most = [0] * (c * (width + 1))
+    for i, d in deltas:
+        for lo in range(max(0, i - width), i + 1):
+            for k in range(i - lo, min(width, c - 1 - lo) + 1):
+                at = lo * (width + 1) + k
+                now[at] += d
+                if now[at] > most[at]:
+                    most[at] = now[at]
+
+    def peak(lo: int, hi: int) -> int:
+        return most[lo * (width + 1) + hi - lo]
+
     serves: Dict[int, int] = {}
     top = c - 1
     while top >= 0:
-        lo, cost = top, peaks[top, top] * classes[top]
+        lo, cost = top, peak(top, top) * classes[top]
         while lo > 0 and top - (lo - 1) <= MERGE_CLASSES and classes[top] <= classes_up(classes[lo - 1], MERGE_CLASSES):
-            merged = peaks[lo - 1, top] * classes[top]
-            if merged > cost + peaks[lo - 1, lo - 1] * classes[lo - 1]:
+            merged = peak(lo - 1, top) * classes[top]
+            if merged > cost + peak(lo - 1, lo - 1) * classes[lo - 1]:
                 break
             lo, cost = lo - 1, merged
         for i in range(lo, top):
