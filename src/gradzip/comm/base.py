@@ -496,6 +496,14 @@ class Collective(Configurable):
         the collective's pool; it goes back when the call ends."""
         return self._pool.lend(shape, device, call.lent)
 
+    def _give_back_now(self, call: "Call", lent: torch.Tensor) -> None:
+        """Give back before the call ends a buffer that :meth:`_lend` lent it (``lent``, the view
+        it returned): its transfers have completed and nothing reads it any more."""
+        for i, buf in enumerate(call.lent):
+            if buf.data_ptr() == lent.data_ptr() and buf.device == lent.device:
+                self._pool.give_back([call.lent.pop(i)])
+                return
+
     def _lend_values(self, call: "Call", numel: int, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``numel`` values of ``dtype`` (default ``like``'s) on ``like``'s device, lent for the
         call (bytes of the collective's pool, see :meth:`_lend`)."""

@@ -79,6 +79,12 @@ class ScatterReduceAllGather(Collective):
             phase2 = [self._reduce(call, phase1[0], tag(0), got)]
         else:  # (a segment's flag covers the segments encoded before it: the last one's is known last)
             phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
+        if not call.need_own or (call.released and call.on_release is not None):
+            # this rank's payloads are read no more (no error feedback, or settled already):
+            # their send buffers serve other calls while the all-gathers are on the wire
+            for p1 in phase1:
+                if p1["recv"] is not p1["send"]:
+                    self._give_back_now(call, p1["send"])
         yield  # the all-gathers are on the wire
         flags = [self._gathered_flag(call, p2) for p2 in phase2]
         nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()

@@ -998,7 +998,10 @@ class Communicator:
 
         def remake(held: List[torch.Tensor]) -> torch.Tensor:
             """The input again, the same operations on the same values (the same bits), in a
-            buffer of the pool lent into ``held``."""
+            buffer of the pool lent into ``held``; the input itself where the collective read
+            it until it released it (PowerSGD's rounds), so it is still lent and intact."""
+            if lent_input:
+                return flat
             buf = pool.lend((total,), flat.device, held)
             compensate(buf, layout.views(buf, "input"))
             return buf
