@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradzip.comm.base import any_flag, from_bytes, payload_views, spec_bytes, spec_of, to_bytes
+from gradzip.codecs.base import Payload
+from gradzip.comm.base import any_flag, from_bytes, payload_views, sent_as, spec_bytes, spec_of, to_bytes
 from gradzip import codec, collectives
 from gradzip.comm.sra import CPU_SEGMENT, segment_length
 from gradzip.config import parse_value
@@ -27,6 +28,19 @@ def test_a_message_round_trips_over_a_dirty_buffer(flag):
     assert all(torch.equal(v, t) for v, t in zip(payload_views(out, spec), tensors))
     assert bool(got) is flag
     assert torch.equal(to_bytes(tensors, torch.tensor(flag)), out)  # the same bytes as a fresh buffer
+
+
+def test_a_payload_sent_from_its_message_is_views_of_it_and_the_same_bytes():
+    """A payload whose form is known only once encoded is copied into its message, which then
+    stands for it (the encoded tensors are not kept while the message is on the wire)."""
+    tensors = _payload()
+    spec = spec_of(tensors)
+    out = torch.full((spec_bytes(spec),), 0xAB, dtype=torch.uint8)
+    sent = sent_as(Payload(tensors, "ctx"), out, spec)
+    assert sent.ctx == "ctx" and all(torch.equal(v, t) for v, t in zip(sent.tensors, tensors))
+    assert all(v.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() for v in sent.tensors)
+    to_bytes(sent.tensors, torch.tensor(True), out=out)  # nothing left to copy: the flag alone
+    assert torch.equal(out, to_bytes(tensors, torch.tensor(True)))
 
 
 def test_the_flags_of_several_ranks_are_ored_in_one_operation():

@@ -18,6 +18,7 @@ from .base import (
     payload_column,
     payload_views,
     register_collective,
+    sent_as,
     spec_bytes,
     spec_of,
     to_bytes,
@@ -118,11 +119,13 @@ class AllGather(Collective):
             gathered = self._lend(call, (w, spec_bytes(fmt)), x.device)
             buf = gathered[call.rank]
             payload = call.encode(x, name, out=payload_views(buf, fmt))
-        else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form)
+        else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form),
+            # which stands for it from then on: the encoded tensors are not kept while in flight
             payload = call.encode(x, name)
             spec = spec_of(payload.tensors)
             gathered = self._lend(call, (w, spec_bytes(spec)), x.device)
             buf = gathered[call.rank]
+            payload = sent_as(payload, buf, spec)
         call.keep_own(payload, a, b)
         buf = to_bytes(payload.tensors, call.flag, out=buf)
         work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True) if w > 1 else None

@@ -214,6 +214,16 @@ def payload_views(buf: torch.Tensor, spec: Spec) -> List[torch.Tensor]:
     return out
 
 
+def sent_as(payload: Payload, buf: torch.Tensor, spec: Spec) -> Payload:
+    """``payload`` copied into its place in the :func:`to_bytes` buffer ``buf`` (laid out by
+    ``spec``, its own), as views of ``buf``: the message stands for the payload from then on,
+    so the encoded tensors need not be kept while it is in flight."""
+    views = payload_views(buf, spec)
+    for dst, t in zip(views, payload.tensors):
+        dst.copy_(t.reshape(-1))
+    return Payload(views, payload.ctx)
+
+
 def payload_column(rows: torch.Tensor, spec: Spec, k: int) -> torch.Tensor:
     """Payload tensor ``k`` of every row of ``rows`` (a ``(W, L)`` uint8 tensor of
     :func:`to_bytes` buffers laid out by ``spec``) as one ``(W, numel)`` view: one operation

@@ -20,6 +20,7 @@ from .base import (
     overlaps,
     reencoder,
     register_collective,
+    sent_as,
     spec_bytes,
     spec_of,
     to_bytes,
@@ -114,9 +115,13 @@ class ScatterReduceAllGather(Collective):
         if spec is not None:  # each chunk encoded straight into its row of the send buffer
             send = self._lend(call, (w, spec_bytes(spec)), x.device)
             encoded = [call.encode(chunks[j], f"{name}#{j}", out=payload_views(send[j], spec)) for j in range(w)]
-        else:
-            encoded = [call.encode(chunks[j], f"{name}#{j}") for j in range(w)]
-            send = self._lend(call, (w, spec_bytes(spec_of(encoded[0].tensors))), x.device)
+        else:  # each chunk encoded, then copied into its row, which stands for it from then on
+            encoded, send = [], None
+            for j in range(w):
+                payload = call.encode(chunks[j], f"{name}#{j}")
+                if send is None:
+                    send = self._lend(call, (w, spec_bytes(spec_of(payload.tensors))), x.device)
+                encoded.append(sent_as(payload, send[j], spec_of(payload.tensors)))
         for j, payload in enumerate(encoded):
             call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own
             to_bytes(payload.tensors, call.flag, out=send[j])  # the flag (and the payload, if not there)
@@ -181,6 +186,8 @@ class ScatterReduceAllGather(Collective):
         buf = gathered[rank]
         if second is None:
             second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, out=payload_views(buf, spec))
+        else:  # (not kept beside the message while it is on the wire)
+            second = sent_as(second, buf, spec)
         to_bytes(second.tensors, flag, out=buf)
         self._pool.give_back(spare)  # (read no more: later work on it is queued after this on a GPU)
         work = None
