@@ -959,3 +959,34 @@ def test_a_collective_that_lends_its_result_late_says_so_where_its_exchange_is_w
             declared = next(c for c in cls.__mro__ if "reads_input_first" in c.__dict__)
             assert issubclass(declared, owner), (cls.__name__, owner.__name__, declared.__name__)
     assert not reducescatter.CompressedReduceScatter.reads_input_first
+
+
+def _sra_send_buffers(rank: int, world: int) -> dict:
+    """Two SRA calls advanced in turn, as the pipeline does: the first to its all-gather, then
+    the second's scatter. What the collective's pool holds after both, by how the first kept
+    its own payloads: none kept, kept and settled on release, kept for the end."""
+    from gradzip.sync.engine import _settle_residual
+
+    held = {}
+    for mode in ("none", "settled", "kept"):
+        coll = collectives.get("sra")(None)
+        c = codec("maxmin", bits=4)
+        xs = [torch.randn(4096, generator=torch.Generator().manual_seed(rank * 10 + i)) for i in range(2)]
+        release = _settle_residual(torch.zeros(4096)) if mode == "settled" else None
+        first = coll.stages(c, xs[0], "a", 0, need_own=mode != "none", on_release=release)
+        second = coll.stages(c, xs[1], "b", 0, need_own=False)
+        next(first)  # scattered
+        next(first)  # reduced, its all-gather issued
+        next(second)  # scattered
+        for stages in (first, second):
+            drive(stages)
+        held[mode] = coll._pool.nbytes
+    return held
+
+
+def test_the_sra_gives_its_send_buffer_back_once_its_chunks_arrived():
+    """Where nothing reads this rank's own payloads any more (no error feedback, or settled when
+    the chunks arrived), the send buffer goes back before the all-gather: the next call's
+    scatter takes it, and the pool holds one buffer fewer than where they are kept to the end."""
+    for held in run_workers(_sra_send_buffers, 3):
+        assert held["none"] == held["settled"] < held["kept"], held
