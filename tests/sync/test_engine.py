@@ -403,6 +403,46 @@ def test_with_error_feedback_a_group_in_flight_holds_no_input_buffer(collective,
         assert all(torch.equal(late["residuals"][k], early["residuals"][k]) for k in late["residuals"])
 
 
+def _raw_own_payloads(rank: int, world: int, codec: str, collective: str, options: dict, late: bool) -> dict:
+    """Three jobs in the pipeline: a compressed group whose payloads are sent as they are, a
+    plain sum of the same size (it borrows the same pool buffers across its wait), another group."""
+    from gradzip.sync.pipeline import Pipeline
+
+    g = torch.Generator().manual_seed(rank)
+    comm = gradzip.Communicator(codec, collective=collective, memory="residual", **options)
+    if not late:
+        comm.collective.reads_input_first = False
+    jobs = [(["a.w0", "a.w1"], [True, True]), (["p.w0", "p.w1"], [False, False]), (["c.w0", "c.w1"], [True, True])]
+    avgs = []
+    for step in range(3):
+        grads = [[torch.randn(64, 96, generator=g) for _ in names] for names, _ in jobs]
+        pipeline = Pipeline(lambda what, exc, seconds: exc)
+        futures = [torch.futures.Future() for _ in jobs]
+        for j, ((names, compress), fut) in enumerate(zip(jobs, futures)):
+            pipeline.arrive(comm.reduce_many_stages(grads[j], names, compress, inplace=True, step=step),
+                            fut, f"job {j}", flush=j == len(jobs) - 1)
+        avgs.append([t.clone() for fut in futures for t in fut.value()])
+    out = {"avgs": avgs, "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("codec,collective,world,options", [
+    ("none", "allgather", 2, {}),
+    ("maxmin", "sra", 3, {"bits": 8, "bucket_size": 1}),  # a format larger than raw: sent raw
+], ids=["none-allgather", "raw-sra"])
+def test_a_payload_sent_as_it_is_is_read_where_it_was_sent_from_when_the_residual_settles(codec, collective, world, options):
+    """Where this rank's own payload is its input, or was, the residual settles from bytes no
+    other exchange has written over meanwhile: the same averages and residuals as an exchange
+    that keeps its input to the end."""
+    for late, early in zip(run_workers(_raw_own_payloads, world, codec, collective, options, True),
+                           run_workers(_raw_own_payloads, world, codec, collective, options, False)):
+        for a, b in zip(late["avgs"], early["avgs"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert late["residuals"].keys() == early["residuals"].keys()
+        assert all(torch.equal(late["residuals"][k], early["residuals"][k]) for k in late["residuals"])
+
+
 def _batch_in_its_memory(rank: int, world: int, codec: str, options: dict, device_flag: bool) -> dict:
     options = dict(options)
     memory = options.pop("memory", "residual")

@@ -389,9 +389,14 @@ class Call:
         (:class:`LateOut`) takes it back, unless the input is still to be read when it is
         released (this rank's own payloads decoded from it, an ``on_release``): then
         :meth:`release_input` gives it back."""
-        if self.late is not None and (self.released or self.late.remade
+        if self.late is not None and (self.released or (self.late.remade and not self._own_in_input())
                                       or (not self.need_own and self.on_release is None)):
             self.late.input_read()
+
+    def _own_in_input(self) -> bool:
+        """Whether a payload kept as this rank's own lies in the input (a tensor sent as it is):
+        then the input is read when the residual settles, even where the caller makes it again."""
+        return any(overlaps(t, self.x) for payload, *_ in self.own for t in payload.tensors)
 
     def output(self) -> Optional[torch.Tensor]:
         """``out``: where the average goes (None: a fresh tensor), lent now if the caller lends it late."""

@@ -14,7 +14,8 @@ than was ever lent together (ResNet-50's payloads at two ranks: a third more). S
 notes, step by step, when each class's buffers are lent and given back, and at the next step
 serves a class by the buffers of a larger one (up to :data:`MERGE_CLASSES` classes up, about
 twice the size) where that larger class's buffers, as many as the two were lent together at
-most, cost fewer bytes than each class's own (:func:`plan_serving`). A training step repeats
+most, cost fewer bytes than each class's own (:func:`plan_serving`; the busiest moments of the
+last two steps, so steps that take turns in two patterns keep one plan). A training step repeats
 the one before it, so the plan holds; where the pattern changes it is made again.
 """
 from __future__ import annotations
@@ -48,29 +49,32 @@ def classes_up(cls: int, n: int) -> int:
     return cls
 
 
-def plan_serving(classes: Sequence[int], deltas: Sequence[Tuple[int, int]]) -> Dict[int, int]:
-    """Which class's buffers serve each class, from one step's record: ``deltas`` are (index
-    into the ascending ``classes``, +1 lent / -1 given back) in order. From the largest class
+def plan_serving(classes: Sequence[int], records: Sequence[Sequence[Tuple[int, int]]]) -> Dict[int, int]:
+    """Which class's buffers serve each class, from the records of the last steps: each a list of
+    (index into the ascending ``classes``, +1 lent / -1 given back) in order, the busiest
+    moments taken over them all (so steps that take turns in two patterns keep one plan that
+    fits both). From the largest class
     down, a run of neighbouring classes is served by buffers of its largest where as many of
     them as the run had lent at once, at most, cost no more bytes than each class's own busiest
     moment in buffers of its own size; a class more than :data:`MERGE_CLASSES` below the run's
     largest starts a run of its own. Returns the classes served by another (the rest serve
     themselves)."""
     c = len(classes)
-    if c < 2 or not deltas:
+    if c < 2:
         return {}
     width = min(MERGE_CLASSES, c - 1)
     # buffers lent together, now and at most, per run of classes lo..lo+k (k <= width):
     # index lo * (width + 1) + k; each event changes the runs that hold its class
-    now = [0] * (c * (width + 1))
     most = [0] * (c * (width + 1))
-    for i, d in deltas:
-        for lo in range(max(0, i - width), i + 1):
-            for k in range(i - lo, min(width, c - 1 - lo) + 1):
-                at = lo * (width + 1) + k
-                now[at] += d
-                if now[at] > most[at]:
-                    most[at] = now[at]
+    for deltas in records:
+        now = [0] * (c * (width + 1))
+        for i, d in deltas:
+            for lo in range(max(0, i - width), i + 1):
+                for k in range(i - lo, min(width, c - 1 - lo) + 1):
+                    at = lo * (width + 1) + k
+                    now[at] += d
+                    if now[at] > most[at]:
+                        most[at] = now[at]
 
     def peak(lo: int, hi: int) -> int:
         return most[lo * (width + 1) + hi - lo]
@@ -101,6 +105,8 @@ class BufferPool:
         # this step's (request's class, +1 lent / -1 back); None past RECORD_LIMIT
         self._record: Optional[List[Tuple[Key, int]]] = []
         self._last_record: Optional[List[Tuple[Key, int]]] = []
+        self._planned_from: List[Optional[List[Tuple[Key, int]]]] = []  # the records of the plan in use
+        self._ended = 0  # steps ended
         self._serves: Dict[Key, int] = {}  # a request's class -> the class of the buffers serving it
         self._planned: set = set()  # the classes the plan was made from
 
@@ -154,8 +160,13 @@ class BufferPool:
         docstring), and drop the free buffers nobody borrowed in ``step`` or the one before."""
         if step > self._step:
             self._step = step
-            if self._record is not None and self._record != self._last_record:  # (a step like the one before keeps its plan)
-                self._plan(self._record)
+            if not self._ended:  # the first step lends everything anew (and DDP rebuilds its buckets after it): no plan from it
+                self._record = None
+            self._ended += 1
+            records = [self._record, self._last_record]
+            if self._record is not None and records != self._planned_from:  # (the same two steps: the same plan)
+                self._plan(records)
+                self._planned_from = records
             self._last_record = self._record
             self._record = [(own, 1) for own in self._lent.values()]  # lent across the boundary
             for key, free in list(self._free.items()):
@@ -163,22 +174,26 @@ class BufferPool:
                 if not free:
                     del self._free[key]
 
-    def _plan(self, record: Sequence[Tuple[Key, int]]) -> None:
+    def _plan(self, records: Sequence[Optional[List[Tuple[Key, int]]]]) -> None:
+        """:attr:`_serves` from the records of the last step and the one before it (None or
+        empty where there is none)."""
+        self._planned = {own for own, _ in records[0] or ()}
+        records = [r for r in records if r]
         serves: Dict[Key, int] = {}
-        for device in {dev for (_, dev), _ in record}:
-            classes = sorted({cls for (cls, dev), _ in record if dev == device})
+        for device in {dev for record in records for (_, dev), _ in record}:
+            classes = sorted({cls for record in records for (cls, dev), _ in record if dev == device})
             index = {cls: i for i, cls in enumerate(classes)}
-            deltas = [(index[cls], d) for (cls, dev), d in record if dev == device]
+            deltas = [[(index[cls], d) for (cls, dev), d in record if dev == device] for record in records]
             serves.update(((cls, device), by) for cls, by in plan_serving(classes, deltas).items())
         self._serves = serves
-        self._planned = {own for own, _ in record}
         for key in serves:  # served by larger buffers from now on: its own are not lent again
             self._free.pop(key, None)
 
     def clear(self) -> None:
         self._free.clear()
         self._lent.clear()
-        self._record, self._last_record = [], []
+        self._record, self._last_record, self._planned_from = [], [], []
+        self._ended = 0
         self._serves.clear()
         self._planned = set()
 
