@@ -160,8 +160,8 @@ class BufferPool:
         docstring), and drop the free buffers nobody borrowed in ``step`` or the one before."""
         if step > self._step:
             self._step = step
-            if not self._ended:  # the first step lends everything anew (and DDP rebuilds its buckets after it): no plan from it
-                self._record = None
+            if not self._ended:  # the first step lends everything anew (and DDP rebuilds its
+                self._record = None  # buckets after it): no plan is made from it
             self._ended += 1
             records = [self._record, self._last_record]
             if self._record is not None and records != self._planned_from:  # (the same two steps: the same plan)
