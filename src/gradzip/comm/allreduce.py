@@ -33,7 +33,8 @@ class AllReduce(Collective):
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
         payload = call.encode(_scaled(call), parts=call.parts)
-        if not _multi_round(call.codec) and not any(overlaps(t, call.x) for t in payload.tensors):
+        if (call.late is not None and not _multi_round(call.codec)
+                and not any(overlaps(t, call.x) for t in payload.tensors)):
             call.input_read()  # the sums are of the payload alone (a later round reads the input)
         # read after encoding (it covers the input); summed only where there is more than one rank
         flag = call.flag.to(torch.float32).reshape(1) if w > 1 and self.flagged else None

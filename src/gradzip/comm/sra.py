@@ -157,13 +157,13 @@ class ScatterReduceAllGather(Collective):
         mean = not (w > 1 and p1["stats"] is not None and call.codec.averages_by_stats())
         if not mean:
             payload_column(p1["recv"], p1["spec"], p1["stats"]).div_(w)
-        spare: List[torch.Tensor] = []
+        spare = None
         if dest is None and parts[0].ctx.dtype == torch.float32 and parts[0].ctx.numel:
             # the result's memory still holds the input (error feedback reads it as the exchange
             # ends), or is lent only for the decode: the chunk's average waits in a buffer of the
             # pool, not a tensor made each step, given back once it is re-encoded (the next
             # segment or group takes it)
-            dest = self._pool.lend((parts[0].ctx.numel * 4,), p1["recv"].device, spare).view(torch.float32)
+            dest = spare = self._lend_values(call, parts[0].ctx.numel, p1["recv"], torch.float32)
         if dest is None:
             reduced = call.decode(lambda ps: call.codec.aggregate(ps, mean=mean), parts).reshape(-1)
         else:  # averaged where this chunk of the result goes: decoding the gathered bytes overwrites it
@@ -189,7 +189,8 @@ class ScatterReduceAllGather(Collective):
         else:  # (not kept beside the message while it is on the wire)
             second = sent_as(second, buf, spec)
         to_bytes(second.tensors, flag, out=buf)
-        self._pool.give_back(spare)  # (read no more: later work on it is queued after this on a GPU)
+        if spare is not None:  # read no more (later work on it is queued after this on a GPU)
+            self._give_back_now(call, spare)
         work = None
         if w > 1:
             work = all_gather_flat(gathered.view(-1), buf, self.group, async_op=True)
