@@ -11,7 +11,7 @@ import torch.distributed as dist
 import gradzip
 from gradzip import codec, collectives
 from gradzip.comm.stages import drive
-from gradzip.codecs.base import SEED, Codec, Meta, Option, float_in
+from gradzip.codecs.base import SEED, Codec, Meta, Option, Payload, float_in
 from gradzip.kernels import shared_generator
 
 from ..dist_utils import run_workers
@@ -990,3 +990,23 @@ def test_the_sra_gives_its_send_buffer_back_once_its_chunks_arrived():
     scatter takes it, and the pool holds one buffer fewer than where they are kept to the end."""
     for held in run_workers(_sra_send_buffers, 3):
         assert held["none"] == held["settled"] < held["kept"], held
+
+
+@pytest.mark.parametrize("own_in_input", [False, True])
+def test_an_input_made_again_goes_back_once_read_unless_it_holds_this_ranks_own_payload(own_in_input):
+    """With error feedback that makes the input again (``LateOut.remade``) the input goes back as
+    soon as the exchange has read it, but not while a payload kept as this rank's own lies in
+    it (a tensor sent as it is): the residual settles from that payload later."""
+    from gradzip.comm.base import Call, LateOut, Timer
+
+    x = torch.randn(64)
+    lent = ["input"]  # what the caller lent for the exchange (given back: emptied)
+    late = LateOut(lambda: torch.empty(64), lent.clear, remade=True)
+    call = Call(codec("maxmin", bits=4), x, "w", 0, True, None, 1, 0, 2, None, Timer(), late=late,
+                on_release=lambda call, nonfinite: None)
+    own = x if own_in_input else x.clone()
+    call.keep_own(Payload([own], None))
+    call.input_read()
+    assert lent == (["input"] if own_in_input else [])
+    call.release_input(torch.tensor(False))  # released: the input goes back now in either case
+    assert lent == []

@@ -1,4 +1,5 @@
 """The buffer pool behind the engine's group buffers and the collectives' payload buffers."""
+import pytest
 import torch
 
 from gradzip.comm.pool import BufferPool, plan_serving, size_class
@@ -152,14 +153,42 @@ def test_steps_that_take_turns_in_two_patterns_keep_one_plan():
     assert buffers[4:] == [buffers[4]] * 6  # the same buffers: none made anew
 
 
+@pytest.mark.parametrize("first", [0, 5])
+def test_no_plan_is_made_from_the_first_step_that_lends(first):
+    """The first step a pool lends in (everything in flight anew; DDP rebuilds its buckets after
+    it) is left out, also where that step is not numbered 0 (a run resumed from a checkpoint)."""
+    pool = BufferPool(torch.float32)
+    pool.new_step(first)
+    waves = [(1000, 1000), (1500, 1500)]
+    held = []
+    for step in range(first, first + 4):
+        _step(pool, step, waves)
+        held.append(pool.nbytes)
+    assert held == [2 * (size_class(1000) + size_class(1500)) * 4] * 2 + [2 * size_class(1500) * 4] * 2, held
+
+
+def test_steps_alternating_between_a_pair_and_a_larger_one_allocate_nothing_once_planned(monkeypatch):
+    """Two of 1000 values in flight in one step, one of 1500 in the next, and so on: the plan
+    of both steps keeps the buffers each of them needs (none is dropped to be made again)."""
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    pool = BufferPool(torch.float32)
+    for step in range(12):
+        _step(pool, step, [(1000, 1000)] if step % 2 == 0 else [(1500,)])
+        if step == 5:
+            made.clear()
+    assert made == [] and pool.nbytes == 2 * size_class(1500) * 4, (made, pool.nbytes)
+
+
 def test_a_class_is_served_only_by_buffers_up_to_about_twice_its_size():
     """Sizes never in flight together but more than four classes apart keep their own
     buffers; so do classes whose buffers together cost more than apart."""
     classes = [size_class(100), size_class(1000)]
     one_then_other = [(0, 1), (0, -1), (1, 1), (1, -1)]
-    assert plan_serving(classes, [one_then_other]) == {}
+    assert plan_serving(classes, [one_then_other])[0] == {}
     near = [size_class(1000), size_class(1500)]
-    assert plan_serving(near, [one_then_other]) == {near[0]: near[1]}
+    assert plan_serving(near, [one_then_other]) == ({near[0]: near[1]}, {near[1]: 1})
     # three small in flight, later one large: three large buffers would cost more than apart
     three_then_one = [(0, 1)] * 3 + [(0, -1)] * 3 + [(1, 1), (1, -1)]
-    assert plan_serving(near, [three_then_one]) == {}
+    assert plan_serving(near, [three_then_one]) == ({}, {near[0]: 3, near[1]: 1})

@@ -43,6 +43,17 @@ def test_a_payload_sent_from_its_message_is_views_of_it_and_the_same_bytes():
     assert torch.equal(out, to_bytes(tensors, torch.tensor(True)))
 
 
+def test_a_payload_is_sent_from_its_message_byte_for_byte():
+    """Bytes of a bool tensor that are not 0 or 1 (a codec's own packing) go on the wire as
+    they are, as ``to_bytes`` sends them."""
+    tensors = [torch.tensor([2, 255, 0, 1], dtype=torch.uint8).view(torch.bool), torch.randn(3)]
+    spec = spec_of(tensors)
+    out = torch.zeros(spec_bytes(spec), dtype=torch.uint8)
+    sent = sent_as(Payload(tensors, None), out, spec)
+    assert torch.equal(to_bytes(sent.tensors, torch.tensor(False), out=out), to_bytes(tensors, torch.tensor(False)))
+    assert out[:4].tolist() == [2, 255, 0, 1]
+
+
 def test_the_flags_of_several_ranks_are_ored_in_one_operation():
     tensors = _payload()
     spec = spec_of(tensors)

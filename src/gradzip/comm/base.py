@@ -219,8 +219,8 @@ def sent_as(payload: Payload, buf: torch.Tensor, spec: Spec) -> Payload:
     ``spec``, its own), as views of ``buf``: the message stands for the payload from then on,
     so the encoded tensors need not be kept while it is in flight."""
     views = payload_views(buf, spec)
-    for dst, t in zip(views, payload.tensors):
-        dst.copy_(t.reshape(-1))
+    for dst, t in zip(views, payload.tensors):  # byte for byte, as to_bytes copies
+        dst.view(torch.uint8).copy_(t.contiguous().reshape(-1).view(torch.uint8))
     return Payload(views, payload.ctx)
 
 

@@ -6,7 +6,8 @@ groups in flight (a few, see :mod:`gradzip.sync.pipeline`) use them. A pool lend
 of the request's size class (sizes 2^(k/4): at most 19% more than asked) and takes it back when
 the exchange ends, so groups of nearly the same size share buffers and the pool holds, per
 class, what the exchanges in flight at once needed; a buffer nobody borrowed in the present
-step or the one before (a group that no longer exists) is dropped.
+step or the one before (a group that no longer exists) is dropped, unless the plan below still
+counts on it.
 
 Classes of neighbouring sizes are often not in flight at once, or not at their peaks at once:
 held apart, each keeps as many buffers as its own busiest moment needed, and the sum is more
@@ -49,7 +50,9 @@ def classes_up(cls: int, n: int) -> int:
     return cls
 
 
-def plan_serving(classes: Sequence[int], records: Sequence[Sequence[Tuple[int, int]]]) -> Dict[int, int]:
+def plan_serving(
+    classes: Sequence[int], records: Sequence[Sequence[Tuple[int, int]]],
+) -> Tuple[Dict[int, int], Dict[int, int]]:
     """Which class's buffers serve each class, from the records of the last steps: each a list of
     (index into the ascending ``classes``, +1 lent / -1 given back) in order, the busiest
     moments taken over them all (so steps that take turns in two patterns keep one plan that
@@ -58,10 +61,10 @@ def plan_serving(classes: Sequence[int], records: Sequence[Sequence[Tuple[int, i
     them as the run had lent at once, at most, cost no more bytes than each class's own busiest
     moment in buffers of its own size; a class more than :data:`MERGE_CLASSES` below the run's
     largest starts a run of its own. Returns the classes served by another (the rest serve
-    themselves)."""
+    themselves), and how many buffers each serving class needs at most."""
     c = len(classes)
-    if c < 2:
-        return {}
+    if not c:
+        return {}, {}
     width = min(MERGE_CLASSES, c - 1)
     # buffers lent together, now and at most, per run of classes lo..lo+k (k <= width):
     # index lo * (width + 1) + k; each event changes the runs that hold its class
@@ -80,6 +83,7 @@ def plan_serving(classes: Sequence[int], records: Sequence[Sequence[Tuple[int, i
         return most[lo * (width + 1) + hi - lo]
 
     serves: Dict[int, int] = {}
+    needs: Dict[int, int] = {}
     top = c - 1
     while top >= 0:
         lo, cost = top, peak(top, top) * classes[top]
@@ -90,8 +94,9 @@ def plan_serving(classes: Sequence[int], records: Sequence[Sequence[Tuple[int, i
             lo, cost = lo - 1, merged
         for i in range(lo, top):
             serves[classes[i]] = classes[top]
+        needs[classes[top]] = peak(lo, top)
         top = lo - 1
-    return serves
+    return serves, needs
 
 
 class BufferPool:
@@ -106,8 +111,9 @@ class BufferPool:
         self._record: Optional[List[Tuple[Key, int]]] = []
         self._last_record: Optional[List[Tuple[Key, int]]] = []
         self._planned_from: List[Optional[List[Tuple[Key, int]]]] = []  # the records of the plan in use
-        self._ended = 0  # steps ended
+        self._skipped_first = False  # the record of the first step that lent anything was left out
         self._serves: Dict[Key, int] = {}  # a request's class -> the class of the buffers serving it
+        self._needs: Dict[Key, int] = {}  # a serving class -> the buffers the plan saw it need at once
         self._planned: set = set()  # the classes the plan was made from
 
     def lend(self, shape: Tuple[int, ...], device: torch.device, into: List[torch.Tensor]) -> torch.Tensor:
@@ -156,13 +162,15 @@ class BufferPool:
                 self._record = None
 
     def new_step(self, step: int) -> None:
-        """Plan which buffers serve which class from the step that ended (see the module's
-        docstring), and drop the free buffers nobody borrowed in ``step`` or the one before."""
+        """Plan which buffers serve which class from the steps that ended (see the module's
+        docstring), and drop the free buffers nobody borrowed in ``step`` or the one before,
+        but for those the plan needs."""
         if step > self._step:
             self._step = step
-            if not self._ended:  # the first step lends everything anew (and DDP rebuilds its
-                self._record = None  # buckets after it): no plan is made from it
-            self._ended += 1
+            if self._record and not self._skipped_first:
+                # the first step that lent anything lends it all anew (and DDP rebuilds its
+                # buckets after it): no plan is made from it
+                self._record, self._skipped_first = None, True
             records = [self._record, self._last_record]
             if self._record is not None and records != self._planned_from:  # (the same two steps: the same plan)
                 self._plan(records)
@@ -170,22 +178,30 @@ class BufferPool:
             self._last_record = self._record
             self._record = [(own, 1) for own in self._lent.values()]  # lent across the boundary
             for key, free in list(self._free.items()):
-                free[:] = [(buf, used) for buf, used in free if used >= step - 1]
+                # kept: the buffers borrowed in this step or the one before, and older ones as
+                # far as the plan needs them (steps that take turns in two patterns)
+                recent = [(buf, used) for buf, used in free if used >= step - 1]
+                older = [(buf, used) for buf, used in free if used < step - 1]
+                spare = max(0, self._needs.get(key, 0) - len(recent))
+                free[:] = older[len(older) - spare:] + recent if spare else recent
                 if not free:
                     del self._free[key]
 
     def _plan(self, records: Sequence[Optional[List[Tuple[Key, int]]]]) -> None:
         """:attr:`_serves` from the records of the last step and the one before it (None or
         empty where there is none)."""
-        self._planned = {own for own, _ in records[0] or ()}
         records = [r for r in records if r]
+        self._planned = {own for record in records for own, _ in record}
         serves: Dict[Key, int] = {}
+        needs: Dict[Key, int] = {}
         for device in {dev for record in records for (_, dev), _ in record}:
             classes = sorted({cls for record in records for (cls, dev), _ in record if dev == device})
             index = {cls: i for i, cls in enumerate(classes)}
             deltas = [[(index[cls], d) for (cls, dev), d in record if dev == device] for record in records]
-            serves.update(((cls, device), by) for cls, by in plan_serving(classes, deltas).items())
-        self._serves = serves
+            by, count = plan_serving(classes, deltas)
+            serves.update(((cls, device), b) for cls, b in by.items())
+            needs.update(((cls, device), n) for cls, n in count.items())
+        self._serves, self._needs = serves, needs
         for key in serves:  # served by larger buffers from now on: its own are not lent again
             self._free.pop(key, None)
 
@@ -193,8 +209,9 @@ class BufferPool:
         self._free.clear()
         self._lent.clear()
         self._record, self._last_record, self._planned_from = [], [], []
-        self._ended = 0
+        self._skipped_first = False
         self._serves.clear()
+        self._needs.clear()
         self._planned = set()
 
     @property
