@@ -332,3 +332,26 @@ def test_nan_statistics_decode_to_nan_everywhere_stored_or_added(codec, kernels)
     assert torch.isnan(decode(packed, stats, bits, bucket, n)).all()
     out = torch.randn(n)
     assert torch.isnan(decode(packed, stats, bits, bucket, n, out, True)).all()
+
+
+@pytest.mark.parametrize("pieces", [1, 2.5])
+def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeypatch, pieces):
+    """Natural compression's and 8-bit's torch versions encode :data:`fused.TORCH_PIECE` values
+    at a time (their temporaries a few MB, not several times the group): the same codes as the
+    specification over the whole tensor, pieces and bucket rows cut anywhere."""
+    from gradzip.codecs.quantize import _u8_tables
+
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    n = int(1000 * pieces) + 7
+    x = _x(n, 3) * 3
+    x[5], x[7] = float("nan"), float("inf")
+    top = torch.tensor([130], dtype=torch.int32)
+    bits = x.view(torch.int32)
+    whole = ref.natural_codes(bits, ref.natural_draws(fused.uniform(n, 99, x.device)), top)
+    assert torch.equal(fused.natural_codes(bits, 99, top), whole)
+    _, mids, lut = _u8_tables(x.device)
+    for bucket in (64, 300, n):
+        rows = -(-n // bucket)
+        buckets = torch.cat([x.nan_to_num(0.0, 1e3, -1e3), x.new_zeros(rows * bucket - n)]).view(rows, bucket)
+        inv = 1.0 / buckets.abs().amax(dim=1)
+        assert torch.equal(fused.u8bit_codes(buckets, inv, mids, lut, n), ref.u8bit_codes(buckets, inv, mids, lut, n)), bucket

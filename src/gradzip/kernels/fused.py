@@ -198,19 +198,45 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
 
 
+# values a torch version of an element-wise encoder works on at once: its temporaries (several
+# int32 or fp32 tensors each) are then a few MB, not several times the gradient group's size
+TORCH_PIECE = 1 << 20
+
+
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's codes, value ``i`` rounded with the 23-bit draw of
-    ``counter_uniform(i, key)`` (``reference.natural_draws``)."""
+    ``counter_uniform(i, key)`` (``reference.natural_draws``); the torch version piece by piece
+    (:data:`TORCH_PIECE` values)."""
     impl = _gpu_or_reference(bits)
     if impl is not reference:
         return impl.natural_codes(bits, key, top)
-    return reference.natural_codes(bits, reference.natural_draws(uniform(bits.numel(), key, bits.device)), top)
+    n = bits.numel()
+    draws = uniform(n, key, bits.device)
+    out = torch.empty(n, dtype=torch.uint8, device=bits.device)
+    for a in range(0, n, TORCH_PIECE):
+        b = min(a + TORCH_PIECE, n)
+        out[a:b] = reference.natural_codes(bits[a:b], reference.natural_draws(draws[a:b]), top)
+    return out
 
 
 def u8bit_codes(
     buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
 ) -> torch.Tensor:
-    return _gpu_or_reference(buckets).u8bit_codes(buckets, inv, mids, lut, numel)
+    """8-bit codes of the first ``numel`` values of ``buckets`` (rows scaled by ``inv``); the
+    torch version a piece of whole rows at a time (about :data:`TORCH_PIECE` values)."""
+    impl = _gpu_or_reference(buckets)
+    if impl is not reference:
+        return impl.u8bit_codes(buckets, inv, mids, lut, numel)
+    rows, width = buckets.shape
+    step = max(1, TORCH_PIECE // max(width, 1))
+    out = torch.empty(numel, dtype=torch.uint8, device=buckets.device)
+    for r in range(0, rows, step):
+        a = r * width
+        if a >= numel:
+            break
+        b = min((r + step) * width, numel)
+        out[a:b] = reference.u8bit_codes(buckets[r : r + step], inv[r : r + step], mids, lut, b - a)
+    return out
 
 
 def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
