@@ -4,7 +4,8 @@ Each method runs in processes of its own (a freed allocation stays resident in t
 of the process that made it, so methods sharing processes would hide each other's peaks). A
 rank builds the model's gradient set (:mod:`gradzip.bench.models`), wraps it in DDP, registers
 the method, notes its resident memory, runs ``warmup`` steps (DDP rebuilds its buckets at the
-second, and gradzip's buffer pools plan from the step after it: see :mod:`gradzip.comm.pool`), then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
+second, and gradzip's buffer pools plan from the step after it: see :mod:`gradzip.comm.pool`),
+then resets the kernel's high-water mark of its resident memory (``VmHWM``, reset by writing 5
 to ``/proc/self/clear_refs``) and runs the measured steps. What it adds is the high-water mark
 minus the resident memory before the first step: DDP's gradients and buckets, the method's
 buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess

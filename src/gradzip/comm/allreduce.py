@@ -246,7 +246,8 @@ def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequenc
     if into:
         shared_section([calls[i].timer for i in into], "decode",
                        lambda: [codec.decode_into(sums[i], outs[i]) for i in into])
-    avgs = [out if out is not None else call.decode(codec.decode, s).reshape(-1) for call, out, s in zip(calls, outs, sums)]
+    avgs = [out if out is not None else call.decode(codec.decode, s).reshape(-1)
+            for call, out, s in zip(calls, outs, sums)]
     return [Exchanged(avg, nonfinite, w, poisoned=poisoned) for avg, w in zip(avgs, wire)]
 
 

@@ -89,7 +89,7 @@ class ScatterReduceAllGather(Collective):
         yield  # the all-gathers are on the wire
         flags = [self._gathered_flag(call, p2) for p2 in phase2]
         nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
-        call.release_input(nonfinite)  # the input is read no more (if not released already): the result may overwrite it
+        call.release_input(nonfinite)  # read no more (if not released already): the result may overwrite it
         # every rank's decoded chunks land straight in their place in the result
         avg = call.output()
         if avg is None:
@@ -119,9 +119,10 @@ class ScatterReduceAllGather(Collective):
             encoded, send = [], None
             for j in range(w):
                 payload = call.encode(chunks[j], f"{name}#{j}")
+                form = spec_of(payload.tensors)  # (every chunk's alike: a fixed-size codec)
                 if send is None:
-                    send = self._lend(call, (w, spec_bytes(spec_of(payload.tensors))), x.device)
-                encoded.append(sent_as(payload, send[j], spec_of(payload.tensors)))
+                    send = self._lend(call, (w, spec_bytes(form)), x.device)
+                encoded.append(sent_as(payload, send[j], form))
         for j, payload in enumerate(encoded):
             call.keep_own(payload, start + min(j * chunk, n), start + n)  # a chunk's padding is not own
             to_bytes(payload.tensors, call.flag, out=send[j])  # the flag (and the payload, if not there)
@@ -148,7 +149,8 @@ class ScatterReduceAllGather(Collective):
         parts = [Payload(payload_views(p1["recv"][r], p1["spec"]), mine) for r in range(call.world_size)]
         return parts, any_flag(p1["recv"], p1["spec"])
 
-    def _reduce(self, call: Call, p1: dict, name: str, got: Optional[Tuple[List[Payload], torch.Tensor]] = None) -> dict:
+    def _reduce(self, call: Call, p1: dict, name: str,
+                got: Optional[Tuple[List[Payload], torch.Tensor]] = None) -> dict:
         rank, w = call.rank, call.world_size
         parts, flag = self._received(call, p1) if got is None else got
         dest = self._own_chunk_of_out(call, p1)

@@ -1490,24 +1490,30 @@ def _late_out(pool: BufferPool, lent_input: List[torch.Tensor], lent: List[torch
     return LateOut(lend, input_read, remade)
 
 
-def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[..., None]:
+def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[[Call, torch.Tensor], None]:
     """The ``on_release`` of an exchange whose average overwrites its input: there and then,
-    residual = input − this rank's share as counted (its own payloads decoded into the
-    residual, then one subtraction; :meth:`Call.residual_into`); kept as it was on a non-finite
-    step (every rank alike, from the agreed flag). With a ``scratch`` buffer (accelerators) the
-    new residual is computed there and the flag, left on the device, picks old or new: one pass
-    more, no wait for the device. ``x``: the input made again (:func:`_settle_remade`)."""
+    residual = input − this rank's share as counted (:func:`_settle`)."""
 
-    def settle(call: Call, nonfinite: torch.Tensor, x: Optional[torch.Tensor] = None) -> None:
-        if scratch is not None:
-            call.residual_into(scratch, x)
-            torch.where(nonfinite, residual, scratch, out=residual)
-            return
-        if bool(nonfinite):
-            return
-        call.residual_into(residual, x)
+    def settle(call: Call, nonfinite: torch.Tensor) -> None:
+        _settle(residual, scratch, call, nonfinite)
 
     return settle
+
+
+def _settle(residual: torch.Tensor, scratch: Optional[torch.Tensor], call: Call, nonfinite: torch.Tensor,
+            x: Optional[torch.Tensor] = None) -> None:
+    """residual = the input (``x`` where it was made again, :func:`_settle_remade`) − this rank's
+    share as counted (its own payloads decoded into the residual, then one subtraction;
+    :meth:`Call.residual_into`); kept as it was on a non-finite step (every rank alike, from the
+    agreed flag). With a ``scratch`` buffer (accelerators) the new residual is computed there
+    and the flag, left on the device, picks old or new: one pass more, no wait for the device."""
+    if scratch is not None:
+        call.residual_into(scratch, x)
+        torch.where(nonfinite, residual, scratch, out=residual)
+        return
+    if bool(nonfinite):
+        return
+    call.residual_into(residual, x)
 
 
 def _settle_remade(residual: torch.Tensor, remake: Callable[[List[torch.Tensor]], torch.Tensor],
@@ -1515,9 +1521,9 @@ def _settle_remade(residual: torch.Tensor, remake: Callable[[List[torch.Tensor]]
     """The ``on_release`` of an exchange whose input went back to ``pool`` once encoded
     (:attr:`LateOut.remade`): the input is made again by ``remake`` (the compensation run anew
     on the gradients and the residual, both untouched until then: the same bits) and the
-    residual settled from it as :func:`_settle_residual` does, the buffers given back at once.
-    A group in flight thus holds its payloads alone, not its input, for one pass more over the
-    gradients at release; on the CPU a non-finite step, which keeps the residual, makes nothing."""
+    residual settled from it (:func:`_settle`), the buffers given back at once. A group in
+    flight thus holds its payloads alone, not its input, for one pass more over the gradients
+    at release; on the CPU a non-finite step, which keeps the residual, makes nothing."""
 
     def settle(call: Call, nonfinite: torch.Tensor) -> None:
         if _reads_flag_on_host(residual.device) and bool(nonfinite):
@@ -1525,7 +1531,7 @@ def _settle_remade(residual: torch.Tensor, remake: Callable[[List[torch.Tensor]]
         held: List[torch.Tensor] = []
         try:
             x = remake(held)
-            _settle_residual(residual, Communicator._scratch(x, pool, held))(call, nonfinite, x)
+            _settle(residual, Communicator._scratch(x, pool, held), call, nonfinite, x)
         finally:
             pool.give_back(held)
 
