@@ -678,11 +678,42 @@ def _batched_memory(rank: int, world: int) -> dict:
     return out
 
 
+def _linear_payloads(rank: int, world: int) -> dict:
+    out = {}
+    for fusion, inplace in ((False, False), (True, True)):
+        comm = gradzip.Communicator("randomk", ratio=0.05, memory="residual", collective="allreduce", fusion=fusion)
+        xs = [torch.randn(s, generator=torch.Generator().manual_seed(40 + rank)) for s in ((64, 32), (300,))]
+        names = ["a.weight", "b.weight"]
+        tensors = [x.clone() for x in xs]
+        avgs = comm.reduce_many_now(tensors, names, [True, True], inplace=inplace, step=0)
+        out[(fusion, inplace)] = {"x": xs, "avg": [a.clone() for a in avgs],
+                                  "res": [comm.memory.residuals[n].clone().view(-1) for n in names]}
+        comm.close()
+    return out
+
+
+def test_a_payload_linear_in_its_input_is_divided_after_encoding_so_its_own_share_is_exact():
+    """Random-k's values are summed as copies divided by W (not drawn from the input's
+    quotient), so this rank's own share is the drawn values themselves: at 3 ranks, where
+    ``x / 3 * 3`` is not always ``x``, the residual is exactly 0 where a value was sent and the
+    input elsewhere, one by one and batched in place; every rank gets the same average."""
+    results = run_workers(_linear_payloads, 3)
+    for case in results[0]:
+        for res in results:
+            for x, r in zip(res[case]["x"], res[case]["res"]):
+                sent = r == 0
+                assert 0 < int(sent.sum()) < x.numel() // 10, case
+                assert torch.equal(r[~sent], x.view(-1)[~sent]), case
+        for a, b in zip(results[0][case]["avg"], results[2][case]["avg"]):
+            assert torch.equal(a, b)
+
+
 def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_values():
     """PowerSGD's matrices of a bucket are compensated by one multi-tensor add and, with the
     flag on the device, their residuals computed by one multi-tensor subtraction and picked by
-    the flag in one operation (the residuals are views of one buffer), this rank's own payloads scaled by one multi-tensor multiplication:
-    the averages and residuals are those of the matrices one by one,
+    the flag in one operation (the residuals are views of one buffer); the packed factors, not
+    the inputs, are divided by W, one division a round, and this rank's own payloads need no
+    scaling: the averages and residuals are those of the matrices one by one,
     a non-finite step keeps every residual, and both ranks agree."""
     results = run_workers(_batched_memory, 2)
     same = lambda a, b: torch.equal(a.nan_to_num(1.5), b.nan_to_num(1.5))  # noqa: E731
@@ -696,14 +727,16 @@ def test_error_feedback_of_a_batch_takes_multi_tensor_operations_with_the_same_v
             assert all(t.isnan().all() for t in batched["avgs"][2])
             assert all(torch.equal(batched["residuals"][2][n], batched["residuals"][1][n]) for n in batched["residuals"][1])
             steady = batched["ops"][3]  # a step after the first: every residual exists
-            assert steady["_foreach_add"] == 1 and steady["_foreach_div"] == 1, steady  # compensated, divided by W
+            assert steady["_foreach_add"] == 1, steady  # compensated
+            # the packed sums' copies divided by W in place: no quotient of the inputs
+            assert steady["_foreach_div"] == 0, steady
             # with the flag on the device: the residuals written by one multi-tensor copy and
             # subtraction into one buffer, then picked against the old ones in one operation
             assert steady["_foreach_sub_"] == steady["_foreach_copy_"] == steady["picks"] == device_flag, steady
             assert alone["ops"][3]["_foreach_add"] == 0
-            # this rank's own payloads, decoded for the residuals, scaled by W in one operation
-            assert steady["_foreach_mul_"] == 1 and steady["mul_"] == 0, steady
-            assert alone["ops"][3]["mul_"] == len(_batch_shapes()), alone["ops"][3]
+            # this rank's own payloads, decoded for the residuals, are its share as they are
+            assert steady["_foreach_mul_"] == steady["mul_"] == 0, steady
+            assert alone["ops"][3]["mul_"] == 0, alone["ops"][3]
         # the flag used on the device gives what the flag read on the host gives, every step
         for step in range(4):
             on_device, on_host = res[(True, True)], res[(False, True)]

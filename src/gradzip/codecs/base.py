@@ -164,6 +164,12 @@ class Codec(Configurable):
     # statistics (a few values) and summing, with no division pass over the sum and no overflow
     # of a sum of large finite values on the way
     stats_scale: ClassVar[bool] = False
+    # its payload of ``x / W`` is its payload of ``x`` divided by W, tensor by tensor and round
+    # by round, to rounding (values selected from the input, products with it): the all-reduce
+    # then divides the copies of the payloads it sums, a fraction of the input's size, where it
+    # would divide the input into a quotient as large (a pass and a buffer), and this rank's own
+    # payload decodes to its share without a multiplication
+    payload_linear: ClassVar[bool] = False
     # every kernel version (C, Triton, torch) produces the same bytes; when False, ranks must
     # also agree on which kernels run (compared at registration)
     kernels_bit_exact: ClassVar[bool] = True

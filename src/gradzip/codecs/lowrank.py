@@ -277,6 +277,7 @@ class PowerSGD(Codec):
     # the average is P Qᵀ with the summed Q (or the summed matrix itself where it went raw): a
     # NaN Q makes every value NaN
     stats_tensor = 0
+    payload_linear = True  # P = M Q, Q = Mᵀ P̂ and the values sent as they are: linear in M
     tensor_state = "q"
     parts_format = True  # a fused group: one call, its factors packed (see the class docstring)
     options = {

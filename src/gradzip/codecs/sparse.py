@@ -156,6 +156,7 @@ class RandomK(Codec):
     collectives = ("allreduce", "allgather")
     default_memory = "residual"
     summable = True
+    payload_linear = True  # the drawn values: (x / W)[i] is x[i] / W, bit for bit
     options = {
         "ratio": RATIO,
         "seed": SEED,
@@ -183,6 +184,16 @@ class RandomK(Codec):
             wide.index_add_(0, self._indices(meta), values.double(), alpha=meta.numel / values.numel())
             return saturate(wide, values.dtype)
         return out.index_copy_(0, self._indices(meta), values)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        # the drawn values written straight into ``out``: no temporary as large as the tensor (a
+        # value drawn twice is written twice, the same value: as in _decode)
+        if not (self.scale or accumulate) and out.is_contiguous() and out.numel() == meta.numel:
+            flat = out.view(-1)
+            flat.zero_()
+            flat.index_copy_(0, self._indices(meta), tensors[0].to(out.dtype))
+            return out
+        return super()._decode_into(tensors, meta, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * element_size(dtype)

@@ -15,7 +15,10 @@ class AllReduce(Collective):
     """Sums payload tensors with ``dist.all_reduce``; multi-round codecs get one sum per round.
 
     The input is divided by the world size before encoding, so sums stay in range (fp16) and
-    decoding the sum gives the average directly. The non-finite flag is summed as a one-element
+    decoding the sum gives the average directly; where the codec's payload is linear in its
+    input (:attr:`~gradzip.codecs.base.Codec.payload_linear`: PowerSGD's factors, random-k's
+    values) the copies of the payload that are summed are divided instead, a fraction of the
+    input, and the input is encoded as it is. The non-finite flag is summed as a one-element
     tensor of its own next to the first round, so the payload is never copied to make room.
     Unflagged (``flagged = False``: gradzip's plain all-reduce of uncompressed gradients, which
     has no memory to spare) a NaN or Inf spreads through the sum exactly as in DDP's own
@@ -32,7 +35,8 @@ class AllReduce(Collective):
 
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
-        payload = call.encode(_scaled(call), parts=call.parts)
+        linear = w > 1 and call.codec.payload_linear
+        payload = call.encode(call.x if linear else _scaled(call), parts=call.parts)
         if (call.late is not None and not _multi_round(call.codec)
                 and not any(overlaps(t, call.x) for t in payload.tensors)):
             call.input_read()  # the sums are of the payload alone (a later round reads the input)
@@ -44,7 +48,9 @@ class AllReduce(Collective):
         while True:
             tensors: List[torch.Tensor] = [t.reshape(-1) for t in payload.tensors]
             wire += sum(t.numel() * t.element_size() for t in tensors)
-            if call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
+            if linear:  # the sums' own copies, divided; this rank's payload stays as encoded
+                tensors = [torch.div(t, w) for t in tensors]
+            elif call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
                 tensors = [t.clone() for t in tensors]
             if w > 1:
                 extra = [flag] if first and flag is not None else []
@@ -63,7 +69,7 @@ class AllReduce(Collective):
         if rounds and self.flagged:  # the sums of a later round: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(reduced)
         poisoned = _poison(self.flagged, call.codec, reduced, nonfinite)
-        return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned)[0]
+        return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned, own_scale=1.0 if linear else w)[0]
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -75,7 +81,9 @@ class AllReduce(Collective):
         # where every NaN/Inf of an input reaches its payload, one pass over the packed payloads
         # flags them all (not one pass over each input)
         from_payloads = self.flagged and codec.payload_keeps_nonfinite
-        payloads = Call.encode_many(calls, _scaled_many(calls), flag=not from_payloads)
+        linear = w > 1 and codec.payload_linear
+        payloads = Call.encode_many(calls, [c.x for c in calls] if linear else _scaled_many(calls),
+                                    flag=not from_payloads)
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
         wire = [0] * len(calls)
@@ -97,6 +105,9 @@ class AllReduce(Collective):
                 nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
                 for call in calls:
                     call.found = nonfinite
+            if linear:  # the packed copies divided: the sums are of payloads of x / W
+                for buf in packed.values():
+                    buf.div_(w)
             if flag_work is None and w > 1 and self.flagged:  # summed beside the first round
                 flag = nonfinite.to(torch.float32).reshape(1)
                 flag_work = dist.all_reduce(flag, group=self.group, async_op=True)
@@ -130,7 +141,7 @@ class AllReduce(Collective):
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
-        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned)
+        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w)
 
 
 def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -225,18 +236,19 @@ def _holds_quotient(call: Call) -> bool:
 
 
 def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
-            nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool = False) -> List[Exchanged]:
+            nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool = False,
+            own_scale: float = 1.0) -> List[Exchanged]:
     """The end of an exchange of one call or a batch: each call's last-round payload kept as its
-    own (before the sum), every input released before any average is written (an ``out`` may be
-    another call's memory), and the sums decoded, into the ``out`` of the calls that have one in
-    one timed section."""
+    own (before the sum; decoded times ``own_scale`` it is this rank's share), every input
+    released before any average is written (an ``out`` may be another call's memory), and the
+    sums decoded, into the ``out`` of the calls that have one in one timed section."""
     for call, payload in zip(calls, payloads):
         if call.need_own and call.out is not None and any(overlaps(t, call.out) for t in payload.tensors):
             # a payload that is its input (a tensor sent as it is) holding the quotient in
             # ``out`` (:func:`_holds_quotient`): this rank's own is decoded after the average
             # overwrites it, so it keeps a copy
             payload = Payload([t.clone() for t in payload.tensors], payload.ctx)
-        call.keep_own(payload, scale=float(call.world_size))
+        call.keep_own(payload, scale=float(own_scale))
     for call in calls:
         call.release_input(nonfinite)
     codec = calls[0].codec

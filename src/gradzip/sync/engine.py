@@ -774,22 +774,27 @@ class Communicator:
             torch._foreach_add_([tensors[i] for i in owed], [residuals[i] for i in owed], alpha=mem.beta)
         self._observe(names, tensors, step)
         flat = scratch = None
-        if _reads_flag_on_host(tensors[0].device):
-            settles = [_settle_residual(r.view(-1)) for r in residuals]
-        else:
-            flat = mem.flat_residuals(names, residuals)
-            scratch = torch.empty_like(flat)  # freed when the exchange ends, as update_many's
-            parts = _unflatten_dense_tensors(scratch, residuals)
-            settles = [_settle_into(part) for part in parts]
-        results = yield from coll.stages_many(codec, list(tensors), names, step, True, [t.view(-1) for t in tensors],
-                                              on_release=settles)
-        if flat is not None:
-            if all(res.nonfinite is results[0].nonfinite for res in results):  # one flag covers the batch
-                torch.where(results[0].nonfinite, flat, scratch, out=flat)
-            else:  # exchanged side by side, each with its own flag
-                for name, part, res in zip(names, parts, results):
-                    old = mem.residuals[name]
-                    torch.where(res.nonfinite, old, part, out=old)
+        lent: List[torch.Tensor] = []
+        try:
+            if _reads_flag_on_host(tensors[0].device):
+                settles = [_settle_residual(r.view(-1)) for r in residuals]
+            else:
+                flat = mem.flat_residuals(names, residuals)
+                scratch = self._scratch(flat, self._pool(torch.float32, step), lent)  # lent until the pick
+                parts = _unflatten_dense_tensors(scratch, residuals)
+                settles = [_settle_into(part) for part in parts]
+            results = yield from coll.stages_many(codec, list(tensors), names, step, True,
+                                                  [t.view(-1) for t in tensors], on_release=settles)
+            if flat is not None:
+                if all(res.nonfinite is results[0].nonfinite for res in results):  # one flag covers the batch
+                    torch.where(results[0].nonfinite, flat, scratch, out=flat)
+                else:  # exchanged side by side, each with its own flag
+                    for name, part, res in zip(names, parts, results):
+                        old = mem.residuals[name]
+                        torch.where(res.nonfinite, old, part, out=old)
+        finally:
+            if lent:
+                self._flat_pools[torch.float32].give_back(lent)
         return results
 
     def reduce_many_now(
