@@ -1,7 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -82,8 +82,9 @@ class AllReduce(Collective):
         # flags them all (not one pass over each input)
         from_payloads = self.flagged and codec.payload_keeps_nonfinite
         linear = w > 1 and codec.payload_linear
-        payloads = Call.encode_many(calls, [c.x for c in calls] if linear else _scaled_many(calls),
-                                    flag=not from_payloads)
+        xs = [c.x for c in calls] if linear else _scaled_many(calls)
+        first_packed, outs = _packed_for(calls)
+        payloads = Call.encode_many(calls, xs, flag=not from_payloads, outs=outs)
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
         wire = [0] * len(calls)
@@ -96,10 +97,14 @@ class AllReduce(Collective):
             entries = [(i, t) for i in live for t in payloads[i].tensors]
             for i, t in entries:
                 wire[i] += t.numel() * t.element_size()
-            # one buffer per dtype (a copy: this rank's payloads stay intact for error feedback)
+            # one buffer per dtype (a copy: this rank's payloads stay intact for error feedback),
+            # or, in the first round, the one they were encoded into where nothing needs them after
             packed = {}
-            for dtype in dict.fromkeys(t.dtype for _, t in entries):
-                packed[dtype] = torch.cat([t.reshape(-1) for _, t in entries if t.dtype == dtype])
+            if first_packed is not None and not rounds:
+                packed = first_packed
+            else:
+                for dtype in dict.fromkeys(t.dtype for _, t in entries):
+                    packed[dtype] = torch.cat([t.reshape(-1) for _, t in entries if t.dtype == dtype])
             if nonfinite is None:  # the first round's payloads, as this rank encoded them
                 flags = [nonfinite_flag(buf) for buf in packed.values()]
                 nonfinite = flags[0] if len(flags) == 1 else torch.stack(flags).any()
@@ -142,6 +147,36 @@ class AllReduce(Collective):
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
         return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w)
+
+
+def _packed_for(calls: Sequence[Call]) -> Tuple[Optional[Dict[torch.dtype, torch.Tensor]],
+                                                Optional[List[List[torch.Tensor]]]]:
+    """For a batch whose payloads are summed once and read no more (one round, no call keeping
+    its own payload for error feedback), of a codec that encodes into given tensors
+    (:meth:`~gradzip.codecs.base.Codec.payload_spec`: the casts): one buffer per payload dtype,
+    and each call's payload tensors as views of it, so the payloads are encoded where they are
+    summed (no payload beside its packed copy). (None, None) otherwise."""
+    codec = calls[0].codec
+    if type(codec).next_round is not Codec.next_round or any(call.need_own for call in calls):
+        return None, None
+    specs = [codec.payload_spec(call.x.numel(), call.x.dtype) for call in calls]
+    if any(spec is None for spec in specs):
+        return None, None
+    sizes: Dict[torch.dtype, int] = {}
+    for spec in specs:
+        for dtype, numel in spec:
+            sizes[dtype] = sizes.get(dtype, 0) + numel
+    device = calls[0].x.device
+    packed = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+    at = dict.fromkeys(sizes, 0)
+    outs = []
+    for spec in specs:
+        views = []
+        for dtype, numel in spec:
+            views.append(packed[dtype][at[dtype] : at[dtype] + numel])
+            at[dtype] += numel
+        outs.append(views)
+    return packed, outs
 
 
 def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -354,13 +354,17 @@ class Call:
             self.found = found if self.found is None else self.found | found
 
     @staticmethod
-    def encode_many(calls: Sequence["Call"], xs: Sequence[torch.Tensor], flag: bool = True) -> List[Payload]:
-        """:meth:`encode` of several calls of one codec, each of its ``x``, timed as one section
-        (its time shared out among the calls: two clock reads for a batch, not two a tensor)."""
+    def encode_many(calls: Sequence["Call"], xs: Sequence[torch.Tensor], flag: bool = True,
+                    outs: Optional[Sequence[Sequence[torch.Tensor]]] = None) -> List[Payload]:
+        """:meth:`encode` of several calls of one codec, each of its ``x`` (into its ``outs``
+        where given), timed as one section (its time shared out among the calls: two clock reads
+        for a batch, not two a tensor)."""
         codec = calls[0].codec
+        where = outs if outs is not None else [None] * len(calls)
 
         def encode_all() -> List[Payload]:
-            return [codec.encode(x, call.name, call.step, parts=call.parts) for call, x in zip(calls, xs)]
+            return [codec.encode(x, call.name, call.step, out, parts=call.parts)
+                    for call, x, out in zip(calls, xs, where)]
 
         payloads = shared_section([c.timer for c in calls], "encode", encode_all)
         if flag:
