@@ -334,6 +334,43 @@ def test_nan_statistics_decode_to_nan_everywhere_stored_or_added(codec, kernels)
     assert torch.isnan(decode(packed, stats, bits, bucket, n, out, True)).all()
 
 
+@pytest.mark.parametrize("bucket", [7, 1000, 1003, 2500, 3607])
+def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, bucket):
+    """1-bit SGD's torch decode works :data:`fused.TORCH_PIECE` values at a time, whole buckets
+    (a bucket not a multiple of 8 values starts inside a byte) or a long bucket's pieces: the
+    values of the specification over the whole tensor, a NaN and an infinite mean included,
+    into ``out`` and added to it."""
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    n = 3607
+    rows = -(-n // bucket)
+    packed = torch.randint(0, 256, (-(-n // 8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(bucket))
+    means = _x(2 * rows, 5)
+    means[-1] = float("inf")
+    means[0] = float("nan")
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731
+    want = ref.onebit_decode(packed, means, bucket, n)
+    assert same(fused.onebit_decode(packed, means, bucket, n), want)
+    base = _x(n, 6)
+    assert same(fused.onebit_decode(packed, means, bucket, n, base.clone(), True), base + want)
+    assert same(fused.onebit_decode(packed, means, bucket, n - 5), want[: n - 5])
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not func.is_view:
+                Largest.numel = max(Largest.numel, out.numel())
+            return out
+
+    out = torch.empty(n)
+    with Largest():
+        fused.onebit_decode(packed, means, bucket, n, out)
+    assert same(out, want) and Largest.numel <= 2 * 1000 < n, Largest.numel  # a piece's temporaries, not n
+
+
 @pytest.mark.parametrize("pieces", [1, 2.5])
 def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeypatch, pieces):
     """Natural compression's and 8-bit's torch versions encode :data:`fused.TORCH_PIECE` values

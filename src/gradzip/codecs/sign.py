@@ -107,6 +107,25 @@ def _momentum_value(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 <= v < 1.0
 
 
+def _side_sums(xb: torch.Tensor, **bound: float) -> torch.Tensor:
+    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero). On the CPU a
+    piece of about :data:`fused.TORCH_PIECE` values at a time (whole rows, or a long row's
+    pieces added up), so the clamped fp32 and fp64 temporaries are a few MB, not three times the
+    tensor (a mean is this rank's own, sent in its payload: the order of the sum changes no
+    replica); elsewhere in one operation."""
+    rows, width = xb.shape
+    if xb.device.type != "cpu" or rows * width <= fused.TORCH_PIECE:
+        return xb.clamp(**bound).double().sum(dim=1)
+    if width <= fused.TORCH_PIECE:  # whole rows: each row's sum is the same operation as in one go
+        step = fused.TORCH_PIECE // width
+        return torch.cat([xb[r : r + step].clamp(**bound).double().sum(dim=1) for r in range(0, rows, step)])
+    total = torch.zeros(rows, dtype=torch.float64, device=xb.device)
+    step = max(1, fused.TORCH_PIECE // rows)
+    for a in range(0, width, step):
+        total += xb[:, a : a + step].clamp(**bound).double().sum(dim=1)
+    return total
+
+
 @register_codec
 class OneBit(Codec):
     """1-bit SGD (Seide et al., 1-Bit Stochastic Gradient Descent and its Application to
@@ -160,8 +179,8 @@ class OneBit(Codec):
             count_pos[-1] -= pad
         # clamp, not a boolean select: exact sums of each side, and far faster on CPU; summed in
         # fp64, where values near the fp32 maximum cannot overflow (a mean never exceeds them)
-        mean_neg = (xb.clamp(max=0).double().sum(dim=1) / count_neg.clamp_min(1)).float()
-        mean_pos = (xb.clamp(min=0).double().sum(dim=1) / count_pos.clamp_min(1)).float()
+        mean_neg = (_side_sums(xb, max=0) / count_neg.clamp_min(1)).float()
+        mean_pos = (_side_sums(xb, min=0) / count_pos.clamp_min(1)).float()
         bits = fused.sign_encode(xf)  # set where x >= 0: the packed ``nonneg`` (one pass, C or Triton)
         return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
 

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from . import native, reference
+from .bitpack import unpack_bits
 
 CHOICES = ("auto", "native", "triton", "torch")
 _TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
@@ -247,8 +248,41 @@ def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumul
 
 
 def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    """1-bit SGD's decode (``reference.onebit_decode``); the torch version piece by piece
+    (:data:`TORCH_PIECE` values: whole buckets, or a long bucket's pieces), whose temporaries
+    (about five of a piece's size) are then a few MB, not several times the tensor."""
     impl = _gpu_or_reference(packed)
+    if impl is reference and numel > TORCH_PIECE:
+        return _decode_via(impl, out, accumulate, lambda o, a: _onebit_pieces(packed, means, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))
+
+
+def _onebit_pieces(packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
+                   out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    """``reference.onebit_decode`` a piece at a time: the same operations on each value, so the
+    same bits."""
+    if out is None:
+        out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
+    flat, m = out.view(-1), means.view(-1, 2)
+    long_buckets = bucket > TORCH_PIECE
+    step = TORCH_PIECE if long_buckets else bucket * (TORCH_PIECE // bucket)
+    a = 0
+    while a < numel:
+        k = a // bucket
+        b = min(a + step, numel, (k + 1) * bucket) if long_buckets else min(a + step, numel)
+        lo, skip = divmod(a, 8)
+        bit = unpack_bits(packed.reshape(-1)[lo : -(-b // 8)], 1, skip + b - a)[skip:].float()
+        if long_buckets:  # inside bucket k
+            values = bit * m[k, 1] + (1 - bit) * m[k, 0]
+        else:  # whole buckets from k on (the last one may be short)
+            rows = -(-(b - a) // bucket)
+            pad = rows * bucket - (b - a)
+            bit = (torch.nn.functional.pad(bit, (0, pad)) if pad else bit).view(rows, bucket)
+            mm = m[k : k + rows]
+            values = (bit * mm[:, 1:2] + (1 - bit) * mm[:, 0:1]).reshape(-1)[: b - a]
+        reference.store(values, flat[a:b], accumulate)
+        a = b
+    return out
 
 
 def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
