@@ -2,9 +2,27 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     """N(0, 1) values of ``shape`` from a private generator, cast to ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g).to(dtype)
+
+
+class LargestMade(TorchDispatchMode):
+    """While active, :attr:`numel` is the size of the largest tensor an operator made (views and
+    results written into one of the operator's own arguments not counted): what a piece-by-piece
+    or into-``out`` kernel promises to keep small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)}
+        if isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given:
+            self.numel = max(self.numel, out.numel())
+        return out

@@ -18,6 +18,7 @@ from gradzip.codecs import Payload
 from gradzip.config import Config
 from gradzip.sync.memory import EFSignMemory, Memory, ResidualMemory, memory
 
+from ..tensors import LargestMade
 from ..tensors import randn as _randn
 
 NAMES = gradzip.codecs.names()
@@ -512,26 +513,14 @@ def test_randomk_decodes_into_out_without_a_temporary_of_the_tensors_size():
     """Into a given fp32 tensor the drawn values are written where they go: the bits of
     decode(), from fp32 and from bf16 payloads, nothing allocated as large as the tensor; adding
     to ``out`` (and the scaled variant) still gives decode()'s values."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Made(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            given = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)}
-            if isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given:
-                Made.largest = max(Made.largest, out.numel())
-            return out
-
     for dtype in (torch.float32, torch.bfloat16):
         c = gradzip.codec("randomk", ratio=0.1)
         payload = c.encode(_randn((4000,)).to(dtype), name="w", step=3)
         want = c.decode(payload).reshape(-1).float()
         out = torch.full((4000,), 7.0)
-        with Made():
+        with LargestMade() as made:
             assert c.decode_into(payload, out) is out
-        assert torch.equal(out, want) and Made.largest < 4000, Made.largest
+        assert torch.equal(out, want) and made.numel < 4000, made.numel
         acc = torch.ones(4000)
         c.decode_into(payload, acc, accumulate=True)
         assert torch.equal(acc, 1 + want)

@@ -14,6 +14,7 @@ import gradzip
 from gradzip.codecs import Payload
 from gradzip.sync.memory import DGCMemory, memory
 
+from ..tensors import LargestMade
 from ..tensors import randn as _randn
 
 NEW = ["onebit", "signum", "threshold", "dgc", "graddrop", "adaq"]
@@ -155,26 +156,15 @@ def test_onebit_per_bucket_means_and_tail():
 def test_onebit_sums_its_sides_a_piece_at_a_time_with_the_values_of_one_sum(shape, monkeypatch):
     """On the CPU each side's fp64 row sums are taken a piece of rows (or of a long row) at a
     time, with no temporary of the tensor's size: the means are those of one sum, to fp32."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from gradzip.codecs.sign import _side_sums
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and not func.is_view:
-                Largest.numel = max(Largest.numel, out.numel())
-            return out
 
     xb = _randn(shape, seed=8) * 1e3
     for bound in ({"max": 0}, {"min": 0}):
         want = xb.clamp(**bound).double().sum(dim=1)
-        with Largest():
+        with LargestMade() as made:
             got = _side_sums(xb, **bound)
         assert torch.equal(got.float(), want.float()), bound
-        assert Largest.numel <= 1 << 18, Largest.numel
+        assert made.numel <= 1 << 18, made.numel
         if shape[1] <= 1 << 18:  # whole rows: the same operation on each row
             assert torch.equal(got, want)
 

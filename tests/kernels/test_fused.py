@@ -20,6 +20,8 @@ import gradzip
 from gradzip.kernels import counter_uniform, fused, native
 from gradzip.kernels import reference as ref
 
+from ..tensors import LargestMade
+
 SIZES = [1, 7, 8, 1000, 1024, 4097, 20_000]
 HAVE_CC = any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang"))
 needs_native = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine: the torch versions run")
@@ -354,21 +356,10 @@ def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, b
     assert same(fused.onebit_decode(packed, means, bucket, n, base.clone(), True), base + want)
     assert same(fused.onebit_decode(packed, means, bucket, n - 5), want[: n - 5])
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and not func.is_view:
-                Largest.numel = max(Largest.numel, out.numel())
-            return out
-
     out = torch.empty(n)
-    with Largest():
+    with LargestMade() as made:
         fused.onebit_decode(packed, means, bucket, n, out)
-    assert same(out, want) and Largest.numel <= 2 * 1000 < n, Largest.numel  # a piece's temporaries, not n
+    assert same(out, want) and made.numel <= 2 * 1000 < n, made.numel  # a piece's temporaries, not n
 
 
 @pytest.mark.parametrize("pieces", [1, 2.5])
