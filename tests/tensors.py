@@ -13,16 +13,18 @@ def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
 
 class LargestMade(TorchDispatchMode):
     """While active, :attr:`numel` is the size of the largest tensor an operator made (views and
-    results written into one of the operator's own arguments not counted): what a piece-by-piece
-    or into-``out`` kernel promises to keep small."""
+    results written into one of the operator's own arguments not counted; of ``dtypes`` only,
+    where given): what a piece-by-piece or into-``out`` kernel promises to keep small."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtypes=None) -> None:
         super().__init__()
         self.numel = 0
+        self.dtypes = dtypes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         given = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)}
-        if isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given:
+        if (isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given
+                and (self.dtypes is None or out.dtype in self.dtypes)):
             self.numel = max(self.numel, out.numel())
         return out

@@ -266,6 +266,42 @@ def test_inceptionn_decodes_payloads_of_other_sizes():
     torch.testing.assert_close(c.decode(Payload(other.tensors, mine.ctx)), c.decode(other), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_inceptionn_works_piece_by_piece_with_the_bytes_of_one_pass(dtype, monkeypatch):
+    """On the CPU INCEPTIONN encodes and decodes :data:`fused.TORCH_PIECE` values at a time (its
+    temporaries a piece's size, not several times the tensor's): the payload's bytes and the
+    decoded bits of one pass over the whole, NaN, ±inf and -0.0 included, into ``out`` and added
+    to it, and another rank's payload of another length decoded alike."""
+    from gradzip.kernels import fused
+
+    from ..tensors import LargestMade
+
+    n = 4001
+    x = (_randn((n,), seed=5) * torch.logspace(-5, 2, n)).to(dtype)
+    x[3], x[7], x[8] = float("nan"), float("-inf"), -0.0
+    c = gradzip.codec("inceptionn")
+    whole = c.encode(x, name="w", step=0)
+    want = c.decode(whole)
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    with LargestMade() as made:
+        pieces = c.encode(x, name="w", step=0)
+    assert all(torch.equal(a, b) for a, b in zip(pieces.tensors, whole.tensors))
+    # a piece's temporaries (its words' kept bytes), or the payload itself; one pass made 4n
+    assert made.numel <= max(4 * 1000, sum(t.numel() for t in whole.tensors)) < 4 * n, made.numel
+    out = torch.empty(n)
+    with LargestMade((torch.float32, torch.int32)) as made:  # (the stream is copied once, padded)
+        c.decode_into(pieces, out)
+    same = lambda a, b: torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))  # noqa: E731
+    assert same(out, want.float()) and made.numel <= 1000 < n, made.numel
+    acc = torch.ones(n)
+    c.decode_into(pieces, acc, accumulate=True)
+    assert torch.equal(acc.nan_to_num(5.0), (1 + want.float()).nan_to_num(5.0))
+    other = Payload(c.encode(x * 3, name="w", step=0).tensors, whole.ctx)  # another rank's, another length
+    by_pieces = c.decode(other)
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1 << 30)
+    assert same(by_pieces, c.decode(other))
+
+
 def test_inceptionn_wire_per_element():
     c = gradzip.codec("inceptionn")
     assert c.wire_bytes(N, torch.float32) == 4 * N  # bound: the dense form, raw values

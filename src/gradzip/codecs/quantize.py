@@ -502,6 +502,13 @@ def _inc_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, torch.T
     return _INC_TABLES[key]
 
 
+def _pieces(x: torch.Tensor) -> int:
+    """Values a torch version of an element-wise codec works on at once: on the CPU
+    :data:`fused.TORCH_PIECE` (a multiple of 4: whole bytes of 2-bit tags), elsewhere all of them
+    (a GPU pays a launch an operation, not the temporaries' cache misses)."""
+    return fused.TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
+
+
 @register_codec
 class Inceptionn(Codec):
     """INCEPTIONN error-bounded lossy encoding (Li et al., A Network-Centric Hardware/Algorithm
@@ -568,6 +575,26 @@ class Inceptionn(Codec):
         return 2 if dtype in _SHORT else 4
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        # on the CPU a piece at a time (whole bytes of tags), whose temporaries (about ten of
+        # its size) stay small; each piece's tags and stream bytes are those of the whole, in order
+        x = x.reshape(-1)
+        n, width = x.numel(), self._raw_bytes(x.dtype)
+        tags, streams = [], []
+        for a in range(0, n, _pieces(x)):
+            tag, word, kept = self._tag_words(x[a : a + _pieces(x)])
+            tags.append(pack_bits(tag, 2))
+            streams.append(torch.index_select(word.view(torch.uint8), 0, kept))
+        if packed_bytes(n, 2) + sum(t.numel() for t in streams) > n * width:
+            # the dense form: no tags, every raw value (exact; recognised by the empty tags)
+            dense = x if x.dtype in _SHORT else x.float()
+            return [tags[0].new_empty(0), dense.contiguous().view(torch.uint8)]
+        if len(tags) == 1:
+            return [tags[0], streams[0]]
+        return [torch.cat(tags), torch.cat(streams)]
+
+    def _tag_words(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each value's tag, its int32 word (little-endian; the first 0/1/2/width bytes are sent)
+        and the indices of the bytes it keeps in the words' bytes."""
         xf = x.float()
         mag = xf.abs()
         m = torch.floor(mag / self._step + 0.5)
@@ -578,7 +605,6 @@ class Inceptionn(Codec):
         # tag 3, minus one if 15 bits do, minus one more if 7 do; 0 under the bound
         tag = 3 - (ok & (m <= 32767)).to(torch.uint8) - (ok & (m <= 127)).to(torch.uint8)
         tag = tag * (~(mag < self._b)).to(torch.uint8)  # (NaN is not below the bound: raw)
-        # one int32 word per element, little-endian; the first 0/1/2/width bytes are kept
         sign_at = (tag.to(torch.int32) << 3) - 1  # tag 1 → bit 7, tag 2 → bit 15
         fixed = m.clamp(0, 32767).to(torch.int32) | ((xf < 0).to(torch.int32) << sign_at.clamp(min=0))
         if x.dtype in _SHORT:
@@ -586,42 +612,63 @@ class Inceptionn(Codec):
         else:
             raw = xf.contiguous().view(torch.int32)
         word = torch.where(tag == 3, raw, fixed)
-        width = self._raw_bytes(x.dtype)
-        keep = torch.index_select(_inc_tables(width, x.device)[2], 0, tag.to(torch.int32))
+        keep = torch.index_select(_inc_tables(self._raw_bytes(x.dtype), x.device)[2], 0, tag.to(torch.int32))
         kept = keep.view(-1).nonzero().view(-1)  # the stream's length depends on the data
-        if packed_bytes(x.numel(), 2) + kept.numel() > x.numel() * width:
-            # the dense form: no tags, every raw value (exact; recognised by the empty tags)
-            dense = x if x.dtype in _SHORT else xf
-            return [tag.new_empty(0), dense.contiguous().view(torch.uint8)]
-        stream = torch.index_select(word.view(torch.uint8), 0, kept)
-        return [pack_bits(tag, 2), stream]
+        return tag, word, kept
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
+        return self._decode_pieces(tensors, meta, torch.empty(meta.numel, dtype=torch.float32,
+                                                              device=tensors[1].device), False)
+
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
+                     accumulate: bool) -> torch.Tensor:
+        # straight into ``out``: no temporary of the tensor's size
+        if out.is_contiguous() and out.dtype == torch.float32 and out.numel() == meta.numel:
+            self._decode_pieces(tensors, meta, out.view(-1), accumulate)
+            return out
+        return super()._decode_into(tensors, meta, out, accumulate)
+
+    def _decode_pieces(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
+                       accumulate: bool) -> torch.Tensor:
+        """Decode into the flat fp32 ``out`` (added to it where ``accumulate``), a piece at a time
+        on the CPU: each value from its tag and its bytes, the stream's offsets carried over."""
         packed, stream = tensors
         n = meta.numel
         width = self._raw_bytes(meta.dtype)
         if packed.numel() == 0:  # the dense form
-            return stream.view(meta.dtype if meta.dtype in _SHORT else torch.float32).float()
+            values = stream.view(meta.dtype if meta.dtype in _SHORT else torch.float32).float()
+            return out.add_(values) if accumulate else out.copy_(values)
         lengths, masks, _ = _inc_tables(width, packed.device)
-        tag = unpack_bits(packed, 2, n)
-        length = torch.index_select(lengths, 0, tag.to(torch.int32))
-        start = torch.cumsum(length, 0, dtype=torch.int32) - length
         # width bytes from each element's start (reads past the end land in the zero padding),
         # then the bytes beyond the element's length are masked off
-        padded = torch.cat([stream.reshape(-1), stream.new_zeros(width)])
-        grabbed = torch.index_select(padded.unfold(0, width, 1), 0, start)
-        if width == 2:
-            word = grabbed.view(torch.int16).reshape(n).to(torch.int32) & 0xFFFF
-            raw = grabbed.view(meta.dtype).reshape(n).float()
-        else:
-            word = grabbed.view(torch.int32).reshape(n)
-            raw = word.view(torch.float32)
-        word = word & torch.index_select(masks, 0, length)
-        sign_at = (tag.to(torch.int32) << 3) - 1
-        sign_at = sign_at.clamp_(0, 15)
-        val = (word & ((1 << sign_at) - 1)).float() * self._step  # tag 0: word 0 → 0
-        val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
-        return torch.where(tag == 3, raw, val)
+        windows = torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
+        offset = torch.zeros((), dtype=torch.int32, device=packed.device)
+        step = _pieces(out)
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            tag = unpack_bits(packed[a // 4 : -(-b // 4)], 2, b - a)
+            length = torch.index_select(lengths, 0, tag.to(torch.int32))
+            ends = torch.cumsum(length, 0, dtype=torch.int32)
+            start = ends - length + offset
+            offset = offset + ends[-1]
+            grabbed = torch.index_select(windows, 0, start)
+            if width == 2:
+                word = grabbed.view(torch.int16).reshape(b - a).to(torch.int32) & 0xFFFF
+                raw = grabbed.view(meta.dtype).reshape(b - a).float()
+            else:
+                word = grabbed.view(torch.int32).reshape(b - a)
+                raw = word.view(torch.float32)
+            word = word & torch.index_select(masks, 0, length)
+            sign_at = (tag.to(torch.int32) << 3) - 1
+            sign_at = sign_at.clamp_(0, 15)
+            val = (word & ((1 << sign_at) - 1)).float() * self._step  # tag 0: word 0 → 0
+            val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
+            values = torch.where(tag == 3, raw, val)
+            if accumulate:
+                out[a:b].add_(values)
+            else:
+                out[a:b].copy_(values)
+        return out
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel * self._raw_bytes(dtype)  # the dense form whenever the tagged one is larger
