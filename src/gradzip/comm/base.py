@@ -15,7 +15,7 @@ one-element flag tensor issued next to the payload, an extra tiny collective in 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -458,12 +458,9 @@ class Collective(Configurable):
     def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
         self.group = group
         self.set_options(opts)  # ValueError for an unknown option or a bad value
-        # buffers per (tensor, role), reused from call to call: fresh ones would cost a page
-        # fault per 4 KiB on every call
-        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
-        self._used: Dict[Tuple[str, str], int] = {}  # the step that last used each buffer
-        self._step = 0
-        self._pool = BufferPool()  # byte buffers of the calls in flight (see _lend)
+        # byte buffers of the calls in flight (see _lend), reused from call to call: fresh ones
+        # would cost a page fault per 4 KiB on every call
+        self._pool = BufferPool()
 
     def supports(self, codec: Codec) -> bool:
         return self.name in codec.collectives
@@ -497,18 +494,7 @@ class Collective(Configurable):
 
     def release(self) -> None:
         """Drop buffers kept from call to call (the communicator is closing)."""
-        self._buffers.clear()
         self._pool.clear()
-
-    def _buffer(
-        self, name: str, role: str, shape: Tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.uint8,
-    ) -> torch.Tensor:
-        """A buffer kept for tensor ``name`` and ``role`` (send, receive, own, ...) from call to call."""
-        buf = self._buffers.get((name, role))
-        if buf is None or buf.shape != shape or buf.device != device or buf.dtype != dtype:
-            buf = self._buffers[(name, role)] = torch.empty(shape, dtype=dtype, device=device)
-        self._used[(name, role)] = self._step
-        return buf
 
     def _lend(self, call: "Call", shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A byte buffer of ``shape`` for ``call`` alone (send, receive, gathered payloads), from
@@ -530,13 +516,8 @@ class Collective(Configurable):
         return self._lend(call, (numel * dtype.itemsize,), like.device).view(dtype)
 
     def _evict(self, step: int) -> None:
-        """Drop buffers no call has used in this step or the one before (a tensor no longer
-        exchanged, a DDP bucket that its rebuild replaced)."""
-        if step > self._step:
-            self._step = step
-            for key in [k for k, used in self._used.items() if used < step - 1]:
-                self._buffers.pop(key, None)
-                del self._used[key]
+        """The pool's step: buffers no call has used in this step or the one before (a tensor no
+        longer exchanged, a DDP bucket that its rebuild replaced) are dropped."""
         self._pool.new_step(step)
 
     def run(
@@ -553,8 +534,10 @@ class Collective(Configurable):
         ``align``: a collective that cuts ``x`` into pieces encoded apart (chunks, segments,
         partitions) starts every piece at a multiple of ``align`` values, so a codec's blocks
         never straddle two tensors of a fused buffer (see :meth:`Codec.fusion_block`).
+        ``Result.own`` is the caller's to keep.
         """
-        return drive(self.stages(codec, x, name, step, need_own, out, align))
+        res = drive(self.stages(codec, x, name, step, need_own, out, align))
+        return res if res.own is None else replace(res, own=res.own.clone())
 
     # whether exchange() calls Call.release_input before it writes ``out`` (needed to exchange
     # in place with error feedback; the frame calls it for exchanges that return a fresh average)
@@ -586,6 +569,8 @@ class Collective(Configurable):
         tensor (:attr:`Codec.parts_format`; only where :attr:`carries_parts`). ``late``: in place
         of ``out``, a result buffer lent when the average is written and the input's buffer
         given back once read (:class:`LateOut`; only where :attr:`reads_input_first`).
+        ``Result.own`` lies in a buffer of the collective's pool: read it as the stages return,
+        before the next exchange of this collective borrows the buffer.
         """
         if parts is not None and not self.carries_parts:
             raise ValueError(f"collective {self.name!r} encodes its input in pieces: it cannot carry parts")
@@ -657,7 +642,7 @@ class Collective(Configurable):
         )
         if not whole:
             return [self._result(call, got) for call, got in zip(calls, gots)]
-        owns = {id(call): self._buffer(call.name, "own", (call.x.numel(),), call.x.device, call.x.dtype) for call in mine}
+        owns = {id(call): self._lend_values(call, call.x.numel(), call.x) for call in mine}
         bufs = [owns[id(call)] for call in mine]
         codec = calls[0].codec
         shared_section([call.timer for call in mine], "decode",
@@ -679,10 +664,13 @@ class Collective(Configurable):
         raise NotImplementedError(f"collective {self.name!r} does not implement exchange()")
 
     def _decode_own(self, call: Call) -> torch.Tensor:
-        """This rank's payloads decoded at the input's scale, in one buffer kept from call to
-        call (the caller reads it before its next call with the same name)."""
+        """This rank's payloads decoded at the input's scale, in a buffer of the pool lent to
+        the call: it goes back when the call ends, and the caller reads it as the stages return
+        (its memory's update), before any other exchange can borrow it; on a GPU a later
+        borrower's work is queued behind that read on the same stream. (Kept per tensor from
+        step to step, these buffers held a whole gradient's worth.)"""
         n = call.x.numel()
-        own = self._buffer(call.name, "own", (n,), call.x.device, call.x.dtype)
+        own = self._lend_values(call, n, call.x)
         covered = call.decode_own_into(own)
         if covered != n:
             raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
