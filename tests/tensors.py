@@ -12,13 +12,14 @@ def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
 
 
 class LargestMade(TorchDispatchMode):
-    """While active, :attr:`numel` is the size of the largest tensor an operator made (views and
-    results written into one of the operator's own arguments not counted; of ``dtypes`` only,
-    where given): what a piece-by-piece or into-``out`` kernel promises to keep small."""
+    """While active, :attr:`numel` is the size of the largest tensor an operator made and
+    :attr:`nbytes` the bytes of all of them (views and results written into one of the
+    operator's own arguments not counted; of ``dtypes`` only, where given): what a
+    piece-by-piece or into-``out`` kernel promises to keep small."""
 
     def __init__(self, dtypes=None) -> None:
         super().__init__()
-        self.numel = 0
+        self.numel = self.nbytes = 0
         self.dtypes = dtypes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -27,4 +28,5 @@ class LargestMade(TorchDispatchMode):
         if (isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given
                 and (self.dtypes is None or out.dtype in self.dtypes)):
             self.numel = max(self.numel, out.numel())
+            self.nbytes += out.untyped_storage().nbytes()
         return out

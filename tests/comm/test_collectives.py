@@ -412,6 +412,37 @@ def test_the_all_gather_sends_from_its_own_row_and_leaves_the_own_payload_as_sen
     assert all(torch.equal(r["steps"][0]["avg"], results[0]["steps"][0]["avg"]) for r in results)
 
 
+def _gathered_variable(rank: int, world: int) -> dict:
+    from ..tensors import LargestMade
+
+    coll = collectives.get("allgather")(None)
+    c = codec("threshold", threshold=0.5)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * (rank + 1)  # more sent on later ranks
+    with LargestMade((torch.uint8,)) as made:
+        res = coll.run(c, x.clone(), "w", 0, need_own=True)
+    return {"bytes": made.nbytes, "gathered": made.numel, "own": res.own, "avg": res.avg,
+            "sent": c.decode(c.encode(x, "w", 0)).reshape(-1), "nonfinite": bool(res.nonfinite)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_payloads_of_data_dependent_size_are_gathered_in_place_from_this_ranks_row(world):
+    """A payload whose size depends on the data is written into this rank's row of the gathered
+    messages, each row padded to the longest (known from the lengths gathered first): the
+    bytes made for the exchange are those rows and the payload as encoded (no message or
+    padded copy beside them); the own payload is the one sent, and every rank averages the same
+    payloads: each rank's, decoded."""
+    results = run_workers(_gathered_variable, world)
+    sent = [codec("threshold", threshold=0.5).decode(codec("threshold", threshold=0.5).encode(
+        torch.randn(3000, generator=torch.Generator().manual_seed(r)) * (r + 1), "w", 0)).reshape(-1) for r in range(world)]
+    for res in results:
+        # the W rows (the largest bytes made) and the pool's buffer (a size class: at most 19% over)
+        # that this rank's own payload is decoded into, fp32 values
+        assert res["bytes"] <= res["gathered"] + 3000 * 4 * 6 // 5, (res["bytes"], res["gathered"])
+        assert torch.equal(res["own"], res["sent"]) and not res["nonfinite"]
+        torch.testing.assert_close(res["avg"], sum(sent) / world)
+        assert torch.equal(res["avg"], results[0]["avg"])
+
+
 def test_the_sra_gathers_the_averaged_chunks_from_its_own_row():
     """The SRA's second round sends this rank's re-encoded chunk from its own row of the
     gathered chunks: every buffer it is lent has W rows (the chunks sent, received and

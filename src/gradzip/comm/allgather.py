@@ -162,31 +162,35 @@ class AllGather(Collective):
         return call.decode(aggregate, payloads).reshape(-1), poisoned
 
     def _exchange_variable(self, call: Call) -> Exchanged:
-        """Payloads whose size depends on the data: their lengths first, then the payloads."""
+        """Payloads whose size depends on the data: their lengths first (one host wait: they lay
+        out the buffer), then the payloads, each rank's message in its row of the gathered ones
+        (padded to the longest), so the all-gather works in place and the row stands for this
+        rank's payload from then on (no message or padded copy beside it, and the encoded payload
+        freed)."""
         w = call.world_size
         payload = call.encode(call.x)
-        call.keep_own(payload)
-        buf = to_bytes(payload.tensors, call.flag)
-        specs, gathered = self._gather_variable(payload, buf, w)
+        spec = spec_of(payload.tensors)
+        length = spec_bytes(spec)
+        sizes = torch.tensor([n for _, n in spec] + [length], dtype=torch.int64, device=call.x.device)
+        table = [sizes.tolist()]
+        if w > 1:
+            all_sizes = sizes.new_empty(w, sizes.numel())
+            all_gather_flat(all_sizes.view(-1), sizes, self.group)
+            table = all_sizes.tolist()
+        specs = [[(dtype, n) for (dtype, _), n in zip(spec, row[:-1])] for row in table]
+        # made for the call, not lent: sizes that move with the data would keep the pool's
+        # buffers of every size class they ever reached
+        gathered = torch.empty((w, max(row[-1] for row in table)), dtype=torch.uint8, device=call.x.device)
+        row = gathered[call.rank]
+        mine = sent_as(payload, row, spec)
+        call.keep_own(mine)
+        to_bytes(mine.tensors, call.flag, out=row[:length])
+        if w > 1:
+            all_gather_flat(gathered.view(-1), row, self.group)
         nonfinite = any_flag(gathered, specs[0], specs)
         payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
         avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
-        return Exchanged(avg, nonfinite, payload.nbytes)
-
-    def _gather_variable(self, payload: Payload, buf: torch.Tensor, w: int):
-        sizes = torch.tensor([t.numel() for t in payload.tensors] + [buf.numel()], dtype=torch.int64, device=buf.device)
-        all_sizes = sizes.new_empty(w, sizes.numel())
-        if w > 1:
-            all_gather_flat(all_sizes.view(-1), sizes, self.group)
-        else:
-            all_sizes[0] = sizes
-        table = all_sizes.tolist()  # one host sync: the sizes decide the buffer layout
-        longest = max(row[-1] for row in table)
-        padded = torch.cat([buf, buf.new_zeros(longest - buf.numel())])
-        gathered = self._all_gather_bytes(padded, w)
-        dtypes = [t.dtype for t in payload.tensors]
-        specs = [list(zip(dtypes, row[:-1])) for row in table]
-        return specs, gathered
+        return Exchanged(avg, nonfinite, mine.nbytes)
 
 
 def default_collective(codec: Codec, world_size: int) -> str:

@@ -663,6 +663,10 @@ class Collective(Configurable):
         """
         raise NotImplementedError(f"collective {self.name!r} does not implement exchange()")
 
+    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
+        """:func:`all_gather_bytes` over this collective's group (for a collective of one's own)."""
+        return all_gather_bytes(buf, world_size, self.group)
+
     def _decode_own(self, call: Call) -> torch.Tensor:
         """This rank's payloads decoded at the input's scale, in a buffer of the pool lent to
         the call: it goes back when the call ends, and the caller reads it as the stages return
@@ -675,10 +679,6 @@ class Collective(Configurable):
         if covered != n:
             raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
         return own
-
-    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
-        """:func:`all_gather_bytes` over this collective's group."""
-        return all_gather_bytes(buf, world_size, self.group)
 
 
 _COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")
