@@ -502,13 +502,6 @@ def _inc_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, torch.T
     return _INC_TABLES[key]
 
 
-def _pieces(x: torch.Tensor) -> int:
-    """Values a torch version of an element-wise codec works on at once: on the CPU
-    :data:`fused.TORCH_PIECE` (a multiple of 4: whole bytes of 2-bit tags), elsewhere all of them
-    (a GPU pays a launch an operation, not the temporaries' cache misses)."""
-    return fused.TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
-
-
 @register_codec
 class Inceptionn(Codec):
     """INCEPTIONN error-bounded lossy encoding (Li et al., A Network-Centric Hardware/Algorithm
@@ -580,8 +573,9 @@ class Inceptionn(Codec):
         x = x.reshape(-1)
         n, width = x.numel(), self._raw_bytes(x.dtype)
         tags, streams = [], []
-        for a in range(0, n, _pieces(x)):
-            tag, word, kept = self._tag_words(x[a : a + _pieces(x)])
+        step = fused.piece_length(x)
+        for a in range(0, n, step):
+            tag, word, kept = self._tag_words(x[a : a + step])
             tags.append(pack_bits(tag, 2))
             streams.append(torch.index_select(word.view(torch.uint8), 0, kept))
         if packed_bytes(n, 2) + sum(t.numel() for t in streams) > n * width:
@@ -643,7 +637,7 @@ class Inceptionn(Codec):
         # then the bytes beyond the element's length are masked off
         windows = torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
         offset = torch.zeros((), dtype=torch.int32, device=packed.device)
-        step = _pieces(out)
+        step = fused.piece_length(out)
         for a in range(0, n, step):
             b = min(a + step, n)
             tag = unpack_bits(packed[a // 4 : -(-b // 4)], 2, b - a)

@@ -114,13 +114,14 @@ def _side_sums(xb: torch.Tensor, **bound: float) -> torch.Tensor:
     tensor (a mean is this rank's own, sent in its payload: the order of the sum changes no
     replica); elsewhere in one operation."""
     rows, width = xb.shape
-    if xb.device.type != "cpu" or rows * width <= fused.TORCH_PIECE:
+    piece = fused.piece_length(xb)
+    if rows * width <= piece:
         return xb.clamp(**bound).double().sum(dim=1)
-    if width <= fused.TORCH_PIECE:  # whole rows: each row's sum is the same operation as in one go
-        step = fused.TORCH_PIECE // width
+    if width <= piece:  # whole rows: each row's sum is the same operation as in one go
+        step = piece // width
         return torch.cat([xb[r : r + step].clamp(**bound).double().sum(dim=1) for r in range(0, rows, step)])
     total = torch.zeros(rows, dtype=torch.float64, device=xb.device)
-    step = max(1, fused.TORCH_PIECE // rows)
+    step = max(1, piece // rows)
     for a in range(0, width, step):
         total += xb[:, a : a + step].clamp(**bound).double().sum(dim=1)
     return total

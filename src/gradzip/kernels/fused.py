@@ -206,6 +206,13 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
 TORCH_PIECE = 1 << 18
 
 
+def piece_length(x: torch.Tensor) -> int:
+    """Values a torch version of an element-wise kernel works on at once: on the CPU
+    :data:`TORCH_PIECE` (a multiple of 8: whole bytes of packed bits), elsewhere all of them (a
+    GPU pays a launch an operation, not the temporaries' cache misses)."""
+    return TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
+
+
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's codes, value ``i`` rounded with the 23-bit draw of
     ``counter_uniform(i, key)`` (``reference.natural_draws``); the torch version piece by piece
@@ -216,8 +223,9 @@ def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tens
     n = bits.numel()
     draws = uniform(n, key, bits.device)
     out = torch.empty(n, dtype=torch.uint8, device=bits.device)
-    for a in range(0, n, TORCH_PIECE):
-        b = min(a + TORCH_PIECE, n)
+    step = piece_length(bits)
+    for a in range(0, n, step):
+        b = min(a + step, n)
         out[a:b] = reference.natural_codes(bits[a:b], reference.natural_draws(draws[a:b]), top)
     return out
 
@@ -231,7 +239,7 @@ def u8bit_codes(
     if impl is not reference:
         return impl.u8bit_codes(buckets, inv, mids, lut, numel)
     rows, width = buckets.shape
-    step = max(1, TORCH_PIECE // max(width, 1))
+    step = max(1, piece_length(buckets) // max(width, 1))
     out = torch.empty(numel, dtype=torch.uint8, device=buckets.device)
     for r in range(0, rows, step):
         a = r * width
@@ -252,7 +260,7 @@ def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: 
     (:data:`TORCH_PIECE` values: whole buckets, or a long bucket's pieces), whose temporaries
     (about five of a piece's size) are then a few MB, not several times the tensor."""
     impl = _gpu_or_reference(packed)
-    if impl is reference and numel > TORCH_PIECE:
+    if impl is reference and numel > piece_length(packed):
         return _decode_via(impl, out, accumulate, lambda o, a: _onebit_pieces(packed, means, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))
 
