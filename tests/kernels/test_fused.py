@@ -336,6 +336,14 @@ def test_nan_statistics_decode_to_nan_everywhere_stored_or_added(codec, kernels)
     assert torch.isnan(decode(packed, stats, bits, bucket, n, out, True)).all()
 
 
+def test_torch_kernels_work_in_pieces_on_the_cpu_alone():
+    """A CPU tensor is taken :data:`fused.TORCH_PIECE` values at a time (a multiple of 8: whole
+    bytes of packed bits); elsewhere (a GPU without Triton) in one pass, one launch an operation."""
+    assert fused.piece_length(torch.empty(5 << 20)) == fused.TORCH_PIECE and fused.TORCH_PIECE % 8 == 0
+    assert fused.piece_length(torch.empty(5 << 20, device="meta")) == 5 << 20
+    assert fused.piece_length(torch.empty(0, device="meta")) == 1
+
+
 @pytest.mark.parametrize("bucket", [7, 1000, 1003, 2500, 3607])
 def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, bucket):
     """1-bit SGD's torch decode works :data:`fused.TORCH_PIECE` values at a time, whole buckets
