@@ -342,6 +342,18 @@ def test_torch_kernels_work_in_pieces_on_the_cpu_alone():
     assert fused.piece_length(torch.empty(5 << 20)) == fused.TORCH_PIECE and fused.TORCH_PIECE % 8 == 0
     assert fused.piece_length(torch.empty(5 << 20, device="meta")) == 5 << 20
     assert fused.piece_length(torch.empty(0, device="meta")) == 1
+    n = 3 << 20  # 1-bit SGD's decode: its packed bits hold 8 values a byte, its pieces are the values'
+    packed, means = torch.empty(n // 8, dtype=torch.uint8, device="meta"), torch.empty(2, device="meta")
+    calls = []
+    pieces = fused._onebit_pieces
+    try:
+        fused._onebit_pieces = lambda *args: calls.append(args) or pieces(*args)
+        fused.onebit_decode(packed, means, n, n)  # elsewhere than the CPU: one pass
+        assert not calls
+        fused.onebit_decode(torch.zeros(n // 8, dtype=torch.uint8), torch.zeros(2), n, n)
+        assert len(calls) == 1  # on the CPU: in pieces
+    finally:
+        fused._onebit_pieces = pieces
 
 
 @pytest.mark.parametrize("bucket", [7, 1000, 1003, 2500, 3607])

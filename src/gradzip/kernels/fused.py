@@ -260,7 +260,7 @@ def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: 
     (:data:`TORCH_PIECE` values: whole buckets, or a long bucket's pieces), whose temporaries
     (about five of a piece's size) are then a few MB, not several times the tensor."""
     impl = _gpu_or_reference(packed)
-    if impl is reference and numel > piece_length(packed):
+    if impl is reference and packed.device.type == "cpu" and numel > TORCH_PIECE:  # (``packed``: 8 values a byte)
         return _decode_via(impl, out, accumulate, lambda o, a: _onebit_pieces(packed, means, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))
 
