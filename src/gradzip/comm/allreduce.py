@@ -1,7 +1,8 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ class AllReduce(Collective):
     def exchange(self, call: Call) -> Stages:
         w = call.world_size
         linear = w > 1 and call.codec.payload_linear
+        again = not linear and _owns_again(call)
         payload = call.encode(call.x if linear else _scaled(call), parts=call.parts)
         if (call.late is not None and not _multi_round(call.codec)
                 and not any(overlaps(t, call.x) for t in payload.tensors)):
@@ -50,7 +52,7 @@ class AllReduce(Collective):
             wire += sum(t.numel() * t.element_size() for t in tensors)
             if linear:  # the sums' own copies, divided; this rank's payload stays as encoded
                 tensors = [torch.div(t, w) for t in tensors]
-            elif call.need_own or w == 1:  # all_reduce works in place: keep this rank's payload intact
+            elif (call.need_own and not again) or w == 1:  # all_reduce works in place: keep this rank's payload intact
                 tensors = [t.clone() for t in tensors]
             if w > 1:
                 extra = [flag] if first and flag is not None else []
@@ -69,7 +71,8 @@ class AllReduce(Collective):
         if rounds and self.flagged:  # the sums of a later round: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(reduced)
         poisoned = _poison(self.flagged, call.codec, reduced, nonfinite)
-        return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned, own_scale=1.0 if linear else w)[0]
+        return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned, own_scale=1.0 if linear else w,
+                       again=[_divides_as_scaled if again else None])[0]
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -146,18 +149,45 @@ class AllReduce(Collective):
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
-        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w)
+        # (see _packed_for) each divided as _scaled_many divides it
+        again = [_divides_as_scaled_many if first_packed is not None and call.need_own else None for call in calls]
+        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w,
+                       again=again)
+
+
+def _owns_again(call: Call) -> bool:
+    """Whether this rank's own payload need not be kept beside the sum, which overwrites it:
+    a one-round codec that encodes the same bytes every time, whose error feedback settles when
+    the input is released, where the input is intact (or made again with the same bits:
+    :attr:`LateOut.remade`), so the payload is encoded once more from it then
+    (:meth:`Call.keep_own_again`): no copy of the payloads of every call in flight."""
+    codec, late = call.codec, call.late
+    return (call.need_own and call.world_size > 1 and call.on_release is not None
+            and (late is None or late.remade) and not codec.stochastic
+            and type(codec).next_round is Codec.next_round and call.parts is None)
+
+
+def _divides_as_scaled(w: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``src / w`` into ``dst``, the division :func:`_scaled` makes."""
+    torch.div(src, w, out=dst)
+
+
+def _divides_as_scaled_many(w: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``src / w`` into ``dst``, the division :func:`_scaled_many` makes (a multi-tensor one,
+    which on CUDA may round unlike :func:`_divides_as_scaled`)."""
+    torch._foreach_div_([dst.copy_(src)], float(w))
 
 
 def _packed_for(calls: Sequence[Call]) -> Tuple[Optional[Dict[torch.dtype, torch.Tensor]],
                                                 Optional[List[List[torch.Tensor]]]]:
-    """For a batch whose payloads are summed once and read no more (one round, no call keeping
-    its own payload for error feedback), of a codec that encodes into given tensors
-    (:meth:`~gradzip.codecs.base.Codec.payload_spec`: the casts): one buffer per payload dtype,
-    and each call's payload tensors as views of it, so the payloads are encoded where they are
-    summed (no payload beside its packed copy). (None, None) otherwise."""
+    """For a batch whose payloads are summed once and read no more (one round; a call that
+    keeps its own payload for error feedback encodes it again instead: :func:`_owns_again`), of
+    a codec that encodes into given tensors (:meth:`~gradzip.codecs.base.Codec.payload_spec`:
+    the casts): one buffer per payload dtype, and each call's payload tensors as views of it,
+    so the payloads are encoded where they are summed (no payload beside its packed copy).
+    (None, None) otherwise."""
     codec = calls[0].codec
-    if type(codec).next_round is not Codec.next_round or any(call.need_own for call in calls):
+    if type(codec).next_round is not Codec.next_round or any(c.need_own and not _owns_again(c) for c in calls):
         return None, None
     specs = [codec.payload_spec(call.x.numel(), call.x.dtype) for call in calls]
     if any(spec is None for spec in specs):
@@ -272,12 +302,17 @@ def _holds_quotient(call: Call) -> bool:
 
 def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
             nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool = False,
-            own_scale: float = 1.0) -> List[Exchanged]:
+            own_scale: float = 1.0, again: Sequence[Optional[Callable]] = ()) -> List[Exchanged]:
     """The end of an exchange of one call or a batch: each call's last-round payload kept as its
-    own (before the sum; decoded times ``own_scale`` it is this rank's share), every input
-    released before any average is written (an ``out`` may be another call's memory), and the
-    sums decoded, into the ``out`` of the calls that have one in one timed section."""
-    for call, payload in zip(calls, payloads):
+    own (before the sum; decoded times ``own_scale`` it is this rank's share; encoded again from
+    the input then, divided by the call's ``again``, where it has one: see :func:`_owns_again`),
+    every input released before any average is written (an ``out`` may be another call's
+    memory), and the sums decoded, into the ``out`` of the calls that have one in one timed
+    section."""
+    for i, (call, payload) in enumerate(zip(calls, payloads)):
+        if i < len(again) and again[i] is not None:
+            call.keep_own_again(functools.partial(again[i], call.world_size), scale=float(own_scale))
+            continue
         if call.need_own and call.out is not None and any(overlaps(t, call.out) for t in payload.tensors):
             # a payload that is its input (a tensor sent as it is) holding the quotient in
             # ``out`` (:func:`_holds_quotient`): this rank's own is decoded after the average

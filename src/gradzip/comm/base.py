@@ -302,7 +302,10 @@ class Call:
     found: Optional[torch.Tensor]  # 0-dim bool: NaN/Inf in what encode saw so far; None: nothing yet
     timer: Timer
     flagged: bool = True  # False: the flag stays False (a plain sum spreads NaN by itself)
-    own: List[Tuple[Payload, int, Optional[int], float]] = field(default_factory=list)  # see keep_own
+    own: List[Tuple[Optional[Payload], int, Optional[int], float]] = field(default_factory=list)  # see keep_own
+    # how the exchange divided the input by the world size, for a payload kept by keep_own_again
+    # (None in ``own``): ``divide(src, dst)`` writes the same bits into ``dst``
+    divide: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
     # called once, with the OR of every rank's non-finite flag, when the exchange has read the
     # input for the last time and is about to write the average (see release_input)
     on_release: Optional[Callable[["Call", torch.Tensor], None]] = None
@@ -400,7 +403,7 @@ class Call:
     def _own_in_input(self) -> bool:
         """Whether a payload kept as this rank's own lies in the input (a tensor sent as it is):
         then the input is read when the residual settles, even where the caller makes it again."""
-        return any(overlaps(t, self.x) for payload, *_ in self.own for t in payload.tensors)
+        return any(overlaps(t, self.x) for payload, *_ in self.own if payload is not None for t in payload.tensors)
 
     def output(self) -> Optional[torch.Tensor]:
         """``out``: where the average goes (None: a fresh tensor), lent now if the caller lends it late."""
@@ -408,10 +411,12 @@ class Call:
             self.out, self.late = self.late.lend(), None
         return self.out
 
-    def decode_own_into(self, out: torch.Tensor) -> int:
+    def decode_own_into(self, out: torch.Tensor, x: Optional[torch.Tensor] = None) -> int:
         """Decode this rank's own payloads (:meth:`keep_own`) into their places in the flat
         ``out`` (as long as the input), each times its scale; the number of values written.
-        Where the exchange set :attr:`loss_into`, the input less what it lost."""
+        Where the exchange set :attr:`loss_into`, the input less what it lost. ``x``: the input
+        made again (:attr:`LateOut.remade`), which a payload kept by :meth:`keep_own_again` is
+        encoded from anew."""
         if self.loss_into is not None:
             out.zero_()
             self.loss_into(out)
@@ -419,7 +424,12 @@ class Call:
             return out.numel()
         n, covered = out.numel(), 0
         for payload, start, end, scale in self.own:
-            dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
+            if payload is None:  # (keep_own_again) the input divided by W, encoded once more
+                dst = out[start : n if end is None else end]
+                self.divide((self.flat if x is None else x.reshape(-1))[start : start + dst.numel()], dst)
+                payload = self.encode(dst, flag=False)
+            else:
+                dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
             self.decode(self.codec.decode_into, payload, dst)
             if scale != 1.0:
                 dst.mul_(scale)
@@ -434,7 +444,7 @@ class Call:
             residual.zero_()
             self.loss_into(residual)
             return
-        self.decode_own_into(residual)
+        self.decode_own_into(residual, x)
         torch.sub(self.flat if x is None else x.reshape(-1), residual, out=residual)
 
     def keep_own(self, payload: Payload, start: int = 0, end: Optional[int] = None, scale: float = 1.0) -> None:
@@ -444,6 +454,17 @@ class Call:
         share of the average."""
         if self.need_own:
             self.own.append((payload, start, end, scale))
+
+    def keep_own_again(self, divide: Callable[[torch.Tensor, torch.Tensor], None], scale: float) -> None:
+        """This rank's own payload is the whole input divided by W (``divide(src, dst)``, as the
+        exchange divided it) and encoded, and is encoded again from the input when it is decoded
+        (its tensors summed in place meanwhile, with no copy kept): for a codec whose encoding is
+        the same bytes every time (not :attr:`Codec.stochastic`), on an input intact, or made
+        again with the same bits (:attr:`LateOut.remade`), when it is read; decoded times
+        ``scale`` it is this rank's share."""
+        if self.need_own:
+            self.divide = divide
+            self.own.append((None, 0, None, scale))
 
 
 class Collective(Configurable):
