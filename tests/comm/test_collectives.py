@@ -443,6 +443,39 @@ def test_payloads_of_data_dependent_size_are_gathered_in_place_from_this_ranks_r
         assert torch.equal(res["avg"], results[0]["avg"])
 
 
+def _sixteen_bit_batch_settled(rank: int, world: int) -> list:
+    from gradzip.comm import base
+
+    out = []
+    for name, dtype in (("bf16", torch.float16), ("fp16", torch.bfloat16), ("fp16", torch.float16)):
+        xs = [torch.tensor([1e-7, 3e-6, 0.1, -7.3], dtype=dtype) * (rank + 1),
+              torch.tensor([2e-7, 0.3], dtype=dtype) * (rank + 1)]
+        residuals = [torch.zeros(x.numel()) for x in xs]  # fp32, as error feedback keeps them
+        settles = [(lambda r: (lambda call, nonfinite: call.residual_into(r)))(r) for r in residuals]
+        for single in (False, True):
+            for r in residuals:
+                r.zero_()
+            if single:  # one call at a time
+                for x, n, settle in zip(xs, ["a", "b"], settles):
+                    drive(base.get("allreduce")().stages(codec(name), x, n, 0, True, on_release=settle))
+            else:
+                drive(base.get("allreduce")().stages_many(codec(name), xs, ["a", "b"], 0, True, [None, None],
+                                                          on_release=settles))
+            wire = torch.bfloat16 if name == "bf16" else torch.float16
+            sent = [x.float() - (x / world).to(wire).float() * world for x in xs]
+            out.append(all(torch.equal(r, e) for r, e in zip(residuals, sent)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_cast_of_sixteen_bit_inputs_settles_from_the_payload_it_sent(world):
+    """With error feedback settled on release, this rank's share of a cast is the payload it
+    sent, x / W rounded in the input's own dtype, then cast: for 16-bit inputs with an fp32
+    residual, one call at a time (whose payload is encoded again at settle) and in a batch."""
+    for res in run_workers(_sixteen_bit_batch_settled, world):
+        assert all(res), res
+
+
 def test_the_sra_gathers_the_averaged_chunks_from_its_own_row():
     """The SRA's second round sends this rank's re-encoded chunk from its own row of the
     gathered chunks: every buffer it is lent has W rows (the chunks sent, received and

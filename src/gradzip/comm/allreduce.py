@@ -149,18 +149,16 @@ class AllReduce(Collective):
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
         poisoned = _poison(self.flagged, codec, final, nonfinite)
-        # (see _packed_for) each divided as _scaled_many divides it
-        again = [_divides_as_scaled_many if first_packed is not None and call.need_own else None for call in calls]
-        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w,
-                       again=again)
+        return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w)
 
 
 def _owns_again(call: Call) -> bool:
     """Whether this rank's own payload need not be kept beside the sum, which overwrites it:
     a one-round codec that encodes the same bytes every time, whose error feedback settles when
     the input is released, where the input is intact (or made again with the same bits:
-    :attr:`LateOut.remade`), so the payload is encoded once more from it then
-    (:meth:`Call.keep_own_again`): no copy of the payloads of every call in flight."""
+    :attr:`LateOut.remade`), so the payload is encoded once more from it then, divided as
+    :func:`_scaled` divided it (:meth:`Call.keep_own_again`): no copy of the payloads of every
+    call in flight. (One call's exchange; a batch keeps its copy: see :func:`_packed_for`.)"""
     codec, late = call.codec, call.late
     return (call.need_own and call.world_size > 1 and call.on_release is not None
             and (late is None or late.remade) and not codec.stochastic
@@ -172,22 +170,18 @@ def _divides_as_scaled(w: int, src: torch.Tensor, dst: torch.Tensor) -> None:
     torch.div(src, w, out=dst)
 
 
-def _divides_as_scaled_many(w: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``src / w`` into ``dst``, the division :func:`_scaled_many` makes (a multi-tensor one,
-    which on CUDA may round unlike :func:`_divides_as_scaled`)."""
-    torch._foreach_div_([dst.copy_(src)], float(w))
-
-
 def _packed_for(calls: Sequence[Call]) -> Tuple[Optional[Dict[torch.dtype, torch.Tensor]],
                                                 Optional[List[List[torch.Tensor]]]]:
-    """For a batch whose payloads are summed once and read no more (one round; a call that
-    keeps its own payload for error feedback encodes it again instead: :func:`_owns_again`), of
-    a codec that encodes into given tensors (:meth:`~gradzip.codecs.base.Codec.payload_spec`:
-    the casts): one buffer per payload dtype, and each call's payload tensors as views of it,
-    so the payloads are encoded where they are summed (no payload beside its packed copy).
-    (None, None) otherwise."""
+    """For a batch whose payloads are summed once and read no more (one round, no call keeping
+    its own payload for error feedback), of a codec that encodes into given tensors
+    (:meth:`~gradzip.codecs.base.Codec.payload_spec`: the casts): one buffer per payload dtype,
+    and each call's payload tensors as views of it, so the payloads are encoded where they are
+    summed (no payload beside its packed copy). (None, None) otherwise. (A batch with error
+    feedback keeps the copy: its quotients are made by multi-tensor divisions, which an own
+    payload encoded again at settle could not repeat bit for bit in every case, see
+    :func:`_owns_again`.)"""
     codec = calls[0].codec
-    if type(codec).next_round is not Codec.next_round or any(c.need_own and not _owns_again(c) for c in calls):
+    if type(codec).next_round is not Codec.next_round or any(call.need_own for call in calls):
         return None, None
     specs = [codec.payload_spec(call.x.numel(), call.x.dtype) for call in calls]
     if any(spec is None for spec in specs):
