@@ -14,6 +14,7 @@ from .base import (
     Stages,
     all_gather_bytes,
     all_gather_flat,
+    all_gather_ints,
     any_flag,
     payload_column,
     payload_views,
@@ -171,12 +172,7 @@ class AllGather(Collective):
         payload = call.encode(call.x)
         spec = spec_of(payload.tensors)
         length = spec_bytes(spec)
-        sizes = torch.tensor([n for _, n in spec] + [length], dtype=torch.int64, device=call.x.device)
-        table = [sizes.tolist()]
-        if w > 1:
-            all_sizes = sizes.new_empty(w, sizes.numel())
-            all_gather_flat(all_sizes.view(-1), sizes, self.group)
-            table = all_sizes.tolist()
+        table = all_gather_ints([n for _, n in spec] + [length], w, self.group, call.x.device)
         specs = [[(dtype, n) for (dtype, _), n in zip(spec, row[:-1])] for row in table]
         # made for the call, not lent: sizes that move with the data would keep the pool's
         # buffers of every size class they ever reached

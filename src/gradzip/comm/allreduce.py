@@ -1,8 +1,7 @@
 """All-reduce of summable payloads (casts, random-k, PowerSGD's factors)."""
 from __future__ import annotations
 
-import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -72,7 +71,7 @@ class AllReduce(Collective):
             nonfinite = nonfinite | _any_nonfinite(reduced)
         poisoned = _poison(self.flagged, call.codec, reduced, nonfinite)
         return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned, own_scale=1.0 if linear else w,
-                       again=[_divides_as_scaled if again else None])[0]
+                       again=again)[0]
 
     def exchange_many(self, calls: Sequence[Call]) -> Stages:
         """Several tensors' payloads summed together: per round, one all-reduce of all their
@@ -163,11 +162,6 @@ def _owns_again(call: Call) -> bool:
     return (call.need_own and call.world_size > 1 and call.on_release is not None
             and (late is None or late.remade) and not codec.stochastic
             and type(codec).next_round is Codec.next_round and call.parts is None)
-
-
-def _divides_as_scaled(w: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``src / w`` into ``dst``, the division :func:`_scaled` makes."""
-    torch.div(src, w, out=dst)
 
 
 def _packed_for(calls: Sequence[Call]) -> Tuple[Optional[Dict[torch.dtype, torch.Tensor]],
@@ -296,16 +290,15 @@ def _holds_quotient(call: Call) -> bool:
 
 def _finish(calls: Sequence[Call], payloads: Sequence[Payload], reduced: Sequence[List[torch.Tensor]],
             nonfinite: torch.Tensor, wire: Sequence[int], poisoned: bool = False,
-            own_scale: float = 1.0, again: Sequence[Optional[Callable]] = ()) -> List[Exchanged]:
+            own_scale: float = 1.0, again: bool = False) -> List[Exchanged]:
     """The end of an exchange of one call or a batch: each call's last-round payload kept as its
     own (before the sum; decoded times ``own_scale`` it is this rank's share; encoded again from
-    the input then, divided by the call's ``again``, where it has one: see :func:`_owns_again`),
-    every input released before any average is written (an ``out`` may be another call's
-    memory), and the sums decoded, into the ``out`` of the calls that have one in one timed
-    section."""
-    for i, (call, payload) in enumerate(zip(calls, payloads)):
-        if i < len(again) and again[i] is not None:
-            call.keep_own_again(functools.partial(again[i], call.world_size), scale=float(own_scale))
+    the input then where ``again``, a single call's: see :func:`_owns_again`), every input
+    released before any average is written (an ``out`` may be another call's memory), and the
+    sums decoded, into the ``out`` of the calls that have one in one timed section."""
+    for call, payload in zip(calls, payloads):
+        if again:
+            call.keep_own_again(scale=float(own_scale))
             continue
         if call.need_own and call.out is not None and any(overlaps(t, call.out) for t in payload.tensors):
             # a payload that is its input (a tensor sent as it is) holding the quotient in

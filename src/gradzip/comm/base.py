@@ -49,6 +49,19 @@ def all_gather_bytes(buf: torch.Tensor, world_size: int, group: Optional[dist.Pr
     return out
 
 
+def all_gather_ints(values: Sequence[int], world_size: int, group: Optional[dist.ProcessGroup],
+                    device: torch.device) -> List[List[int]]:
+    """Every rank's ``values`` (as many on each), rank by rank: the lengths of payloads whose
+    size depends on the data, which lay out the buffers that carry them (one all-gather of int64
+    values and one host wait)."""
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    if world_size == 1 or not mine.numel():
+        return [mine.tolist() for _ in range(world_size)]
+    table = mine.new_empty(world_size, mine.numel())
+    all_gather_flat(table.view(-1), mine, group)
+    return table.tolist()
+
+
 @dataclass
 class Result:
     """Outcome of one collective call on one tensor."""
@@ -303,9 +316,6 @@ class Call:
     timer: Timer
     flagged: bool = True  # False: the flag stays False (a plain sum spreads NaN by itself)
     own: List[Tuple[Optional[Payload], int, Optional[int], float]] = field(default_factory=list)  # see keep_own
-    # how the exchange divided the input by the world size, for a payload kept by keep_own_again
-    # (None in ``own``): ``divide(src, dst)`` writes the same bits into ``dst``
-    divide: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
     # called once, with the OR of every rank's non-finite flag, when the exchange has read the
     # input for the last time and is about to write the average (see release_input)
     on_release: Optional[Callable[["Call", torch.Tensor], None]] = None
@@ -426,8 +436,8 @@ class Call:
         for payload, start, end, scale in self.own:
             if payload is None:  # (keep_own_again) the input divided by W, encoded once more
                 dst = out[start : n if end is None else end]
-                self.divide((self.flat if x is None else x.reshape(-1))[start : start + dst.numel()], dst)
-                payload = self.encode(dst, flag=False)
+                src = (self.flat if x is None else x.reshape(-1))[start : start + dst.numel()]
+                payload = self.encode(torch.div(src, self.world_size, out=dst), flag=False)
             else:
                 dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
             self.decode(self.codec.decode_into, payload, dst)
@@ -455,15 +465,13 @@ class Call:
         if self.need_own:
             self.own.append((payload, start, end, scale))
 
-    def keep_own_again(self, divide: Callable[[torch.Tensor, torch.Tensor], None], scale: float) -> None:
-        """This rank's own payload is the whole input divided by W (``divide(src, dst)``, as the
-        exchange divided it) and encoded, and is encoded again from the input when it is decoded
-        (its tensors summed in place meanwhile, with no copy kept): for a codec whose encoding is
-        the same bytes every time (not :attr:`Codec.stochastic`), on an input intact, or made
-        again with the same bits (:attr:`LateOut.remade`), when it is read; decoded times
-        ``scale`` it is this rank's share."""
+    def keep_own_again(self, scale: float) -> None:
+        """This rank's own payload is the whole input divided by W (``x / W``, one division) and
+        encoded, and is encoded again from the input when it is decoded (its tensors summed in
+        place meanwhile, with no copy kept): for a codec whose encoding is the same bytes every
+        time (not :attr:`Codec.stochastic`), on an input intact, or made again with the same bits
+        (:attr:`LateOut.remade`), when it is read; decoded times ``scale`` it is this rank's share."""
         if self.need_own:
-            self.divide = divide
             self.own.append((None, 0, None, scale))
 
 
@@ -684,10 +692,6 @@ class Collective(Configurable):
         """
         raise NotImplementedError(f"collective {self.name!r} does not implement exchange()")
 
-    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
-        """:func:`all_gather_bytes` over this collective's group (for a collective of one's own)."""
-        return all_gather_bytes(buf, world_size, self.group)
-
     def _decode_own(self, call: Call) -> torch.Tensor:
         """This rank's payloads decoded at the input's scale, in a buffer of the pool lent to
         the call: it goes back when the call ends, and the caller reads it as the stages return
@@ -700,6 +704,10 @@ class Collective(Configurable):
         if covered != n:
             raise RuntimeError(f"collective {self.name!r} kept own payloads for {covered} of {n} values")
         return own
+
+    def _all_gather_bytes(self, buf: torch.Tensor, world_size: int) -> torch.Tensor:
+        """:func:`all_gather_bytes` over this collective's group."""
+        return all_gather_bytes(buf, world_size, self.group)
 
 
 _COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")

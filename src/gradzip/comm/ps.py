@@ -16,6 +16,7 @@ from .base import (
     Spec,
     Stages,
     all_gather_flat,
+    all_gather_ints,
     from_bytes,
     payload_views,
     reencoder,
@@ -209,13 +210,7 @@ class ParameterServer(Collective):
     # ------------------------------------------------------------ variable-size payloads
     def _exchange_specs(self, own_specs: List[Spec], numels: List[List[int]], w: int, device) -> List[List[Spec]]:
         """Every rank's spec of every partition: tensor lengths all-gathered (one host sync)."""
-        flat = torch.tensor([v for row in numels for v in row], dtype=torch.int64, device=device)
-        table = flat.new_empty(w, flat.numel())
-        if w > 1 and flat.numel():
-            all_gather_flat(table.view(-1), flat, self.group)
-        else:
-            table[:] = flat
-        rows = table.tolist()
+        rows = all_gather_ints([v for row in numels for v in row], w, self.group, device)
         out = []
         for row in rows:
             specs, i = [], 0
