@@ -56,11 +56,10 @@ def plan_serving(
     """Which class's buffers serve each class, from the records of the last steps: each a list of
     (index into the ascending ``classes``, +1 lent / -1 given back) in order, the busiest
     moments taken over them all (so steps that take turns in two patterns keep one plan that
-    fits both). From the largest class
-    down, a run of neighbouring classes is served by buffers of its largest where as many of
-    them as the run had lent at once, at most, cost no more bytes than each class's own busiest
-    moment in buffers of its own size; a class more than :data:`MERGE_CLASSES` below the run's
-    largest starts a run of its own. Returns the classes served by another (the rest serve
+    fits both). From the largest class down, a run of neighbouring classes is served by buffers
+    of its largest where as many of them as the run had lent at once, at most, cost no more bytes
+    than each class's own busiest moment in buffers of its own size; a class more than
+    :data:`MERGE_CLASSES` below the run's largest starts a run of its own. Returns the classes served by another (the rest serve
     themselves), and how many buffers each serving class needs at most."""
     c = len(classes)
     if not c:
