@@ -112,6 +112,29 @@ def test_two_nodes_of_two_ranks_average_hierarchically_and_stay_identical(collec
             assert (got[0] - exact).abs().max().item() < 4 * span / 255  # 8 bits, quantised once or twice
 
 
+def _adacomp_on_nodes(rank: int, world: int) -> dict:
+    comm = gradzip.Communicator("adaq", bin_size=7)  # the residual memory by default
+    avgs = []
+    for step in range(3):
+        xs = [_values(rank, n, 10 * step + k) for k, n in enumerate((700, 333))]
+        avgs += [a.clone() for a in comm.reduce_many_now(xs, ["p0", "p1"], [True, True], step=step)]
+    out = {"hier": isinstance(comm.collective, Hierarchical), "avgs": avgs,
+           "kept": len(comm.codec.state_dict().get("residuals", {}))}
+    comm.close()
+    return out
+
+
+def test_adacomp_across_nodes_keeps_its_own_residuals_of_the_node_sums_it_encodes():
+    """Across nodes AdaComp encodes the node's sums, which the residual memory does not hold:
+    it keeps its own residuals there (flat, it reads the memory's)."""
+    res = _run(_adacomp_on_nodes, 4, 2)
+    assert all(r["hier"] for r in res)
+    leaders = [r["kept"] for r in res]
+    assert max(leaders) == 2, leaders  # (the ranks that encode across nodes)
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["avgs"], res[0]["avgs"]))
+
+
 def test_one_rank_per_node_stays_flat():
     res = _run(_exchange, 2, 1, "maxmin", {"bits": 4}, "none", [1000], 1)
     assert not res[0]["hier"] and res[0]["topology"]["flat_because"] == "one rank per node"

@@ -192,3 +192,18 @@ def test_a_class_is_served_only_by_buffers_up_to_about_twice_its_size():
     # three small in flight, later one large: three large buffers would cost more than apart
     three_then_one = [(0, 1)] * 3 + [(0, -1)] * 3 + [(1, 1), (1, -1)]
     assert plan_serving(near, [three_then_one]) == ({}, {near[0]: 3, near[1]: 1})
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_device_named_without_its_index_gets_its_buffers_back(device):
+    # a buffer made on "cuda" reports "cuda:0": asked for by either name, it serves the next request
+    pool = BufferPool(torch.float32)
+    lent = []
+    a = pool.lend((1000,), torch.device(device), lent)
+    pool.give_back(lent)
+    indexed = a.device
+    assert pool.lend((1000,), torch.device(device), []).data_ptr() == a.data_ptr()  # (kept lent)
+    b = pool.lend((1000,), indexed, lent)
+    pool.give_back(lent)
+    assert pool.lend((1000,), torch.device(device), []).data_ptr() == b.data_ptr()

@@ -88,7 +88,8 @@ def test_every_codec_keeps_replicas_bit_identical_over_20_steps():
             assert rec["identical"], f"{name}: parameters differ between ranks (rank {rank})"
             assert rec["moved"], f"{name}: training did not change the parameters"
             assert rec["loss"] == rec["loss"], f"{name}: loss is NaN"
-            assert rec["compressed"] == 3, f"{name}: expected the three weight matrices compressed"
+            expected = 0 if name == "none" else 3  # none sends them as they are: DDP's own sum
+            assert rec["compressed"] == expected, f"{name}: {rec['compressed']} weight matrices compressed"
             if name == "powersgd":  # one call for the three matrices, across buckets
                 assert rec["groups"] == 1, f"{name}: {rec['groups']} groups"
             if name != "none":
@@ -120,7 +121,54 @@ def _matches_plain_ddp(rank: int, world: int) -> dict:
 def test_hook_with_no_compression_matches_plain_ddp():
     for res in run_workers(_matches_plain_ddp, 2):
         for flags, err in res.items():
-            assert err < 1e-6, f"{flags}: max gradient difference {err}"
+            assert err == 0, f"{flags}: max gradient difference {err}"
+
+
+def _sent_as_is(rank: int, world: int) -> dict:
+    """Gradients a codec would send as they are (``none``; ``fp16`` of an fp16 layer), without
+    error feedback, are left to DDP's own sum; with error feedback, another dtype or another
+    collective they go through the codec."""
+    out = {}
+    for case, codec, half, opts in (
+        ("none", "none", (), {}),
+        ("none, residual", "none", (), {"memory": "residual"}),
+        ("none, allgather", "none", (), {"collective": "allgather"}),
+        ("fp16 of fp16 layers", "fp16", (1, 4), {}),
+        ("bf16 of fp16 layers", "bf16", (1, 4), {}),
+    ):
+        torch.manual_seed(0)
+        model = Tower(half)
+        ddp = DDP(model, bucket_cap_mb=0.015)
+        state = gradzip.register(ddp, codec, min_numel=64, **opts)
+        grads = []
+        for x, _ in _batches(rank, 3):
+            ddp.zero_grad()
+            ddp(x[:, :64].repeat(1, 2)[:, :64]).square().mean().backward()
+            grads.append(torch.cat([p.grad.float().reshape(-1) for p in model.parameters()]))
+        out[case] = {"compressed": state.stats()["tensors_compressed"], "grads": torch.stack(grads),
+                     "groups": len(state.fusion_plan.groups), "identical": _identical(model, world)}
+        state.close()
+    torch.manual_seed(0)
+    model = Tower()
+    ddp = DDP(model, bucket_cap_mb=0.015)
+    grads = []
+    for x, _ in _batches(rank, 3):
+        ddp.zero_grad()
+        ddp(x[:, :64].repeat(1, 2)[:, :64]).square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    out["plain"] = torch.stack(grads)
+    return out
+
+
+def test_gradients_sent_as_they_are_take_ddps_own_sum():
+    for res in run_workers(_sent_as_is, 2):
+        assert res["none"]["compressed"] == 0 and res["none"]["groups"] == 0
+        assert torch.equal(res["none"]["grads"], res["plain"]), "none: not DDP's own averages"
+        assert res["none, residual"]["compressed"] == 6  # error feedback: through the codec
+        assert res["none, allgather"]["compressed"] == 6  # the collective asked for
+        assert res["fp16 of fp16 layers"]["compressed"] == 4  # the fp32 weights only
+        assert res["bf16 of fp16 layers"]["compressed"] == 6
+        assert all(rec["identical"] for key, rec in res.items() if key != "plain")
 
 
 class Tower(nn.Module):

@@ -904,3 +904,29 @@ def test_the_layout_of_a_group_no_longer_exchanged_is_dropped_with_its_views():
         assert res["plan"] == [[8], [6, 8], [6], [6]], res  # kept through the next step, as the pool keeps buffers
         assert res["in_place"] == [1, 0, 0], res
         assert res["closed"] == 0, res
+
+
+def _adacomp_residuals(rank: int, world: int) -> dict:
+    out = {}
+    for reads_memory in (True, False):
+        comm = gradzip.Communicator("adaq", bin_size=7)  # its default memory: residual
+        if not reads_memory:
+            comm.codec.use_memory(None)  # as on a hierarchical layout: a copy of its own
+        gen = torch.Generator().manual_seed(70 + rank)
+        shapes, names = ((40, 30), (333,)), ["a.weight", "b.weight"]
+        avgs = []
+        for step in range(4):
+            tensors = [torch.randn(s, generator=gen) for s in shapes]
+            avgs += [a.clone() for a in comm.reduce_many_now(tensors, names, [True, True], inplace=True, step=step)]
+        out[reads_memory] = {"avg": avgs, "kept": len(comm.codec.state_dict().get("residuals", {}))}
+        comm.close()
+    return out
+
+
+def test_adacomp_under_the_residual_memory_selects_with_the_memorys_residual_not_a_copy():
+    """AdaComp's self-adjusting selection needs last step's residual: under the plain residual
+    memory it reads the memory's (no second copy of every gradient) and selects what it selects
+    with a copy of its own, step after step."""
+    for res in run_workers(_adacomp_residuals, 2):
+        assert res[True]["kept"] == 0 and res[False]["kept"] == 2
+        assert all(torch.equal(a, b) for a, b in zip(res[True]["avg"], res[False]["avg"]))

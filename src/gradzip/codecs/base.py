@@ -319,6 +319,17 @@ class Codec(Configurable):
         :attr:`parts_format`); 0: the codec's tensors are never fused."""
         return self.fusion_block() or (1 if self.parts_format else 0)
 
+    def use_memory(self, memory: Any) -> None:
+        """Told the error feedback whose compensated gradients it encodes, where this rank's own
+        gradient is what it encodes (a flat exchange; None otherwise): a codec that keeps a copy
+        of what that memory keeps may read the memory's instead."""
+
+    def sends_as_is(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor of ``dtype`` goes on the wire as it is (a cast to its own dtype): its
+        all-reduce, without error feedback, is then the plain sum of DDP's own hook, value for
+        value, and a front end leaves it to that sum (no payload, no copy)."""
+        return False
+
     def fusion_block(self) -> int:
         """Values per independent block when several tensors share one encoding; 0: never fuse.
 

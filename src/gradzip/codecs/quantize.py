@@ -30,6 +30,9 @@ class _Cast(Codec):
     def fusion_block(self) -> int:
         return 1
 
+    def sends_as_is(self, dtype: torch.dtype) -> bool:
+        return self._wdtype(dtype) == dtype
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [saturate(x, self._wdtype(x.dtype))]
 

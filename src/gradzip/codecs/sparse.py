@@ -371,8 +371,10 @@ class AdaComp(Codec):
     self-adjusting ``H = G + dW``, so values that the newest gradient pushes up go out early and
     the compression rate follows local activity. The codec does not see ``dW`` by itself; it
     keeps, per tensor name, the residual it left last step (``G − decoded``, what the
-    ``residual`` memory with β = γ = 1 stores) and takes ``dW = G − that residual``. With another
-    memory this ``dW`` is only an estimate (selection only; the result stays correct).
+    ``residual`` memory with β = γ = 1 stores) and takes ``dW = G − that residual``; under that
+    memory, in a flat exchange, it reads the memory's residual instead of keeping a copy
+    (:meth:`use_memory`). With another memory this ``dW`` is only an estimate (selection only;
+    the result stays correct).
     ``self_adjust=False`` uses ``H = G`` (only each bin's maximum, ties included). Elements with
     ``G = 0`` are never sent. A non-finite input leaves the kept residual unchanged.
 
@@ -418,6 +420,25 @@ class AdaComp(Codec):
         super().__init__(**opts)
         self._residuals: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
         self._index_dtype = torch.uint8 if self.bin_size <= 255 else torch.int16
+        self._memory: Any = None  # the residual memory it reads its residuals from (use_memory)
+
+    def use_memory(self, memory: Any) -> None:
+        """Under the plain ``residual`` memory (β = γ = 1) the residual it would keep is the
+        memory's own, still the last step's when this step's input is encoded: it reads that
+        one (no second copy of every gradient), and keeps its own under any other."""
+        plain = memory is not None and memory.name == "residual" and memory.beta == 1.0 and memory.gamma == 1.0
+        self._memory = memory if plain and self.self_adjust else None
+        if self._memory is not None:
+            self._residuals.clear()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self._memory is not None:  # (saved by a copy of its own: the memory's are restored too)
+            self._residuals.clear()
+
+    def _residual(self, name: str) -> Optional[torch.Tensor]:
+        source = self._memory.residuals if self._memory is not None else self._residuals
+        return source.get(name) if self.self_adjust else None
 
     def _bins(self, numel: int) -> Tuple[int, int]:
         size = min(self.bin_size, numel)
@@ -429,9 +450,9 @@ class AdaComp(Codec):
         size, nb = self._bins(n)
         pad = nb * size - n
         mag = torch.nn.functional.pad(g.abs(), (0, pad)).view(nb, size)  # zero padding is never sent
-        prev = self._residuals.get(meta.name) if self.self_adjust else None
-        if prev is not None and prev.shape == g.shape:
-            h = (2 * g - prev.to(g.device)).abs()  # |G + dW| with dW = G - residual
+        prev = self._residual(meta.name)
+        if prev is not None and prev.numel() == n:
+            h = (2 * g - prev.reshape(g.shape).to(g.device)).abs()  # |G + dW| with dW = G - residual
         elif self.self_adjust:
             h = 2 * mag  # no residual yet: dW = G
         else:
@@ -451,8 +472,8 @@ class AdaComp(Codec):
         dense = (nb + m) * width + packed_bytes(m, 1) + 4 > raw_bytes(n, x.dtype)
         if self.self_adjust or dense:
             sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * scale)
-        if self.self_adjust:
-            old = prev if prev is not None and prev.shape == g.shape else torch.zeros_like(g)
+        if self.self_adjust and self._memory is None:
+            old = prev if prev is not None and prev.numel() == n else torch.zeros_like(g)
             self._residuals[meta.name] = torch.where(all_finite(g), g - sent, old.to(g.device))
         if dense:  # the same values, densely in the input dtype, as bytes: see _decode
             empty = idx.new_empty(0, dtype=self._index_dtype)

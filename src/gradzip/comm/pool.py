@@ -98,6 +98,15 @@ def plan_serving(
     return serves, needs
 
 
+def indexed(device: "torch.device | str") -> torch.device:
+    """``device`` with its index (``cuda`` is ``cuda:<current>``): the device a buffer made on
+    it reports, so a buffer given back serves the next request for the same device."""
+    device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
+
+
 class BufferPool:
     """Flat buffers of one dtype, lent as views of the shape asked for."""
 
@@ -119,7 +128,7 @@ class BufferPool:
         """A buffer of ``shape``; the whole buffer is appended to ``into``, the borrower's list of
         what it gives back (:meth:`give_back`) when it ends."""
         need = math.prod(shape)
-        device = torch.device(device)
+        device = indexed(device)
         own = (size_class(need), device)
         cls = self._serves.get(own, own[0])
         free = self._free.get((cls, device))

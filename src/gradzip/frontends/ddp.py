@@ -84,8 +84,8 @@ class GradzipState:
         return self.comm.step
 
     def should_compress(self, grad: torch.Tensor) -> bool:
-        if grad.numel() < self.config.min_numel:
-            return False
+        if grad.numel() < self.config.min_numel or self.comm.sends_as_is(grad.dtype):
+            return False  # (sent as it is: DDP's own sum makes the same average, with no copy)
         return self.config.compress_1d or grad.dim() > 1
 
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:

@@ -178,6 +178,7 @@ class Communicator:
                 default_collective(self.codec, world(group)[1]) if self.collective_defaulted else self.codec.collective
             )
             self.collective = self._make_collective(self.collective_name, self.codec, collective_options or {}, group)
+            self.codec.use_memory(self.memory)  # (flat until the nodes are found, below)
         except ValueError as exc:
             # the other ranks are about to meet this one in collectives: tell them why it is not
             # coming, or they would wait out the timeout and fail without a reason
@@ -253,6 +254,7 @@ class Communicator:
                 self._default_across_nodes()
                 self.collective = self._hierarchical(self.collective)
                 self._plain_hierarchical = self._hierarchical_plain()
+                self.codec.use_memory(None)  # (it encodes the node's sums)
                 if hierarchy == "on" and self.codec.parts_format:  # asked for, and not what happens
                     warnings.warn(
                         f"hierarchy='on': {self.codec.name} factorises each tensor, so its compressed exchange stays "
@@ -332,6 +334,13 @@ class Communicator:
             return self._plain_hierarchical
         return self._plain
 
+    def sends_as_is(self, dtype: torch.dtype) -> bool:
+        """Whether the compressed exchange of a gradient of ``dtype`` is the plain sum, value for
+        value: a codec that sends it as it is (``none``; ``fp16`` of fp16 gradients), no error
+        feedback, the all-reduce, and (on several nodes) a node stage in fp32."""
+        return (self.codec.sends_as_is(dtype) and not self.memory.stateful and self.collective_name == "allreduce"
+                and self._node_dtype == "fp32")
+
     def _make_reduce_scatter(self) -> Collective:
         """The compressed reduce-scatter: flat, or on a hierarchical layout plain inside the node and
         compressed across nodes (:class:`~gradzip.comm.hierarchy.HierarchicalReduceScatter`)."""
@@ -355,6 +364,7 @@ class Communicator:
             self._default_across_nodes()
             self.collective = self._hierarchical(self.collective)
             self._plain_hierarchical = self._hierarchical_plain()
+            self.codec.use_memory(None)
 
     def describe_topology(self, reduce_scatter: bool = False) -> Dict[str, Any]:
         """The nodes found, whether the exchange is hierarchical, and which link each stage uses
