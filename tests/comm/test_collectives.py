@@ -1062,6 +1062,41 @@ def test_the_sra_gives_its_send_buffer_back_once_its_chunks_arrived():
         assert held["none"] == held["settled"] < held["kept"], held
 
 
+def _sra_settled_in_place(rank: int, world: int) -> dict:
+    """An SRA exchange with error feedback settled on release, in one segment and in several,
+    averaged over its own input (as a DDP bucket is) and into a result of its own."""
+    from gradzip.sync.engine import _settle_residual
+
+    out = {}
+    for segment in (None, 1200):  # (chunks of whole values: 6000 = 3 x 2000 = 5 x 3 x 400)
+        for in_place in (True, False):
+            coll = collectives.get("sra")(None, segment=segment)
+            spares = []
+            lend_values = coll._lend_values
+            coll._lend_values = lambda *a, **k: spares.append(a[1]) or lend_values(*a, **k)
+            x = torch.randn(6000, generator=torch.Generator().manual_seed(rank))
+            residual = torch.zeros(6000)
+            res = drive(coll.stages(codec("maxmin", bits=4), x, "a", 0, need_own=True, out=x if in_place else None,
+                                    on_release=_settle_residual(residual)))
+            out[(segment, in_place)] = {"avg": res.avg.clone(), "residual": residual, "spares": spares}
+    return out
+
+
+def test_the_sra_with_error_feedback_averages_its_chunks_in_the_result_once_the_residual_settles():
+    """Settled when every rank's flag is known (after the one segment's messages, or the last
+    of several), the input is read no more: the chunk this rank averages goes straight into its
+    place in the input it overwrites, not into a buffer of the pool; the same values as with a
+    result of its own, and every rank gets the same average."""
+    results = run_workers(_sra_settled_in_place, 3)
+    for segment in (None, 1200):
+        for res in results:
+            in_place, apart = res[(segment, True)], res[(segment, False)]
+            assert in_place["spares"] == [] and len(apart["spares"]) >= 1, (segment, in_place["spares"])
+            assert torch.equal(in_place["avg"], apart["avg"]) and torch.equal(in_place["residual"], apart["residual"])
+            assert torch.equal(in_place["avg"], results[0][(segment, True)]["avg"])
+            assert 0 < float(in_place["residual"].abs().max()) < 1  # 4 bits lose something, not everything
+
+
 @pytest.mark.parametrize("own_in_input", [False, True])
 def test_an_input_made_again_goes_back_once_read_unless_it_holds_this_ranks_own_payload(own_in_input):
     """With error feedback that makes the input again (``LateOut.remade``) the input goes back as

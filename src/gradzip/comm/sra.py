@@ -79,7 +79,16 @@ class ScatterReduceAllGather(Collective):
             call.release_input(got[1])
             phase2 = [self._reduce(call, phase1[0], tag(0), got)]
         else:  # (a segment's flag covers the segments encoded before it: the last one's is known last)
-            phase2 = [self._reduce(call, p, tag(s)) for s, p in enumerate(phase1)]
+            last = None
+            if call.on_release is not None:
+                # error feedback settles once the last segment's messages, flagged over every
+                # rank's whole input, are here: the input is released before the chunks are
+                # averaged, which then go straight into the result (not into buffers of their
+                # own), and this rank's payloads go back before the all-gathers
+                last = self._received(call, phase1[-1])
+                call.release_input(last[1])
+            phase2 = [self._reduce(call, p, tag(s), last if s == len(phase1) - 1 else None)
+                      for s, p in enumerate(phase1)]
         if not call.need_own or (call.released and call.on_release is not None):
             # this rank's payloads are read no more (no error feedback, or settled already):
             # their send buffers serve other calls while the all-gathers are on the wire
@@ -202,7 +211,8 @@ class ScatterReduceAllGather(Collective):
     def _own_chunk_of_out(call: Call, p1: dict):
         """Where this rank's chunk of the segment lands in ``call.out``, if the average of the
         chunk may be summed there now: the chunk is whole (not padded), the result is fp32, and
-        writing it cannot change an input still to be read (an ``on_release`` reads the input).
+        writing it cannot change an input still to be read (an ``on_release`` reads the input
+        until it has run).
         A result lent late (:class:`~gradzip.comm.base.LateOut`) is not lent for it: the chunk's
         average waits in a buffer of its own size, and the result is lent when it is decoded."""
         if call.out is None and call.late is not None:
@@ -211,7 +221,7 @@ class ScatterReduceAllGather(Collective):
         lo = call.rank * chunk
         if out is None or out.dtype != torch.float32 or lo + chunk > p1["numel"]:
             return None
-        if call.on_release is not None and overlaps(out, call.x):
+        if call.on_release is not None and not call.released and overlaps(out, call.x):
             return None
         start = p1["start"] + lo
         return out.view(-1)[start : start + chunk]
