@@ -73,6 +73,7 @@ class GradzipState:
         self.in_place_buckets: Dict[int, Tuple[int, List[str]]] = {}
         self._step_buckets: Dict[int, Tuple[int, List[str]]] = {}  # this step's, so far
         self.backward_done: Optional[float] = None
+        self.first_step: Optional[int] = None  # the first backward pass the hook averages (see gradzip_hook)
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
@@ -382,6 +383,13 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
     # untouched, so compression starts from an empty residual on every rank alike
     dense = step < state.config.warmup
+    # DDP's first backward pass fills provisional buckets (one of the whole model, unless it
+    # looks for unused parameters), rebuilt after it in backward's order: an error-feedback
+    # residual laid out by them would stand beside the rebuilt buckets' until every name had
+    # moved (twice the residual at the second step), so with error feedback that pass takes the
+    # fused groups, whose residuals go over to the buckets' a group at a time
+    if state.first_step is None:
+        state.first_step = step
     last = bucket.is_last()
     levels = state.levels
     if state.ramp is not None:
@@ -412,7 +420,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
             waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
         else:  # DDP's own sum
             waits = [_plain_bucket(state, buffer, names, grads, what, step)]
-    elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
+    elif (state.config.in_place and (step > state.first_step or not state.comm.memory.stateful)
+          and state.comm.in_place(buffer, grads, names, compress)):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)
         waits = _leftovers(state, buffer, step, last, what) + [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
     else:
