@@ -135,6 +135,28 @@ def test_adacomp_across_nodes_keeps_its_own_residuals_of_the_node_sums_it_encode
         assert all(torch.equal(a, b) for a, b in zip(r["avgs"], res[0]["avgs"]))
 
 
+def _sent_as_is_on_nodes(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+    ddp = DDP(model, bucket_cap_mb=0.015)
+    state = gradzip.register(ddp, "none", min_numel=64)
+    for step in range(2):
+        ddp.zero_grad()
+        ddp(_values(rank, 512, step).view(8, 64)).square().mean().backward()
+    out = {"compressed": state.stats()["tensors_compressed"], "hier": isinstance(state.comm.collective, Hierarchical)}
+    state.close()
+    return out
+
+
+def test_gradients_sent_as_they_are_still_go_through_the_nodes():
+    """On one node the hook leaves what ``none`` sends as it is to DDP's own sum; across nodes
+    DDP's sum would be flat, so they keep the exchange through the nodes."""
+    for res in _run(_sent_as_is_on_nodes, 4, 2):
+        assert res["hier"] and res["compressed"] == 2, res  # the two weight matrices
+
+
 def test_one_rank_per_node_stays_flat():
     res = _run(_exchange, 2, 1, "maxmin", {"bits": 4}, "none", [1000], 1)
     assert not res[0]["hier"] and res[0]["topology"]["flat_because"] == "one rank per node"

@@ -327,7 +327,8 @@ class Codec(Configurable):
     def sends_as_is(self, dtype: torch.dtype) -> bool:
         """Whether a tensor of ``dtype`` goes on the wire as it is (a cast to its own dtype): its
         all-reduce, without error feedback, is then the plain sum of DDP's own hook, value for
-        value, and a front end leaves it to that sum (no payload, no copy)."""
+        value, and a front end may leave it to that sum (no payload, no copy; see
+        :meth:`Communicator.sends_as_is <gradzip.sync.engine.Communicator.sends_as_is>`)."""
         return False
 
     def fusion_block(self) -> int:

@@ -103,7 +103,9 @@ def indexed(device: "torch.device | str") -> torch.device:
     it reports, so a buffer given back serves the next request for the same device."""
     device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
-        device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+        current = getattr(torch.get_device_module(device.type), "current_device", None)
+        if current is not None:  # (a type without one, such as mps, has one device)
+            device = torch.device(device.type, current())
     return device
 
 

@@ -335,11 +335,12 @@ class Communicator:
         return self._plain
 
     def sends_as_is(self, dtype: torch.dtype) -> bool:
-        """Whether the compressed exchange of a gradient of ``dtype`` is the plain sum, value for
-        value: a codec that sends it as it is (``none``; ``fp16`` of fp16 gradients), no error
-        feedback, the all-reduce, and (on several nodes) a node stage in fp32."""
+        """Whether the compressed exchange of a gradient of ``dtype`` is DDP's own sum, value for
+        value (non-finite values aside, which a plain sum spreads element by element): a codec
+        that sends it as it is (``none``; ``fp16`` of fp16 gradients), no error feedback, the
+        all-reduce, and one node (across nodes that exchange goes through them, DDP's flat)."""
         return (self.codec.sends_as_is(dtype) and not self.memory.stateful and self.collective_name == "allreduce"
-                and self._node_dtype == "fp32")
+                and not (self.topology is not None and self.topology.hierarchical))
 
     def _make_reduce_scatter(self) -> Collective:
         """The compressed reduce-scatter: flat, or on a hierarchical layout plain inside the node and
