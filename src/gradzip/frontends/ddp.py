@@ -381,15 +381,15 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     step = state.step  # this backward pass's, taken here: the jobs run later, on the worker
     what = f"step {step}, {_bucket_label(bucket.index(), names)}"
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
-    # untouched, so compression starts from an empty residual on every rank alike
-    dense = step < state.config.warmup
-    # DDP's first backward pass fills provisional buckets (one of the whole model, unless it
-    # looks for unused parameters), rebuilt after it in backward's order: an error-feedback
-    # residual laid out by them would stand beside the rebuilt buckets' until every name had
-    # moved (twice the residual at the second step), so with error feedback that pass takes the
-    # fused groups, whose residuals go over to the buckets' a group at a time
+    # untouched, so compression starts from an empty residual on every rank alike. So does DDP's
+    # first backward pass in place with error feedback: DDP fills provisional buckets then (one
+    # of the whole model, unless it looks for unused parameters) and builds them anew in
+    # backward's order after it; a residual laid out by them would stand beside the rebuilt
+    # buckets' until every name had moved (twice the residual at the second step)
     if state.first_step is None:
         state.first_step = step
+    dense = step < state.config.warmup or (
+        step == state.first_step and state.config.in_place and state.comm.memory.stateful)
     last = bucket.is_last()
     levels = state.levels
     if state.ramp is not None:
@@ -420,8 +420,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
             waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
         else:  # DDP's own sum
             waits = [_plain_bucket(state, buffer, names, grads, what, step)]
-    elif (state.config.in_place and (step > state.first_step or not state.comm.memory.stateful)
-          and state.comm.in_place(buffer, grads, names, compress)):  # the lean path: the bucket is the group
+    elif state.config.in_place and state.comm.in_place(buffer, grads, names, compress):  # the lean path: the bucket is the group
         state._step_buckets[bucket.index()] = (buffer.numel(), names)
         waits = _leftovers(state, buffer, step, last, what) + [_in_place_job(state, buffer, names, grads, compress, last, step, what)]
     else:
