@@ -23,7 +23,7 @@ pick its own, and the all-gather keeps the tensor count and dtypes it expects.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
