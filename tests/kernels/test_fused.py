@@ -382,6 +382,41 @@ def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, b
     assert same(out, want) and made.numel <= 2 * 1000 < n, made.numel  # a piece's temporaries, not n
 
 
+@pytest.mark.parametrize("start", [0, 1, 1000, (1 << 32) - 3])
+def test_counter_uniform_from_an_offset_draws_what_the_longer_stream_draws_there(start):
+    """Draws from ``start`` on are the draws of those indices in one long stream, in the torch
+    specification and the fused C loop alike (indices past 2**32 wrap, as the hash's do)."""
+    whole = counter_uniform(start + 300, key=11)[start:] if start < 1 << 20 else None
+    got = counter_uniform(300, key=11, start=start)
+    if whole is not None:
+        assert torch.equal(got, whole)
+    assert torch.equal(fused.uniform(300, 11, torch.device("cpu"), start), got)
+    if native.available() is None:  # (the fused C loop, where a compiler built it)
+        assert torch.equal(native.counter_uniform(300, 11, torch.device("cpu"), start), got)
+
+
+@pytest.mark.parametrize("bucket", [0, 64, 300, 2500])
+def test_terngrad_encoded_piece_by_piece_gives_the_bytes_of_one_pass(monkeypatch, bucket):
+    """TernGrad's torch encode works :data:`fused.TORCH_PIECE` values at a time, each piece with
+    its own draws (a bucket longer than a piece in pieces of its own): the codes and scales of
+    the specification over the whole tensor, NaN, Inf and an all-zero bucket included, with no
+    temporary of the tensor's size."""
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    n = 3607
+    x = _x(n, 8) * 2
+    x[5], x[7] = float("nan"), float("inf")
+    x[2000:2400] = 0.0
+    size = bucket or n
+    rows = -(-n // size)
+    buckets = torch.cat([x, x.new_zeros(rows * size - n)]).view(rows, size)
+    want = ref.terngrad_encode(buckets, fused.uniform(buckets.numel(), 77, x.device).view(buckets.shape), n)
+    with LargestMade() as made:
+        got = fused.terngrad_encode(buckets, 77, n)
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731
+    assert torch.equal(got[0], want[0]) and same(got[1], want[1])
+    assert made.numel <= 2 * 1000 < n, made.numel
+
+
 @pytest.mark.parametrize("pieces", [1, 2.5])
 def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeypatch, pieces):
     """Natural compression's and 8-bit's torch versions encode :data:`fused.TORCH_PIECE` values
@@ -396,7 +431,9 @@ def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeyp
     top = torch.tensor([130], dtype=torch.int32)
     bits = x.view(torch.int32)
     whole = ref.natural_codes(bits, ref.natural_draws(fused.uniform(n, 99, x.device)), top)
-    assert torch.equal(fused.natural_codes(bits, 99, top), whole)
+    with LargestMade({torch.float32, torch.int32, torch.int64}) as made:  # (the codes, uint8, are the result)
+        assert torch.equal(fused.natural_codes(bits, 99, top), whole)
+    assert made.numel <= 1000 < n, made.numel  # each piece's draws and temporaries
     _, mids, lut = _u8_tables(x.device)
     for bucket in (64, 300, n):
         rows = -(-n // bucket)

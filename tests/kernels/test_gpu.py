@@ -214,6 +214,8 @@ def test_sign_other_dtypes(dtype):
 @pytest.mark.parametrize("numel,key", [(0, 1), (1, 0), (4097, 0xFFFFFFFF), (10000, 0x9E3779B1)])
 def test_counter_uniform_kernel_draws_the_specification(numel, key):
     assert _same_bits(gpu.counter_uniform(numel, key, DEVICE), counter_uniform(numel, key, DEVICE))
+    for start in (1, 4096, (1 << 32) - 5):  # from an offset: a piece of a longer stream
+        assert _same_bits(gpu.counter_uniform(numel, key, DEVICE, start), counter_uniform(numel, key, DEVICE, start))
 
 
 # -------------------------------------------------------------------------------------- TernGrad

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from . import native, reference
-from .bitpack import unpack_bits
+from .bitpack import pack_bits, packed_bytes, unpack_bits
 
 CHOICES = ("auto", "native", "triton", "torch")
 _TOPK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # exact in fp32 bit patterns
@@ -175,11 +175,12 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
     return backend(x) if x.device.type == "cuda" else reference
 
 
-def uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
-    """``rng.counter_uniform(numel, key)`` on ``device``: one pass of a fused C loop on the CPU or
-    of a Triton kernel on CUDA (as :func:`backend` picks them), else torch's ten operations."""
+def uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """``rng.counter_uniform(numel, key, start=start)`` on ``device``: one pass of a fused C loop
+    on the CPU or of a Triton kernel on CUDA (as :func:`backend` picks them), else torch's ten
+    operations."""
     # (backend raises where GRADZIP_KERNELS forces a version that cannot run here)
-    return backend(torch.empty(0, device=device)).counter_uniform(numel, key, torch.device(device))
+    return backend(torch.empty(0, device=device)).counter_uniform(numel, key, torch.device(device), start)
 
 
 def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +188,38 @@ def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.
     impl = _gpu_or_reference(buckets)
     if impl is not reference:
         return impl.terngrad_encode(buckets, key, numel)
+    if buckets.device.type == "cpu" and numel > TORCH_PIECE:
+        return _terngrad_pieces(buckets, key, numel)
     return reference.terngrad_encode(buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel)
+
+
+def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``reference.terngrad_encode`` a piece at a time (:data:`TORCH_PIECE` values, a multiple of
+    8: whole bytes of 2-bit codes), each piece with its own draws: its temporaries (about six of
+    a piece's size) stay a few MB where they were several times the tensor (one bucket of the
+    whole tensor by default). The same operations on each value: the same bytes. The scales
+    first, each bucket's maximum of the maxima of its pieces (a maximum is exact)."""
+    rows, bucket = buckets.shape
+    flat = buckets.reshape(-1)
+    step = TORCH_PIECE
+    if bucket > step:  # long buckets: each one's pieces
+        scale = torch.stack([
+            torch.stack([flat[a : min(a + step, (r + 1) * bucket)].abs().amax() for a in range(r * bucket, (r + 1) * bucket, step)]).amax()
+            for r in range(rows)
+        ])
+    else:  # whole buckets at a time
+        per = max(1, step // bucket)
+        scale = torch.cat([buckets[r : r + per].abs().amax(dim=1) for r in range(0, rows, per)])
+    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=buckets.device)
+    for a in range(0, numel, step):
+        b = min(a + step, numel)
+        x = flat[a:b]
+        index = torch.arange(a, b, device=x.device) // bucket
+        keep = uniform(b - a, key, x.device, a) < x.abs() / scale[index]
+        neg = x < 0
+        codes = (keep & ~neg).to(torch.uint8) | ((keep & neg).to(torch.uint8) << 1)
+        packed[a // 4 : packed_bytes(b, 2)] = pack_bits(codes, 2)  # (pieces start on whole groups of 8 values)
+    return packed, scale
 
 
 def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
@@ -221,12 +253,11 @@ def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tens
     if impl is not reference:
         return impl.natural_codes(bits, key, top)
     n = bits.numel()
-    draws = uniform(n, key, bits.device)
     out = torch.empty(n, dtype=torch.uint8, device=bits.device)
     step = piece_length(bits)
-    for a in range(0, n, step):
+    for a in range(0, n, step):  # (each piece's draws on their own: no tensor of every draw)
         b = min(a + step, n)
-        out[a:b] = reference.natural_codes(bits[a:b], reference.natural_draws(draws[a:b]), top)
+        out[a:b] = reference.natural_codes(bits[a:b], reference.natural_draws(uniform(b - a, key, bits.device, a)), top)
     return out
 
 

@@ -352,10 +352,10 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
 
 
-def _uniform_kernel(out_ptr, numel, key, BLOCK: tl.constexpr):
-    """``counter_uniform``: the draw of every index in one pass."""
+def _uniform_kernel(out_ptr, start, numel, key, BLOCK: tl.constexpr):
+    """``counter_uniform``: the draw of every index (from ``start`` on) in one pass."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, _uniform(offs, tl.cast(key, tl.uint32, bitcast=True)), mask=offs < numel)
+    tl.store(out_ptr + offs, _uniform(offs + start, tl.cast(key, tl.uint32, bitcast=True)), mask=offs < numel)
 
 
 def _ternary_encode_kernel(
@@ -1070,12 +1070,13 @@ def sign_decode(
     return out
 
 
-def counter_uniform(numel: int, key: int, device: torch.device) -> torch.Tensor:
-    """``rng.counter_uniform(numel, key)`` on ``device`` in one pass (torch's takes about ten)."""
+def counter_uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """``rng.counter_uniform(numel, key, start=start)`` on ``device`` in one pass (torch's takes
+    about ten)."""
     _require()
     out = torch.empty(numel, dtype=torch.float32, device=device)
     if numel:
-        _launch(_uniform_kernel, (-(-numel // _SIGN_BLOCK),), out.device, out, numel, _key32(key),
+        _launch(_uniform_kernel, (-(-numel // _SIGN_BLOCK),), out.device, out, start, numel, _key32(key),
                 BLOCK=_SIGN_BLOCK, num_warps=_WARPS)
     return out
 

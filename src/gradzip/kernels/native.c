@@ -240,10 +240,10 @@ void gz_qsgd_decode(const uint8_t *packed, const float *norms, int64_t n, int bi
     }
 }
 
-/* out[i] = uniform(i, key) for i < n: the draws of rng.counter_uniform, bit for bit. */
-void gz_uniform(int64_t n, uint32_t key, float *out) {
+/* out[i] = uniform(start + i, key) for i < n: the draws of rng.counter_uniform, bit for bit. */
+void gz_uniform(int64_t start, int64_t n, uint32_t key, float *out) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = uniform(i, key);
+    for (int64_t i = 0; i < n; i++) out[i] = uniform(start + i, key);
 }
 
 void gz_sign_encode(const float *x, int64_t n, uint8_t *packed) {

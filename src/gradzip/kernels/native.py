@@ -49,7 +49,7 @@ _SIGNATURES = {
     "gz_mx_encode": [_f32p, _i64, _int, _i64, _u8p, _u8p],
     "gz_mx_decode": [_u8p, _u8p, _i64, _int, _i64, _f32p, _int],
     "gz_saturate": [_f32p, _i64, _int, ctypes.c_void_p],
-    "gz_uniform": [_i64, _u32, _f32p],
+    "gz_uniform": [_i64, _i64, _u32, _f32p],
 }
 
 
@@ -162,12 +162,12 @@ def _out(out: Optional[torch.Tensor], numel: int) -> torch.Tensor:
     return out
 
 
-def counter_uniform(numel: int, key: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    """``rng.counter_uniform(numel, key)`` in one fused loop (the torch version takes ten passes);
-    ``device`` is the CPU (the signature is the other versions')."""
+def counter_uniform(numel: int, key: int, device: torch.device = torch.device("cpu"), start: int = 0) -> torch.Tensor:
+    """``rng.counter_uniform(numel, key, start=start)`` in one fused loop (the torch version
+    takes ten passes); ``device`` is the CPU (the signature is the other versions')."""
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
-        _kernels().gz_uniform(numel, key & 0xFFFFFFFF, out.data_ptr())
+        _kernels().gz_uniform(start, numel, key & 0xFFFFFFFF, out.data_ptr())
     return out
 
 

@@ -41,15 +41,16 @@ def private_generator(seed: int, device: torch.device | str = "cpu") -> torch.Ge
 _GOLDEN, _MIX1, _MIX2, _WORD = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35, 0xFFFFFFFF
 
 
-def counter_uniform(numel: int, key: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``numel`` uniform floats in [0, 1): value ``i`` is a pure function of ``(i, key)``.
+def counter_uniform(numel: int, key: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
+    """``numel`` uniform floats in [0, 1): value ``i`` is a pure function of ``(i, key)``, for
+    ``i`` from ``start`` on (the draws of a piece of a longer tensor).
 
     A counter-based generator (the MurmurHash3 32-bit finaliser of ``i · 0x9E3779B1 + key``,
     top 24 bits scaled by 2^-24) has no state to carry between elements, so a fused CPU loop, a
     GPU kernel and this torch version draw the very same numbers and can be checked against
     each other bit for bit. All arithmetic is modulo 2^32 (done here in int64 with masks).
     """
-    x = torch.arange(numel, device=device, dtype=torch.int64)
+    x = torch.arange(start, start + numel, device=device, dtype=torch.int64)
     x = (x * _GOLDEN + (key & _WORD)) & _WORD
     x ^= x >> 16
     x = (x * _MIX1) & _WORD
