@@ -89,6 +89,28 @@ def test_sketchml_special_values():
         assert torch.equal(gradzip.codec("sketchml").decode(gradzip.codec("sketchml").encode(x)), x)
 
 
+@pytest.mark.parametrize("buckets", [16, 100, 256])
+def test_sketchml_quantised_piece_by_piece_gives_the_bytes_of_one_pass(monkeypatch, buckets):
+    """On the CPU the sketch is summed and the codes packed :data:`fused.TORCH_PIECE` values at
+    a time: the bytes of one pass over the tensor, and no temporary as long as the tensor
+    (the sketch's tables, 2**18 cells, are the longest)."""
+    from gradzip.codecs.sketch import _CELLS
+    from gradzip.kernels import fused
+
+    from ..tensors import LargestMade
+
+    x = _randn((600_003,), seed=buckets) * torch.rand(600_003, generator=torch.Generator().manual_seed(1)) * 10
+    x[3], x[6] = 0.0, -0.0
+    codec = gradzip.codec("sketchml", buckets=buckets)
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1 << 30)  # one piece
+    whole = codec.encode(x, "w", 0).tensors
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    with LargestMade({torch.float32, torch.float64, torch.int32, torch.int64}) as made:
+        pieces = codec.encode(x, "w", 0).tensors
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+    assert made.numel <= _CELLS < x.numel(), made.numel
+
+
 def test_sketchml_buckets_hold_equal_counts():
     """The quantile sketch gives buckets of about n / (buckets - 1) values (plus the zero split)."""
     n = 200_000

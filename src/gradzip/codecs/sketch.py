@@ -6,7 +6,7 @@ from typing import Any, List
 
 import torch
 
-from ..kernels import pack_bits, packed_bytes, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
 from .base import Codec, Meta, Option, float_in, int_in, raw_bytes, saturate
 from .registry import register_codec
 from .sparse import _k
@@ -44,12 +44,19 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (uint8), means (fp32)]."""
     n = values.numel()
     xf = values.float().contiguous()
-    keys = _sortable_keys(xf)
     dev = xf.device
-    # the sketch: per-cell counts and sums (fp64 sums: a bucket's mean stays inside its range)
-    ones = torch.ones(1, dtype=torch.float64, device=dev).expand(n)
-    hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev).index_add_(0, keys, ones)
-    sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev).index_add_(0, keys, xf.double())
+    # the sketch: per-cell counts and sums (fp64 sums: a bucket's mean stays inside its range),
+    # on the CPU a piece at a time, so the keys and the fp64 copy are a piece long, not the
+    # tensor's twice (the CPU adds in index order: the same sums)
+    step = fused.piece_length(xf)
+    one = torch.ones(1, dtype=torch.float64, device=dev)
+    hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
+    sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
+    for a in range(0, n, step):
+        piece = xf[a : a + step]
+        keys = _sortable_keys(piece)
+        hist.index_add_(0, keys, one.expand(piece.numel()))
+        sums.index_add_(0, keys, piece.double())
     # nb - 2 quantile splits (a split is the first key of a bucket) plus the split at +0.0, so no
     # bucket mixes signs and the two signs share the buckets in proportion to their counts
     cdf = hist.cumsum(0)
@@ -63,8 +70,14 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     bucket_sums = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, sums)
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
     means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
-    codes = lut.to(torch.uint8).index_select(0, keys)
-    return [pack_bits(codes, _index_bits(nb)), means]
+    codes, bits = lut.to(torch.uint8), _index_bits(nb)
+    if n <= step:
+        return [pack_bits(codes.index_select(0, _sortable_keys(xf)), bits), means]
+    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
+    for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
+        b = min(a + step, n)
+        packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = pack_bits(codes.index_select(0, _sortable_keys(xf[a:b])), bits)
+    return [packed, means]
 
 
 def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int) -> torch.Tensor:
