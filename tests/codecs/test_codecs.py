@@ -530,6 +530,23 @@ def test_randomk_decodes_into_out_without_a_temporary_of_the_tensors_size():
     assert torch.equal(scaled.decode_into(payload, out), scaled.decode(payload).reshape(-1))
 
 
+@pytest.mark.parametrize("name, options", [("topk", {"ratio": 0.05}), ("threshold", {"threshold": 1.0}),
+                                           ("dgc", {"ratio": 0.05}), ("graddrop", {"ratio": 0.05})])
+def test_values_and_indices_decode_into_out_without_a_temporary_of_the_tensors_size(name, options):
+    """A sparse payload's values go straight to their places in a given fp32 tensor, zeros
+    elsewhere: decode()'s bits, from fp32 and bf16 payloads, nothing as large as the tensor
+    made (where the payload is the dense form, its values are copied in as they are)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        c = gradzip.codec(name, **options)
+        payload = c.encode(_randn((4000,), seed=5).to(dtype), name="w", step=3)
+        assert payload.tensors[1].numel() > 0  # the sparse form
+        want = c.decode(payload).reshape(-1).float()
+        out = torch.full((4000,), 7.0)
+        with LargestMade() as made:
+            assert c.decode_into(payload, out) is out
+        assert torch.equal(out, want) and made.numel < 4000, made.numel
+
+
 # ============================================================================== sign codecs
 def test_signsgd_majority_vote():
     shape = (7, 143)

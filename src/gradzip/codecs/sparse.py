@@ -88,6 +88,17 @@ class _ValuesIndices(Codec):
             return values
         return _scatter(values, idx, meta.numel)
 
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        # the selected values written straight into ``out`` (zeros elsewhere): no dense tensor
+        # of the input's dtype made and then copied (the same values: a cast is exact either way)
+        values, idx = tensors
+        if not accumulate and out.is_contiguous() and out.numel() == meta.numel and not _is_dense(values, idx, meta.numel):
+            flat = out.view(-1)
+            flat.zero_()
+            flat.index_copy_(0, idx.long(), values.to(out.dtype))
+            return out
+        return super()._decode_into(tensors, meta, out, accumulate)
+
     def aggregate(self, payloads: Sequence[Payload]) -> torch.Tensor:
         meta = payloads[0].ctx
         if meta.numel == 0:
