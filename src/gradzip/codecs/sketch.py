@@ -76,7 +76,8 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
     for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
         b = min(a + step, n)
-        packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = pack_bits(codes.index_select(0, _sortable_keys(xf[a:b])), bits)
+        levels = codes.index_select(0, _sortable_keys(xf[a:b]))
+        packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = pack_bits(levels, bits)
     return [packed, means]
 
 

@@ -92,7 +92,8 @@ class _ValuesIndices(Codec):
         # the selected values written straight into ``out`` (zeros elsewhere): no dense tensor
         # of the input's dtype made and then copied (the same values: a cast is exact either way)
         values, idx = tensors
-        if not accumulate and out.is_contiguous() and out.numel() == meta.numel and not _is_dense(values, idx, meta.numel):
+        sparse = not _is_dense(values, idx, meta.numel)
+        if sparse and not accumulate and out.is_contiguous() and out.numel() == meta.numel:
             flat = out.view(-1)
             flat.zero_()
             flat.index_copy_(0, idx.long(), values.to(out.dtype))

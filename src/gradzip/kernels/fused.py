@@ -203,9 +203,10 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch
     flat = buckets.reshape(-1)
     step = TORCH_PIECE
     if bucket > step:  # long buckets: each one's pieces
+        ends = [(r * bucket, (r + 1) * bucket) for r in range(rows)]
         scale = torch.stack([
-            torch.stack([flat[a : min(a + step, (r + 1) * bucket)].abs().amax() for a in range(r * bucket, (r + 1) * bucket, step)]).amax()
-            for r in range(rows)
+            torch.stack([flat[a : min(a + step, end)].abs().amax() for a in range(start, end, step)]).amax()
+            for start, end in ends
         ])
     else:  # whole buckets at a time
         per = max(1, step // bucket)
