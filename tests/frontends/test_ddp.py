@@ -253,10 +253,10 @@ def test_plain_gradients_of_buckets_that_complete_no_group_ride_in_a_later_job()
             assert rec["identical"] and rec["biases equal DDP's"] and rec["nothing left"]
 
 
-def _residuals_through_the_rebuild(rank: int, world: int) -> dict:
+def _residuals_through_the_rebuild(rank: int, world: int, ddp_opts: dict) -> dict:
     torch.manual_seed(0)
     model = Tower()
-    ddp = DDP(model, bucket_cap_mb=0.015)  # DDP's first backward fills one bucket of the whole model
+    ddp = DDP(model, bucket_cap_mb=0.015, **ddp_opts)  # DDP's first backward fills one bucket of the whole model
     state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.05, in_place=True, memory="residual")
     comm, held = state.comm, []
     group_residual = comm._group_residual
@@ -268,7 +268,7 @@ def _residuals_through_the_rebuild(rank: int, world: int) -> dict:
 
     comm._group_residual = counted
     in_place, compressed = [], []
-    for x, _ in _batches(rank, 3):
+    for x, _ in _batches(rank, 4):
         ddp(x[:, :64].repeat(1, 2)[:, :64]).square().mean().backward()
         in_place.append(len(state.in_place_buckets))
         compressed.append(state.stats()["tensors_compressed"])
@@ -279,15 +279,17 @@ def _residuals_through_the_rebuild(rank: int, world: int) -> dict:
     return out
 
 
-def test_in_place_with_error_feedback_ddps_provisional_buckets_go_dense():
-    """DDP averages its first backward pass in provisional buckets (one of the whole model) and
-    builds its buckets anew after it: a residual laid out by the provisional bucket stayed beside
-    the rebuilt buckets' until its last name had moved, twice the residual at the second step.
-    That pass goes dense, as a warm-up step (nothing compressed, no residual); the in-place path
-    starts at the second, and the residuals held are the buckets' size, no more."""
-    for res in run_workers(_residuals_through_the_rebuild, 2):
-        assert res["in place"][0] == 0 and res["in place"][1] > 0 and res["in place"][2] > 0, res["in place"]
-        assert res["compressed"][0] == 0 and res["compressed"][1] == 6, res["compressed"]
+@pytest.mark.parametrize("ddp_opts, provisional", [({}, 1), ({"static_graph": True}, 2)], ids=["dynamic", "static graph"])
+def test_in_place_with_error_feedback_ddps_provisional_buckets_go_dense(ddp_opts, provisional):
+    """DDP averages its first backward pass (its first two with a static graph) in provisional
+    buckets (one of the whole model) and builds its buckets anew after it: a residual laid out by
+    the provisional bucket stayed beside the rebuilt buckets' until its last name had moved,
+    twice the residual at the next step. Those passes go dense, as warm-up steps (nothing
+    compressed, no residual); the in-place path starts after them, and the residuals held are
+    the buckets' size, no more."""
+    for res in run_workers(_residuals_through_the_rebuild, 2, ddp_opts):
+        assert res["in place"][:provisional] == [0] * provisional and all(res["in place"][provisional:]), res
+        assert res["compressed"][provisional - 1] == 0 and res["compressed"][provisional] == 6, res["compressed"]
         assert 1.0 <= res["most held"] < 1.05, res["most held"]  # (a bucket's residual spans its biases too)
         assert res["identical"]
 

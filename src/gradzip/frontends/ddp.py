@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -73,7 +74,7 @@ class GradzipState:
         self.in_place_buckets: Dict[int, Tuple[int, List[str]]] = {}
         self._step_buckets: Dict[int, Tuple[int, List[str]]] = {}  # this step's, so far
         self.backward_done: Optional[float] = None
-        self.first_step: Optional[int] = None  # the first backward pass the hook averages (see gradzip_hook)
+        self.ddp: Optional[Callable[[], Any]] = None  # a weak reference to the model (see provisional_buckets)
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
@@ -381,15 +382,14 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     step = state.step  # this backward pass's, taken here: the jobs run later, on the worker
     what = f"step {step}, {_bucket_label(bucket.index(), names)}"
     # warm-up: the first steps go dense, as plain all-reduces; memories and codec state stay
-    # untouched, so compression starts from an empty residual on every rank alike. So does DDP's
-    # first backward pass in place with error feedback: DDP fills provisional buckets then (one
-    # of the whole model, unless it looks for unused parameters) and builds them anew in
-    # backward's order after it; a residual laid out by them would stand beside the rebuilt
-    # buckets' until every name had moved (twice the residual at the second step)
-    if state.first_step is None:
-        state.first_step = step
-    dense = step < state.config.warmup or (
-        step == state.first_step and state.config.in_place and state.comm.memory.stateful)
+    # untouched, so compression starts from an empty residual on every rank alike. So do the
+    # steps in DDP's provisional buckets where they would be averaged in place with error
+    # feedback (see provisional_buckets)
+    dense = step < state.config.warmup
+    if not dense and state.config.in_place and state.comm.memory.stateful and state.comm.averages_in_place():
+        dense = provisional_buckets(state.ddp() if state.ddp is not None else None)
+        if dense and state.drift is not None and state.drift.start <= step + 1:
+            state.drift.start = step + 2  # (it leaves out the first compressed step: now a later one)
     last = bucket.is_last()
     levels = state.levels
     if state.ramp is not None:
@@ -430,6 +430,18 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     for label, fn in after:
         waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
     return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
+
+
+def provisional_buckets(ddp: Optional[DistributedDataParallel]) -> bool:
+    """Whether ``ddp`` still averages in the buckets it builds anew once it has seen backward's
+    order (in its first pass, or its first two with a static graph; one bucket of the whole
+    model where it looks for no unused parameters). An error-feedback residual laid out by them
+    would stand beside the rebuilt buckets' until every name had moved: twice the residual at
+    the step after. Every rank rebuilds at the same step, so every rank answers alike."""
+    if ddp is None:
+        return False
+    rebuilds = getattr(ddp, "static_graph", False) or not getattr(ddp, "find_unused_parameters", False)
+    return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", True)
 
 
 def _bucket_job(
@@ -761,6 +773,7 @@ def register(
         state.drift = planner.DriftWatch(start=(state.ramp.end if state.ramp else cfg.warmup) + 1)
     else:
         state.apply(planner.decide(plan.groups, state.params, comm.codec, None), None)
+    state.ddp = weakref.ref(model)
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

@@ -1103,6 +1103,12 @@ class Communicator:
             self._layouts_step = step
             self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
 
+    def averages_in_place(self) -> bool:
+        """Whether some bucket may be averaged in its own memory (:meth:`in_place`'s conditions
+        that do not depend on the bucket, for the configured codec and collective)."""
+        return (self.fusion and self.levels is None and self.codec.fusion_block() > 0
+                and self.collective.releases_input and self.memory.name in IN_PLACE_MEMORIES)
+
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
                  compress: Sequence[bool]) -> bool:
         """Whether :meth:`bucket_stages` can average this bucket in its own memory.
