@@ -54,10 +54,14 @@ def _k(numel: int, ratio: float) -> int:
     return max(1, min(numel, math.ceil(numel * ratio)))
 
 
-def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int) -> torch.Tensor:
-    """A dense tensor of ``numel`` zeros with ``values`` at ``idx``."""
-    out = torch.zeros(numel, dtype=values.dtype, device=values.device)
-    return out.index_copy_(0, idx.long(), values)
+def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A dense tensor of ``numel`` zeros with ``values`` at ``idx``: ``out`` (flat, ``numel``
+    long; the values cast to its dtype) where given, else a new one of the values' dtype."""
+    if out is None:
+        out = torch.zeros(numel, dtype=values.dtype, device=values.device)
+    else:
+        out.zero_()
+    return out.index_copy_(0, idx.long(), values.to(out.dtype))
 
 
 def _is_dense(values: torch.Tensor, idx: torch.Tensor, numel: int) -> bool:
@@ -94,9 +98,7 @@ class _ValuesIndices(Codec):
         values, idx = tensors
         sparse = not _is_dense(values, idx, meta.numel)
         if sparse and not accumulate and out.is_contiguous() and out.numel() == meta.numel:
-            flat = out.view(-1)
-            flat.zero_()
-            flat.index_copy_(0, idx.long(), values.to(out.dtype))
+            _scatter(values, idx, meta.numel, out.view(-1))
             return out
         return super()._decode_into(tensors, meta, out, accumulate)
 
@@ -189,21 +191,18 @@ class RandomK(Codec):
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values = tensors[0]
-        out = torch.zeros(meta.numel, dtype=values.dtype, device=values.device)
         if self.scale:  # each draw adds x_j * n/k: exactly unbiased, duplicates included
             # in fp64, then saturated: x_j * n/k may exceed the range of the dtype
             wide = torch.zeros(meta.numel, dtype=torch.float64, device=values.device)
             wide.index_add_(0, self._indices(meta), values.double(), alpha=meta.numel / values.numel())
             return saturate(wide, values.dtype)
-        return out.index_copy_(0, self._indices(meta), values)
+        return _scatter(values, self._indices(meta), meta.numel)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         # the drawn values written straight into ``out``: no temporary as large as the tensor (a
         # value drawn twice is written twice, the same value: as in _decode)
         if not (self.scale or accumulate) and out.is_contiguous() and out.numel() == meta.numel:
-            flat = out.view(-1)
-            flat.zero_()
-            flat.index_copy_(0, self._indices(meta), tensors[0].to(out.dtype))
+            _scatter(tensors[0], self._indices(meta), meta.numel, out.view(-1))
             return out
         return super()._decode_into(tensors, meta, out, accumulate)
 

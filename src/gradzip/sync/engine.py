@@ -1106,8 +1106,13 @@ class Communicator:
     def averages_in_place(self) -> bool:
         """Whether some bucket may be averaged in its own memory (:meth:`in_place`'s conditions
         that do not depend on the bucket, for the configured codec and collective)."""
-        return (self.fusion and self.levels is None and self.codec.fusion_block() > 0
-                and self.collective.releases_input and self.memory.name in IN_PLACE_MEMORIES)
+        return self._in_place_capable(self.codec, self.collective)
+
+    def _in_place_capable(self, codec: Codec, coll: Collective) -> bool:
+        """Fusion on, no adaptive levels, a codec whose blocks are independent, a collective that
+        releases its input before writing the average, and no error feedback or a plain residual."""
+        return (self.fusion and self.levels is None and codec.fusion_block() > 0 and coll.releases_input
+                and self.memory.name in IN_PLACE_MEMORIES)
 
     def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
                  compress: Sequence[bool]) -> bool:
@@ -1119,10 +1124,10 @@ class Communicator:
         average, and an error feedback that is a plain residual kept in fp32, as the bucket.
         """
         comp = [names[i] for i, c in enumerate(compress) if c]
-        if not comp or not self.fusion or self.levels is not None or not buffer.is_contiguous() or buffer.dtype not in FLOAT_DTYPES:
+        if not comp or not buffer.is_contiguous() or buffer.dtype not in FLOAT_DTYPES:
             return False
         codec, coll, mem = self.codec_for(comp[0]), self.collective_for(comp[0]), self.memory
-        if codec.fusion_block() <= 0 or not coll.releases_input or mem.name not in IN_PLACE_MEMORIES:
+        if not self._in_place_capable(codec, coll):
             return False
         if any(self.codec_for(n) is not codec or self.collective_for(n) is not coll for n in comp):
             return False
