@@ -37,7 +37,7 @@ def accelerator_choices() -> None:
     assert gpu.available() is None, gpu.available()
     engine._multi_tensor = lambda device: True
     engine._reads_flag_on_host = lambda device: False
-    sra.segment_length = lambda segment, x: segment if segment is not None else max(x.numel(), 1)
+    sra.segment_values = lambda segment, numel, device: segment if segment is not None else max(numel, 1)
     fused.backend = lambda x, bits=8, bucket=8: gpu if gpu.supports(x, bits, bucket) else fused.reference
     fused._gpu_or_reference = lambda x: gpu
 

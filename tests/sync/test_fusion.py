@@ -298,3 +298,54 @@ def test_a_batch_of_powersgd_matrices_is_flagged_from_its_factors():
     for res in run_workers(_batched_flag, 2):
         for value, rec in res.items():
             assert all(rec.values()), (value, rec)
+
+
+def _padded_chunks(rank: int, world: int) -> dict:
+    from gradzip.comm import sra
+
+    names = list(SHAPES)
+    grads = _grads(rank)
+    padded = []  # the chunks the SRA copied to pad them, by length
+    scatter = sra.ScatterReduceAllGather._scatter
+
+    def spy(self, call, x, start, name):
+        chunk = sra.chunk_length(x.numel(), call.world_size, call.align)
+        padded.extend(chunk for j in range(call.world_size) if x[j * chunk : (j + 1) * chunk].numel() != chunk)
+        return scatter(self, call, x, start, name)
+
+    sra.ScatterReduceAllGather._scatter = spy
+    try:
+        out = {}
+        for segment in (None, 3000):  # one segment; several
+            comm = gradzip.Communicator("maxmin", bits=4, bucket_size=64, mode="nearest", collective="sra",
+                                        collective_options={"segment": segment})
+            padded.clear()
+            fused = _reduce(comm, grads, names)
+            coll = comm.collective_for(names[0])
+            total = sum(g.numel() + padding(g.numel(), 64) for g in grads)
+            out[segment] = {
+                "fused": fused, "padded": list(padded), "length": coll.fused_length(total, 64, torch.device("cpu")),
+                "total": total,
+            }
+            comm.close()
+        alone = gradzip.Communicator("maxmin", bits=4, bucket_size=64, collective="sra", fusion=False)
+        padded.clear()
+        out["alone"] = {"avgs": _reduce(alone, grads, names), "padded": list(padded)}
+        alone.close()
+        return out
+    finally:
+        sra.ScatterReduceAllGather._scatter = scatter
+
+
+def test_a_fused_group_through_the_sra_ends_in_zeros_so_no_chunk_is_copied_to_be_padded():
+    """At three ranks, where W does not divide a segment, the SRA would copy its last chunk to
+    pad it with zeros: segments are cut as W whole chunks, and a fused group is made a whole
+    number of them long (the zeros after its last gradient), in one segment or in several, with
+    the same averages either way; a gradient exchanged where it lies is still padded by a copy."""
+    for res in run_workers(_padded_chunks, 3):
+        for case in (res[None], res[3000]):
+            assert case["length"] % (3 * 64) == 0 and 0 < case["length"] - case["total"] < 3 * 64
+            assert case["padded"] == []
+        assert res["alone"]["padded"]
+        for a, b in zip(res[None]["fused"], res[3000]["fused"]):
+            assert torch.equal(a, b)  # rounding to nearest: each block's bytes whatever the cut

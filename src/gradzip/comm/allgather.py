@@ -25,7 +25,7 @@ from .base import (
     to_bytes,
     world,
 )
-from .sra import SEGMENT, segment_length
+from .sra import SEGMENT, whole_segment
 
 
 def gather_encoded(codec, shard: torch.Tensor, out: torch.Tensor, group, name: str = "", step: int = 0) -> None:
@@ -80,7 +80,7 @@ class AllGather(Collective):
         n, block = x.numel(), call.codec.fusion_block()
         if block > 0:  # a value's encoding depends on its block alone: segments start on block boundaries
             align = math.lcm(call.align, block)
-            seg = max(align, segment_length(self.segment, x) // align * align)
+            seg = whole_segment(self.segment, n, x.device, 1, align)
         else:  # a per-tensor scale, a shape a CompLL body reads: the tensor goes whole
             seg = max(n, 1)
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)] or [(0, 0)]

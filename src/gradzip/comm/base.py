@@ -509,6 +509,13 @@ class Collective(Configurable):
         valid for that one call. The caller may instead write the input wherever it likes."""
         return None
 
+    def fused_length(self, numel: int, align: int, device: torch.device) -> int:
+        """The length a fused group of ``numel`` values (a whole number of ``align`` blocks) on
+        ``device`` is given, zeros after its last gradient, so that this collective takes it
+        with no copy of its own: ``numel`` unless the collective cuts it into pieces it would
+        pad (the SRA's chunks)."""
+        return numel
+
     def sent_per_byte(self, world_size: int) -> float:
         """The bytes this instance sends per byte of one encoding of the tensor (its
         :meth:`traffic_factor`; a composed exchange answers for its parts)."""

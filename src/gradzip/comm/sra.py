@@ -24,6 +24,7 @@ from .base import (
     spec_bytes,
     spec_of,
     to_bytes,
+    world,
 )
 
 
@@ -59,10 +60,21 @@ class ScatterReduceAllGather(Collective):
     def supports(self, codec: Codec) -> bool:
         return codec.fixed_size and super().supports(codec)  # chunk payloads must line up
 
+    def fused_length(self, numel: int, align: int, device: torch.device) -> int:
+        """A whole number of W chunks of whole blocks: the last chunk of a segment that W does
+        not divide is padded by a copy of it (a third of the segment at three ranks), which a
+        group's own buffer avoids by ending in zeros. The segments and chunks, and so the bytes,
+        are those of the group unpadded (which stays so where the zeros would cut it in two)."""
+        w = world(self.group)[1]
+        unit = w * align
+        padded = -(-numel // unit) * unit
+        one = whole_segment(self.segment, numel, device, w, align) >= numel
+        return numel if one and whole_segment(self.segment, padded, device, w, align) < padded else padded
+
     def exchange(self, call: Call) -> Stages:
         x = call.flat
         n, align = x.numel(), call.align
-        seg = max(align, segment_length(self.segment, x) // align * align)  # segments start on block boundaries
+        seg = whole_segment(self.segment, n, x.device, call.world_size, align)
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)]
         tag = (lambda s: call.name) if len(bounds) == 1 else (lambda s: f"{call.name}/{s}")
 
@@ -117,7 +129,8 @@ class ScatterReduceAllGather(Collective):
         n = x.numel()
         chunk = chunk_length(n, w, call.align)
         # every chunk has ``chunk`` values: the short tail ones are padded with zeros (copied
-        # alone, not the whole segment)
+        # alone, not the whole segment; a fused group is made as long as its chunks, see
+        # fused_length, and only a segment that ends the input may have one: whole_segment)
         chunks = [x[j * chunk : (j + 1) * chunk] for j in range(w)]
         chunks = [c if c.numel() == chunk else torch.cat([c, x.new_zeros(chunk - c.numel())]) for c in chunks]
         spec = call.codec.payload_spec(chunk, x.dtype)
@@ -262,9 +275,23 @@ def segment_length(segment, x: torch.Tensor) -> int:
     """Values per segment of ``x``: ``segment`` if given, else :data:`CPU_SEGMENT` on the CPU and
     the whole tensor elsewhere, where a GPU encodes a segment in microseconds and every segment
     costs a fixed number of kernel launches (tens of microseconds of host time)."""
+    return segment_values(segment, x.numel(), x.device)
+
+
+def segment_values(segment, numel: int, device: torch.device) -> int:
+    """:func:`segment_length` of a tensor of ``numel`` values on ``device``."""
     if segment is not None:
         return segment
-    return CPU_SEGMENT if x.device.type == "cpu" else max(x.numel(), 1)
+    return CPU_SEGMENT if device.type == "cpu" else max(numel, 1)
+
+
+def whole_segment(segment, numel: int, device: torch.device, w: int, align: int) -> int:
+    """Values per segment of an ``numel``-value input on ``device`` (:func:`segment_values`) at
+    ``w`` ranks: the whole input where a segment holds it, else ``w`` chunks of whole
+    ``align``-value blocks (or a multiple of that), so that only the last segment's chunks may be
+    short (padded by a copy)."""
+    seg, unit = segment_values(segment, numel, device), w * align
+    return max(numel, 1) if seg >= numel else max(unit, seg // unit * unit)
 
 
 def chunk_length(n: int, w: int, align: int = 1) -> int:

@@ -963,7 +963,7 @@ class Communicator:
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
         block = codec.fused_alignment()
-        layout = self._fused_layout(tensors, names, block, step)
+        layout = self._fused_layout(tensors, names, block, step, coll)
         order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
@@ -1082,15 +1082,19 @@ class Communicator:
         return (len(tensors) == 1 and t.is_contiguous() and t.dtype == dtype and t.numel() == total
                 and mem.stateful and coll.releases_input and self._residual_settles(mem, dtype))
 
-    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int) -> FusedLayout:
+    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int,
+                      coll: Optional[Collective] = None) -> FusedLayout:
         """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
-        group (its members' names and shapes, and the codec's block); marked used at ``step``
-        (see :meth:`_prune_layouts`)."""
+        group (its members' names and shapes, the codec's block, and the collective ``coll``
+        that sets its length: :meth:`~gradzip.comm.base.Collective.fused_length`); marked used
+        at ``step`` (see :meth:`_prune_layouts`)."""
         shapes = tuple(t.shape for t in tensors)
-        ident = (tuple(names), shapes, block)
+        ident = (tuple(names), shapes, block, None if coll is None else id(coll))
         layout = self._fused_layouts.get(ident)
         if layout is None:
-            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(sorted(names)))
+            device = tensors[0].device
+            length = None if coll is None else (lambda n: coll.fused_length(n, block, device))
+            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(sorted(names)), length)
         layout.used = max(layout.used, step)
         return layout
 

@@ -83,13 +83,16 @@ class FusedLayout:
     ``order``: indices into the group's gradients in name order (the canonical layout, see
     :meth:`~gradzip.sync.engine.Communicator._reduce_fused`); ``spans[k] = (start, numel)`` of
     the k-th of them, each starting on a block boundary; ``gaps``: the padding after each, as
-    ``(start, length)``; ``total`` values; ``key``: the group's name. :meth:`views` keeps the
+    ``(start, length)``, the last one to ``length(total)`` where given (the collective's
+    :meth:`~gradzip.comm.base.Collective.fused_length`); ``total`` values; ``key``: the group's
+    name. :meth:`views` keeps the
     views of the buffer last seen in each role, so a step that gets the same buffers from the
     pool as the last one (the usual case) makes no view per gradient: on an accelerator each of
     them costs host time in the comm thread.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], names: Sequence[str], block: int, key: str) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], names: Sequence[str], block: int, key: str,
+                 length: Optional[Callable[[int], int]] = None) -> None:
         self.order = sorted(range(len(names)), key=lambda i: names[i])
         self.names = [names[i] for i in self.order]
         self.shapes = [shapes[i] for i in self.order]
@@ -101,6 +104,11 @@ class FusedLayout:
             self.spans.append((total, n))
             self.gaps.append((total + n, padding(n, block)))
             total += n + padding(n, block)
+        if length is not None and self.gaps:  # zeros after the last gradient too (the collective's length)
+            start, gap = self.gaps[-1]
+            extra = length(total) - total
+            self.gaps[-1] = (start, gap + extra)
+            total += extra
         self.total = total
         self.key = key
         self.used = -1  # the last step that exchanged the group (the engine drops layouts left unused)
