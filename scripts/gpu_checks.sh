@@ -39,8 +39,9 @@ step() {  # name, time limit (s), command...
     tar -czf "$out.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 }
 if [ $targets = 1 ]; then
-    one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,powersgd
-    two=fp32,maxmin:bits=4,maxmin4
+    # (maxmin:bits=4:in_place=true: each DDP bucket averaged where it lies, no group buffer)
+    one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,maxmin:bits=4:in_place=true,powersgd
+    two=fp32,maxmin:bits=4,maxmin4,maxmin:bits=4:in_place=true
     step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step cuda-frontends 60 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
     for i in 1 2; do
