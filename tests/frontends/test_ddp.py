@@ -566,3 +566,49 @@ def test_warmup_is_validated_and_read_from_the_environment():
     with pytest.raises(ValueError, match="warmup must be a non-negative number of steps"):
         gradzip.Config(warmup=-1)
     assert gradzip.Config().with_env({"GRADZIP_WARMUP": "50"}).warmup == 50
+
+
+def _in_flight(rank: int, world: int, in_place: bool) -> dict:
+    from gradzip.comm import allgather
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(12)])
+    ddp = DDP(model, bucket_cap_mb=0.02)  # its first pass fills one bucket of the whole model; then a weight a bucket
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.02, in_place=in_place)  # a weight a group
+    active, most = [0], [0]
+    exchange = allgather.AllGather.exchange
+
+    def counted(self, call):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        try:
+            return (yield from exchange(self, call))
+        finally:
+            active[0] -= 1
+
+    allgather.AllGather.exchange = counted
+    try:
+        g = torch.Generator().manual_seed(rank)
+        in_place_buckets = []
+        for _ in range(3):
+            ddp(torch.randn(8, 64, generator=g)).square().mean().backward()
+            in_place_buckets.append(len(state.in_place_buckets))
+    finally:
+        allgather.AllGather.exchange = exchange
+    out = {"most in flight": most[0], "groups": len(state.fusion_plan.groups), "identical": _identical(model, world),
+           "in place": in_place_buckets}
+    state.close()
+    return out
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["fused", "in-place"])
+def test_ddps_provisional_bucket_keeps_a_few_groups_in_flight(in_place):
+    """In DDP's first backward pass, one bucket of the whole model, each group is a job of the
+    pipeline, which keeps a few jobs in flight: not every group's payloads on the wire at once
+    (the first steps' peak memory). In place too: that bucket takes the groups, the rebuilt
+    ones are averaged where they lie."""
+    for res in run_workers(_in_flight, 2, in_place):
+        assert res["groups"] == 12 and res["identical"]
+        first, *later = res["in place"]
+        assert first == 0 and all(later) == in_place and (in_place or not any(later)), res
+        assert 2 <= res["most in flight"] <= 4, res  # (the pipeline's depth: deterministic)
