@@ -231,7 +231,9 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
                 if collective not in gradzip.codec(name, **options).collectives:
                     continue
                 comm = gradzip.Communicator(name, memory=memory, collective=collective, **options)
-                buffer, tensors, names, compress = _bucket(16, 1 << 16)
+                # (at three ranks a size the padding to whole chunks leaves in its size class of
+                # the pools: 2^16 values would not be padded, see Communicator._fused_layout)
+                buffer, tensors, names, compress = _bucket(16, 1 << 16 if world == 2 else 49984)
                 made = []
                 # the first steps make the residuals and the pools' buffers; the pools plan their
                 # buffers at the third from the two before (a class served by a larger one's)

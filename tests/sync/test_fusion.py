@@ -349,3 +349,21 @@ def test_a_fused_group_through_the_sra_ends_in_zeros_so_no_chunk_is_copied_to_be
         assert res["alone"]["padded"]
         for a, b in zip(res[None]["fused"], res[3000]["fused"]):
             assert torch.equal(a, b)  # rounding to nearest: each block's bytes whatever the cut
+
+
+def _layout_at_a_class_boundary(rank: int, world: int) -> dict:
+    names = [f"l{i}.weight" for i in range(4)]
+    grads = [torch.randn(128, 128, generator=torch.Generator().manual_seed(rank * 10 + i)) for i in range(4)]
+    comm = gradzip.Communicator("maxmin", bits=4, bucket_size=64, collective="sra")
+    _reduce(comm, grads, names)
+    totals = [layout.total for layout in comm._fused_layouts.values()]
+    comm.close()
+    return {"totals": totals}
+
+
+def test_a_group_whose_whole_chunks_would_take_a_larger_buffer_keeps_its_length():
+    """2^16 values at three ranks would grow by 64 to whole chunks, and so take a buffer of the
+    pools' next size class (19% larger) for as long as the pools hold it: the group keeps its
+    length and the SRA pads its last chunk by a copy instead."""
+    for res in run_workers(_layout_at_a_class_boundary, 3):
+        assert res["totals"] == [4 * 128 * 128]
