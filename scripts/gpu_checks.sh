@@ -10,11 +10,11 @@
 # adds to fp32 DDP's on ResNet-50's gradient set.
 # --targets, the targets at the end of docs/gpu.md in under ten minutes (every step
 # time-limited): the gpu-marked tests and tests/frontends/test_cuda.py (DDP over NCCL, CUDA
-# tensors over gloo); what each hook adds on one rank, four runs in fresh processes (the
-# machine's speed drifts between runs: compare within one, and read the per-turn column), every
-# other one with every DDP built with gradient_as_bucket_view=True (what the guide recommends
-# on GPUs); two ranks sharing the GPU, ResNet-50, with and without them; the GPU memory each
-# method adds on ResNet-50's gradient set.
+# tensors over gloo); the GPU memory each method adds on ResNet-50's gradient set; what each
+# hook adds on one rank, four runs in fresh processes (the machine's speed drifts between runs:
+# compare within one, and read the per-turn column), every other one with every DDP built with
+# gradient_as_bucket_view=True (what the guide recommends on GPUs), the last two after two
+# ranks sharing the GPU, ResNet-50, with and without them.
 # Each step writes its log (and JSON) into the folder, packed as <folder>.tar.gz after each step,
 # and the run goes on if one fails or runs past its limit.
 set -u
@@ -42,18 +42,21 @@ if [ $targets = 1 ]; then
     # (maxmin:bits=4:in_place=true: each DDP bucket averaged where it lies, no group buffer)
     one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,maxmin:bits=4:in_place=true,powersgd
     two=fp32,maxmin:bits=4,maxmin4,maxmin:bits=4:in_place=true
+    # (the steps' limits add up to more than ten minutes: the ones a short lease needs most come first)
     step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step cuda-frontends 60 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
-    for i in 1 2; do
-        step "overhead-$i" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$i.json"
-        step "overhead-bucket-view-$i" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \
-            --json "$out/overhead-bucket-view-$i.json"
-    done
+    step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
+    overhead() {  # run number
+        step "overhead-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$1.json"
+        step "overhead-bucket-view-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \
+            --json "$out/overhead-bucket-view-$1.json"
+    }
+    overhead 1
     step overhead-2ranks 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs "$two" \
         --json "$out/overhead-2ranks.json"
     step overhead-2ranks-bucket-view 50 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 \
         --configs "$two" --bucket-view --json "$out/overhead-2ranks-bucket-view.json"
-    step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
+    overhead 2
 else
     step tests 600 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step codecs 600 $py -m gradzip bench codecs --device cuda --numel 67108864 --json "$out/codecs.json"
