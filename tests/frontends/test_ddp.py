@@ -612,3 +612,33 @@ def test_ddps_provisional_bucket_keeps_a_few_groups_in_flight(in_place):
         first, *later = res["in place"]
         assert first == 0 and all(later) == in_place and (in_place or not any(later)), res
         assert 2 <= res["most in flight"] <= 4, res  # (the pipeline's depth: deterministic)
+
+
+def _uneven_inputs(rank: int, world: int, opts: dict) -> dict:
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(48, 48) for _ in range(10)])
+    ddp = DDP(model, bucket_cap_mb=0.05)
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64, fusion_mb=0.01, **opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    with Join([ddp]):  # the last rank runs out of batches after one step; the others go on
+        for _ in range(1 if rank == world - 1 else 4):
+            ddp(torch.randn(8, 48, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out = {"identical": _identical(model, world), "finite": bool(_flat_params(model).isfinite().all())}
+    state.close()
+    return out
+
+
+@pytest.mark.parametrize("opts", [{}, {"in_place": True}, {"in_place": True, "memory": "residual"}],
+                         ids=["fused", "in-place", "in-place-residual"])
+def test_uneven_inputs_under_join_keep_every_rank_in_step(opts):
+    """Under DDP's ``Join`` a rank that has run out of inputs shadows the others' exchanges; DDP
+    rebuilds its buckets there through its join hook without noting it, so which passes are
+    provisional is bounded by the passes hooked, and every rank submits the same jobs (a
+    mismatch would be a gloo error or a hang): the run ends with identical replicas."""
+    for res in run_workers(_uneven_inputs, 2, opts):
+        assert res["identical"] and res["finite"], res

@@ -291,7 +291,9 @@ def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
 
     with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
-        steps = [[torch.randn(64, 96, generator=g), torch.randn(300, generator=g)] for _ in range(3)]
+        # 34 blocks of 1024 values: at three ranks not a whole number of the SRA's chunks, and 36 in
+        # the same size class of the pools
+        steps = [[torch.randn(64, 544, generator=g), torch.randn(300, generator=g)] for _ in range(3)]
         steps[1][0][5, 7] = float("nan") if rank == 1 else steps[1][0][5, 7]
         names, compress = ["w.weight", "b.bias"], [True, False]
         out = {}
@@ -309,16 +311,18 @@ def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
         return out
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("device_flag", [False, True], ids=["cpu", "accelerator"])
-def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(device_flag):
+def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(device_flag, world):
     """A gradient alone in its group is fused only for its error feedback; averaged in place, its
     own memory is the group's buffer (compensated there, the average written over it): the same
     values and residuals as through a buffer of the pool, a NaN step included, and one buffer of
-    its size fewer held by the pool."""
-    for res in run_workers(_alone_in_its_memory, 2, device_flag):
+    its size fewer held by the pool. Through the SRA at three ranks too, where a group of several
+    would end in zeros to whole chunks (Collective.fused_length): one alone keeps its length."""
+    for res in run_workers(_alone_in_its_memory, world, device_flag):
         lean, pooled = res[True], res[False]
         # (on an accelerator both keep the residual's scratch buffer)
-        assert all(lean["in_its_memory"]) and lean["pooled"] <= pooled["pooled"] - 64 * 96 * 4
+        assert all(lean["in_its_memory"]) and lean["pooled"] <= pooled["pooled"] - 64 * 544 * 4
         for a, b in zip(lean["avgs"], pooled["avgs"]):
             assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
         assert bool(lean["avgs"][1][0].isnan().all()) and torch.equal(lean["residual"], pooled["residual"])

@@ -32,6 +32,9 @@ class CompressedReduceScatter(ScatterReduceAllGather):
         # known up front (one all-to-all): what an all-gather or SRA of the codec needs too
         return codec.fixed_size and bool({"allgather", "sra"} & set(codec.collectives))
 
+    def fused_length(self, numel: int, align: int, device: torch.device) -> int:
+        return numel  # (its output is a shard of the input as given: no zeros added)
+
     def exchange(self, call: Call) -> Stages:
         x = call.flat
         w = call.world_size

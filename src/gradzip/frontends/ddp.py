@@ -75,6 +75,7 @@ class GradzipState:
         self._step_buckets: Dict[int, Tuple[int, List[str]]] = {}  # this step's, so far
         self.backward_done: Optional[float] = None
         self.ddp: Optional[Callable[[], Any]] = None  # a weak reference to the model (see provisional_buckets)
+        self.passes = 0  # backward passes hooked in this process (a checkpoint restores the step, not this)
         self._errors: List[BaseException] = []
         self._inflight: List[torch.futures.Future] = []
         self._check_queued = False
@@ -386,7 +387,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     # steps in DDP's provisional buckets where they would be averaged in place with error
     # feedback (see provisional_buckets)
     dense = step < state.config.warmup
-    provisional = provisional_buckets(state.ddp() if state.ddp is not None else None)
+    provisional = provisional_buckets(state.ddp() if state.ddp is not None else None, state.passes)
     if not dense and state.config.in_place and state.comm.memory.stateful and state.comm.averages_in_place():
         dense = provisional
         if dense and state.drift is not None and state.drift.start <= step + 1:
@@ -406,6 +407,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         after.append(("drift check", lambda: _check_drift(state, step)))
     if last:
         state.comm.next_step()
+        state.passes += 1
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
     plain = [
         i for i, g in enumerate(grads)
@@ -435,16 +437,20 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
 
 
-def provisional_buckets(ddp: Optional[DistributedDataParallel]) -> bool:
+def provisional_buckets(ddp: Optional[DistributedDataParallel], passes: int) -> bool:
     """Whether ``ddp`` still averages in the buckets it builds anew once it has seen backward's
-    order (in its first pass, or its first two with a static graph; one bucket of the whole
-    model where it looks for no unused parameters). An error-feedback residual laid out by them
-    would stand beside the rebuilt buckets' until every name had moved: twice the residual at
-    the step after. Every rank rebuilds at the same step, so every rank answers alike."""
+    order, in the backward pass after ``passes`` (those hooked in this process): its first, or
+    its first two with a static graph; one bucket of the whole model where it looks for no unused
+    parameters. An error-feedback residual laid out by them would stand beside the rebuilt
+    buckets' until every name had moved: twice the residual at the step after. Every rank
+    rebuilds at the same pass, so every rank answers alike; the bound on passes keeps it so where
+    DDP rebuilds without noting it (a rank that has joined under ``Join`` rebuilds through its
+    join hook and leaves ``_has_rebuilt_buckets`` unset)."""
     if ddp is None:
         return False
-    rebuilds = getattr(ddp, "static_graph", False) or not getattr(ddp, "find_unused_parameters", False)
-    return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", True)
+    static = getattr(ddp, "static_graph", False)
+    rebuilds = static or not getattr(ddp, "find_unused_parameters", False)
+    return rebuilds and passes < (2 if static else 1) and not getattr(ddp, "_has_rebuilt_buckets", True)
 
 
 def _bucket_job(

@@ -963,7 +963,8 @@ class Communicator:
         codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
         started = time.perf_counter()
         block = codec.fused_alignment()
-        layout = self._fused_layout(tensors, names, block, step, coll)
+        # (a gradient alone keeps its length: it may be averaged where it lies, see below)
+        layout = self._fused_layout(tensors, names, block, step, coll if len(tensors) > 1 else None)
         order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
         # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
         dtype = mem.input_dtype(tensors[order[0]].dtype)
