@@ -1102,8 +1102,9 @@ class Communicator:
                 padded = coll.fused_length(n, block, device)
                 return padded if size_class(padded) == size_class(n) else n
 
-            length = None if coll is None else length
-            layout = self._fused_layouts[ident] = FusedLayout(shapes, names, block, group_key(sorted(names)), length)
+            layout = self._fused_layouts[ident] = FusedLayout(
+                shapes, names, block, group_key(sorted(names)), None if coll is None else length,
+            )
         layout.used = max(layout.used, step)
         return layout
 

@@ -85,10 +85,9 @@ class FusedLayout:
     the k-th of them, each starting on a block boundary; ``gaps``: the padding after each, as
     ``(start, length)``, the last one to ``length(total)`` where given (the collective's
     :meth:`~gradzip.comm.base.Collective.fused_length`); ``total`` values; ``key``: the group's
-    name. :meth:`views` keeps the
-    views of the buffer last seen in each role, so a step that gets the same buffers from the
-    pool as the last one (the usual case) makes no view per gradient: on an accelerator each of
-    them costs host time in the comm thread.
+    name. :meth:`views` keeps the views of the buffer last seen in each role, so a step that gets
+    the same buffers from the pool as the last one (the usual case) makes no view per gradient:
+    on an accelerator each of them costs host time in the comm thread.
     """
 
     def __init__(self, shapes: Sequence[torch.Size], names: Sequence[str], block: int, key: str,
