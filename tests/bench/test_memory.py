@@ -33,6 +33,10 @@ def _check_report(report: dict, configs: list, workers: int) -> None:
     plain, ef = rows["maxmin:bits=4"], rows["maxmin:bits=4:memory=residual"]
     # the residual is one fp32 copy of the compressed gradients, kept from step to step
     assert ef["over_fp32_x"] - plain["over_fp32_x"] > 0.8
+    # the warm-up steps' own peak: from before the first step too, the residual already in it
+    assert fp32["first_steps_over_fp32_x"] == 0 and len(fp32["first_steps_bytes"]) == workers
+    assert 1.0 <= fp32["first_steps_x"] < 10
+    assert ef["first_steps_over_fp32_x"] - plain["first_steps_over_fp32_x"] > 0.8
     assert "wide" in str(MEM.table(report).title)
 
 

@@ -10,9 +10,12 @@ to ``/proc/self/clear_refs``) and runs the measured steps. What it adds is the h
 minus the resident memory before the first step: DDP's gradients and buckets, the method's
 buffers, residuals and temporaries. Reported in units of the gradient size, and as the excess
 over fp32 DDP measured in the same run: the steady state of a long training run. The
-warm-up's own peak (a residual copied to a rebuilt bucket's layout, for one) is not in it.
+warm-up steps' own peak (DDP's first pass in one bucket of the whole model, its rebuild, the
+pools before their plan), measured the same way from a mark reset before the first step, is
+reported beside it: a run's peak is the larger of the two.
 With ``device="cuda"`` the gradient set lives on the GPU and the same is measured with the
-caching allocator's statistics (its peak of allocated bytes, reset after the warm-up).
+caching allocator's statistics (its peak of allocated bytes, reset before the first step and
+after the warm-up).
 """
 from __future__ import annotations
 
@@ -80,35 +83,40 @@ def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any]
         state = gradzip.register(ddp, method["codec"], group=group, **method["options"])
     gc.collect()
     dist.barrier()
+    def peak_so_far() -> int:
+        """The peak since the last reset, after which the peak starts again from what is
+        allocated (resident) now."""
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            return peak
+        peak = _status_kb("VmHWM") * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return peak
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_allocated(dev)
     else:
         before = _status_kb("VmRSS") * 1024
+    peak_so_far()  # (building the model's transients are not the method's)
     # the first steps allocate what stays (gradients, residuals, buffers): counted, since the
     # peak is taken from before them; DDP rebuilds its buckets at the second, a one-off whose
     # transient copies the high-water mark then forgets: the measured steps are the steady state
     for _ in range(warmup):
         loss_of(ddp).backward()
     gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)  # the peak starts again from what is allocated now
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark starts again from what is resident now
+    first = peak_so_far()
     for _ in range(steps):
         loss_of(ddp).backward()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-    else:
-        peak = _status_kb("VmHWM") * 1024
+    peak = peak_so_far()
     if state is not None:
         state.close()
     if group is not None:
         dist.destroy_process_group(group)
-    return {"added_bytes": peak - before}
+    return {"added_bytes": peak - before, "first_steps_bytes": first - before}
 
 
 def run_memory(
@@ -149,13 +157,16 @@ def run_memory(
             os.environ["MALLOC_MMAP_THRESHOLD_"] = old
     for method, per_rank in zip(methods, per_method):
         added = [r["added_bytes"] for r in per_rank]
+        first = [r["first_steps_bytes"] for r in per_rank]
         rows.append({
             "method": method["method"], "label": method["label"], "added_bytes": added,
             "added_x": statistics.median(added) / grad_bytes,
+            "first_steps_bytes": first, "first_steps_x": statistics.median(first) / grad_bytes,
         })
     fp32 = next((r for r in rows if r["method"] == "fp32"), None)
     for r in rows:
         r["over_fp32_x"] = None if fp32 is None else r["added_x"] - fp32["added_x"]
+        r["first_steps_over_fp32_x"] = None if fp32 is None else r["first_steps_x"] - fp32["first_steps_x"]
     report = {
         "model": model.name, "workers": workers, "warmup": warmup, "steps": steps, "gradient_bytes": grad_bytes, "rows": rows,
         "wall_s": time.perf_counter() - started, "device": str(dev),
@@ -179,9 +190,13 @@ def table(report: Dict[str, Any]):
         title=f"Peak memory a rank adds during {report['steps']} DDP steps, {report['model']} "
         f"({report['gradient_bytes'] / 1e6:.0f} MB of gradients), {report['workers']} ranks{where}",
     )
-    for header in ["method", "added (MB, median rank)", "× gradients", "over fp32 DDP (× gradients)"]:
+    headers = ["method", "added (MB, median rank)", "× gradients", "over fp32 DDP (× gradients)",
+               f"warm-up steps ({report['warmup']}), over fp32"]
+    for header in headers:
         t.add_column(header, justify="left" if header == "method" else "right")
     for r in report["rows"]:
         over = "-" if r["over_fp32_x"] is None else f"{r['over_fp32_x']:+.2f}"
-        t.add_row(r["label"], f"{statistics.median(r['added_bytes']) / 1e6:.0f}", f"{r['added_x']:.2f}", over)
+        first = r.get("first_steps_over_fp32_x")  # (absent from reports made before it was measured)
+        t.add_row(r["label"], f"{statistics.median(r['added_bytes']) / 1e6:.0f}", f"{r['added_x']:.2f}", over,
+                  "-" if first is None else f"{first:+.2f}")
     return t

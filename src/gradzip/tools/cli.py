@@ -359,8 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Each method in processes of its own on local gloo ranks: the peak resident memory a rank "
         "adds from before its first DDP step to the end of the measured steps (gradients, DDP's buckets, the "
         "method's buffers and residuals) in the steady state after --warmup steps, in units of the gradient size "
-        "and as the excess over fp32 DDP. Linux only. With --device cuda, the gradient set on the GPU and the peak "
-        "memory the caching allocator has handed out there.",
+        "and as the excess over fp32 DDP; beside it, the warm-up steps' own peak (DDP's first pass, its bucket "
+        "rebuild). Linux only. With --device cuda, the gradient set on the GPU and the peak memory the caching "
+        "allocator has handed out there.",
         epilog="examples:\n"
         "  gradzip bench memory                                   # ResNet-50, 2 ranks\n"
         "  gradzip bench memory --configs fp32,maxmin4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual\n"
