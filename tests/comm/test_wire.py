@@ -7,7 +7,7 @@ import torch
 from gradzip.codecs.base import Payload
 from gradzip.comm.base import any_flag, from_bytes, payload_views, sent_as, spec_bytes, spec_of, to_bytes
 from gradzip import codec, collectives
-from gradzip.comm.sra import CPU_SEGMENT, segment_length, whole_segment
+from gradzip.comm.sra import CPU_SEGMENT, segment_values, whole_segment
 from gradzip.config import parse_value
 from gradzip.kernels import native
 
@@ -65,10 +65,11 @@ def test_the_flags_of_several_ranks_are_ored_in_one_operation():
 
 def test_segments_pipeline_on_the_cpu_and_stay_whole_elsewhere_unless_given():
     big = CPU_SEGMENT * 3
-    assert segment_length(None, torch.empty(big)) == CPU_SEGMENT
-    assert segment_length(None, torch.empty(big, device="meta")) == big
-    assert segment_length(100, torch.empty(big, device="meta")) == segment_length(100, torch.empty(10)) == 100
-    assert segment_length(None, torch.empty(0, device="meta")) == 1
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert segment_values(None, big, cpu) == CPU_SEGMENT
+    assert segment_values(None, big, meta) == big
+    assert segment_values(100, big, meta) == segment_values(100, 10, cpu) == 100
+    assert segment_values(None, 0, meta) == 1
     # at W ranks: W chunks of whole blocks a segment, or the whole input where one segment holds it
     assert whole_segment(None, big, torch.device("cpu"), 3, 512) == CPU_SEGMENT // 1536 * 1536
     assert whole_segment(None, big + 7, torch.device("meta"), 3, 512) == big + 7

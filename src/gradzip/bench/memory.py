@@ -83,6 +83,7 @@ def memory_worker(rank: int, world: int, spec: ModelSpec, method: Dict[str, Any]
         state = gradzip.register(ddp, method["codec"], group=group, **method["options"])
     gc.collect()
     dist.barrier()
+
     def peak_so_far() -> int:
         """The peak since the last reset, after which the peak starts again from what is
         allocated (resident) now."""

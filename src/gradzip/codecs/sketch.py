@@ -52,6 +52,7 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     one = torch.ones(1, dtype=torch.float64, device=dev)
     hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
     sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
+    keys = None
     for a in range(0, n, step):
         piece = xf[a : a + step]
         keys = _sortable_keys(piece)
@@ -71,8 +72,9 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
     means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
     codes, bits = lut.to(torch.uint8), _index_bits(nb)
-    if n <= step:
-        return [pack_bits(codes.index_select(0, _sortable_keys(xf)), bits), means]
+    if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
+        keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
+        return [pack_bits(codes.index_select(0, keys), bits), means]
     packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
     for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
         b = min(a + step, n)

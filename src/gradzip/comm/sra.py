@@ -271,15 +271,11 @@ def _stats_of(codec: Codec, spec) -> Optional[int]:
 CPU_SEGMENT = 1 << 22  # values: segments pipeline the CPU's codec work with the wire
 
 
-def segment_length(segment, x: torch.Tensor) -> int:
-    """Values per segment of ``x``: ``segment`` if given, else :data:`CPU_SEGMENT` on the CPU and
-    the whole tensor elsewhere, where a GPU encodes a segment in microseconds and every segment
-    costs a fixed number of kernel launches (tens of microseconds of host time)."""
-    return segment_values(segment, x.numel(), x.device)
-
-
 def segment_values(segment, numel: int, device: torch.device) -> int:
-    """:func:`segment_length` of a tensor of ``numel`` values on ``device``."""
+    """Values per segment of a tensor of ``numel`` values on ``device``: ``segment`` if given,
+    else :data:`CPU_SEGMENT` on the CPU and the whole tensor elsewhere, where a GPU encodes a
+    segment in microseconds and every segment costs a fixed number of kernel launches (tens of
+    microseconds of host time)."""
     if segment is not None:
         return segment
     return CPU_SEGMENT if device.type == "cpu" else max(numel, 1)
