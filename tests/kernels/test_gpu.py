@@ -130,6 +130,31 @@ def test_encoders_write_into_given_tensors():
         assert torch.equal(got[0], want[0]) and _same_bits(got[1], want[1])
 
 
+def test_encoders_refuse_an_out_they_would_write_past_or_misread():
+    """A kernel writes through ``out``'s pointer unchecked, so a short, strided, mistyped or
+    miscounted ``out`` is refused before the launch, and nothing is written."""
+    x = _randn(1000, seed=9)
+    u8 = lambda n: torch.full((n,), 7, dtype=torch.uint8, device=DEVICE)  # noqa: E731
+    f32 = lambda n: torch.full((n,), 7.0, device=DEVICE)  # noqa: E731
+    cases = [  # (encoder, a right out, wrong ones)
+        (lambda o: gpu.maxmin_encode(x, 4, 64, None, o), [u8(500), f32(32)],
+         [[u8(499), f32(32)], [u8(500), f32(31)], [u8(1000)[::2], f32(32)], [u8(500), f32(32).double()], [u8(500)]]),
+        (lambda o: gpu.qsgd_encode(x, 4, 64, 7, o), [u8(500), f32(16)], [[u8(500), f32(15)], [f32(125), f32(16)]]),
+        (lambda o: gpu.fp8_encode(x, "e4m3", 128, o), [u8(1000), f32(8)], [[u8(999), f32(8)]]),
+        (lambda o: gpu.mx_encode(x, "e2m1", 32, o), [u8(500), u8(32)], [[u8(1000), u8(32)], [u8(500), f32(32)]]),
+        (lambda o: gpu.sign_encode(x, o[0]), [u8(125)], [[u8(124)], [u8(250)[::2]]]),
+        (lambda o: gpu.saturate(x, torch.float16, o[0]), [torch.zeros(1000, dtype=torch.float16, device=DEVICE)],
+         [[torch.zeros(999, dtype=torch.float16, device=DEVICE)], [torch.zeros(1000, dtype=torch.bfloat16, device=DEVICE)]]),
+    ]
+    for encode, right, wrongs in cases:
+        encode(right)  # the right form is taken
+        for wrong in wrongs:
+            before = [t.clone() for t in wrong]
+            with pytest.raises(ValueError, match="out"):
+                encode(wrong)
+            assert all(torch.equal(t, b) for t, b in zip(wrong, before))
+
+
 @pytest.mark.parametrize("bits", [3, 8])
 def test_maxmin_decode_into_out_and_accumulate(bits):
     n, bucket = 1000, 64

@@ -912,6 +912,23 @@ def _key32(key: int | None) -> int:
     return k - (1 << 32) if k >= (1 << 31) else k
 
 
+def _into(out: Sequence[torch.Tensor] | None, device: torch.device,
+          *forms: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """An encoder's outputs: ``out`` checked against ``forms`` (numel, dtype) where given, since
+    a kernel writes through its pointers unchecked (a short or strided tensor would be written
+    past), else new tensors of those forms."""
+    if out is None:
+        return tuple(torch.empty(n, dtype=dt, device=device) for n, dt in forms)
+    out = tuple(out)
+    if len(out) != len(forms):
+        raise ValueError(f"out must hold {len(forms)} tensors, got {len(out)}")
+    for t, (n, dt) in zip(out, forms):
+        if t.dtype != dt or t.numel() != n or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"out: each tensor contiguous on {device} with the encoded form "
+                             f"{[(n, str(d)) for n, d in forms]}, got {t.numel()} values of {t.dtype} on {t.device}")
+    return out
+
+
 def _output(out: torch.Tensor | None, numel: int, device: torch.device, accumulate: bool) -> torch.Tensor:
     if out is None:
         if accumulate:
@@ -938,10 +955,7 @@ def maxmin_encode(
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // bucket)
-    packed, stats = out if out is not None else (
-        torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device),
-        torch.empty(2 * num_buckets, dtype=torch.float32, device=x.device),
-    )
+    packed, stats = _into(out, x.device, (packed_bytes(n, bits), torch.uint8), (2 * num_buckets, torch.float32))
     if n:
         rows, block, chunked, warps = _geometry(bucket)
         _launch(
@@ -982,10 +996,7 @@ def qsgd_encode(
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // bucket)
-    packed, norms = out if out is not None else (
-        torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device),
-        torch.empty(num_buckets, dtype=torch.float32, device=x.device),
-    )
+    packed, norms = _into(out, x.device, (packed_bytes(n, bits), torch.uint8), (num_buckets, torch.float32))
     if n:
         rows, block, chunked, warps = _geometry(bucket)
         _launch(
@@ -1022,7 +1033,7 @@ def sign_encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     _require()
     x = _flat(x)
     n = x.numel()
-    packed = torch.empty(packed_bytes(n, 1), dtype=torch.uint8, device=x.device) if out is None else out
+    (packed,) = _into(None if out is None else (out,), x.device, (packed_bytes(n, 1), torch.uint8))
     if n:
         _launch(
             _sign_encode_kernel, (-(-n // _SIGN_BLOCK),), x.device, x, packed, n,
@@ -1041,8 +1052,8 @@ def saturate(y: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = Non
     flat = y.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    out = torch.empty(y.shape, dtype=dtype, device=y.device) if out is None else out
     n = flat.numel()
+    out = torch.empty(y.shape, dtype=dtype, device=y.device) if out is None else _into((out,), y.device, (n, dtype))[0]
     if n:
         bf16 = dtype == torch.bfloat16
         _launch(
@@ -1253,10 +1264,7 @@ def fp8_encode(
     x = _flat(x)
     n = x.numel()
     num_buckets = -(-n // block)
-    codes, scales = out if out is not None else (
-        torch.empty(n, dtype=torch.uint8, device=x.device),
-        torch.empty(num_buckets, dtype=torch.float32, device=x.device),
-    )
+    codes, scales = _into(out, x.device, (n, torch.uint8), (num_buckets, torch.float32))
     if n:
         rows, width, chunked, warps = _geometry(block)
         _launch(
@@ -1303,10 +1311,7 @@ def mx_encode(
     n = x.numel()
     num_buckets = -(-n // block)
     pack4 = elem == "e2m1"
-    codes, scales = out if out is not None else (
-        torch.empty((n + 1) // 2 if pack4 else n, dtype=torch.uint8, device=x.device),
-        torch.empty(num_buckets, dtype=torch.uint8, device=x.device),
-    )
+    codes, scales = _into(out, x.device, ((n + 1) // 2 if pack4 else n, torch.uint8), (num_buckets, torch.uint8))
     if n:
         rows, width, chunked, warps = _geometry(block)
         _launch(
