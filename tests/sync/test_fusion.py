@@ -58,6 +58,32 @@ def test_fusing_changes_no_bit_where_blocks_line_up(dtype):
         assert all(v for k, v in res.items() if k != "bitwise")
 
 
+def _sign_votes_fused_and_alone(rank: int, world: int) -> Dict[str, bool]:
+    names = list(SHAPES)
+    grads = _grads(rank)
+    grads[1][::7] = 0.0  # zeros vote +, as alone
+    fused = gradzip.Communicator("signsgd", fusion=True)
+    alone = gradzip.Communicator("signsgd", fusion=False)
+    calls = []
+    for comm in (fused, alone):  # encodes counted
+        encode, count = comm.codec.encode, [0]
+        comm.codec.encode = lambda *args, _e=encode, _c=count, **kw: (_c.__setitem__(0, _c[0] + 1), _e(*args, **kw))[1]
+        calls.append(count)
+    a, b = _reduce(fused, grads, names), _reduce(alone, grads, names)
+    calls = tuple(c[0] for c in calls)
+    fused.close()
+    alone.close()
+    return {"bitwise": all(torch.equal(x, y) for x, y in zip(a, b)), "calls": calls,
+            "identical": all(all(torch.equal(x, y) for y in _gather(x)) for x in a)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_signsgd_votes_a_fused_group_exactly_as_its_gradients_alone(world):
+    for res in run_workers(_sign_votes_fused_and_alone, world):
+        assert res["bitwise"] and res["identical"]
+        assert res["calls"] == (1, len(SHAPES)), res["calls"]
+
+
 def _blocks_stay_within_tensors(rank: int, world: int, collective: str) -> Dict[str, float]:
     # a tiny gradient next to huge ones: a block shared with a huge neighbour would lose it
     scales = {"a.weight": 1e4, "b.weight": 1e-4, "c.weight": 1e4, "d.weight": 1e-4}
@@ -132,7 +158,8 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("maxmin", bucket_size=512).fusion_block() == 512
     assert gradzip.codec("fp16").fusion_block() == 1
     assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor
-    for name in ("topk", "powersgd", "natural", "signsgd"):
+    assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
+    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
