@@ -184,9 +184,15 @@ def test_powersgd_fused_buffer_keeps_nonfinite_values_where_they_are():
 
 def test_encode_checks_that_parts_cover_the_tensor():
     c = gradzip.codec("powersgd")
-    with pytest.raises(ValueError, match="parts cover 9 values, the tensor has 10"):
+    with pytest.raises(ValueError, match=r"parts cover 9 values \(each padded to a multiple of 1\), the tensor has 10"):
         c.encode(torch.zeros(10), parts=[("a", (3, 3))])
     assert c.encode(torch.zeros(10), parts=[("a", [2, 5])]).ctx.parts == (("a", torch.Size([2, 5])),)
+    # a codec whose members start on blocks counts each member's padding
+    ef = gradzip.codec("efsignsgd")
+    block = ef.fused_alignment()
+    with pytest.raises(ValueError, match=f"parts cover {2 * block} values"):
+        ef.encode(torch.zeros(block + 10), parts=[("a", (10,)), ("b", (block,))])
+    assert len(ef.encode(torch.zeros(2 * block), parts=[("a", (10,)), ("b", (10,))]).tensors[1]) == 2
 
 
 def test_powersgd_resumes_bit_exactly_from_its_state_dict():

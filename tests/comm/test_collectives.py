@@ -995,10 +995,11 @@ def test_an_exchange_that_keeps_own_payloads_for_part_of_the_input_fails_loudly(
 
 def test_only_a_collective_that_encodes_its_input_whole_carries_parts():
     """A fused buffer's parts go to the codec only through a collective that encodes the input
-    in one piece (the all-reduce); one that cuts it into chunks or segments refuses them."""
+    in one piece (the all-reduce; the all-gather, which sends such a codec's input whole); one
+    that cuts it into chunks refuses them."""
     parts = (("a", torch.Size([4, 4])), ("b", torch.Size([16])))
-    assert collectives.get("allreduce").carries_parts
-    for name in ("sra", "allgather", "ps"):
+    assert collectives.get("allreduce").carries_parts and collectives.get("allgather").carries_parts
+    for name in ("sra", "ps"):
         coll = collectives.get(name)(None)
         assert not coll.carries_parts
         with pytest.raises(ValueError, match=f"collective {name!r} encodes its input in pieces"):
@@ -1010,6 +1011,15 @@ def test_only_a_collective_that_encodes_its_input_whole_carries_parts():
     fused = drive(coll.stages(codec("powersgd", rank=1), x, "g", 0, False, parts=parts))
     alone = [coll.run(codec("powersgd", rank=1), x[:16].view(4, 4), "a", 0, False), coll.run(codec("powersgd", rank=1), x[16:], "b", 0, False)]
     torch.testing.assert_close(fused.avg, torch.cat([r.avg.reshape(-1) for r in alone]), rtol=1e-6, atol=1e-6)
+    # the all-gather hands them over: EF-signSGD's scale a member, each the member's alone
+    block = codec("efsignsgd").fused_alignment()
+    parts = (("a", torch.Size([7, 9])), ("b", torch.Size([300])))
+    x = torch.zeros(2 * block + 256)
+    x[:63], x[block : block + 300] = torch.randn(63), torch.randn(300) * 100
+    gathered = drive(collectives.get("allgather")(None).stages(codec("efsignsgd"), x, "g", 0, False, parts=parts))
+    for a, n in ((0, 63), (block, 300)):
+        alone = collectives.get("allgather")(None).run(codec("efsignsgd"), x[a : a + n].clone(), "m", 0, False)
+        assert torch.equal(gathered.avg[a : a + n], alone.avg.reshape(-1))
 
 
 def _subclasses(cls):

@@ -84,6 +84,52 @@ def test_signsgd_votes_a_fused_group_exactly_as_its_gradients_alone(world):
         assert res["calls"] == (1, len(SHAPES)), res["calls"]
 
 
+def _ef_sign_fused_and_alone(rank: int, world: int, in_turn: bool) -> Dict[str, object]:
+    """Two steps of EF-signSGD (its error feedback) fused and one tensor at a time; the second
+    with a NaN in one member on the last rank."""
+    from gradzip.codecs import sign
+    sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
+    names = list(SHAPES)
+    out: Dict[str, object] = {}
+    comms = {"fused": gradzip.Communicator("efsignsgd", fusion=True),
+             "alone": gradzip.Communicator("efsignsgd", fusion=False)}
+    calls = {}
+    for key, comm in comms.items():
+        encode, count = comm.codec.encode, [0]
+        comm.codec.encode = lambda *args, _e=encode, _c=count, **kw: (_c.__setitem__(0, _c[0] + 1), _e(*args, **kw))[1]
+        calls[key] = count
+    for step in range(2):
+        grads = _grads(rank + 10 * step, {"b.weight": 1e-3, "c.weight": 1e3})
+        if step == 1 and rank == world - 1:
+            grads[2][0, 0, 5] = float("nan")
+        got = {key: _reduce(comm, grads, names) for key, comm in comms.items()}
+        if step == 0:
+            out["same"] = all(torch.equal(x, y) for x, y in zip(got["fused"], got["alone"]))
+            out["identical"] = all(all(torch.equal(x, y) for y in _gather(x)) for x in got["fused"])
+            res = {key: comm.memory.state_dict()["residuals"] for key, comm in comms.items()}
+            out["residuals"] = all(torch.equal(res["fused"][n], res["alone"][n]) for n in names)
+        else:  # one flag covers the group: every member poisoned, every residual kept
+            out["nan"] = all(bool(torch.isnan(x).all()) for x in got["fused"])
+            kept = comms["fused"].memory.state_dict()["residuals"]
+            out["kept"] = all(torch.equal(kept[n], res["fused"][n]) for n in names)
+    out["calls"] = (calls["fused"][0], calls["alone"][0])
+    for comm in comms.values():
+        comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world,in_turn", [(2, True), (3, True), (2, False)])
+def test_ef_signsgd_sends_a_group_as_one_payload_with_each_members_own_scale(world, in_turn):
+    """A fused group is one encode and one all-gather, a scale a member; the averages and the
+    residuals are those of the members one at a time (on the CPU's way bit for bit by
+    construction; on the accelerator's, block sums added per member, the same here), and a NaN
+    in one member poisons the group and keeps every residual (the scales are the flag)."""
+    for res in run_workers(_ef_sign_fused_and_alone, world, in_turn):
+        assert res["same"] and res["residuals"] and res["identical"], res
+        assert res["nan"] and res["kept"], res
+        assert res["calls"] == (2, 2 * len(SHAPES)), res["calls"]
+
+
 def _blocks_stay_within_tensors(rank: int, world: int, collective: str) -> Dict[str, float]:
     # a tiny gradient next to huge ones: a block shared with a huge neighbour would lose it
     scales = {"a.weight": 1e4, "b.weight": 1e-4, "c.weight": 1e4, "d.weight": 1e-4}
@@ -159,7 +205,7 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("fp16").fusion_block() == 1
     assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor
     assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
-    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):
+    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD: by parts)
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format

@@ -34,8 +34,9 @@ class Meta:
     name: str = ""
     step: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
-    # a fused input: the tensors it holds back to back, ``(name, shape)`` each (see
-    # :attr:`Codec.parts_format`); None: one tensor, ``name`` of ``shape``
+    # a fused input: the tensors it holds, ``(name, shape)`` each, each starting on a multiple
+    # of the codec's :meth:`Codec.fused_alignment` and followed by zeros up to the next (see
+    # :attr:`Codec.parts_format` and :func:`part_spans`); None: one tensor, ``name`` of ``shape``
     parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
 
     @property
@@ -101,25 +102,50 @@ def _check_payload_out(out: Sequence[torch.Tensor], spec: Optional[List[Tuple[to
         )
 
 
-def _parts_of(parts: Optional[Sequence[Tuple[str, Sequence[int]]]], numel: int
+def _parts_of(parts: Optional[Sequence[Tuple[str, Sequence[int]]]], numel: int, align: int = 1,
               ) -> Optional[Tuple[Tuple[str, torch.Size], ...]]:
-    """``encode``'s ``parts`` as :attr:`Meta.parts`, checked to cover the ``numel`` values
-    (a group's parts repeat every step: checked once)."""
+    """``encode``'s ``parts`` as :attr:`Meta.parts`, checked to cover the ``numel`` values,
+    each part padded to a multiple of ``align`` (a group's parts repeat every step: checked once)."""
     if parts is None:
         return None
     try:
-        return _checked_parts(tuple(parts), numel)
+        return _checked_parts(tuple(parts), numel, align)
     except TypeError:  # unhashable (shapes given as lists)
-        return _checked_parts.__wrapped__(tuple((n, tuple(s)) for n, s in parts), numel)
+        return _checked_parts.__wrapped__(tuple((n, tuple(s)) for n, s in parts), numel, align)
 
 
 @functools.lru_cache(maxsize=256)
-def _checked_parts(parts: Tuple[Tuple[str, Sequence[int]], ...], numel: int) -> Tuple[Tuple[str, torch.Size], ...]:
+def _checked_parts(parts: Tuple[Tuple[str, Sequence[int]], ...], numel: int, align: int,
+                   ) -> Tuple[Tuple[str, torch.Size], ...]:
     out = tuple((str(name), torch.Size(shape)) for name, shape in parts)
-    covered = sum(shape.numel() for _, shape in out)
+    covered = sum(n + (-n % align) for n in (shape.numel() for _, shape in out))
     if covered != numel:
-        raise ValueError(f"parts cover {covered} values, the tensor has {numel}")
+        raise ValueError(f"parts cover {covered} values (each padded to a multiple of {align}), "
+                         f"the tensor has {numel}")
     return out
+
+
+def stats_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:
+    """0-dim bool: some value of the payload's statistics (tensor ``stats``: per-bucket
+    min/scale, norms, scales) is not finite; None for a payload of another form (an empty
+    input's, a tiny tensor's sent as it is). For a codec whose statistics are NaN or infinite
+    exactly where its input held NaN or Inf (:meth:`Codec.nonfinite`)."""
+    if len(payload.tensors) <= stats:
+        return None
+    # v * 0 is 0 for finite v, NaN for NaN and ±inf: three operations (isfinite alone is four)
+    return payload.tensors[stats].mul(0).sum() != 0
+
+
+@functools.lru_cache(maxsize=256)
+def part_spans(parts: Tuple[Tuple[str, torch.Size], ...], align: int) -> Tuple[Tuple[int, int], ...]:
+    """``(start, numel)`` of each of :attr:`Meta.parts` in the fused input: each starts on a
+    multiple of ``align`` (the codec's :meth:`Codec.fused_alignment`), as the engine lays them out."""
+    spans, at = [], 0
+    for _, shape in parts:
+        n = shape.numel()
+        spans.append((at, n))
+        at += n + (-n % align)
+    return tuple(spans)
 
 
 def empty_result(meta: "Meta") -> torch.Tensor:
@@ -178,6 +204,9 @@ class Codec(Configurable):
     # payload and one exchange for a group, each tensor encoded by its shape inside it (see
     # :meth:`fused_alignment`); collectives that carry parts pass them (``Collective.carries_parts``)
     parts_format: ClassVar[bool] = False
+    # it needs each tensor's shape (PowerSGD factorises matrices): a flat share of a node's sum
+    # is sent as it is, so its compressed exchange stays flat across nodes
+    needs_shapes: ClassVar[bool] = False
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:
@@ -218,7 +247,7 @@ class Codec(Configurable):
         if step is None:
             step = self._calls.get(name, 0)
             self._calls[name] = step + 1
-        meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel()))
+        meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel(), self.fused_alignment()))
         self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)

@@ -280,6 +280,7 @@ class PowerSGD(Codec):
     payload_linear = True  # P = M Q, Q = Mᵀ P̂ and the values sent as they are: linear in M
     tensor_state = "q"
     parts_format = True  # a fused group: one call, its factors packed (see the class docstring)
+    needs_shapes = True  # a flat share of a node's sum could not be factorised
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),
         "warm_start": Option(True, lambda v: isinstance(v, bool), "True or False", "reuse last step's Q"),

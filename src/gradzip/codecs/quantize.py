@@ -7,7 +7,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
-from .base import SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, raw_bytes, saturate
+from .base import (
+    SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, raw_bytes, saturate, stats_nonfinite,
+)
 from .registry import register_codec
 
 
@@ -139,7 +141,7 @@ class MaxMin(Codec):
         # every bucket's min is NaN where it held a NaN and its scale infinite where it held an
         # Inf (or NaN where it held +inf only), in every kernel version; the codec works in fp32,
         # so an fp64 value beyond fp32's range is an Inf to it, and flagged as such
-        return _any_nonfinite(payload, self.stats_tensor)
+        return stats_nonfinite(payload, self.stats_tensor)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _spec_bytes(self._payload_spec(numel, dtype))
@@ -194,7 +196,7 @@ class QSGD(Codec):
         # a bucket's norm is NaN where it held a NaN and infinite where it held an Inf (the
         # squares are summed in fp64, so finite fp32 values give a finite norm; an fp64 value
         # beyond fp32's range is an Inf in the codec's fp32), in every kernel version
-        return _any_nonfinite(payload, self.stats_tensor)
+        return stats_nonfinite(payload, self.stats_tensor)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _spec_bytes(self._payload_spec(numel, dtype))
@@ -203,15 +205,6 @@ class QSGD(Codec):
 def _spec_bytes(spec: List[Tuple[torch.dtype, int]]) -> int:
     """The bytes of a payload of the form ``spec`` (:meth:`Codec.payload_spec`)."""
     return sum(raw_bytes(numel, dtype) for dtype, numel in spec)
-
-
-def _any_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:
-    """0-dim bool: some value of the payload's per-bucket statistics (tensor ``stats``) is not
-    finite; None for a payload of another form (an empty input's)."""
-    if len(payload.tensors) <= stats:
-        return None
-    # v * 0 is 0 for finite v, NaN for NaN and ±inf: three operations (isfinite alone is four)
-    return payload.tensors[stats].mul(0).sum() != 0
 
 
 # ============================================================================ TernGrad

@@ -66,6 +66,7 @@ class AllGather(Collective):
     name = "allgather"
     releases_input = True  # it calls release_input before it writes ``out``
     reads_input_first = True  # every segment is encoded before the first wait
+    carries_parts = True  # a codec without independent blocks is sent whole, in one segment
     options = {"segment": SEGMENT}
 
     @classmethod
@@ -78,10 +79,10 @@ class AllGather(Collective):
             return self._exchange_variable(call)
         x = call.flat
         n, block = x.numel(), call.codec.fusion_block()
-        if block > 0:  # a value's encoding depends on its block alone: segments start on block boundaries
+        if block > 0 and call.parts is None:  # a value's encoding depends on its block alone: segments start on block boundaries
             align = math.lcm(call.align, block)
             seg = whole_segment(self.segment, n, x.device, 1, align)
-        else:  # a per-tensor scale, a shape a CompLL body reads: the tensor goes whole
+        else:  # a per-tensor scale, a shape a CompLL body reads, a fused group's parts: the input goes whole
             seg = max(n, 1)
         bounds = [(a, min(a + seg, n)) for a in range(0, n, seg)] or [(0, 0)]
         if len(bounds) == 1:  # the input as it is, in its shape
@@ -112,7 +113,8 @@ class AllGather(Collective):
         """Encode segment ``x`` (values ``a`` to ``b`` of the input, or the input itself) into
         its message and issue the all-gather of the messages of every rank."""
         w = call.world_size
-        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype)
+        parts = call.parts if x is call.x else None  # (a fused group's parts: sent whole)
+        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype) if parts is None else None
         buf = gathered = None
         if fmt is not None:  # encoded straight into the message (only its flag slot written apart):
             # at several ranks this rank's row of the gathered messages, so the all-gather works
@@ -122,7 +124,7 @@ class AllGather(Collective):
             payload = call.encode(x, name, out=payload_views(buf, fmt))
         else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form),
             # which stands for it from then on: the encoded tensors are not kept while in flight
-            payload = call.encode(x, name)
+            payload = call.encode(x, name, parts=parts)
             spec = spec_of(payload.tensors)
             gathered = self._lend(call, (w, spec_bytes(spec)), x.device)
             buf = gathered[call.rank]
@@ -169,7 +171,7 @@ class AllGather(Collective):
         rank's payload from then on (no message or padded copy beside it, and the encoded payload
         freed)."""
         w = call.world_size
-        payload = call.encode(call.x)
+        payload = call.encode(call.x, parts=call.parts)
         spec = spec_of(payload.tensors)
         length = spec_bytes(spec)
         table = all_gather_ints([n for _, n in spec] + [length], w, self.group, call.x.device)

@@ -306,10 +306,10 @@ def calibrate(
 
 def calibration_shape(codec: Codec, numel: int) -> Tuple[int, ...]:
     """The shape of a calibration group of ``numel`` values (a power of two): flat, or for a
-    codec that factorises each tensor by its shape (:attr:`Codec.parts_format`, PowerSGD) a
+    codec that factorises each tensor by its shape (:attr:`Codec.needs_shapes`, PowerSGD) a
     matrix as square as the count allows, as a layer's weight is; flat, PowerSGD would send
     it as it is and the compressed line would be a plain all-reduce's."""
-    if not codec.parts_format:
+    if not codec.needs_shapes:
         return (numel,)
     rows = 1 << (numel.bit_length() - 1) // 2
     return (rows, numel // rows)

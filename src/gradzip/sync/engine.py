@@ -255,7 +255,7 @@ class Communicator:
                 self.collective = self._hierarchical(self.collective)
                 self._plain_hierarchical = self._hierarchical_plain()
                 self.codec.use_memory(None)  # (it encodes the node's sums)
-                if hierarchy == "on" and self.codec.parts_format:  # asked for, and not what happens
+                if hierarchy == "on" and self.codec.needs_shapes:  # asked for, and not what happens
                     warnings.warn(
                         f"hierarchy='on': {self.codec.name} factorises each tensor, so its compressed exchange stays "
                         "flat across nodes (the node stage's flat shares could not be factorised); plain exchanges "
@@ -302,10 +302,10 @@ class Communicator:
         the communicator's), where the topology is hierarchical; else ``coll`` as it is.
 
         A ``compressed`` exchange stays flat where the codec factorises each tensor by its shape
-        (:attr:`Codec.parts_format`, PowerSGD): the node stage cuts a group into flat shares
+        (:attr:`Codec.needs_shapes`, PowerSGD): the node stage cuts a group into flat shares
         of 1/L each, which it could only send as they are, where flat its factors, a few
         hundredths of the gradients, cross the slow link."""
-        if self._node_groups is None or self.topology is None or (compressed and self.codec.parts_format):
+        if self._node_groups is None or self.topology is None or (compressed and self.codec.needs_shapes):
             return coll
         node, cross = self._node_groups
         coll.group = cross
@@ -378,7 +378,7 @@ class Communicator:
         coll = self._reduce_scatter if reduce_scatter else self.collective
         if isinstance(coll, Hierarchical):
             out.update(coll.describe())
-        elif out.get("hierarchical") and not reduce_scatter and self.codec.parts_format:
+        elif out.get("hierarchical") and not reduce_scatter and self.codec.needs_shapes:
             out.update(hierarchical=False, flat_because=f"{self.codec.name} factorises each tensor: the node "
                        "stage's flat shares could not be compressed (plain exchanges still go through the nodes)")
         return out
