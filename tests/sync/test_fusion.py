@@ -84,15 +84,15 @@ def test_signsgd_votes_a_fused_group_exactly_as_its_gradients_alone(world):
         assert res["calls"] == (1, len(SHAPES)), res["calls"]
 
 
-def _ef_sign_fused_and_alone(rank: int, world: int, in_turn: bool) -> Dict[str, object]:
-    """Two steps of EF-signSGD (its error feedback) fused and one tensor at a time; the second
-    with a NaN in one member on the last rank."""
+def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, opts: dict) -> Dict[str, object]:
+    """Two steps of a codec encoded by parts with its error feedback, fused and one tensor at a
+    time; the second with a NaN in one member on the last rank."""
     from gradzip.codecs import sign
     sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
     names = list(SHAPES)
     out: Dict[str, object] = {}
-    comms = {"fused": gradzip.Communicator("efsignsgd", fusion=True),
-             "alone": gradzip.Communicator("efsignsgd", fusion=False)}
+    comms = {"fused": gradzip.Communicator(name, fusion=True, **opts),
+             "alone": gradzip.Communicator(name, fusion=False, **opts)}
     calls = {}
     for key, comm in comms.items():
         encode, count = comm.codec.encode, [0]
@@ -118,13 +118,18 @@ def _ef_sign_fused_and_alone(rank: int, world: int, in_turn: bool) -> Dict[str, 
     return out
 
 
-@pytest.mark.parametrize("world,in_turn", [(2, True), (3, True), (2, False)])
-def test_ef_signsgd_sends_a_group_as_one_payload_with_each_members_own_scale(world, in_turn):
-    """A fused group is one encode and one all-gather, a scale a member; the averages and the
-    residuals are those of the members one at a time (on the CPU's way bit for bit by
-    construction; on the accelerator's, block sums added per member, the same here), and a NaN
-    in one member poisons the group and keeps every residual (the scales are the flag)."""
-    for res in run_workers(_ef_sign_fused_and_alone, world, in_turn):
+@pytest.mark.parametrize("world,in_turn,name,opts", [
+    (2, True, "efsignsgd", {}), (3, True, "efsignsgd", {}), (2, False, "efsignsgd", {}),
+    (2, True, "onebit", {}), (3, False, "onebit", {}), (2, False, "onebit", {"bucket_size": 512}),
+    (2, False, "onebit", {"bucket_size": 100}),  # (buckets that are not whole blocks: member by member)
+])
+def test_sign_codecs_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
+    """EF-signSGD and 1-bit SGD: a fused group is one encode and one all-gather, each member's
+    scale or bucket means its own; the averages and the residuals are those of the members one
+    at a time (on the CPU's way bit for bit by construction; on the accelerator's, block sums
+    added per member, the same here), and a NaN in one member poisons the group and keeps every
+    residual."""
+    for res in run_workers(_by_parts_fused_and_alone, world, in_turn, name, opts):
         assert res["same"] and res["residuals"] and res["identical"], res
         assert res["nan"] and res["kept"], res
         assert res["calls"] == (2, 2 * len(SHAPES)), res["calls"]
@@ -205,7 +210,7 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("fp16").fusion_block() == 1
     assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor
     assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
-    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD: by parts)
+    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD, 1-bit SGD: by parts)
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format

@@ -5,7 +5,7 @@ One bit per element on the wire (plus a few fp32 scales for EF-signSGD and 1-bit
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,10 +113,10 @@ class EFSignSGD(Codec):
             scale = torch.cat([_mean_magnitude(x[a : a + n]).reshape(1)
                                for a, n in part_spans(meta.parts, PART_ALIGN)])
         else:
-            blocks = _part_blocks(meta.parts, x.device)
+            units = _units(meta.parts, 0, x.device)
             # (the padding after each member is zeros: its blocks' sums are the member's alone)
             sums = torch.linalg.vector_norm(x.view(-1, PART_ALIGN), 1, dim=1, dtype=torch.float64)
-            scale = (torch.segment_reduce(sums, "sum", lengths=blocks.lengths) / blocks.numels).float()
+            scale = (units.sums(sums) / units.numels).float()
         return [fused.sign_encode(x), scale]
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
@@ -138,7 +138,7 @@ class EFSignSGD(Codec):
                 fused.sign_decode(packed[a // 8 : -(-(a + n) // 8)], n, scale[i : i + 1], flat[a : a + n], accumulate)
             return out
         # one decode: each block's value of bit 0 and bit 1, -scale and +scale of its member
-        per_block = scale.index_select(0, _part_blocks(meta.parts, packed.device).member)
+        per_block = scale.index_select(0, _units(meta.parts, 0, packed.device).of_block)
         means = torch.stack([-per_block, per_block], dim=1)
         return fused.onebit_decode(packed, means, PART_ALIGN, out.numel(), out, accumulate)
 
@@ -169,22 +169,38 @@ def _parts_in_turn(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-class _PartBlocks:
-    """A fused group's blocks of :data:`PART_ALIGN` values: the member each belongs to
-    (``member``), each member's number of blocks (``lengths``) and of values (``numels``, fp64),
-    on the group's device; made once per layout."""
+class _Units:
+    """A fused group cut into units that share statistics (each member whole, or each member's
+    buckets of ``size`` values, a multiple of :data:`PART_ALIGN`), in blocks of
+    :data:`PART_ALIGN` values, each of one unit: the unit of each block (``of_block``), each
+    unit's number of blocks (``lengths``), of values (``reals``; ``numels`` at least 1, so an
+    empty unit's mean is 0) and of padding zeros in its blocks (``pads``), these in fp64, on the
+    group's device; made once per layout."""
 
-    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], device: torch.device) -> None:
-        counts = [-(-n // PART_ALIGN) for _, n in part_spans(parts, PART_ALIGN)]
-        self.lengths = torch.tensor(counts, dtype=torch.long, device=device)
-        self.member = torch.repeat_interleave(torch.arange(len(counts), device=device), self.lengths)
-        self.numels = torch.tensor([float(max(shape.numel(), 1)) for _, shape in parts], dtype=torch.float64,
-                                   device=device)  # (an empty member's scale: 0)
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> None:
+        blocks, numels, reals, pads = [], [], [], []
+        for _, n in part_spans(parts, PART_ALIGN):
+            unit = size if 0 < size < n else max(n, 1)
+            for a in range(0, max(n, 1), unit):
+                real = min(unit, n - a) if n else 0
+                blocks.append(-(-max(real, 1) // PART_ALIGN) if n else 0)
+                numels.append(float(max(real, 1)))
+                reals.append(float(real))
+                pads.append(blocks[-1] * PART_ALIGN - real)
+        self.lengths = torch.tensor(blocks, dtype=torch.long, device=device)
+        self.of_block = torch.repeat_interleave(torch.arange(len(blocks), device=device), self.lengths)
+        self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
+        self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
+        self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
+
+    def sums(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Each unit's sum of ``per_block`` (one value a block): one segmented reduction."""
+        return torch.segment_reduce(per_block, "sum", lengths=self.lengths)
 
 
 @functools.lru_cache(maxsize=64)
-def _part_blocks(parts: Tuple[Tuple[str, torch.Size], ...], device: torch.device) -> _PartBlocks:
-    return _PartBlocks(parts, device)
+def _units(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> _Units:
+    return _Units(parts, size, device)
 
 
 def _momentum_value(v) -> bool:
@@ -192,22 +208,32 @@ def _momentum_value(v) -> bool:
 
 
 def _side_sums(xb: torch.Tensor, **bound: float) -> torch.Tensor:
-    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero). On the CPU a
-    piece of about :data:`fused.TORCH_PIECE` values at a time (whole rows, or a long row's
-    pieces added up), so the clamped fp32 and fp64 temporaries are a few MB, not three times the
-    tensor (a mean is this rank's own, sent in its payload: the order of the sum changes no
-    replica); elsewhere in one operation."""
+    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero)."""
+    return _row_sums(xb, lambda piece: piece.clamp(**bound).double().sum(dim=1))
+
+
+def _nonnegative_counts(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's count of values ``>= 0``, in fp64 (exact: a count is far below 2**53)."""
+    return _row_sums(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))
+
+
+def _row_sums(xb: torch.Tensor, sums: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sums`` (each row's sum of a 2-D piece, fp64) of the rows of ``xb``. On the CPU a piece
+    of about :data:`fused.TORCH_PIECE` values at a time (whole rows, or a long row's pieces
+    added up), so the temporaries (a clamped copy, its fp64 conversion, a mask widened for its
+    sum) are a few MB, not several times the tensor (a mean is this rank's own, sent in its
+    payload: the order of the sum changes no replica); elsewhere in one operation."""
     rows, width = xb.shape
     piece = fused.piece_length(xb)
     if rows * width <= piece:
-        return xb.clamp(**bound).double().sum(dim=1)
+        return sums(xb)
     if width <= piece:  # whole rows: each row's sum is the same operation as in one go
         step = piece // width
-        return torch.cat([xb[r : r + step].clamp(**bound).double().sum(dim=1) for r in range(0, rows, step)])
+        return torch.cat([sums(xb[r : r + step]) for r in range(0, rows, step)])
     total = torch.zeros(rows, dtype=torch.float64, device=xb.device)
     step = max(1, piece // rows)
     for a in range(0, width, step):
-        total += xb[:, a : a + step].clamp(**bound).double().sum(dim=1)
+        total += sums(xb[:, a : a + step])
     return total
 
 
@@ -247,18 +273,38 @@ class OneBit(Codec):
         "bucket_size": Option(0, int_in(0), "a non-negative integer (0 = whole tensor)", "elements per pair of means"),
     }
 
+    parts_format = True  # a fused group: one call, each member's buckets its own
+
+    def fused_alignment(self) -> int:
+        return PART_ALIGN
+
     def _buckets(self, numel: int) -> Tuple[int, int]:
-        size = self.bucket_size if 0 < self.bucket_size < numel else numel
-        return size, -(-numel // size)
+        size = self.bucket_size if 0 < self.bucket_size < numel else max(numel, 1)
+        return size, -(-numel // size) if numel else 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         xf = x.float()
+        bits = fused.sign_encode(xf)  # set where x >= 0 (one pass, C or Triton)
+        if meta.parts is None:
+            return [bits, self._means(xf)]
+        if not self._by_blocks(x.device):  # each member's means as alone
+            return [bits, torch.cat([self._means(xf[a : a + n]) for a, n in part_spans(meta.parts, PART_ALIGN)])]
+        units = _units(meta.parts, self.bucket_size, x.device)
+        xb = xf.view(-1, PART_ALIGN)  # (each block of one unit; the padding zeros count as non-negative)
+        count_pos = units.sums(_nonnegative_counts(xb)) - units.pads
+        count_neg = units.reals - count_pos
+        mean_neg = (units.sums(_side_sums(xb, max=0)) / count_neg.clamp_min(1)).float()
+        mean_pos = (units.sums(_side_sums(xb, min=0)) / count_pos.clamp_min(1)).float()
+        return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
+
+    def _means(self, xf: torch.Tensor) -> torch.Tensor:
+        """``[mean_neg, mean_nonneg]`` of each bucket of the fp32 ``xf`` alone, flat (an empty
+        ``xf``: zeros)."""
         n = xf.numel()
         size, nb = self._buckets(n)
         pad = nb * size - n
         xb = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(nb, size)
-        nonneg = xb >= 0  # padding zeros count here: taken off the last bucket's count below
-        count_pos = nonneg.sum(dim=1)
+        count_pos = _nonnegative_counts(xb)  # padding zeros count here: taken off the last bucket's count below
         count_neg = size - count_pos
         if pad:
             count_pos[-1] -= pad
@@ -266,14 +312,39 @@ class OneBit(Codec):
         # fp64, where values near the fp32 maximum cannot overflow (a mean never exceeds them)
         mean_neg = (_side_sums(xb, max=0) / count_neg.clamp_min(1)).float()
         mean_pos = (_side_sums(xb, min=0) / count_pos.clamp_min(1)).float()
-        bits = fused.sign_encode(xf)  # set where x >= 0: the packed ``nonneg`` (one pass, C or Triton)
-        return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
+        return torch.stack([mean_neg, mean_pos], 1).reshape(-1)
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        # a NaN passes both clamps (both means NaN) and an Inf reaches its side's mean: the
+        # means are the flag, as EF-signSGD's scales are (no pass over the input)
+        return stats_nonfinite(payload, 1)
+
+    def _by_blocks(self, device: torch.device) -> bool:
+        """Whether a fused group's statistics are taken by blocks of :data:`PART_ALIGN` values
+        in a constant number of operations: off the CPU, where each bucket is whole blocks
+        (``bucket_size`` 0 or a multiple of the block); else member by member, as alone."""
+        return not _parts_in_turn(device) and self.bucket_size % PART_ALIGN == 0
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
     ) -> torch.Tensor:
         packed, means = tensors
-        return fused.onebit_decode(packed, means.float(), self._buckets(meta.numel)[0], numel, out, accumulate)
+        means = means.float()
+        if meta.parts is None:
+            return fused.onebit_decode(packed, means, self._buckets(meta.numel)[0], numel, out, accumulate)
+        if self._by_blocks(packed.device):  # one decode, each block with its unit's means
+            block_means = means.view(-1, 2).index_select(0, _units(meta.parts, self.bucket_size, packed.device).of_block)
+            return fused.onebit_decode(packed, block_means, PART_ALIGN, numel, out, accumulate)
+        if out is None:
+            out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
+        flat, at = out.view(-1), 0
+        for a, n in part_spans(meta.parts, PART_ALIGN):  # each member decoded as alone (from a whole byte)
+            size, nb = self._buckets(n)
+            if n:
+                fused.onebit_decode(packed[a // 8 : -(-(a + n) // 8)], means[2 * at : 2 * (at + nb)], size, n,
+                                    flat[a : a + n], accumulate)
+            at += nb
+        return out
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1) + 8 * self._buckets(numel)[1]
