@@ -255,6 +255,12 @@ class OneBit(Codec):
     bucket (``8 · num_buckets`` bytes). Collective: ``allgather``; payloads are decoded and
     averaged.
 
+    A fused group is one call, as for EF-signSGD: each member's buckets and means are its own
+    (on the CPU taken as alone; elsewhere, where its buckets are whole blocks of
+    :data:`PART_ALIGN` values, by the blocks' sums and counts added per bucket, and decoded in
+    one pass). The means are NaN or infinite exactly where their values held NaN or Inf, so
+    they are the non-finite flag.
+
     Speed on CUDA: the sign bits are one pass of the sign kernel (fused C on the CPU, Triton on
     CUDA) and the decode one Triton pass; the per-bucket means stay torch reductions summed in
     fp64 (for each sign a clamp, a conversion to fp64 and a sum), whose rounding a kernel with
