@@ -267,6 +267,11 @@ def test_terngrad_bit_identical(n, bucket):
     acc = base.clone()
     gpu.ternary_decode(packed, scale, bucket, n, out=acc, accumulate=True)
     assert _same_bits(acc, base + reference.ternary_decode(packed, scale, bucket, n))
+    # given scales (a fused group's: each block its member's, at least its own maximum)
+    given = scale.abs().nan_to_num(nan=1.0) * 1.5 + 0.25
+    packed, kept = gpu.terngrad_encode(buckets, key, n, given)
+    ref_packed, _ = reference.terngrad_encode(buckets, rand, n, given)
+    assert torch.equal(packed, ref_packed) and kept is not None and _same_bits(kept, given)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -155,6 +155,40 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
             assert max(r["filled"], default=0) <= r["numel"] // 64, r["filled"]
 
 
+def _parts_ops(rank: int, world: int, name: str) -> dict:
+    from gradzip.codecs import sign
+    from gradzip.sync import engine
+
+    engine._multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
+    engine._reads_flag_on_host = lambda device: False
+    sign._parts_in_turn = lambda device: False
+    out = {}
+    for count in (8, 64):
+        comm = gradzip.Communicator(name)
+        buffer, tensors, names, compress = _bucket(count)
+        counts = []
+        for step in range(3):
+            buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+            with _Ops() as ops:
+                drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+            counts.append(ops.work)
+        out[count] = counts[1:]
+        comm.close()
+    return out
+
+
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit"])
+def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name):
+    """EF-signSGD and 1-bit SGD on the accelerator's path: a group's statistics by blocks and
+    one segmented sum, one decode, so 32 members cost what 4 cost, and no value is read back
+    to the host."""
+    for res in run_workers(_parts_ops, 2, name):
+        few, many = res[8], res[64]
+        assert few == many and few[0] == few[1], (few, many)
+        ops = few[0]
+        assert ops["_local_scalar_dense"] == 0 and ops["segment_reduce"] >= 1, ops
+
+
 def _fused_views(rank: int, world: int, memory: str) -> dict:
     from gradzip.sync import engine
 

@@ -135,6 +135,44 @@ def test_sign_codecs_send_a_group_as_one_payload_with_each_members_own_statistic
         assert res["calls"] == (2, 2 * len(SHAPES)), res["calls"]
 
 
+def _terngrad_by_parts(rank: int, world: int) -> Dict[str, object]:
+    names = list(SHAPES)
+    grads = _grads(rank, {"b.weight": 1e-3, "c.weight": 1e3})
+    comm = gradzip.Communicator("terngrad", fusion=True)
+    encode, count = comm.codec.encode, [0]
+    comm.codec.encode = lambda *args, **kw: (count.__setitem__(0, count[0] + 1), encode(*args, **kw))[1]
+    avg = _reduce(comm, grads, names)
+    # every value is the mean over ranks of 0 or ±(that rank's max |x| of the member)
+    scales = [torch.stack(_gather(g.abs().amax().reshape(1))).reshape(-1) for g in grads]
+    ok = []
+    for a, s in zip(avg, scales):
+        k = (a.reshape(-1, 1) * world - torch.tensor([[0.0]])).reshape(-1)  # the sum over ranks
+        combos = torch.tensor([sum(c * v for c, v in zip(combo, s.tolist()))
+                               for combo in __import__("itertools").product((-1, 0, 1), repeat=world)])
+        ok.append(bool((k[:, None] - combos[None, :]).abs().min(dim=1).values.le(1e-6 * (1 + s.max())).all()))
+    # through the SRA, which cuts its input into chunks and carries no parts: one tensor at a time
+    sra = gradzip.Communicator("terngrad", collective="sra")
+    encode_sra, count_sra = sra.codec.encode, [0]
+    sra.codec.encode = lambda *args, **kw: (count_sra.__setitem__(0, count_sra[0] + 1), encode_sra(*args, **kw))[1]
+    by_sra = _reduce(sra, grads, names)
+    sra.close()
+    grads[2][0, 0, 5] = float("nan") if rank == world - 1 else grads[2][0, 0, 5]
+    poisoned = _reduce(comm, grads, names)
+    comm.close()
+    return {"values": ok, "calls": count[0], "identical": all(all(torch.equal(x, y) for y in _gather(x)) for x in avg),
+            "nan": all(bool(torch.isnan(x).all()) for x in poisoned),
+            "sra": (count_sra[0] >= len(names), all(bool(torch.isfinite(x).all()) for x in by_sra))}
+
+
+def test_terngrad_sends_a_group_as_one_payload_with_each_members_own_scale():
+    """TernGrad's default (one scale a tensor) takes a group by its parts: one encode, each
+    member's scale its own ``max |x|`` (so each average is a mean of 0 and ±those), replicas
+    identical, a NaN in one member poisoning the group (the scales are the flag)."""
+    for res in run_workers(_terngrad_by_parts, 2):
+        assert all(res["values"]) and res["identical"] and res["nan"], res
+        assert res["calls"] == 2 and res["sra"] == (True, True), res
+
+
 def _blocks_stay_within_tensors(rank: int, world: int, collective: str) -> Dict[str, float]:
     # a tiny gradient next to huge ones: a block shared with a huge neighbour would lose it
     scales = {"a.weight": 1e4, "b.weight": 1e-4, "c.weight": 1e4, "d.weight": 1e-4}
@@ -208,14 +246,17 @@ def test_chunks_and_partitions_start_on_block_boundaries():
 def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("maxmin", bucket_size=512).fusion_block() == 512
     assert gradzip.codec("fp16").fusion_block() == 1
-    assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor
+    assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor (fused by its parts)
+    assert gradzip.codec("terngrad").parts_format and not gradzip.codec("terngrad", bucket_size=64).parts_format
     assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
     for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD, 1-bit SGD: by parts)
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "terngrad"))
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "natural"))
+    for name in ("efsignsgd", "onebit", "terngrad"):  # a scale or means a member, by blocks of members
+        assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
 
 
 def _params(sizes):

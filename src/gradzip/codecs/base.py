@@ -125,6 +125,51 @@ def _checked_parts(parts: Tuple[Tuple[str, Sequence[int]], ...], numel: int, ali
     return out
 
 
+PART_ALIGN = 256  # where each member of a group encoded by its statistics' blocks starts (see PartUnits)
+
+
+class PartUnits:
+    """A fused group cut into units that share statistics (each member whole, or each member's
+    buckets of ``size`` values, a multiple of :data:`PART_ALIGN`), in blocks of
+    :data:`PART_ALIGN` values, each of one unit: the unit of each block (``of_block``), each
+    unit's number of blocks (``lengths``), of values (``reals``; ``numels`` at least 1, so an
+    empty unit's mean is 0) and of padding zeros in its blocks (``pads``), these in fp64, on the
+    group's device; made once per layout."""
+
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> None:
+        blocks, numels, reals, pads = [], [], [], []
+        for _, n in part_spans(parts, PART_ALIGN):
+            unit = size if 0 < size < n else max(n, 1)
+            for a in range(0, max(n, 1), unit):
+                real = min(unit, n - a) if n else 0
+                blocks.append(-(-max(real, 1) // PART_ALIGN) if n else 0)
+                numels.append(float(max(real, 1)))
+                reals.append(float(real))
+                pads.append(blocks[-1] * PART_ALIGN - real)
+        lengths = torch.tensor(blocks, dtype=torch.long)
+        self.lengths = lengths.to(device)
+        # (made on the host, whose lengths say its size, and copied: no read back from a device)
+        self.of_block = torch.repeat_interleave(torch.arange(len(blocks)), lengths).to(device)
+        self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
+        self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
+        self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
+
+    def sums(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Each unit's sum of ``per_block`` (one value a block): one segmented reduction
+        (``unsafe``: the lengths, made here, are not checked again, a check that would read
+        two values on the host)."""
+        return torch.segment_reduce(per_block, "sum", lengths=self.lengths, unsafe=True)
+
+    def maxima(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Each unit's maximum of ``per_block`` (magnitudes: an empty unit's is 0; a NaN stays)."""
+        return torch.segment_reduce(per_block, "max", lengths=self.lengths, unsafe=True, initial=0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def part_units(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> PartUnits:
+    return PartUnits(parts, size, device)
+
+
 def stats_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:
     """0-dim bool: some value of the payload's statistics (tensor ``stats``: per-bucket
     min/scale, norms, scales) is not finite; None for a payload of another form (an empty

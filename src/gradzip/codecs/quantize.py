@@ -8,7 +8,8 @@ import torch
 
 from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
 from .base import (
-    SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, raw_bytes, saturate, stats_nonfinite,
+    PART_ALIGN, SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, part_units, raw_bytes,
+    saturate, stats_nonfinite,
 )
 from .registry import register_codec
 
@@ -208,6 +209,16 @@ def _spec_bytes(spec: List[Tuple[torch.dtype, int]]) -> int:
 
 
 # ============================================================================ TernGrad
+def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |x|`` (a NaN stays); on the CPU a piece of rows at a time, so the
+    magnitudes are a few MB, not a copy of the group (a maximum is exact in any order)."""
+    rows, width = blocks.shape
+    step = max(1, fused.piece_length(blocks) // width)
+    if step >= rows:
+        return blocks.abs().amax(dim=1)
+    return torch.cat([blocks[r : r + step].abs().amax(dim=1) for r in range(0, rows, step)])
+
+
 def _whole_or(bucket_size: int, numel: int) -> int:
     """Bucket length: ``bucket_size``, or the whole tensor when it is 0."""
     return bucket_size if bucket_size > 0 else numel
@@ -253,21 +264,43 @@ class TernGrad(Codec):
         "seed": SEED,
     }
 
+    @property
+    def parts_format(self) -> bool:  # type: ignore[override]
+        return self.bucket_size == 0  # one scale a tensor: a fused group by its parts, a scale a member
+
+    def fused_alignment(self) -> int:
+        return self.bucket_size or PART_ALIGN
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
+        if meta.parts is not None and self.parts_format:
+            # each member's scale, the maximum of its blocks' maxima (exact: the scale it has
+            # alone), then the codes of the whole group in one pass, each block with its member's
+            units = part_units(meta.parts, 0, x.device)
+            blocks = x.float().view(-1, PART_ALIGN)
+            scale = units.maxima(_block_maxima(blocks))
+            packed, _ = fused.terngrad_encode(blocks, self._key(), n, scale.index_select(0, units.of_block))
+            return [packed, scale]
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
         # the scales are a reduction, then one pass (a Triton kernel on CUDA, which makes the
         # counter draws itself, as its CompLL twin's) turns values and draws into codes
         return list(fused.terngrad_encode(buckets, self._key(), n))
 
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        # a scale (a maximum of magnitudes) is NaN or infinite exactly where its values held NaN or Inf
+        return stats_nonfinite(payload, 1)
+
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
     ) -> torch.Tensor:
         packed, scale = tensors
+        if meta.parts is not None and self.parts_format:  # one decode, each block with its member's scale
+            per_block = scale.index_select(0, part_units(meta.parts, 0, packed.device).of_block)
+            return fused.ternary_decode(packed, per_block, PART_ALIGN, numel, out, accumulate)
         return fused.ternary_decode(packed, scale, _whole_or(self.bucket_size, meta.numel), numel, out, accumulate)
 
     def fusion_block(self) -> int:
-        return self.bucket_size  # 0 (one scale per tensor): not fusable
+        return self.bucket_size  # 0 (one scale per tensor): fused by its parts instead
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 2) + 4 * _num_buckets(self.bucket_size, numel)

@@ -4,13 +4,14 @@ One bit per element on the wire (plus a few fp32 scales for EF-signSGD and 1-bit
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernels import fused, packed_bytes
-from .base import Codec, Meta, Option, Payload, all_finite, empty_result, int_in, part_spans, stats_nonfinite
+from .base import (
+    PART_ALIGN, Codec, Meta, Option, Payload, all_finite, empty_result, int_in, part_spans, part_units, stats_nonfinite,
+)
 from .registry import register_codec
 
 
@@ -113,7 +114,7 @@ class EFSignSGD(Codec):
             scale = torch.cat([_mean_magnitude(x[a : a + n]).reshape(1)
                                for a, n in part_spans(meta.parts, PART_ALIGN)])
         else:
-            units = _units(meta.parts, 0, x.device)
+            units = part_units(meta.parts, 0, x.device)
             # (the padding after each member is zeros: its blocks' sums are the member's alone)
             sums = torch.linalg.vector_norm(x.view(-1, PART_ALIGN), 1, dim=1, dtype=torch.float64)
             scale = (units.sums(sums) / units.numels).float()
@@ -138,15 +139,12 @@ class EFSignSGD(Codec):
                 fused.sign_decode(packed[a // 8 : -(-(a + n) // 8)], n, scale[i : i + 1], flat[a : a + n], accumulate)
             return out
         # one decode: each block's value of bit 0 and bit 1, -scale and +scale of its member
-        per_block = scale.index_select(0, _units(meta.parts, 0, packed.device).of_block)
+        per_block = scale.index_select(0, part_units(meta.parts, 0, packed.device).of_block)
         means = torch.stack([-per_block, per_block], dim=1)
         return fused.onebit_decode(packed, means, PART_ALIGN, out.numel(), out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1) + 4
-
-
-PART_ALIGN = 256  # where each member of a fused EF-signSGD group starts: whole bytes of bits, blocks of one member
 
 
 def _mean_magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -167,40 +165,6 @@ def _parts_in_turn(device: torch.device) -> bool:
     costs next to nothing and each member then gets the bits it has alone) rather than the group
     in a constant number of operations (on an accelerator, where each costs a launch)."""
     return device.type == "cpu"
-
-
-class _Units:
-    """A fused group cut into units that share statistics (each member whole, or each member's
-    buckets of ``size`` values, a multiple of :data:`PART_ALIGN`), in blocks of
-    :data:`PART_ALIGN` values, each of one unit: the unit of each block (``of_block``), each
-    unit's number of blocks (``lengths``), of values (``reals``; ``numels`` at least 1, so an
-    empty unit's mean is 0) and of padding zeros in its blocks (``pads``), these in fp64, on the
-    group's device; made once per layout."""
-
-    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> None:
-        blocks, numels, reals, pads = [], [], [], []
-        for _, n in part_spans(parts, PART_ALIGN):
-            unit = size if 0 < size < n else max(n, 1)
-            for a in range(0, max(n, 1), unit):
-                real = min(unit, n - a) if n else 0
-                blocks.append(-(-max(real, 1) // PART_ALIGN) if n else 0)
-                numels.append(float(max(real, 1)))
-                reals.append(float(real))
-                pads.append(blocks[-1] * PART_ALIGN - real)
-        self.lengths = torch.tensor(blocks, dtype=torch.long, device=device)
-        self.of_block = torch.repeat_interleave(torch.arange(len(blocks), device=device), self.lengths)
-        self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
-        self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
-        self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
-
-    def sums(self, per_block: torch.Tensor) -> torch.Tensor:
-        """Each unit's sum of ``per_block`` (one value a block): one segmented reduction."""
-        return torch.segment_reduce(per_block, "sum", lengths=self.lengths)
-
-
-@functools.lru_cache(maxsize=64)
-def _units(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> _Units:
-    return _Units(parts, size, device)
 
 
 def _momentum_value(v) -> bool:
@@ -295,7 +259,7 @@ class OneBit(Codec):
             return [bits, self._means(xf)]
         if not self._by_blocks(x.device):  # each member's means as alone
             return [bits, torch.cat([self._means(xf[a : a + n]) for a, n in part_spans(meta.parts, PART_ALIGN)])]
-        units = _units(meta.parts, self.bucket_size, x.device)
+        units = part_units(meta.parts, self.bucket_size, x.device)
         xb = xf.view(-1, PART_ALIGN)  # (each block of one unit; the padding zeros count as non-negative)
         count_pos = units.sums(_nonnegative_counts(xb)) - units.pads
         count_neg = units.reals - count_pos
@@ -339,7 +303,7 @@ class OneBit(Codec):
         if meta.parts is None:
             return fused.onebit_decode(packed, means, self._buckets(meta.numel)[0], numel, out, accumulate)
         if self._by_blocks(packed.device):  # one decode, each block with its unit's means
-            block_means = means.view(-1, 2).index_select(0, _units(meta.parts, self.bucket_size, packed.device).of_block)
+            block_means = means.view(-1, 2).index_select(0, part_units(meta.parts, self.bucket_size, packed.device).of_block)
             return fused.onebit_decode(packed, block_means, PART_ALIGN, numel, out, accumulate)
         if out is None:
             out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False

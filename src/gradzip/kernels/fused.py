@@ -183,17 +183,21 @@ def uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch
     return backend(torch.empty(0, device=device)).counter_uniform(numel, key, torch.device(device), start)
 
 
-def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """TernGrad's codes and scales, value ``i`` kept with draw ``counter_uniform(i, key)``."""
+def terngrad_encode(buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's codes and scales (each bucket's ``max |x|``, or the given ``scale``), value
+    ``i`` kept with draw ``counter_uniform(i, key)``."""
     impl = _gpu_or_reference(buckets)
     if impl is not reference:
-        return impl.terngrad_encode(buckets, key, numel)
+        return impl.terngrad_encode(buckets, key, numel, scale)
     if buckets.device.type == "cpu" and numel > TORCH_PIECE:
-        return _terngrad_pieces(buckets, key, numel)
-    return reference.terngrad_encode(buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel)
+        return _terngrad_pieces(buckets, key, numel, scale)
+    return reference.terngrad_encode(
+        buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel, scale)
 
 
-def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``reference.terngrad_encode`` a piece at a time (:data:`TORCH_PIECE` values, a multiple of
     8: whole bytes of 2-bit codes), each piece with its own draws: its temporaries (about six of
     a piece's size) stay a few MB where they were several times the tensor (one bucket of the
@@ -202,7 +206,9 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int) -> Tuple[torch
     rows, bucket = buckets.shape
     flat = buckets.reshape(-1)
     step = TORCH_PIECE
-    if bucket > step:  # long buckets: each one's pieces
+    if scale is not None:  # given
+        pass
+    elif bucket > step:  # long buckets: each one's pieces
         ends = [(r * bucket, (r + 1) * bucket) for r in range(rows)]
         scale = torch.stack([
             torch.stack([flat[a : min(a + step, end)].abs().amax() for a in range(start, end, step)]).amax()
@@ -228,8 +234,28 @@ def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
 
 
 def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    """TernGrad's and TBQ's decode (``reference.ternary_decode``); the torch version piece by
+    piece on the CPU (:data:`TORCH_PIECE` values), whose temporaries (codes, signs, values:
+    about ten bytes a value) are then a few MB, not two and a half times a fused group."""
     impl = _gpu_or_reference(packed)
+    if impl is reference and packed.device.type == "cpu" and numel > TORCH_PIECE:
+        return _decode_via(impl, out, accumulate, lambda o, a: _ternary_pieces(packed, scale, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
+
+
+def _ternary_pieces(packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+                    out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    """``reference.ternary_decode`` a piece at a time: each value's sign times its bucket's
+    scale, the same product, so the same bits."""
+    if out is None:
+        out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
+    flat, codes_of = out.view(-1), packed.reshape(-1)
+    for a in range(0, numel, TORCH_PIECE):  # (a multiple of 4: pieces start on whole bytes of codes)
+        b = min(a + TORCH_PIECE, numel)
+        codes = unpack_bits(codes_of[a // 4 : -(-b // 4)], 2, b - a)
+        signs = ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
+        reference.store(signs * scale[torch.arange(a, b, device=packed.device) // bucket], flat[a:b], accumulate)
+    return out
 
 
 # values a torch version of an element-wise encoder works on at once: its temporaries (about ten

@@ -1092,13 +1092,19 @@ def counter_uniform(numel: int, key: int, device: torch.device, start: int = 0) 
     return out
 
 
-def terngrad_encode(buckets: torch.Tensor, key: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def terngrad_encode(
+    buckets: torch.Tensor, key: int, numel: int, scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's packed 2-bit codes and per-bucket scales (see ``reference.terngrad_encode``):
     ``buckets`` fp32 ``(B, bucket)``, the draws ``counter_uniform(·, key)`` made in the kernel.
-    The scales are torch's maxima (a reduction), the codes one pass."""
+    The scales are torch's maxima (a reduction) unless given (fp32, one a bucket), the codes one pass."""
     _require()
     bucket = buckets.shape[1]
-    scale = buckets.abs().amax(dim=1)
+    if scale is None:
+        scale = buckets.abs().amax(dim=1)
+    elif scale.dtype != torch.float32 or scale.numel() != buckets.shape[0] or scale.device != buckets.device:
+        raise ValueError(f"scale: {buckets.shape[0]} fp32 values on {buckets.device}, one a bucket")
+    scale = scale.contiguous()
     x = buckets.reshape(-1).contiguous()
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
     if numel:

@@ -167,13 +167,15 @@ def sign_decode(
     return store(signs if scale is None else signs.mul_(scale), out, accumulate)
 
 
-def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def terngrad_encode(buckets: torch.Tensor, rand: torch.Tensor, numel: int, scale: Optional[torch.Tensor] = None,
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's 2-bit codes of the first ``numel`` values of ``buckets`` (fp32, ``(B, bucket)``)
-    and the per-bucket scales ``max |x|``: ``+1`` (code 1) or ``−1`` (code 2) where
-    ``rand < |x| / scale`` of the value's bucket, else 0; ``|x| / scale`` is NaN in an all-zero
-    bucket, so no value there is kept."""
+    and the per-bucket scales ``max |x|`` (or the given ``scale``, one a bucket, at least its
+    ``max |x|``): ``+1`` (code 1) or ``−1`` (code 2) where ``rand < |x| / scale`` of the value's
+    bucket, else 0; ``|x| / scale`` is NaN in an all-zero bucket, so no value there is kept."""
     mags = buckets.abs()
-    scale = mags.amax(dim=1)
+    if scale is None:
+        scale = mags.amax(dim=1)
     keep = rand < mags / scale[:, None]
     neg = buckets < 0
     codes = (keep & ~neg).to(torch.uint8) | ((keep & neg).to(torch.uint8) << 1)
