@@ -243,6 +243,13 @@ class TernGrad(Codec):
     bucket, i.e. 2.00003 bits/element for a 1 M-element tensor with the default.
     Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased).
 
+    With one scale a tensor, a fused group on the all-gather is one call
+    (:attr:`~gradzip.codecs.base.Codec.parts_format`): its members start on blocks of
+    :data:`~gradzip.codecs.base.PART_ALIGN` values, each member's scale is the maximum of its
+    blocks' maxima (exactly its own), and the group is encoded and decoded in one pass each,
+    every block with its member's scale; the draws are the group's. The scales are NaN or
+    infinite exactly where their values held NaN or Inf: they are the non-finite flag.
+
     Speed on CUDA: the scale is a reduction, then one Triton pass makes each value's draw from
     the counter hash of its index (``counter_uniform``, as max-min's noise and its CompLL twin
     ``cl_terngrad``'s, bit for bit) and writes the packed codes; decode is one pass. On an H200
