@@ -18,14 +18,16 @@ from .test_ddp import Net, _batches, _flat_params
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, codec: str = "maxmin") -> dict:
+def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, codec: str = "maxmin",
+              options: dict | None = None) -> dict:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     group = dist.new_group(list(range(world)), backend="nccl") if backend == "nccl" else None
     torch.manual_seed(0)
     model = Net().to(device)
     ddp = DDP(model, device_ids=[0], process_group=group, bucket_cap_mb=0.01)
-    options = {"bits": 4} if codec == "maxmin" else {"rank": 2}
+    if options is None:
+        options = {"bits": 4} if codec == "maxmin" else {"rank": 2}
     state = gradzip.register(ddp, codec, memory=memory, min_numel=64, in_place=in_place, **options)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     skipped = 0
@@ -75,6 +77,17 @@ def test_powersgd_over_nccl_on_one_gpu():
     (res,) = run_workers(_cuda_job, 1, "nccl", "residual", False, "powersgd")
     assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
     assert res["skipped"] == 1
+
+
+@pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none")])
+def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
+    """EF-signSGD, 1-bit SGD and TernGrad encode a fused group in one call on CUDA: block
+    statistics, one segmented reduction, one decode; over NCCL on one GPU and over gloo on two
+    ranks sharing it, a non-finite step skipped everywhere, replicas identical."""
+    for world, backend in ((1, "nccl"), (2, "gloo")):
+        for res in run_workers(_cuda_job, world, backend, memory, False, codec, {}):
+            assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
+            assert res["skipped"] == 1, res
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["fused", "in-place"])
