@@ -195,6 +195,40 @@ def test_encode_checks_that_parts_cover_the_tensor():
     assert len(ef.encode(torch.zeros(2 * block), parts=[("a", (10,)), ("b", (10,))]).tensors[1]) == 2
 
 
+@pytest.mark.parametrize("name,in_turn", [("efsignsgd", True), ("efsignsgd", False), ("onebit", True),
+                                          ("onebit", False), ("terngrad", False)])
+def test_a_group_encoded_by_its_parts_decodes_each_member_as_alone_and_its_padding_defined(name, in_turn, monkeypatch):
+    """By its parts, each member decodes to what it decodes to alone (TernGrad: each value 0 or
+    its member's ±max), the CPU's way (member by member) and the accelerator's (by blocks) on
+    CPU tensors; the padding is zero where decoded member by member, finite where by blocks,
+    and a prefix of the group decodes to the prefix of the whole."""
+    from gradzip.codecs import sign
+
+    monkeypatch.setattr(sign, "_parts_in_turn", lambda device: in_turn)
+    c = gradzip.codec(name)
+    block = c.fused_alignment()
+    parts = [("a", (7, 9)), ("b", (0,)), ("c", (block + 5,)), ("d", (3,))]
+    spans = [(0, 63), (block, 0), (block, block + 5), (3 * block, 3)]
+    x = torch.zeros(4 * block)
+    for (a, n), scale in zip(spans, (1.0, 1.0, 1e3, 1e-3)):
+        x[a : a + n] = torch.randn(n, generator=torch.Generator().manual_seed(a)) * scale
+    payload = c.encode(x, name="g", parts=parts)
+    out = torch.full((4 * block,), float("nan"))
+    got = c.decode_into(payload, out)
+    for (a, n), (_, shape) in zip(spans, parts):
+        alone = c.decode(c.encode(x[a : a + n].clone().view(shape), name="m"))
+        if name == "terngrad":  # stochastic: the draws are the group's
+            top = x[a : a + n].abs().max() if n else 0.0
+            assert all(float(v) in (0.0, float(top), -float(top)) for v in got[a : a + n])
+        else:
+            assert torch.equal(got[a : a + n], alone.reshape(-1))
+    assert torch.isfinite(got).all()  # the padding defined
+    if in_turn:
+        assert not got[63:block].any() and not got[2 * block + 5 : 3 * block].any()
+    prefix = c.decode_into(payload, torch.empty(block + 100))
+    assert torch.equal(prefix, got[: block + 100])
+
+
 def test_powersgd_resumes_bit_exactly_from_its_state_dict():
     import io
 

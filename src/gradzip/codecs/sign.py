@@ -136,7 +136,10 @@ class EFSignSGD(Codec):
         flat = out.view(-1)
         if _parts_in_turn(packed.device):  # each member decoded as alone (it starts on a whole byte)
             for i, (a, n) in enumerate(part_spans(meta.parts, PART_ALIGN)):
-                fused.sign_decode(packed[a // 8 : -(-(a + n) // 8)], n, scale[i : i + 1], flat[a : a + n], accumulate)
+                n = min(n, flat.numel() - a)  # (the first ``out.numel()`` values)
+                if n > 0:
+                    fused.sign_decode(packed[a // 8 : -(-(a + n) // 8)], n, scale[i : i + 1], flat[a : a + n], accumulate)
+            _zero_padding(flat, meta.parts, accumulate)
             return out
         # one decode: each block's value of bit 0 and bit 1, -scale and +scale of its member
         per_block = scale.index_select(0, part_units(meta.parts, 0, packed.device).of_block)
@@ -158,6 +161,15 @@ def _mean_magnitude(x: torch.Tensor) -> torch.Tensor:
     else:
         total = sum(torch.linalg.vector_norm(x[a : a + step], 1, dtype=torch.float64) for a in range(0, x.numel(), step))
     return (total / max(x.numel(), 1)).float()  # (empty: 0)
+
+
+def _zero_padding(flat: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], accumulate: bool) -> None:
+    """The padding after each member of ``flat``, a group decoded member by member, zeroed
+    where the decode was not added (a decode by blocks defines it too): no value of the result
+    is left as the buffer held it."""
+    if not accumulate:
+        for a, n in part_spans(parts, PART_ALIGN):
+            flat[a + n : a + n + (-n % PART_ALIGN)].zero_()  # (an empty slice past a shorter ``flat``)
 
 
 def _parts_in_turn(device: torch.device) -> bool:
@@ -310,10 +322,12 @@ class OneBit(Codec):
         flat, at = out.view(-1), 0
         for a, n in part_spans(meta.parts, PART_ALIGN):  # each member decoded as alone (from a whole byte)
             size, nb = self._buckets(n)
-            if n:
-                fused.onebit_decode(packed[a // 8 : -(-(a + n) // 8)], means[2 * at : 2 * (at + nb)], size, n,
-                                    flat[a : a + n], accumulate)
+            m = min(n, numel - a)  # (the first ``numel`` values)
+            if m > 0:
+                fused.onebit_decode(packed[a // 8 : -(-(a + m) // 8)], means[2 * at : 2 * (at + nb)], size, m,
+                                    flat[a : a + m], accumulate)
             at += nb
+        _zero_padding(flat, meta.parts, accumulate)
         return out
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
