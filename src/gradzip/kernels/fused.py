@@ -254,7 +254,16 @@ def _ternary_pieces(packed: torch.Tensor, scale: torch.Tensor, bucket: int, nume
         b = min(a + TORCH_PIECE, numel)
         codes = unpack_bits(codes_of[a // 4 : -(-b // 4)], 2, b - a)
         signs = ((codes & 1).to(torch.int8) - (codes >> 1).to(torch.int8)).float()
-        reference.store(signs * scale[torch.arange(a, b, device=packed.device) // bucket], flat[a:b], accumulate)
+        if bucket >= numel:  # one scale
+            values = signs * scale[:1]
+        elif TORCH_PIECE % bucket == 0:  # whole buckets from a // bucket on (the last one may be short)
+            rows = -(-(b - a) // bucket)
+            pad = rows * bucket - (b - a)
+            rowed = (torch.nn.functional.pad(signs, (0, pad)) if pad else signs).view(rows, bucket)
+            values = (rowed * scale[a // bucket : a // bucket + rows, None]).reshape(-1)[: b - a]
+        else:  # each value's bucket looked up
+            values = signs * scale[torch.arange(a, b, device=packed.device) // bucket]
+        reference.store(values, flat[a:b], accumulate)
     return out
 
 
