@@ -58,12 +58,12 @@ def test_fusing_changes_no_bit_where_blocks_line_up(dtype):
         assert all(v for k, v in res.items() if k != "bitwise")
 
 
-def _sign_votes_fused_and_alone(rank: int, world: int) -> Dict[str, bool]:
+def _elementwise_fused_and_alone(rank: int, world: int, name: str, opts: dict) -> Dict[str, bool]:
     names = list(SHAPES)
     grads = _grads(rank)
     grads[1][::7] = 0.0  # zeros vote +, as alone
-    fused = gradzip.Communicator("signsgd", fusion=True)
-    alone = gradzip.Communicator("signsgd", fusion=False)
+    fused = gradzip.Communicator(name, fusion=True, **opts)
+    alone = gradzip.Communicator(name, fusion=False, **opts)
     calls = []
     for comm in (fused, alone):  # encodes counted
         encode, count = comm.codec.encode, [0]
@@ -77,9 +77,12 @@ def _sign_votes_fused_and_alone(rank: int, world: int) -> Dict[str, bool]:
             "identical": all(all(torch.equal(x, y) for y in _gather(x)) for x in a)}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_signsgd_votes_a_fused_group_exactly_as_its_gradients_alone(world):
-    for res in run_workers(_sign_votes_fused_and_alone, world):
+@pytest.mark.parametrize("world,name,opts", [(2, "signsgd", {}), (3, "signsgd", {}), (2, "tbq", {"threshold": 0.5}),
+                                             (3, "tbq", {"threshold": 0.5, "memory": "none"})])
+def test_elementwise_codecs_send_a_fused_group_exactly_as_its_gradients_alone(world, name, opts):
+    """signSGD (a bit and a vote a value) and TBQ (a code a value, τ shared): one encode a
+    group, the same bits as one tensor at a time."""
+    for res in run_workers(_elementwise_fused_and_alone, world, name, opts):
         assert res["bitwise"] and res["identical"]
         assert res["calls"] == (1, len(SHAPES)), res["calls"]
 
@@ -249,6 +252,7 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("terngrad").fusion_block() == 0  # one scale per tensor (fused by its parts)
     assert gradzip.codec("terngrad").parts_format and not gradzip.codec("terngrad", bucket_size=64).parts_format
     assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
+    assert gradzip.codec("tbq").fusion_block() == 4  # a code a value, τ shared: whole bytes of codes
     for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD, 1-bit SGD: by parts)
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
