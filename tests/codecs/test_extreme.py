@@ -196,7 +196,7 @@ def test_encode_checks_that_parts_cover_the_tensor():
 
 
 @pytest.mark.parametrize("name,in_turn", [("efsignsgd", True), ("efsignsgd", False), ("onebit", True),
-                                          ("onebit", False), ("terngrad", False)])
+                                          ("onebit", False), ("terngrad", False), ("natural", False)])
 def test_a_group_encoded_by_its_parts_decodes_each_member_as_alone_and_its_padding_defined(name, in_turn, monkeypatch):
     """By its parts, each member decodes to what it decodes to alone (TernGrad: each value 0 or
     its member's ±max), the CPU's way (member by member) and the accelerator's (by blocks) on
@@ -220,6 +220,12 @@ def test_a_group_encoded_by_its_parts_decodes_each_member_as_alone_and_its_paddi
         if name == "terngrad":  # stochastic: the draws are the group's
             top = x[a : a + n].abs().max() if n else 0.0
             assert all(float(v) in (0.0, float(top), -float(top)) for v in got[a : a + n])
+        elif name == "natural":  # stochastic too: the member's own header, each value 0 or a bracketing power of two
+            member = list(spans).index((a, n))
+            if n:
+                assert torch.equal(payload.tensors[1][member : member + 1], c.encode(x[a : a + n].clone(), name="m").tensors[1])
+            v, m = got[a : a + n].abs(), x[a : a + n].abs()
+            assert bool(((v == 0) | ((v <= 2 * m) & (v >= m / 2) & (torch.frexp(v).mantissa == 0.5))).all())
         else:
             assert torch.equal(got[a : a + n], alone.reshape(-1))
     assert torch.isfinite(got).all()  # the padding defined

@@ -79,9 +79,10 @@ def test_powersgd_over_nccl_on_one_gpu():
     assert res["skipped"] == 1
 
 
-@pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none")])
+@pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none"),
+                                          ("natural", "none")])
 def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
-    """EF-signSGD, 1-bit SGD and TernGrad encode a fused group in one call on CUDA: block
+    """EF-signSGD, 1-bit SGD, TernGrad and natural compression encode a fused group in one call on CUDA: block
     statistics, one segmented reduction, one decode; over NCCL on one GPU and over gloo on two
     ranks sharing it, a non-finite step skipped everywhere, replicas identical."""
     for world, backend in ((1, "nccl"), (2, "gloo")):

@@ -325,6 +325,34 @@ def test_natural_codes_bit_identical(case):
     assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
 
 
+def test_natural_codes_and_decode_under_a_header_a_bucket_bit_identical():
+    """Headers of 256-value buckets (a fused group's members), each bucket's from its values,
+    some far apart: codes as the reference makes them with each value's header, and the decode
+    as the reference's (a header of 256 for non-finite values; 2**128 of a finite header)."""
+    n, bucket = 256 * 9 + 100, 256
+    x = _randn(n, seed=12)
+    x[:256] *= 1e-30
+    x[256:512] *= 1e30
+    x[600], x[900] = float("nan"), float("inf")
+    x[1024:1280] = 0.0
+    bits = x.float().contiguous().view(torch.int32)
+    mags = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)
+    largest = torch.nn.functional.pad(mags, (0, -n % bucket)).view(-1, bucket).amax(dim=1)
+    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32))
+    per_value = top.repeat_interleave(bucket)[:n]
+    rand = reference.natural_draws(counter_uniform(n, 77, DEVICE))
+    codes = gpu.natural_codes(bits, 77, top, bucket)
+    assert torch.equal(codes, reference.natural_codes(bits, rand, per_value))
+    got = gpu.natural_decode(codes, top, bucket, n)
+    assert _same_bits(got, reference.natural_decode(codes, per_value, n))
+    base = _randn(n, seed=13)
+    acc = base.clone()
+    gpu.natural_decode(codes, top, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.natural_decode(codes, per_value, n))
+    with pytest.raises(ValueError, match="power of two"):
+        gpu.natural_decode(codes, top, 100, n)
+
+
 @pytest.mark.parametrize("n,bucket", [(1, 1), (5000, 512), (4097, 4097)])
 def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
     from gradzip.codecs.quantize import _u8_tables

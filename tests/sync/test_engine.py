@@ -177,7 +177,7 @@ def _parts_ops(rank: int, world: int, name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "terngrad"])
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "terngrad", "natural"])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name):
     """EF-signSGD and 1-bit SGD on the accelerator's path: a group's statistics by blocks and
     one segmented sum, one decode, so 32 members cost what 4 cost, and no value is read back

@@ -176,6 +176,34 @@ def test_terngrad_sends_a_group_as_one_payload_with_each_members_own_scale():
         assert res["calls"] == 2 and res["sra"] == (True, True), res
 
 
+def _natural_by_parts(rank: int, world: int) -> Dict[str, object]:
+    names = list(SHAPES)
+    grads = _grads(rank, {"b.weight": 1e-30, "c.weight": 1e30})  # headers far apart
+    comm = gradzip.Communicator("natural")
+    encode, count = comm.codec.encode, [0]
+    comm.codec.encode = lambda *args, **kw: (count.__setitem__(0, count[0] + 1), encode(*args, **kw))[1]
+    avg = _reduce(comm, grads, names)
+    # each rank's value decodes to 0 or a power of two bracketing it: the mean is within 2x of the largest
+    bound = [torch.stack(_gather(g.abs())).amax(0) * 2 for g in grads]
+    grads[3][0, 7] = float("nan") if rank == world - 1 else grads[3][0, 7]
+    poisoned = _reduce(comm, grads, names)
+    comm.close()
+    return {"calls": count[0], "within": all(bool((a.abs() <= b).all()) for a, b in zip(avg, bound)),
+            "nonzero": all(bool(a.ne(0).any()) for a in avg),
+            "identical": all(all(torch.equal(x, y) for y in _gather(x)) for x in avg),
+            "nan": all(bool(torch.isnan(x).all()) for x in poisoned)}
+
+
+def test_natural_compression_sends_a_group_as_one_payload_with_each_members_own_header():
+    """Natural compression takes a group by its parts: one encode, each member under its own
+    header (here 1e-30 and 1e30 apart: one header for the group would round the small member
+    to zero), replicas identical, a NaN in one member poisoning the group (the headers are the
+    flag)."""
+    for res in run_workers(_natural_by_parts, 2):
+        assert res["within"] and res["nonzero"] and res["identical"] and res["nan"], res
+        assert res["calls"] == 2, res["calls"]
+
+
 def _blocks_stay_within_tensors(rank: int, world: int, collective: str) -> Dict[str, float]:
     # a tiny gradient next to huge ones: a block shared with a huge neighbour would lose it
     scales = {"a.weight": 1e4, "b.weight": 1e-4, "c.weight": 1e4, "d.weight": 1e-4}
@@ -253,13 +281,13 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("terngrad").parts_format and not gradzip.codec("terngrad", bucket_size=64).parts_format
     assert gradzip.codec("signsgd").fusion_block() == 8  # a bit a value, a vote a value
     assert gradzip.codec("tbq").fusion_block() == 4  # a code a value, τ shared: whole bytes of codes
-    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (PowerSGD, EF-signSGD, 1-bit SGD: by parts)
+    for name in ("topk", "powersgd", "natural", "signum", "efsignsgd", "onebit"):  # (all but top-k and Signum: by parts)
         assert gradzip.codec(name).fusion_block() == 0
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "natural"))
-    for name in ("efsignsgd", "onebit", "terngrad"):  # a scale or means a member, by blocks of members
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "signum"))
+    for name in ("efsignsgd", "onebit", "terngrad", "natural"):  # a scale or means a member, by blocks of members
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
 
 

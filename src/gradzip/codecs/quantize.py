@@ -320,6 +320,15 @@ _INF = 0x7F800000  # fp32 bits of +inf
 _MANT = 1 << 23  # one unit of the fp32 exponent field
 
 
+def _header_of(largest: torch.Tensor) -> torch.Tensor:
+    """Natural compression's int32 headers from max|x| (fp32, one or one a member): the biased
+    exponent rounded up; 256 (one past inf's) where a value is non-finite (NaN's bits, above
+    inf's, are clamped to inf's: it is sent as inf), so the decoder tells 2**128 (a finite value
+    rounded up: saturates) from inf."""
+    bits = (largest.view(torch.int32) & _MAG).clamp_(max=_INF)
+    return ((bits + (_MANT - 1)) >> 23).add_((bits >= _INF).to(torch.int32))
+
+
 @register_codec
 class Natural(Codec):
     """Natural compression (Horváth et al., Natural Compression for Distributed Deep Learning,
@@ -345,6 +354,14 @@ class Natural(Codec):
     Options: ``seed`` (private rounding stream). Collectives: ``allgather`` (default) or ``sra``.
     Default memory: ``none`` (unbiased).
 
+    A fused group on the all-gather is one call
+    (:attr:`~gradzip.codecs.base.Codec.parts_format`): its members start on blocks of
+    :data:`~gradzip.codecs.base.PART_ALIGN` values and each keeps its own header (from its
+    blocks' maxima: exactly the header it has alone), the payload carrying one int32 a member;
+    the codes and the decode are one pass each, every block under its member's header; the
+    draws are the group's. A header is 256 exactly where its values held NaN or ±inf: the
+    headers are the non-finite flag.
+
     Speed on CUDA: the header is one min/max pass, then one Triton pass makes each value's
     23-bit draw from the counter hash of its index (``counter_uniform``'s top bits) and turns
     the values' bits and the draws into codes; decode is one pass of the table kernel over a
@@ -363,23 +380,37 @@ class Natural(Codec):
     options = {"seed": SEED}
 
     _CODES = 127  # exponent codes 1..127 below the header exponent; 0 is zero
+    parts_format = True  # a fused group: one call, a header a member
+
+    def fused_alignment(self) -> int:
+        return PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         xf = x.float().contiguous()
+        if meta.parts is not None:  # each member's header from its blocks' maxima (exact), one pass of codes
+            units = part_units(meta.parts, 0, x.device)
+            top = _header_of(units.maxima(_block_maxima(xf.view(-1, PART_ALIGN))))
+            codes = fused.natural_codes(xf.view(torch.int32), self._key(), top.index_select(0, units.of_block), PART_ALIGN)
+            return [codes, top]
         lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
-        # the bits of max|x| (NaN's bits, above inf's, clamped to inf's: it is sent as inf)
-        largest = (torch.maximum(-lo, hi).reshape(1).view(torch.int32) & _MAG).clamp_(max=_INF)
-        # biased exponent of max|x|, rounded up; 256 (one past inf's) when a value is non-finite,
-        # so the decoder tells 2**128 (a finite value rounded up: saturates) from inf
-        top = ((largest + (_MANT - 1)) >> 23).add_((largest >= _INF).to(torch.int32))
+        top = _header_of(torch.maximum(-lo, hi).reshape(1))
         # then one pass (a Triton kernel on CUDA, which makes the counter draws itself) from
         # bits, draws and header to the codes
         return [fused.natural_codes(xf.view(torch.int32), self._key(), top), top]
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        # a header is 256 exactly where its values held NaN or ±inf
+        if len(payload.tensors) != 2:
+            return None
+        return (payload.tensors[1] > 255).any()
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,
     ) -> torch.Tensor:
         codes, top = tensors
+        if meta.parts is not None:  # one pass, each block under its member's header
+            per_block = top.index_select(0, part_units(meta.parts, 0, codes.device).of_block)
+            return fused.natural_decode(codes, per_block, PART_ALIGN, numel, out, accumulate)
         # the 256 values a byte can mean under this header, then one lookup per element
         byte = torch.arange(256, device=codes.device, dtype=torch.int32)
         code = byte & self._CODES

@@ -281,20 +281,45 @@ def piece_length(x: torch.Tensor) -> int:
     return TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
 
 
-def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:
     """Natural compression's codes, value ``i`` rounded with the 23-bit draw of
-    ``counter_uniform(i, key)`` (``reference.natural_draws``); the torch version piece by piece
-    (:data:`TORCH_PIECE` values)."""
+    ``counter_uniform(i, key)`` (``reference.natural_draws``) under header ``top``: one, or one
+    for each ``bucket`` values; the torch version piece by piece (:data:`TORCH_PIECE` values)."""
     impl = _gpu_or_reference(bits)
     if impl is not reference:
-        return impl.natural_codes(bits, key, top)
+        return impl.natural_codes(bits, key, top, bucket)
     n = bits.numel()
     out = torch.empty(n, dtype=torch.uint8, device=bits.device)
     step = piece_length(bits)
     for a in range(0, n, step):  # (each piece's draws on their own: no tensor of every draw)
         b = min(a + step, n)
-        out[a:b] = reference.natural_codes(bits[a:b], reference.natural_draws(uniform(b - a, key, bits.device, a)), top)
+        draws = reference.natural_draws(uniform(b - a, key, bits.device, a))
+        out[a:b] = reference.natural_codes(bits[a:b], draws, _per_value(top, bucket, a, b))
     return out
+
+
+def natural_decode(codes: torch.Tensor, top: torch.Tensor, bucket: int, numel: int, out=None,
+                   accumulate: bool = False) -> torch.Tensor:
+    """Natural compression's values under header ``top`` (one, or one for each ``bucket``
+    values; ``reference.natural_decode``); the torch version piece by piece on the CPU."""
+    impl = _gpu_or_reference(codes)
+    if impl is not reference:
+        return _decode_via(impl, out, accumulate, lambda o, a: impl.natural_decode(codes, top, bucket, numel, o, a))
+    if out is None:
+        out, accumulate = torch.empty(numel, dtype=torch.float32, device=codes.device), False
+    flat, step = out.view(-1), piece_length(codes)
+    for a in range(0, numel, step):
+        b = min(a + step, numel)
+        reference.natural_decode(codes.reshape(-1)[a:b], _per_value(top, bucket, a, b), b - a, flat[a:b], accumulate)
+    return out
+
+
+def _per_value(top: torch.Tensor, bucket: int, a: int, b: int) -> torch.Tensor:
+    """The headers of values ``a`` to ``b``: the one header, or each value's bucket's."""
+    top = top.reshape(-1)
+    if top.numel() == 1 or bucket <= 0:
+        return top[:1]
+    return top[torch.arange(a, b, device=top.device) // bucket]
 
 
 def u8bit_codes(

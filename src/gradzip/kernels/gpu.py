@@ -395,15 +395,24 @@ def _ternary_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
-def _natural_codes_kernel(bits_ptr, top_ptr, out_ptr, numel, key, BLOCK: tl.constexpr):
-    """Natural compression's byte per value, integer for integer the reference's; the 23-bit
-    draw of value ``i`` is ``counter_uniform``'s times 2**23 (exact: its top 23 bits)."""
+def _header(top_ptr, offs, valid, SHIFT: tl.constexpr):
+    """Natural compression's header of each value: the one at ``top_ptr`` (``SHIFT`` < 0), else
+    that of its bucket of ``2**SHIFT`` values."""
+    if SHIFT < 0:
+        return tl.load(top_ptr)
+    return tl.load(top_ptr + (offs >> SHIFT), mask=valid, other=0)
+
+
+def _natural_codes_kernel(bits_ptr, top_ptr, out_ptr, numel, key, BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    """Natural compression's byte per value, integer for integer the reference's, under its
+    header (:func:`_header`); the 23-bit draw of value ``i`` is ``counter_uniform``'s times
+    2**23 (exact: its top 23 bits)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
     bits = tl.load(bits_ptr + offs, mask=valid, other=0)
     mag = tl.minimum(bits & 0x7FFFFFFF, 0x7F800000)
     rand = (_uniform(offs, tl.cast(key, tl.uint32, bitcast=True)) * 8388608.0).to(tl.int32)
-    first = tl.load(top_ptr) - 126
+    first = _header(top_ptr, offs, valid, SHIFT) - 126
     rounded = (mag + rand) >> 23
     code_in = tl.where(rounded > 0, rounded - (first - 1), 0)
     scale = (tl.minimum(tl.maximum(254 - first, 1), 254) << 23).to(tl.float32, bitcast=True)
@@ -412,6 +421,22 @@ def _natural_codes_kernel(bits_ptr, top_ptr, out_ptr, numel, key, BLOCK: tl.cons
     code = tl.where((mag >> 23) >= first, code_in, code_under)
     sign = ((bits < 0) & (code > 0)).to(tl.int32) << 7
     tl.store(out_ptr + offs, (code | sign).to(tl.uint8), mask=valid)
+
+
+def _natural_decode_kernel(
+    codes_ptr, top_ptr, out_ptr, numel, BLOCK: tl.constexpr, SHIFT: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """``±2**(top − 254 + c)`` of each byte under its header (:func:`_header`;
+    ``reference.natural_decode``, integer for integer), stored or added into ``out``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    c = tl.load(codes_ptr + offs, mask=valid, other=0).to(tl.int32)
+    top = _header(top_ptr, offs, valid, SHIFT)
+    code = c & 127
+    field = tl.minimum(tl.maximum(code + (top - 127), 0), 255) << 23
+    field = tl.minimum(field, tl.where(top <= 255, 0x7F7FFFFF, 0x7F800000))
+    bits = tl.where(code > 0, field, 0) | ((c >> 7) << 31)
+    _store_decoded(out_ptr, offs, bits.to(tl.float32, bitcast=True), valid, ACCUMULATE)
 
 
 def _u8bit_codes_kernel(x_ptr, inv_ptr, mids_ptr, lut_ptr, out_ptr, numel, bucket, BLOCK: tl.constexpr):
@@ -740,7 +765,7 @@ _JIT = (
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
     "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_uniform_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
-    "_natural_codes_kernel",
+    "_header", "_natural_codes_kernel", "_natural_decode_kernel",
     "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
@@ -1154,19 +1179,55 @@ def _bucket_decode(
     return out
 
 
-def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:
     """Natural compression's codes in one pass, the draws made in the kernel (see
-    ``reference.natural_codes`` and ``reference.natural_draws``)."""
+    ``reference.natural_codes`` and ``reference.natural_draws``), under header ``top``: one, or
+    one for each ``bucket`` values."""
     _require()
     bits = bits.reshape(-1).contiguous()
     numel = bits.numel()
+    top = _headers(top, bucket, numel, bits.device)
     out = torch.empty(numel, dtype=torch.uint8, device=bits.device)
     if numel:
         _launch(
-            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits,
-            top.reshape(-1).to(torch.int32).contiguous(), out, numel, _key32(key), BLOCK=_SIGN_BLOCK, num_warps=_WARPS,
+            _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, top, out, numel, _key32(key),
+            BLOCK=_SIGN_BLOCK, SHIFT=_shift_of(top, bucket), num_warps=_WARPS,
         )
     return out
+
+
+def natural_decode(
+    codes: torch.Tensor, top: torch.Tensor, bucket: int, numel: int,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """Natural compression's fp32 values in one pass (see ``reference.natural_decode``), under
+    header ``top``: one, or one for each ``bucket`` values."""
+    _require()
+    codes = codes.reshape(-1).contiguous()
+    top = _headers(top, bucket, numel, codes.device)
+    out = _output(out, numel, codes.device, accumulate)
+    if numel:
+        _launch(
+            _natural_decode_kernel, (-(-numel // _SIGN_BLOCK),), codes.device, codes, top, out, numel,
+            BLOCK=_SIGN_BLOCK, SHIFT=_shift_of(top, bucket), ACCUMULATE=accumulate, num_warps=_WARPS,
+        )
+    return out
+
+
+def _headers(top: torch.Tensor, bucket: int, numel: int, device: torch.device) -> torch.Tensor:
+    """Natural compression's headers as the kernels read them: int32, contiguous, on ``device``,
+    one, or one a bucket of ``bucket`` values, a power of two (checked: a kernel reads them
+    unchecked)."""
+    top = top.reshape(-1).to(device=device, dtype=torch.int32).contiguous()
+    if top.numel() != 1 and (bucket <= 0 or bucket & (bucket - 1) or top.numel() < -(-numel // bucket)):
+        raise ValueError(f"top: one header, or one for each of the {numel} values' buckets of {bucket} "
+                         "(a power of two)")
+    return top
+
+
+def _shift_of(top: torch.Tensor, bucket: int) -> int:
+    """The kernels' ``SHIFT``: -1 for one header, else log2 of the bucket."""
+    return -1 if top.numel() == 1 else bucket.bit_length() - 1
 
 
 def u8bit_codes(

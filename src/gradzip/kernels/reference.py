@@ -207,8 +207,9 @@ def natural_draws(uniform: torch.Tensor) -> torch.Tensor:
 
 def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """Natural compression's byte per value (``Natural._encode``): ``bits`` the fp32 values' bits
-    (int32), ``rand`` draws in [0, 2**23), ``top`` the header exponent. Code ``c`` in 1..127
-    means exponent field ``top − 127 + c``; the sign in bit 7. A NaN is coded as an infinity."""
+    (int32), ``rand`` draws in [0, 2**23), ``top`` the header exponent (one, or one a value).
+    Code ``c`` in 1..127 means exponent field ``top − 127 + c``; the sign in bit 7. A NaN is
+    coded as an infinity."""
     mag = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)  # the magnitude's bits, NaN as inf
     first = top - 126  # biased exponent of code 1
     rounded = (mag + rand) >> 23  # exponent field after stochastic rounding, 0 (zero) .. 255
@@ -220,6 +221,21 @@ def natural_codes(bits: torch.Tensor, rand: torch.Tensor, top: torch.Tensor) -> 
     code = torch.where((mag >> 23) >= first, code_in, code_under)
     sign = ((bits < 0) & (code > 0)).to(torch.int32) << 7
     return (code | sign).to(torch.uint8)
+
+
+def natural_decode(
+    codes: torch.Tensor, top: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 values of natural compression's bytes under the header exponent ``top`` (int32, one
+    or one a value), into ``out`` if given: ``±2**(top − 254 + c)`` for code ``c`` in 1..127 (the
+    exponent field clamped to 0..255; a finite header's 2**128 is the largest fp32, as
+    ``Natural._decode_to``'s table has it), 0 for code 0."""
+    c = codes.reshape(-1)[:numel].to(torch.int32)
+    code = c & 127
+    field = (code + (top - 127)).clamp(0, 255) << 23
+    field = torch.minimum(field, torch.where(top <= 255, 0x7F7FFFFF, 0x7F800000).to(torch.int32))
+    bits = torch.where(code > 0, field, 0) | ((c >> 7) << 31)
+    return store(bits.view(torch.float32), out, accumulate)
 
 
 def u8bit_codes(
