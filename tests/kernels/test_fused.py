@@ -434,6 +434,20 @@ def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeyp
     with LargestMade({torch.float32, torch.int32, torch.int64}) as made:  # (the codes, uint8, are the result)
         assert torch.equal(fused.natural_codes(bits, 99, top), whole)
     assert made.numel <= 1000 < n, made.numel  # each piece's draws and temporaries
+    # a header a bucket of 256 values (a fused group's members), the codes and their decode
+    tops = torch.randint(100, 160, (-(-n // 256),), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    tops[-1] = 256  # a bucket that held a non-finite value
+    per_value = tops.repeat_interleave(256)[:n]
+    whole = ref.natural_codes(bits, ref.natural_draws(fused.uniform(n, 99, x.device)), per_value)
+    codes = fused.natural_codes(bits, 99, tops, 256)
+    assert torch.equal(codes, whole)
+    decoded, got = ref.natural_decode(codes, per_value, n), torch.empty(n)
+    with LargestMade({torch.float32, torch.int32, torch.int64}) as made:
+        fused.natural_decode(codes, tops, 256, n, out=got)
+    assert torch.equal(got.view(torch.int32), decoded.view(torch.int32)) and made.numel <= 1000, made.numel
+    base = _x(n, 4)
+    acc = fused.natural_decode(codes, tops, 256, n, out=base.clone(), accumulate=True)
+    assert torch.equal(acc.view(torch.int32), (base + decoded).view(torch.int32))
     _, mids, lut = _u8_tables(x.device)
     for bucket in (64, 300, n):
         rows = -(-n // bucket)
