@@ -80,7 +80,7 @@ def test_powersgd_over_nccl_on_one_gpu():
 
 
 @pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none"),
-                                          ("natural", "none")])
+                                          ("natural", "none"), ("signum", "none")])
 def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
     """EF-signSGD, 1-bit SGD, TernGrad and natural compression encode a fused group in one call on CUDA: block
     statistics, one segmented reduction, one decode; over NCCL on one GPU and over gloo on two

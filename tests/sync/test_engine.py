@@ -171,22 +171,25 @@ def _parts_ops(rank: int, world: int, name: str) -> dict:
             buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
             with _Ops() as ops:
                 drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+            if ops.work["zero_"] == 1:  # the message's padding to a whole word: the group's byte count, not its members
+                del ops.work["zero_"]
             counts.append(ops.work)
         out[count] = counts[1:]
         comm.close()
     return out
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "terngrad", "natural"])
+@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "terngrad", "natural", "signum"])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name):
-    """EF-signSGD and 1-bit SGD on the accelerator's path: a group's statistics by blocks and
-    one segmented sum, one decode, so 32 members cost what 4 cost, and no value is read back
-    to the host."""
+    """The codecs that take a group by its parts, on the accelerator's path: a group's
+    statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
+    decode, so 32 members cost what 4 cost, and no value is read back to the host."""
     for res in run_workers(_parts_ops, 2, name):
         few, many = res[8], res[64]
         assert few == many and few[0] == few[1], (few, many)
         ops = few[0]
-        assert ops["_local_scalar_dense"] == 0 and ops["segment_reduce"] >= 1, ops
+        assert ops["_local_scalar_dense"] == 0, ops
+        assert ops["segment_reduce"] >= 1 or name == "signum", ops  # (Signum's momentum needs no statistics)
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

@@ -204,6 +204,49 @@ def test_natural_compression_sends_a_group_as_one_payload_with_each_members_own_
         assert res["calls"] == 2, res["calls"]
 
 
+def _signum_fused_and_alone(rank: int, world: int) -> Dict[str, object]:
+    names = list(SHAPES)
+    comms = {"fused": gradzip.Communicator("signum", fusion=True), "alone": gradzip.Communicator("signum", fusion=False)}
+    calls = {}
+    for key, comm in comms.items():
+        encode, count = comm.codec.encode, [0]
+        comm.codec.encode = lambda *args, _e=encode, _c=count, **kw: (_c.__setitem__(0, _c[0] + 1), _e(*args, **kw))[1]
+        calls[key] = count
+    same = []
+    for step in range(3):
+        grads = _grads(rank + 10 * step)
+        got = {key: _reduce(comm, grads, names) for key, comm in comms.items()}
+        same.append(all(torch.equal(a, b) for a, b in zip(got["fused"], got["alone"])))
+        if step == 1:  # a checkpoint taken and loaded mid-run (the group's buffer is made again from it)
+            state = comms["fused"].codec.state_dict()
+            comms["fused"].codec.load_state_dict(state)
+    momenta = {key: comm.codec.state_dict()["momentum"] for key, comm in comms.items()}
+    # a non-finite value in one member on the last rank: one flag covers the group there, so
+    # every member keeps its momentum (alone, only that member would)
+    grads = _grads(rank + 30)
+    if rank == world - 1:
+        grads[1][5] = float("nan")
+    _reduce(comms["fused"], grads, names)
+    after = comms["fused"].codec.state_dict()["momentum"]
+    for comm in comms.values():
+        comm.close()
+    return {"same": same, "calls": (calls["fused"][0], calls["alone"][0]),
+            "momenta": sorted(momenta["fused"]) == sorted(names)
+            and all(torch.equal(momenta["fused"][n], momenta["alone"][n]) for n in names),
+            "kept": all(torch.equal(after[n], momenta["fused"][n]) for n in names) == (rank == world - 1)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_signum_sends_a_group_as_one_payload_with_each_members_own_momentum(world):
+    """Signum by its parts: the group's momenta in one buffer, each member's a view kept under
+    its name; votes and momenta are those of the members one at a time, through a checkpoint
+    loaded mid-run, and a group is one encode a step; a non-finite value in one member keeps
+    the group's momenta on its rank (one flag a group, as for every fused group)."""
+    for res in run_workers(_signum_fused_and_alone, world):
+        assert all(res["same"]) and res["momenta"] and res["kept"], res
+        assert res["calls"] == (4, 3 * len(SHAPES)), res["calls"]
+
+
 def _blocks_stay_within_tensors(rank: int, world: int, collective: str) -> Dict[str, float]:
     # a tiny gradient next to huge ones: a block shared with a huge neighbour would lose it
     scales = {"a.weight": 1e4, "b.weight": 1e-4, "c.weight": 1e4, "d.weight": 1e-4}
@@ -286,7 +329,8 @@ def test_codecs_that_are_per_tensor_say_so():
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "signum"))
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "randomk"))
+    assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8
     for name in ("efsignsgd", "onebit", "terngrad", "natural"):  # a scale or means a member, by blocks of members
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
 

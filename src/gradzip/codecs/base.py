@@ -439,7 +439,9 @@ class Codec(Configurable):
         """
         state: Dict[str, Any] = {"calls": dict(self._calls)}
         if self.tensor_state:
-            state[self.tensor_state] = {k: v.cpu() for k, v in getattr(self, f"_{self.tensor_state}").items()}
+            # copies: a codec may update its state in place (Signum's fused groups' momenta)
+            state[self.tensor_state] = {k: v.detach().to("cpu", copy=True)
+                                        for k, v in getattr(self, f"_{self.tensor_state}").items()}
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -349,6 +349,12 @@ class Signum(SignSGD):
     Options: ``momentum`` (β, default 0.9, in [0, 1)). Wire: ``ceil(numel / 8)`` bytes.
     Collective: ``allgather``. Default memory: ``none`` (the momentum is the codec's own state).
 
+    A fused group is one call (:attr:`~gradzip.codecs.base.Codec.parts_format`): the group's
+    momenta live in one buffer whose views are the members' entries (by name, as checkpoints
+    keep them), updated by the same operations on each value, so the votes are the members'
+    alone; one non-finite flag covers the group, so a NaN in one member keeps every member's
+    momentum on that rank.
+
     Speed on CUDA: the momentum update is torch operations before signSGD's one-pass kernel. An
     H200 encoded at 17% and decoded at 94% of a device copy (``gradzip bench codecs --device
     cuda --numel 67108864``, each call's host work included).
@@ -361,15 +367,27 @@ class Signum(SignSGD):
     options = {"momentum": Option(0.9, _momentum_value, "a float in [0, 1)", "momentum factor β")}
     tensor_state = "momentum"
 
+    parts_format = True  # a fused group: one call, the members' momenta views of one buffer
+
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
         self._momentum: Dict[str, torch.Tensor] = {}  # saved by Codec.state_dict (tensor_state)
+        # a fused group's momentum buffer and its members' views (the entries of ``_momentum``)
+        self._group_momenta: Dict[Tuple[Tuple[str, torch.Size], ...], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
 
     def fusion_block(self) -> int:
-        return 0  # the momentum is kept per parameter name: one tensor a call
+        return 0  # the momentum is kept per parameter name: a fused group by its parts
+
+    def fused_alignment(self) -> int:
+        return 8  # whole bytes of sign bits
 
     def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         g = x.float()
+        if meta.parts is not None:  # the group's momentum in one buffer: the same operations on each value
+            old = self._group_momentum(meta.parts, g)
+            m = torch.mul(old, self.momentum).add_(g, alpha=1.0 - self.momentum)  # (one temporary of the group's size)
+            torch.where(all_finite(g), m, old, out=old)  # (each member's momentum a view of it)
+            return [fused.sign_encode(m, None if out is None else out[0])]
         old = self._momentum.get(meta.name)
         if old is None or old.shape != g.shape:
             old = torch.zeros_like(g)
@@ -379,4 +397,32 @@ class Signum(SignSGD):
         finite = all_finite(g)  # 0-dim, on device: a NaN/Inf step keeps the old momentum
         self._momentum[meta.name] = torch.where(finite, m, old)
         return [fused.sign_encode(m, None if out is None else out[0])]
+
+    def _group_momentum(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> torch.Tensor:
+        """The fused group's momentum buffer (fp32, the group's length, zeros in the padding),
+        whose views are its members' momenta in ``_momentum`` (flat, as a tensor alone keeps
+        it): kept while they are, else made from them (a member exchanged alone since, a state
+        loaded, a new group), and any other buffer holding one of these members dropped."""
+        kept = self._group_momenta.get(parts)
+        if kept is not None and kept[0].device == g.device and all(
+            self._momentum.get(name) is view for (name, _), view in zip(parts, kept[1])
+        ):
+            return kept[0]
+        names = {name for name, _ in parts}
+        self._group_momenta = {k: v for k, v in self._group_momenta.items() if not names & {n for n, _ in k}}
+        flat = torch.zeros(g.numel(), dtype=torch.float32, device=g.device)
+        views = []
+        for (name, shape), (a, n) in zip(parts, part_spans(parts, self.fused_alignment())):
+            view = flat[a : a + n]
+            old = self._momentum.get(name)
+            if old is not None and old.numel() == n:
+                view.copy_(old.reshape(-1))
+            self._momentum[name] = view
+            views.append(view)
+        self._group_momenta[parts] = (flat, views)
+        return flat
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._group_momenta.clear()  # (made again from the loaded momenta)
 
