@@ -562,3 +562,15 @@ def test_a_group_whose_whole_chunks_would_take_a_larger_buffer_keeps_its_length(
     length and the SRA pads its last chunk by a copy instead."""
     for res in run_workers(_layout_at_a_class_boundary, 3):
         assert res["totals"] == [4 * 128 * 128]
+
+
+def test_codecs_fused_later_record_fusion_only_when_off():
+    """Checkpoints saved before signSGD, TBQ and the codecs taken by their parts were fused hold
+    no ``fusion`` setting: those record it only when it is off (ranks that disagree are still
+    told apart), while max-min records it either way, as it always did."""
+    for name, fusion, recorded in [("signsgd", True, None), ("tbq", True, None), ("efsignsgd", True, None),
+                                   ("signsgd", False, False), ("efsignsgd", False, False),
+                                   ("maxmin", True, True), ("maxmin", False, False)]:
+        comm = gradzip.Communicator(name, fusion=fusion)
+        assert comm.settings().get("fusion") == recorded, (name, fusion)
+        comm.close()

@@ -114,7 +114,7 @@ def _parts_of(parts: Optional[Sequence[Tuple[str, Sequence[int]]]], numel: int, 
         return _checked_parts.__wrapped__(tuple((n, tuple(s)) for n, s in parts), numel, align)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _checked_parts(parts: Tuple[Tuple[str, Sequence[int]], ...], numel: int, align: int,
                    ) -> Tuple[Tuple[str, torch.Size], ...]:
     out = tuple((str(name), torch.Size(shape)) for name, shape in parts)
@@ -149,7 +149,7 @@ class PartUnits:
         lengths = torch.tensor(blocks, dtype=torch.long)
         self.lengths = lengths.to(device)
         # (made on the host, whose lengths say its size, and copied: no read back from a device)
-        self.of_block = torch.repeat_interleave(torch.arange(len(blocks)), lengths).to(device)
+        self.of_block = torch.repeat_interleave(torch.arange(len(blocks), dtype=torch.int32), lengths).to(device)
         self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
         self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
         self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
@@ -165,7 +165,7 @@ class PartUnits:
         return torch.segment_reduce(per_block, "max", lengths=self.lengths, unsafe=True, initial=0.0)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)  # (a group each: exchanged in the same order every step, so well above their count)
 def part_units(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> PartUnits:
     return PartUnits(parts, size, device)
 
@@ -181,7 +181,7 @@ def stats_nonfinite(payload: Payload, stats: int) -> Optional[torch.Tensor]:
     return payload.tensors[stats].mul(0).sum() != 0
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def part_spans(parts: Tuple[Tuple[str, torch.Size], ...], align: int) -> Tuple[Tuple[int, int], ...]:
     """``(start, numel)`` of each of :attr:`Meta.parts` in the fused input: each starts on a
     multiple of ``align`` (the codec's :meth:`Codec.fused_alignment`), as the engine lays them out."""
@@ -252,6 +252,9 @@ class Codec(Configurable):
     # it needs each tensor's shape (PowerSGD factorises matrices): a flat share of a node's sum
     # is sent as it is, so its compressed exchange stays flat across nodes
     needs_shapes: ClassVar[bool] = False
+    # the communicator's settings record ``fusion`` when on too (False: only when off, for a
+    # codec fused later, whose older checkpoints hold no ``fusion``)
+    records_fusion: ClassVar[bool] = True
     options: ClassVar[Dict[str, Option]] = {}
 
     def __init__(self, **opts: Any) -> None:

@@ -802,6 +802,8 @@ class TBQ(Codec):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 2)
 
+    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
+
     def fusion_block(self) -> int:
         """A value's code depends on the value alone (``τ`` is every rank's option): a gradient
         that starts on a whole byte of codes (4 values) is sent exactly as alone, so a group is

@@ -66,6 +66,8 @@ class SignSGD(Codec):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 1)
 
+    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
+
     def fusion_block(self) -> int:
         """A value's bit depends on the value alone and the vote is taken value by value: a
         gradient that starts on a whole byte of the fused buffer is sent and voted on exactly

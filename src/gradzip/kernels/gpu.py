@@ -397,10 +397,13 @@ def _ternary_decode_kernel(
 
 def _header(top_ptr, offs, valid, SHIFT: tl.constexpr):
     """Natural compression's header of each value: the one at ``top_ptr`` (``SHIFT`` < 0), else
-    that of its bucket of ``2**SHIFT`` values."""
+    that of its bucket of ``2**SHIFT`` values. (One load of one type either way: compiled Triton
+    types both branches' returns, which a scalar and a vector would not share.)"""
     if SHIFT < 0:
-        return tl.load(top_ptr)
-    return tl.load(top_ptr + (offs >> SHIFT), mask=valid, other=0)
+        at = offs * 0
+    else:
+        at = offs >> SHIFT
+    return tl.load(top_ptr + at, mask=valid, other=0)
 
 
 def _natural_codes_kernel(bits_ptr, top_ptr, out_ptr, numel, key, BLOCK: tl.constexpr, SHIFT: tl.constexpr):

@@ -402,9 +402,11 @@ class Communicator:
         out.update({f"memory.{k}": v for k, v in self.memory.config().items()})
         out["collective"] = self.collective_name
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
-        if self.codec.fusion_block() > 0 or (self.codec.parts_format and not self.fusion):
-            # (a codec fused by its parts records only the non-default: checkpoints saved before
-            # it was fused still load)
+        if (self.codec.fusion_block() > 0 or self.codec.parts_format) and (
+            not self.fusion or (self.codec.fusion_block() > 0 and self.codec.records_fusion)
+        ):
+            # (a codec fused by its parts, or fused later, records only the non-default:
+            # checkpoints saved before it was fused still load)
             out["fusion"] = self.fusion
         if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
             out["hierarchy"] = self._hierarchy
