@@ -125,13 +125,14 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     (2, True, "efsignsgd", {}), (3, True, "efsignsgd", {}), (2, False, "efsignsgd", {}),
     (2, True, "onebit", {}), (3, False, "onebit", {}), (2, False, "onebit", {"bucket_size": 512}),
     (2, False, "onebit", {"bucket_size": 100}),  # (buckets that are not whole blocks: member by member)
+    (2, True, "topk", {"ratio": 0.05}), (3, True, "topk", {"ratio": 0.05}),  # (each member's own selection)
 ])
-def test_sign_codecs_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
-    """EF-signSGD and 1-bit SGD: a fused group is one encode and one all-gather, each member's
-    scale or bucket means its own; the averages and the residuals are those of the members one
-    at a time (on the CPU's way bit for bit by construction; on the accelerator's, block sums
-    added per member, the same here), and a NaN in one member poisons the group and keeps every
-    residual."""
+def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
+    """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
+    member's scale, bucket means or selection its own; the averages and the residuals are those
+    of the members one at a time (on the CPU's way bit for bit by construction; on the
+    accelerator's, block sums added per member, the same here; top-k's selections are exact),
+    and a NaN in one member poisons the group and keeps every residual."""
     for res in run_workers(_by_parts_fused_and_alone, world, in_turn, name, opts):
         assert res["same"] and res["residuals"] and res["identical"], res
         assert res["nan"] and res["kept"], res
@@ -329,7 +330,8 @@ def test_codecs_that_are_per_tensor_say_so():
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("topk", "randomk"))
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("randomk", "threshold"))
+    assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8
     for name in ("efsignsgd", "onebit", "terngrad", "natural"):  # a scale or means a member, by blocks of members
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format

@@ -39,6 +39,7 @@ from .base import (
     empty_result,
     float_in,
     int_in,
+    part_spans,
     raw_bytes,
     saturate,
 )
@@ -133,6 +134,11 @@ class TopK(_ValuesIndices):
     magnitudes' bits: histograms, then the survivors), so encoding cannot run at the speed of a
     copy; on an H100 it reached 11–13% of a device copy (decode, a scatter, 51–56%), on an H200
     9% (54%).
+
+    A fused group on the all-gather is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`):
+    each member's own ``k`` largest (the selection it has alone), their indices in the group,
+    one all-gather and one scatter-add a rank; the selections are still made member by member
+    (a radix select each).
     """
 
     name = "topk"
@@ -141,8 +147,13 @@ class TopK(_ValuesIndices):
     collectives = ("allgather",)
     default_memory = "residual"
     options = {"ratio": RATIO}
+    parts_format = True  # a fused group: one payload, each member's selection its own
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        if meta.parts is not None:
+            picks = [fused.topk(x[a : a + n], _k(n, self.ratio))[1].add_(a)
+                     for a, n in part_spans(meta.parts, self.fused_alignment()) if n]
+            return self._payload(x, torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=x.device))
         _, idx = fused.topk(x, _k(x.numel(), self.ratio))
         return self._payload(x, idx)
 
