@@ -66,7 +66,8 @@ else
         --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
     # the codecs that take a group by its parts or were fused late: what each adds to a step
     step overhead-groups 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
-        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk --json "$out/overhead-groups.json"
+        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk,randomk \
+        --json "$out/overhead-groups.json"
     step traces 600 $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
         --steps 4 --trace "$out/traces"
     step traces-2ranks 600 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \

@@ -80,7 +80,8 @@ def test_powersgd_over_nccl_on_one_gpu():
 
 
 @pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none"),
-                                          ("natural", "none"), ("signum", "none"), ("topk", "residual")])
+                                          ("natural", "none"), ("signum", "none"), ("topk", "residual"),
+                                          ("randomk", "residual")])
 def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
     """The codecs that take a fused group by its parts (EF-signSGD, 1-bit SGD, TernGrad, natural
     compression, Signum, top-k) on CUDA: one call a group; over NCCL on one GPU and over gloo on

@@ -126,6 +126,10 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     (2, True, "onebit", {}), (3, False, "onebit", {}), (2, False, "onebit", {"bucket_size": 512}),
     (2, False, "onebit", {"bucket_size": 100}),  # (buckets that are not whole blocks: member by member)
     (2, True, "topk", {"ratio": 0.05}), (3, True, "topk", {"ratio": 0.05}),  # (each member's own selection)
+    # (random-k: each member's own draws; at 3 ranks gloo's all-reduce orders a value's sum by its
+    # place in the buffer, so bit for bit at 2)
+    (2, True, "randomk", {"ratio": 0.05}), (2, True, "randomk", {"ratio": 0.05, "scale": True}),
+    (2, True, "randomk", {"ratio": 0.05, "collective": "allgather"}),
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
     """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
@@ -330,7 +334,8 @@ def test_codecs_that_are_per_tensor_say_so():
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("randomk", "threshold"))
+    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("dgc", "threshold"))
+    assert gradzip.codec("randomk").parts_format and gradzip.codec("randomk").fused_alignment() == 1
     assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8
     for name in ("efsignsgd", "onebit", "terngrad", "natural"):  # a scale or means a member, by blocks of members

@@ -173,6 +173,10 @@ class RandomK(Codec):
     finite value); the default error feedback keeps what was not sent.
 
     Options: ``ratio`` (default 0.01), ``seed``, ``scale`` (default False).
+
+    A fused group is one call (:attr:`~gradzip.codecs.base.Codec.parts_format`): each member's
+    indices are drawn as alone (its name, its size), shifted to its place in the group, and the
+    group's values are gathered, summed and scattered once: the bits of one tensor at a time.
     """
 
     name = "randomk"
@@ -188,14 +192,37 @@ class RandomK(Codec):
         "scale": Option(False, lambda v: isinstance(v, bool), "True or False", "rescale by numel/k"),
     }
 
+    parts_format = True  # a fused group: one call, each member's draws its own
+
     def _indices(self, meta: Meta) -> torch.Tensor:
         idx = meta.extra.get("indices")
         if idx is None:
-            gen = shared_generator(self.seed, meta.step, meta.name, meta.device)
-            k = _k(meta.numel, self.ratio)
-            idx = torch.randint(0, meta.numel, (k,), generator=gen, device=meta.device)
+            if meta.parts is None:
+                idx = self._draw(meta.name, meta.step, meta.numel, meta.device)
+            else:  # each member's draws as alone, in its place in the group
+                spans = part_spans(meta.parts, self.fused_alignment())
+                idx = torch.cat([self._draw(name, meta.step, n, meta.device).add_(a)
+                                 for (name, _), (a, n) in zip(meta.parts, spans) if n])
             meta.extra["indices"] = idx
         return idx
+
+    def _draw(self, name: str, step: int, numel: int, device: torch.device) -> torch.Tensor:
+        """The ``k`` indices of a tensor of ``numel`` values named ``name`` at ``step``, drawn by
+        every rank alike."""
+        gen = shared_generator(self.seed, step, name, device)
+        return torch.randint(0, numel, (_k(numel, self.ratio),), generator=gen, device=device)
+
+    def _scales(self, meta: Meta) -> Optional[torch.Tensor]:
+        """With ``scale``, each drawn value's weight ``numel / k`` of its tensor (fp64, a draw
+        each) for a fused group; None for one tensor (one weight)."""
+        if meta.parts is None:
+            return None
+        weights = meta.extra.get("weights")
+        if weights is None:
+            counts = [(n, _k(n, self.ratio)) for n in (shape.numel() for _, shape in meta.parts) if n]
+            weights = torch.cat([torch.full((k,), n / k, dtype=torch.float64, device=meta.device) for n, k in counts])
+            meta.extra["weights"] = weights
+        return weights
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [x[self._indices(meta)]]
@@ -205,7 +232,9 @@ class RandomK(Codec):
         if self.scale:  # each draw adds x_j * n/k: exactly unbiased, duplicates included
             # in fp64, then saturated: x_j * n/k may exceed the range of the dtype
             wide = torch.zeros(meta.numel, dtype=torch.float64, device=values.device)
-            wide.index_add_(0, self._indices(meta), values.double(), alpha=meta.numel / values.numel())
+            weights = self._scales(meta)  # (each member's own in a group; a product, then the sums)
+            weights = meta.numel / values.numel() if weights is None else weights
+            wide.index_add_(0, self._indices(meta), values.double() * weights)
             return saturate(wide, values.dtype)
         return _scatter(values, self._indices(meta), meta.numel)
 
