@@ -210,13 +210,9 @@ def _spec_bytes(spec: List[Tuple[torch.dtype, int]]) -> int:
 
 # ============================================================================ TernGrad
 def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
-    """Each row's ``max |x|`` (a NaN stays); on the CPU a piece of rows at a time, so the
-    magnitudes are a few MB, not a copy of the group (a maximum is exact in any order)."""
-    rows, width = blocks.shape
-    step = max(1, fused.piece_length(blocks) // width)
-    if step >= rows:
-        return blocks.abs().amax(dim=1)
-    return torch.cat([blocks[r : r + step].abs().amax(dim=1) for r in range(0, rows, step)])
+    """Each row's ``max |x|`` (a NaN stays), a piece at a time on the CPU (a maximum is exact in
+    any order)."""
+    return fused.rows_reduced(blocks, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 
 def _whole_or(bucket_size: int, numel: int) -> int:

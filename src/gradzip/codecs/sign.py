@@ -4,7 +4,7 @@ One bit per element on the wire (plus a few fp32 scales for EF-signSGD and 1-bit
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -186,33 +186,15 @@ def _momentum_value(v) -> bool:
 
 
 def _side_sums(xb: torch.Tensor, **bound: float) -> torch.Tensor:
-    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero)."""
-    return _row_sums(xb, lambda piece: piece.clamp(**bound).double().sum(dim=1))
+    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero), a piece at a
+    time on the CPU (a mean is this rank's own, sent in its payload: the order of the sum changes
+    no replica)."""
+    return fused.rows_reduced(xb, lambda piece: piece.clamp(**bound).double().sum(dim=1))
 
 
 def _nonnegative_counts(xb: torch.Tensor) -> torch.Tensor:
     """Each row's count of values ``>= 0``, in fp64 (exact: a count is far below 2**53)."""
-    return _row_sums(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))
-
-
-def _row_sums(xb: torch.Tensor, sums: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``sums`` (each row's sum of a 2-D piece, fp64) of the rows of ``xb``. On the CPU a piece
-    of about :data:`fused.TORCH_PIECE` values at a time (whole rows, or a long row's pieces
-    added up), so the temporaries (a clamped copy, its fp64 conversion, a mask widened for its
-    sum) are a few MB, not several times the tensor (a mean is this rank's own, sent in its
-    payload: the order of the sum changes no replica); elsewhere in one operation."""
-    rows, width = xb.shape
-    piece = fused.piece_length(xb)
-    if rows * width <= piece:
-        return sums(xb)
-    if width <= piece:  # whole rows: each row's sum is the same operation as in one go
-        step = piece // width
-        return torch.cat([sums(xb[r : r + step]) for r in range(0, rows, step)])
-    total = torch.zeros(rows, dtype=torch.float64, device=xb.device)
-    step = max(1, piece // rows)
-    for a in range(0, width, step):
-        total += sums(xb[:, a : a + step])
-    return total
+    return fused.rows_reduced(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))
 
 
 @register_codec

@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -279,6 +279,28 @@ def piece_length(x: torch.Tensor) -> int:
     :data:`TORCH_PIECE` (a multiple of 8: whole bytes of packed bits), elsewhere all of them (a
     GPU pays a launch an operation, not the temporaries' cache misses)."""
     return TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
+
+
+def rows_reduced(xb: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor],
+                 combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.add) -> torch.Tensor:
+    """``reduce`` (each row's value of a 2-D piece: a sum, a count, a maximum) of the rows of
+    ``xb``. On the CPU a piece of about :data:`TORCH_PIECE` values at a time (whole rows, or a
+    long row's pieces combined by ``combine``, from zeros), so the temporaries (a clamped copy,
+    its fp64 conversion, a mask widened for its sum, magnitudes) are a few MB, not several times
+    the tensor; elsewhere in one operation."""
+    rows, width = xb.shape
+    piece = piece_length(xb)
+    if rows * width <= piece:
+        return reduce(xb)
+    if width <= piece:  # whole rows: each row's value is the same operation as in one go
+        step = piece // width
+        return torch.cat([reduce(xb[r : r + step]) for r in range(0, rows, step)])
+    step = max(1, piece // rows)
+    total = None
+    for a in range(0, width, step):
+        part = reduce(xb[:, a : a + step])
+        total = combine(torch.zeros_like(part) if total is None else total, part)
+    return total
 
 
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..codecs.base import part_spans
+
 MAX_PADDING = 1 / 8  # the most padding, relative to its size, a gradient may take on to join a group
 
 
@@ -95,14 +97,12 @@ class FusedLayout:
         self.order = sorted(range(len(names)), key=lambda i: names[i])
         self.names = [names[i] for i in self.order]
         self.shapes = [shapes[i] for i in self.order]
-        self.spans: List[Tuple[int, int]] = []
-        self.gaps: List[Tuple[int, int]] = []
-        total = 0
-        for shape in self.shapes:
-            n = shape.numel()
-            self.spans.append((total, n))
-            self.gaps.append((total + n, padding(n, block)))
-            total += n + padding(n, block)
+        # ``(name, shape)`` of each gradient in order, for a codec that encodes the buffer by its
+        # parts: their places are the codecs' rule (:func:`~gradzip.codecs.base.part_spans`)
+        self.parts = tuple(zip(self.names, self.shapes))
+        self.spans: List[Tuple[int, int]] = list(part_spans(self.parts, block))
+        self.gaps: List[Tuple[int, int]] = [(a + n, padding(n, block)) for a, n in self.spans]
+        total = sum(n + gap for (_, n), (_, gap) in zip(self.spans, self.gaps))
         if length is not None and self.gaps:  # zeros after the last gradient too (the collective's length)
             start, gap = self.gaps[-1]
             extra = length(total) - total
@@ -111,8 +111,6 @@ class FusedLayout:
         self.total = total
         self.key = key
         self.used = -1  # the last step that exchanged the group (the engine drops layouts left unused)
-        # ``(name, shape)`` of each gradient in order, for a codec that encodes the buffer by its parts
-        self.parts = tuple(zip(self.names, self.shapes))
         self._views: Dict[str, Tuple[Tuple[Any, ...], List[torch.Tensor]]] = {}
         self._members: Dict[int, Tuple[Tuple[str, int], ...]] = {}
 
