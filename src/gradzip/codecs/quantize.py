@@ -209,12 +209,6 @@ def _spec_bytes(spec: List[Tuple[torch.dtype, int]]) -> int:
 
 
 # ============================================================================ TernGrad
-def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
-    """Each row's ``max |x|`` (a NaN stays), a piece at a time on the CPU (a maximum is exact in
-    any order)."""
-    return fused.rows_reduced(blocks, lambda piece: piece.abs().amax(dim=1), torch.maximum)
-
-
 def _whole_or(bucket_size: int, numel: int) -> int:
     """Bucket length: ``bucket_size``, or the whole tensor when it is 0."""
     return bucket_size if bucket_size > 0 else numel
@@ -281,7 +275,7 @@ class TernGrad(Codec):
             # alone), then the codes of the whole group in one pass, each block with its member's
             units = part_units(meta.parts, 0, x.device)
             blocks = x.float().view(-1, PART_ALIGN)
-            scale = units.maxima(_block_maxima(blocks))
+            scale = units.maxima(fused.row_maxima(blocks))
             packed, _ = fused.terngrad_encode(blocks, self._key(), n, scale.index_select(0, units.of_block))
             return [packed, scale]
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
@@ -385,7 +379,7 @@ class Natural(Codec):
         xf = x.float().contiguous()
         if meta.parts is not None:  # each member's header from its blocks' maxima (exact), one pass of codes
             units = part_units(meta.parts, 0, x.device)
-            top = _header_of(units.maxima(_block_maxima(xf.view(-1, PART_ALIGN))))
+            top = _header_of(units.maxima(fused.row_maxima(xf.view(-1, PART_ALIGN))))
             codes = fused.natural_codes(xf.view(torch.int32), self._key(), top.index_select(0, units.of_block), PART_ALIGN)
             return [codes, top]
         lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
@@ -771,6 +765,7 @@ class TBQ(Codec):
     )
     collectives = ("allgather",)
     default_memory = "residual"
+    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
     options = {
         "threshold": Option(0.01, float_in(1e-30, 1e30), "a float in [1e-30, 1e30]", "the threshold τ"),
     }
@@ -797,8 +792,6 @@ class TBQ(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return packed_bytes(numel, 2)
-
-    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
 
     def fusion_block(self) -> int:
         """A value's code depends on the value alone (``τ`` is every rank's option): a gradient

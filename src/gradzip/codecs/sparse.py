@@ -22,6 +22,7 @@ pick its own, and the all-gather keeps the tensor count and dtypes it expects.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -215,14 +216,7 @@ class RandomK(Codec):
     def _scales(self, meta: Meta) -> Optional[torch.Tensor]:
         """With ``scale``, each drawn value's weight ``numel / k`` of its tensor (fp64, a draw
         each) for a fused group; None for one tensor (one weight)."""
-        if meta.parts is None:
-            return None
-        weights = meta.extra.get("weights")
-        if weights is None:
-            counts = [(n, _k(n, self.ratio)) for n in (shape.numel() for _, shape in meta.parts) if n]
-            weights = torch.cat([torch.full((k,), n / k, dtype=torch.float64, device=meta.device) for n, k in counts])
-            meta.extra["weights"] = weights
-        return weights
+        return None if meta.parts is None else _draw_weights(meta.parts, self.ratio, meta.device)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [x[self._indices(meta)]]
@@ -248,6 +242,13 @@ class RandomK(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * element_size(dtype)
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
+def _draw_weights(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> torch.Tensor:
+    """Random-k's weight ``numel / k`` of each draw of a fused group, its member's (fp64)."""
+    counts = [(n, _k(n, ratio)) for n in (shape.numel() for _, shape in parts) if n]
+    return torch.cat([torch.full((k,), n / k, dtype=torch.float64) for n, k in counts]).to(device)
 
 
 def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen: torch.Generator) -> torch.Tensor:

@@ -206,17 +206,8 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optiona
     rows, bucket = buckets.shape
     flat = buckets.reshape(-1)
     step = TORCH_PIECE
-    if scale is not None:  # given
-        pass
-    elif bucket > step:  # long buckets: each one's pieces
-        ends = [(r * bucket, (r + 1) * bucket) for r in range(rows)]
-        scale = torch.stack([
-            torch.stack([flat[a : min(a + step, end)].abs().amax() for a in range(start, end, step)]).amax()
-            for start, end in ends
-        ])
-    else:  # whole buckets at a time
-        per = max(1, step // bucket)
-        scale = torch.cat([buckets[r : r + per].abs().amax(dim=1) for r in range(0, rows, per)])
+    if scale is None:
+        scale = row_maxima(buckets)
     packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=buckets.device)
     for a in range(0, numel, step):
         b = min(a + step, numel)
@@ -301,6 +292,12 @@ def rows_reduced(xb: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor
         part = reduce(xb[:, a : a + step])
         total = combine(torch.zeros_like(part) if total is None else total, part)
     return total
+
+
+def row_maxima(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |x|`` (a NaN stays), a piece at a time on the CPU (a maximum is exact
+    in any order): TernGrad's scales, a fused group's block maxima."""
+    return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:
