@@ -958,13 +958,10 @@ def _into(out: Sequence[torch.Tensor] | None, device: torch.device,
 
 
 def _output(out: torch.Tensor | None, numel: int, device: torch.device, accumulate: bool) -> torch.Tensor:
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs an output tensor to add into")
-        return torch.empty(numel, dtype=torch.float32, device=device)
-    if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"out must be a contiguous fp32 tensor of {numel} values on {device}")
-    return out
+    """A decoder's fp32 output: ``out`` checked (as an encoder's, :func:`_into`) where given."""
+    if out is None and accumulate:
+        raise ValueError("accumulate=True needs an output tensor to add into")
+    return _into(None if out is None else (out,), device, (numel, torch.float32))[0]
 
 
 # ------------------------------------------------------------------------------------ public API
