@@ -157,11 +157,8 @@ def _mean_magnitude(x: torch.Tensor) -> torch.Tensor:
     fp32 maximum would overflow, while the mean itself never exceeds max |x|. The norm casts its
     input to fp64 first, so on the CPU it goes a piece of :data:`fused.TORCH_PIECE` values at a
     time (an fp64 copy of a piece, not of the tensor: twice its size); elsewhere in one pass."""
-    step = fused.piece_length(x)
-    if x.numel() <= step:
-        total = torch.linalg.vector_norm(x, 1, dtype=torch.float64)
-    else:
-        total = sum(torch.linalg.vector_norm(x[a : a + step], 1, dtype=torch.float64) for a in range(0, x.numel(), step))
+    total = fused.rows_reduced(x.reshape(1, -1), lambda piece: torch.linalg.vector_norm(piece, 1, dtype=torch.float64)
+                               .reshape(1))[0]
     return (total / max(x.numel(), 1)).float()  # (empty: 0)
 
 
