@@ -340,6 +340,57 @@ def test_graddrop_whole_tensor_sample_is_top_k():
     assert torch.equal(y, _round_trip(gradzip.codec("topk", ratio=0.05), x))
 
 
+def _group(members):
+    """A fused group of ``members`` (flat tensors) on blocks of 256 values: (buffer, parts, starts)."""
+    parts, starts, at = [], [], 0
+    for i, m in enumerate(members):
+        parts.append((f"m{i}", tuple(m.shape)))
+        starts.append(at)
+        at += m.numel() + (-m.numel() % 256)
+    flat = torch.zeros(at)
+    for a, m in zip(starts, members):
+        flat[a : a + m.numel()] = m.reshape(-1)
+    return flat, parts, starts
+
+
+@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+def test_a_group_by_parts_samples_each_member_for_its_own_threshold(name):
+    """Members 1e60 apart in scale (one threshold for the group would send none of the small
+    one) each send about ``ratio`` of their values, over steps as many as alone; a member of
+    ties goes over DGC's cap and is cut to its own ``k``, as alone; an empty member is allowed."""
+    members = [_randn((4099,), seed=1) * 1e-30, torch.empty(0), _randn((3000,), seed=2) * 1e30,
+               torch.ones(1000), _randn((20_000,), seed=3)]
+    flat, parts, starts = _group(members)
+    c = gradzip.codec(name, ratio=0.02)
+    sent = [[], []]
+    for step in range(40):
+        y = c.decode(c.encode(flat, name="g", step=step, parts=parts))
+        assert not y[4099:4352].any()  # the padding: zeros in, nothing sent
+        for i, (a, m) in enumerate(zip(starts, members)):
+            if m.numel() in (4099, 20_000):
+                kept = y[a : a + m.numel()] != 0
+                assert torch.equal(y[a : a + m.numel()][kept], m[kept])
+                alone = _round_trip(c, m, name=f"m{i}", step=step) != 0
+                sent[0].append(int(kept.sum()) / m.numel())
+                sent[1].append(int(alone.sum()) / m.numel())
+            elif m.numel() == 1000:  # ties: every value reaches the threshold
+                assert int((y[a : a + 1000] != 0).sum()) == (20 if name == "dgc" else 1000)
+        big = y[starts[2] : starts[2] + 3000]
+        assert 0 < int((big != 0).sum()) < 3000
+    grouped, alone = sum(sent[0]) / len(sent[0]), sum(sent[1]) / len(sent[1])
+    assert 0.01 <= grouped <= 0.12 and 0.7 <= grouped / alone <= 1.4, (grouped, alone)  # (DGC: capped at k)
+
+
+def test_a_group_by_parts_sampled_whole_sends_each_members_top_k():
+    members = [_distinct(1001, seed=4), _distinct(257, seed=5) * 1e-20, _distinct(1, seed=6)]
+    flat, parts, starts = _group(members)
+    for name in ("dgc", "graddrop"):
+        c = gradzip.codec(name, ratio=0.05, sample_ratio=1.0)
+        y = c.decode(c.encode(flat, name="g", parts=parts))
+        for a, m in zip(starts, members):
+            assert torch.equal(y[a : a + m.numel()], _round_trip(gradzip.codec("topk", ratio=0.05), m))
+
+
 def test_threshold_measured_wire_below_raw_when_tuned():
     x = _randn((1 << 20,), seed=10)
     p = gradzip.codec("threshold", threshold=2.0).encode(x)

@@ -155,7 +155,7 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
             assert max(r["filled"], default=0) <= r["numel"] // 64, r["filled"]
 
 
-def _parts_ops(rank: int, world: int, name: str) -> dict:
+def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
     from gradzip.codecs import sign
     from gradzip.sync import engine
 
@@ -164,14 +164,16 @@ def _parts_ops(rank: int, world: int, name: str) -> dict:
     sign._parts_in_turn = lambda device: False
     out = {}
     for count in (8, 64):
-        comm = gradzip.Communicator(name)
+        comm = gradzip.Communicator(name, **opts)
         buffer, tensors, names, compress = _bucket(count)
         counts = []
         for step in range(3):
             buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
             with _Ops() as ops:
                 drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
-            if ops.work["zero_"] == 1:  # the message's padding to a whole word: the group's byte count, not its members
+            if ops.work["zero_"] == 1 or not comm.codec.fixed_size:
+                # the message's padding to a whole word: the group's byte count (from step to
+                # step where it depends on the data), not its members
                 del ops.work["zero_"]
             counts.append(ops.work)
         out[count] = counts[1:]
@@ -179,16 +181,23 @@ def _parts_ops(rank: int, world: int, name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "onebit", "terngrad", "natural", "signum"])
-def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name):
+@pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
+                                       ("graddrop", {}), ("dgc", {"memory": "residual", "sample_ratio": 1.0})])
+def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
-    decode, so 32 members cost what 4 cost, and no value is read back to the host."""
-    for res in run_workers(_parts_ops, 2, name):
+    decode, so 32 members cost what 4 cost, and no value is read back to the host (but for
+    the data-dependent sizes of the sampled-threshold codecs: one selection, and for DGC
+    whether a member is over its cap; DGC's own memory works member by member)."""
+    for res in run_workers(_parts_ops, 2, name, opts):
         few, many = res[8], res[64]
         assert few == many and few[0] == few[1], (few, many)
         ops = few[0]
-        assert ops["_local_scalar_dense"] == 0, ops
+        if name in ("graddrop", "dgc"):  # a sort of the group's samples, one nonzero (DGC sampling whole: never over its cap)
+            assert ops["sort"] == 1 and ops["nonzero"] == 1, ops
+            assert ops["_local_scalar_dense"] == (name == "dgc"), ops
+        else:
+            assert ops["_local_scalar_dense"] == 0, ops
         assert ops["segment_reduce"] >= 1 or name == "signum", ops  # (Signum's momentum needs no statistics)
 
 

@@ -78,10 +78,14 @@ def _elementwise_fused_and_alone(rank: int, world: int, name: str, opts: dict) -
 
 
 @pytest.mark.parametrize("world,name,opts", [(2, "signsgd", {}), (3, "signsgd", {}), (2, "tbq", {"threshold": 0.5}),
-                                             (3, "tbq", {"threshold": 0.5, "memory": "none"})])
+                                             (3, "tbq", {"threshold": 0.5, "memory": "none"}),
+                                             (2, "threshold", {"threshold": 1.0}),
+                                             (3, "threshold", {"threshold": 2.0, "memory": "none"}),
+                                             (2, "inceptionn", {}), (3, "inceptionn", {"error_bound": 0.01})])
 def test_elementwise_codecs_send_a_fused_group_exactly_as_its_gradients_alone(world, name, opts):
-    """signSGD (a bit and a vote a value) and TBQ (a code a value, τ shared): one encode a
-    group, the same bits as one tensor at a time."""
+    """signSGD (a bit and a vote a value), TBQ (a code a value, τ shared), threshold
+    sparsification (a value sent by its own magnitude) and INCEPTIONN (a tag and bytes a
+    value): one encode a group, the same bits as one tensor at a time."""
     for res in run_workers(_elementwise_fused_and_alone, world, name, opts):
         assert res["bitwise"] and res["identical"]
         assert res["calls"] == (1, len(SHAPES)), res["calls"]
@@ -109,12 +113,14 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
         if step == 0:
             out["same"] = all(torch.equal(x, y) for x, y in zip(got["fused"], got["alone"]))
             out["identical"] = all(all(torch.equal(x, y) for y in _gather(x)) for x in got["fused"])
-            res = {key: comm.memory.state_dict()["residuals"] for key, comm in comms.items()}
-            out["residuals"] = all(torch.equal(res["fused"][n], res["alone"][n]) for n in names)
+            # (the residuals, or DGC's momenta and velocities: every state the memory keeps by name)
+            res = {key: comm.memory.state_dict() for key, comm in comms.items()}
+            out["residuals"] = bool(res["fused"]) and all(
+                torch.equal(state[n], res["alone"][kind][n]) for kind, state in res["fused"].items() for n in names)
         else:  # one flag covers the group: every member poisoned, every residual kept
             out["nan"] = all(bool(torch.isnan(x).all()) for x in got["fused"])
-            kept = comms["fused"].memory.state_dict()["residuals"]
-            out["kept"] = all(torch.equal(kept[n], res["fused"][n]) for n in names)
+            kept = comms["fused"].memory.state_dict()
+            out["kept"] = all(torch.equal(state[n], res["fused"][kind][n]) for kind, state in kept.items() for n in names)
     out["calls"] = (calls["fused"][0], calls["alone"][0])
     for comm in comms.values():
         comm.close()
@@ -130,6 +136,10 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     # place in the buffer, so bit for bit at 2)
     (2, True, "randomk", {"ratio": 0.05}), (2, True, "randomk", {"ratio": 0.05, "scale": True}),
     (2, True, "randomk", {"ratio": 0.05, "collective": "allgather"}),
+    # (the sampled thresholds drawn from the whole of each member: each member's exact quantile)
+    (2, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}), (3, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}),
+    (2, True, "dgc", {"ratio": 0.05, "sample_ratio": 1.0}),  # (DGC's memory: momenta and velocities by name)
+    (3, True, "dgc", {"ratio": 0.02, "sample_ratio": 1.0, "memory": "residual"}),
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
     """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
@@ -334,7 +344,10 @@ def test_codecs_that_are_per_tensor_say_so():
     # PowerSGD factorises each tensor by its shape, but encodes a fused buffer given its parts
     assert gradzip.codec("powersgd").fused_alignment() == 1 and gradzip.codec("powersgd").parts_format
     assert gradzip.codec("maxmin", bucket_size=512).fused_alignment() == 512
-    assert not any(gradzip.codec(n).fused_alignment() or gradzip.codec(n).parts_format for n in ("dgc", "threshold"))
+    assert gradzip.codec("threshold").fusion_block() == 1 and not gradzip.codec("threshold").parts_format
+    assert gradzip.codec("inceptionn").fusion_block() == 4  # whole bytes of 2-bit tags
+    for name in ("dgc", "graddrop"):  # a sampled threshold (DGC: and a cap) a member, by blocks of members
+        assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
     assert gradzip.codec("randomk").parts_format and gradzip.codec("randomk").fused_alignment() == 1
     assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8

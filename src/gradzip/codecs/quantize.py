@@ -615,6 +615,8 @@ class Inceptionn(Codec):
         "error_bound": Option(2.0**-10, float_in(1e-30, 1e30), "a float in [1e-30, 1e30]", "absolute error bound"),
     }
 
+    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
+
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
         self._b = _fp32(self.error_bound)
@@ -723,6 +725,14 @@ class Inceptionn(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel * self._raw_bytes(dtype)  # the dense form whenever the tagged one is larger
+
+    def fusion_block(self) -> int:
+        """A value's tag and bytes depend on the value alone (the bound is every rank's option): a
+        gradient that starts on a whole byte of tags (4 values) is sent as alone, so a group is
+        one encode, one all-gather and one decode. One payload for the group takes the dense
+        form or not as a whole: a member that alone would have gone dense (exact) may be
+        tagged in its group (within the bound), and the other way round."""
+        return 4
 
 
 # ================================================================================== TBQ

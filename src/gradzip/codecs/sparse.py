@@ -30,6 +30,7 @@ import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
 from .base import (
+    PART_ALIGN,
     SEED,
     Codec,
     Meta,
@@ -41,6 +42,7 @@ from .base import (
     float_in,
     int_in,
     part_spans,
+    part_units,
     raw_bytes,
     saturate,
 )
@@ -265,6 +267,90 @@ def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen
     return torch.topk(mag, _k(s, ratio), sorted=False).values.min()
 
 
+class _SamplePlan:
+    """How a fused group's members are sampled for their thresholds (:func:`_part_thresholds`),
+    made once per layout, on the group's device: per member its first value (``starts``), its
+    size (``sizes``, fp64), its number of sample slots (``counts``: its sample's size, or for a
+    member sampled whole, which draws nothing, every value of its blocks, its padding zeros
+    included, which rank last), whether it is sampled whole (``whole``), where its slots start
+    (``firsts``) and the slot of its ``k``-th largest sampled magnitude once the slots are
+    sorted by member, largest first (``kth``); ``slots`` and ``drawn`` (any member sampled,
+    not whole) on the host."""
+
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
+                 device: torch.device) -> None:
+        starts, sizes, counts, whole, kth = [], [], [], [], []
+        slots = 0
+        for a, n in part_spans(parts, PART_ALIGN):
+            s = min(n, math.ceil(n * sample_ratio))
+            alone = s == n
+            count = -(-n // PART_ALIGN) * PART_ALIGN if alone else s
+            starts.append(a)
+            sizes.append(float(n))
+            counts.append(count)
+            whole.append(alone)
+            kth.append(slots + _k(s, ratio) - 1 if n else 0)  # (an empty member's: unused, it has no blocks)
+            slots += count
+        self.slots, self.drawn = slots, not all(whole)
+        self.starts = torch.tensor(starts, dtype=torch.long, device=device)
+        self.sizes = torch.tensor(sizes, dtype=torch.float64, device=device)
+        self.counts = torch.tensor(counts, dtype=torch.long, device=device)
+        self.whole = torch.tensor(whole, dtype=torch.bool, device=device)
+        self.firsts = torch.cumsum(self.counts, 0) - self.counts
+        self.kth = torch.tensor(kth, dtype=torch.long, device=device)
+        self.members = torch.arange(len(counts), dtype=torch.long, device=device)
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+def _sample_plan(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
+                 device: torch.device) -> _SamplePlan:
+    return _SamplePlan(parts, ratio, sample_ratio, device)
+
+
+_MAGNITUDE_BITS = 0x7FFFFFFF  # the bits of |x| as int32 lie in [0, this]: NaN's the largest
+
+
+def _descending_by_member(member: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+    """int64 keys that sort values by member (ascending), then by magnitude, the largest first:
+    the member in the high word, the fp32 magnitude's bits (order-preserving for |x| ≥ 0, NaN
+    above +inf, as ``torch.topk`` ranks it) subtracted from their maximum in the low word."""
+    return (member << 32) | (_MAGNITUDE_BITS - mag.contiguous().view(torch.int32).long())
+
+
+def _part_thresholds(mag: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
+                     sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
+    """Each member's :func:`_sampled_threshold` (fp32, one a member) for a fused group's
+    magnitudes ``mag`` (members on blocks of :data:`PART_ALIGN`), in a fixed number of
+    operations whatever the members: every member's sample drawn by one ``rand`` (uniform
+    indices in its own range, as alone), the samples sorted once by member and magnitude, and
+    each member's ``k``-th largest read at its place."""
+    plan = _sample_plan(parts, ratio, sample_ratio, mag.device)
+    member = torch.repeat_interleave(plan.members, plan.counts, output_size=plan.slots)
+    first = plan.starts.index_select(0, member)
+    if plan.drawn:  # a uniform index in the member's range (the member's whole blocks where it is sampled whole)
+        at = torch.rand(plan.slots, generator=gen, dtype=torch.float64, device=mag.device)
+        size = plan.sizes.index_select(0, member)
+        drawn = torch.minimum(at.mul_(size).floor_(), size.sub_(1), out=at).long()
+        slot = torch.arange(plan.slots, device=mag.device) - plan.firsts.index_select(0, member)
+        first += torch.where(plan.whole.index_select(0, member), slot, drawn)
+    else:  # every member sampled whole: its values in turn
+        first += torch.arange(plan.slots, device=mag.device) - plan.firsts.index_select(0, member)
+    keys = torch.sort(_descending_by_member(member, mag.index_select(0, first))).values
+    bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.kth) & 0xFFFFFFFF)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _part_selection(mag: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
+                    sample_ratio: float, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The indices of a fused group's magnitudes at or above their member's sampled threshold
+    (ascending; one ``nonzero``, a device wait), and the number each member selected (int64)."""
+    units = part_units(parts, 0, mag.device)
+    thresholds = _part_thresholds(mag, parts, ratio, sample_ratio, gen).index_select(0, units.of_block)
+    sel = mag.view(-1, PART_ALIGN) >= thresholds.unsqueeze(1)
+    counts = units.sums(sel.sum(dim=1, dtype=torch.float64)).long()
+    return torch.nonzero(sel.view(-1)).reshape(-1), counts
+
+
 def _upper_bound(numel: int, dtype: torch.dtype) -> int:
     """Every value with its index, or the dense form where that is smaller: the raw size."""
     return min(numel * (element_size(dtype) + 4), raw_bytes(numel, dtype))
@@ -304,6 +390,15 @@ class Threshold(_ValuesIndices):
     options = {
         "threshold": Option(0.01, float_in(0.0, math.inf), "a non-negative float", "send values with |x| >= threshold"),
     }
+
+    records_fusion = False  # fused later: its older checkpoints hold no ``fusion``
+
+    def fusion_block(self) -> int:
+        """A value is sent by its own magnitude against a threshold every rank shares: a group
+        is one selection, one payload and one all-gather, each member's values those it sends
+        alone (one payload for the group is dense or sparse as a whole; the values are the same
+        either way)."""
+        return 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         idx = torch.nonzero(x.float().abs() >= self.threshold).reshape(-1)  # CUDA: one device wait
@@ -357,8 +452,16 @@ class DGC(_ValuesIndices):
         "seed": SEED,
     }
 
+    parts_format = True  # a fused group: one payload, each member's threshold and cap its own
+
+    def fused_alignment(self) -> int:
+        return PART_ALIGN
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         mag = x.float().abs()
+        if meta.parts is not None:
+            idx, counts = _part_selection(mag, meta.parts, self.ratio, self.sample_ratio, self._generator(mag.device))
+            return self._payload(x, self._capped(mag, idx, counts, meta.parts))
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait, the size is data-dependent
         k = _k(mag.numel(), self.ratio)
@@ -366,8 +469,31 @@ class DGC(_ValuesIndices):
             idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
         return self._payload(x, idx)
 
+    def _capped(self, mag: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
+                parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
+        """A group's selection with each member that let through more than ``2k`` of its values
+        cut to its ``k`` largest of them: the selected values sorted once by member and
+        magnitude, and a member's kept while their rank is under its bound (a second device
+        wait, only in a step where some member is over its cap)."""
+        caps = _caps(parts, self.ratio, mag.device)
+        over = counts > 2 * caps
+        if not bool(over.any()):  # (a host read: whether any member is over)
+            return idx
+        member = part_units(parts, 0, mag.device).of_block.index_select(0, idx // PART_ALIGN).long()
+        order = torch.sort(_descending_by_member(member, mag.index_select(0, idx))).indices
+        member = member.index_select(0, order)
+        rank = torch.arange(idx.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts).index_select(0, member)
+        bound = torch.where(over, caps, counts).index_select(0, member)
+        return idx.index_select(0, order)[rank < bound]
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+def _caps(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> torch.Tensor:
+    """DGC's ``k`` of each member of a fused group (int64, on ``device``)."""
+    return torch.tensor([_k(shape.numel(), ratio) for _, shape in parts], dtype=torch.long, device=device)
 
 
 @register_codec
@@ -402,8 +528,16 @@ class GradDrop(_ValuesIndices):
     stochastic = True  # the sample differs per rank and step (selection only; values are exact)
     options = {"ratio": RATIO, "sample_ratio": SAMPLE_RATIO, "seed": SEED}
 
+    parts_format = True  # a fused group: one payload, each member's threshold its own
+
+    def fused_alignment(self) -> int:
+        return PART_ALIGN
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         mag = x.float().abs()
+        if meta.parts is not None:
+            idx, _ = _part_selection(mag, meta.parts, self.ratio, self.sample_ratio, self._generator(mag.device))
+            return self._payload(x, idx)
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
         return self._payload(x, idx)
