@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import gradzip  # noqa: E402
+from gradzip.bench.micro import parse_spec  # noqa: E402
 from gradzip.codecs import sign  # noqa: E402
 from gradzip.comm import sra  # noqa: E402
 from gradzip.kernels import fused, gpu  # noqa: E402
@@ -87,11 +88,8 @@ def main(spec: str) -> None:
     count_on_comm_thread(Count, "29561")
     model = nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(256, 256), nn.LayerNorm(256))])
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
-    codec, *pairs = spec.split(":")
-    opts = {"fusion_mb": 1}
-    for pair in pairs:
-        key, value = pair.split("=")
-        opts[key] = int(value) if value.isdigit() else value
+    codec, opts = parse_spec(spec)
+    opts = {"fusion_mb": 1, **opts}
     state = gradzip.register(ddp, codec, **opts)
     x = torch.randn(8, 256)
     for _ in range(3):

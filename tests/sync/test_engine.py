@@ -175,6 +175,9 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
                 # the message's padding to a whole word: the group's byte count (from step to
                 # step where it depends on the data), not its members
                 del ops.work["zero_"]
+            if not comm.codec.fixed_size:  # (bits packed a value selected: padded to whole bytes, or not)
+                for op in ("cat", "new_zeros"):
+                    ops.work.pop(op, None)
             counts.append(ops.work)
         out[count] = counts[1:]
         comm.close()
@@ -182,7 +185,8 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 
 
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
-                                       ("graddrop", {}), ("dgc", {"memory": "residual", "sample_ratio": 1.0})])
+                                       ("graddrop", {}), ("dgc", {"memory": "residual", "sample_ratio": 1.0}),
+                                       ("adaq", {})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
@@ -196,9 +200,12 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
         if name in ("graddrop", "dgc"):  # a sort of the group's samples, one nonzero (DGC sampling whole: never over its cap)
             assert ops["sort"] == 1 and ops["nonzero"] == 1, ops
             assert ops["_local_scalar_dense"] == (name == "dgc"), ops
+        elif name == "adaq":  # its selection's size: one nonzero; each member's scale by one sum of the sent values
+            assert ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 0, ops
         else:
             assert ops["_local_scalar_dense"] == 0, ops
-        assert ops["segment_reduce"] >= 1 or name == "signum", ops  # (Signum's momentum needs no statistics)
+        # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends)
+        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq"), ops
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

@@ -92,8 +92,8 @@ def test_elementwise_codecs_send_a_fused_group_exactly_as_its_gradients_alone(wo
 
 
 def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, opts: dict) -> Dict[str, object]:
-    """Two steps of a codec encoded by parts with its error feedback, fused and one tensor at a
-    time; the second with a NaN in one member on the last rank."""
+    """Three steps of a codec encoded by parts with its error feedback, fused and one tensor at
+    a time; the third with a NaN in one member on the last rank."""
     from gradzip.codecs import sign
     sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
     names = list(SHAPES)
@@ -105,18 +105,23 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
         encode, count = comm.codec.encode, [0]
         comm.codec.encode = lambda *args, _e=encode, _c=count, **kw: (_c.__setitem__(0, _c[0] + 1), _e(*args, **kw))[1]
         calls[key] = count
-    for step in range(2):
+    for step in range(3):
         grads = _grads(rank + 10 * step, {"b.weight": 1e-3, "c.weight": 1e3})
-        if step == 1 and rank == world - 1:
+        if step == 2 and rank == world - 1:
             grads[2][0, 0, 5] = float("nan")
         got = {key: _reduce(comm, grads, names) for key, comm in comms.items()}
-        if step == 0:
-            out["same"] = all(torch.equal(x, y) for x, y in zip(got["fused"], got["alone"]))
+        if step < 2:  # (the second with what the first left: residuals, momenta, kept state)
+            out["same"] = out.get("same", True) and all(torch.equal(x, y) for x, y in zip(got["fused"], got["alone"]))
             out["identical"] = all(all(torch.equal(x, y) for y in _gather(x)) for x in got["fused"])
             # (the residuals, or DGC's momenta and velocities: every state the memory keeps by name)
             res = {key: comm.memory.state_dict() for key, comm in comms.items()}
             out["residuals"] = bool(res["fused"]) and all(
                 torch.equal(state[n], res["alone"][kind][n]) for kind, state in res["fused"].items() for n in names)
+            key = comms["fused"].codec.tensor_state  # (state the codec keeps by name: AdaComp's own residuals)
+            mine = {k: comm.codec.state_dict().get(key, {}) for k, comm in comms.items()}
+            out["codec_state"] = sorted(mine["fused"]) == sorted(mine["alone"]) and all(
+                torch.equal(t.reshape(-1), mine["alone"][n].reshape(-1)) for n, t in mine["fused"].items())
+            out["codec_kept"] = len(mine["fused"])
         else:  # one flag covers the group: every member poisoned, every residual kept
             out["nan"] = all(bool(torch.isnan(x).all()) for x in got["fused"])
             kept = comms["fused"].memory.state_dict()
@@ -140,6 +145,8 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     (2, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}), (3, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}),
     (2, True, "dgc", {"ratio": 0.05, "sample_ratio": 1.0}),  # (DGC's memory: momenta and velocities by name)
     (3, True, "dgc", {"ratio": 0.02, "sample_ratio": 1.0, "memory": "residual"}),
+    (2, True, "adaq", {}), (3, True, "adaq", {"bin_size": 300}),  # (each member's scale; its bins as alone)
+    (2, True, "adaq", {"bin_size": 7, "memory": "residual", "memory_options": {"beta": 0.5}}),  # (the codec's own residuals)
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
     """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
@@ -148,9 +155,10 @@ def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_stati
     accelerator's, block sums added per member, the same here; top-k's selections are exact),
     and a NaN in one member poisons the group and keeps every residual."""
     for res in run_workers(_by_parts_fused_and_alone, world, in_turn, name, opts):
-        assert res["same"] and res["residuals"] and res["identical"], res
+        assert res["same"] and res["residuals"] and res["identical"] and res["codec_state"], res
+        assert res["codec_kept"] == (len(SHAPES) if "beta" in opts.get("memory_options", {}) else 0)
         assert res["nan"] and res["kept"], res
-        assert res["calls"] == (2, 2 * len(SHAPES)), res["calls"]
+        assert res["calls"] == (3, 3 * len(SHAPES)), res["calls"]
 
 
 def _terngrad_by_parts(rank: int, world: int) -> Dict[str, object]:
@@ -348,6 +356,8 @@ def test_codecs_that_are_per_tensor_say_so():
     assert gradzip.codec("inceptionn").fusion_block() == 4  # whole bytes of 2-bit tags
     for name in ("dgc", "graddrop"):  # a sampled threshold (DGC: and a cap) a member, by blocks of members
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
+    assert gradzip.codec("adaq", bin_size=7).fused_alignment() == 7 and gradzip.codec("adaq").parts_format  # on bins
+    assert not gradzip.codec("sketchml").fused_alignment()  # a quantile sketch a tensor
     assert gradzip.codec("randomk").parts_format and gradzip.codec("randomk").fused_alignment() == 1
     assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8

@@ -12,7 +12,12 @@ Four kinds of selection, from exact to adaptive:
 
 The data-dependent ones declare ``fixed_size = False``: the all-gather collective then exchanges
 payload lengths first. They find their indices with ``torch.nonzero``, which on CUDA waits for
-the device once (the output size must be known); there is no other host sync.
+the device once (the output size must be known); there is no other host sync but DGC's
+question, in a fused group, whether any member is over its cap.
+
+Every one of them sends a fused group of gradients as one payload: threshold's selection is a
+value's own; top-k, random-k, DGC, gradient dropping and AdaComp take the group by its parts
+(each member's ``k``, draws, sampled threshold or scale its own).
 
 No payload is larger than the raw tensor: where values and indices would be (a dense selection,
 a tiny tensor), the same two tensors carry the selected values densely instead — every value in
@@ -375,7 +380,9 @@ class Threshold(_ValuesIndices):
 
     Speed on CUDA: the values above the threshold are counted, then gathered (a data-dependent
     size). An H200 encoded at 11% and decoded at 79% of a device copy (``gradzip bench codecs
-    --device cuda --numel 67108864``, each call's host work included).
+    --device cuda --numel 67108864``, each call's host work included). Fused groups (a value
+    is sent by its own magnitude: :meth:`fusion_block` 1) take one selection and one
+    all-gather a group.
     """
 
     name = "threshold"
@@ -437,6 +444,13 @@ class DGC(_ValuesIndices):
     Speed on CUDA: a sampled threshold, then a count and a gather (a data-dependent size). An
     H200 encoded at 21% and decoded at 59% of a device copy (``gradzip bench codecs --device
     cuda --numel 67108864``, each call's host work included).
+
+    A fused group is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`; members on
+    blocks of 256 values): each member's threshold from its own sample (its size, its range),
+    all drawn at once and sorted once by member, one selection, and each member over its own
+    cap cut to its own ``k`` by one sort of the selection (a second device wait, a bool read,
+    tells whether any is over). The draws are the group's, so the selection differs from one
+    tensor at a time; with ``sample_ratio=1`` it is the same.
     """
 
     name = "dgc"
@@ -517,6 +531,9 @@ class GradDrop(_ValuesIndices):
     Speed on CUDA: a sampled threshold, then a count and a gather (a data-dependent size). An
     H200 encoded at 22% and decoded at 57% of a device copy (``gradzip bench codecs --device
     cuda --numel 67108864``, each call's host work included).
+
+    A fused group is one payload, each member's threshold from its own sample, as ``dgc``'s
+    (without the cap).
     """
 
     name = "graddrop"
@@ -586,6 +603,11 @@ class AdaComp(Codec):
     Speed on CUDA: per-bin maxima, then a selection against them (a data-dependent size). An
     H200 encoded at 4% and decoded at 14% of a device copy (``gradzip bench codecs --device cuda
     --numel 67108864``, each call's host work included).
+
+    A fused group is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`): its members
+    start on bins, so each keeps the bins and the selection it has alone; the payload carries
+    one scale a member (the mean over that member's sent values, by one sum over the sent
+    values), and the residuals it keeps stay by name: the bits of one tensor at a time.
     """
 
     name = "adaq"
@@ -630,13 +652,20 @@ class AdaComp(Codec):
         size = min(self.bin_size, numel)
         return size, -(-numel // size)
 
+    parts_format = True  # a fused group: one payload, a scale and a kept residual a member
+
+    def fused_alignment(self) -> int:
+        """Each member of a fused group starts on a bin: its bins are those it has alone (the
+        last one's zero padding is never sent), so only its scale needs its parts."""
+        return self.bin_size
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         g = x.float()
         n = g.numel()
         size, nb = self._bins(n)
         pad = nb * size - n
         mag = torch.nn.functional.pad(g.abs(), (0, pad)).view(nb, size)  # zero padding is never sent
-        prev = self._residual(meta.name)
+        prev = self._residual(meta.name) if meta.parts is None else self._group_residual(meta.parts, g)
         if prev is not None and prev.numel() == n:
             h = (2 * g - prev.reshape(g.shape).to(g.device)).abs()  # |G + dW| with dW = G - residual
         elif self.self_adjust:
@@ -652,21 +681,56 @@ class AdaComp(Codec):
         local = torch.remainder(idx, size)
         values = g.index_select(0, idx)
         # summed in fp64: an fp32 sum of values near the fp32 maximum would overflow
-        scale = (values.abs().sum(dtype=torch.float64) / max(m, 1)).float().reshape(1)
+        if meta.parts is None:
+            scale = (values.abs().sum(dtype=torch.float64) / max(m, 1)).float().reshape(1)
+            each = scale
+        else:  # each member's mean over its own sent values (one sum a member, by the bins' members)
+            member = _bin_members(meta.parts, size, g.device).index_select(0, idx // size)
+            sums = torch.zeros(len(meta.parts), dtype=torch.float64, device=g.device)
+            sums.index_add_(0, member, values.abs().double())
+            sent_counts = torch.zeros_like(sums).index_add_(0, member, torch.ones_like(sums[:1]).expand(m))
+            scale = (sums / sent_counts.clamp_min_(1)).float()
+            each = scale.index_select(0, member)
         nonneg = values >= 0
         width = element_size(self._index_dtype)
-        dense = (nb + m) * width + packed_bytes(m, 1) + 4 > raw_bytes(n, x.dtype)
+        dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, x.dtype)
         if self.self_adjust or dense:
-            sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * scale)
+            sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * each)
         if self.self_adjust and self._memory is None:
             old = prev if prev is not None and prev.numel() == n else torch.zeros_like(g)
-            self._residuals[meta.name] = torch.where(all_finite(g), g - sent, old.to(g.device))
+            kept = torch.where(all_finite(g), g - sent, old.reshape(g.shape).to(g.device))
+            if meta.parts is None:
+                self._residuals[meta.name] = kept
+            else:  # by name, views of the group's (checkpoints hold them as the members alone)
+                for (name, shape), (a, count) in zip(meta.parts, part_spans(meta.parts, self.bin_size)):
+                    self._residuals[name] = kept[a : a + count].view(shape)
         if dense:  # the same values, densely in the input dtype, as bytes: see _decode
             empty = idx.new_empty(0, dtype=self._index_dtype)
             raw = saturate(sent, x.dtype).view(torch.uint8)
             return [empty, empty.clone(), raw, scale.new_empty(0)]
         counts = sel.sum(dim=1).to(self._index_dtype)
         return [counts, local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
+
+    def _group_residual(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> Optional[torch.Tensor]:
+        """The residuals of a fused group's members where they lie in the group (zeros for a
+        member without one, which is what ``dW = G`` means; zeros in the padding): the buffer
+        the memory keeps them in where they are its views in this layout, else a copy in."""
+        if not self.self_adjust:
+            return None
+        spans = part_spans(parts, self.bin_size)
+        found = [self._residual(name) for name, _ in parts]
+        first = found[0]
+        base = None if first is None else first._base
+        if base is not None and base.numel() == g.numel() and base.device == g.device and all(
+            r is not None and r._base is base and r.numel() == n and r.data_ptr() == base.data_ptr() + a * base.element_size()
+            for r, (a, n) in zip(found, spans)
+        ):
+            return base  # (the engine's group residual, or this codec's own from the step before)
+        out = torch.zeros_like(g)
+        for r, (a, n) in zip(found, spans):
+            if r is not None and r.numel() == n:
+                out[a : a + n] = r.reshape(-1)
+        return out
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         counts, local, signs, scale = tensors
@@ -677,10 +741,19 @@ class AdaComp(Codec):
         m = local.numel()
         bins = torch.repeat_interleave(torch.arange(nb, device=local.device), counts.long(), output_size=m)
         idx = bins * size + local.long()
+        if meta.parts is not None:  # each value with its member's scale
+            scale = scale.index_select(0, _bin_members(meta.parts, size, local.device).index_select(0, bins))
         values = unpack_bits(signs, 1, m).float().mul_(2).sub_(1).mul_(scale.float())
         return torch.zeros(n, dtype=torch.float32, device=local.device).index_copy_(0, idx, values)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         width = 1 if self.bin_size <= 255 else 2
         return min((self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4, raw_bytes(numel, dtype))
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+def _bin_members(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> torch.Tensor:
+    """The member of each bin of ``size`` values of a fused group whose members start on bins (int64)."""
+    bins = torch.tensor([-(-shape.numel() // size) for _, shape in parts], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(parts)), bins).to(device)
 
