@@ -28,7 +28,7 @@ from gradzip.bench.micro import parse_spec  # noqa: E402
 from gradzip.codecs import sign  # noqa: E402
 from gradzip.comm import sra  # noqa: E402
 from gradzip.kernels import fused, gpu  # noqa: E402
-from gradzip.sync import engine, worker  # noqa: E402
+from gradzip.sync import engine, memory, worker  # noqa: E402
 
 VIEWS = {"view", "permute", "slice", "expand", "transpose", "_unsafe_view", "_reshape_alias", "as_strided",
          "alias", "select", "unsqueeze", "squeeze", "t", "detach", "set_"}
@@ -43,6 +43,8 @@ def accelerator_choices() -> None:
     fused.backend = lambda x, bits=8, bucket=8: gpu if gpu.supports(x, bits, bucket) else fused.reference
     fused._gpu_or_reference = lambda x: gpu
     sign._parts_in_turn = lambda device: False
+    memory._by_groups = lambda device: True
+    memory.reads_on_host = lambda flag: False
 
 
 def count_on_comm_thread(mode: type, port: str) -> None:

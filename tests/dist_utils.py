@@ -5,8 +5,9 @@ others), more than many tests take themselves. So the ranks of :func:`run_worker
 once per world size and kept for the session: each joins the gloo job once, then runs one test
 function after another. A call's node layout (``ranks_per_node``) is set in the environment for
 that call only, where gradzip reads it (when a communicator is built), so the layouts share the
-ranks. Between two functions a rank puts back what a fresh process would have: its environment
-and torch's default random generator. A function that fails, or a rank that dies or hangs, ends the pool: its ranks
+ranks. Between two functions a rank puts back what a fresh process would have: its environment,
+torch's default random generator and the module-level names of gradzip's modules (a test may
+patch a device choice there). A function that fails, or a rank that dies or hangs, ends the pool: its ranks
 are killed and the next call starts fresh ones. ``GRADZIP_FRESH_WORKERS=1`` starts new ranks for
 every call instead, as :func:`gradzip.comm.launch.spawn_local` does.
 """
@@ -18,6 +19,7 @@ import multiprocessing.connection
 import os
 import pickle
 import subprocess
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +50,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
             break
         fn, args, ranks_per_node = pickle.loads(message)
         torch.manual_seed(seed)  # the generator as a fresh process has it
+        # gradzip's module-level names as they were (a function may patch a device choice)
+        names = {key: dict(vars(module)) for key, module in list(sys.modules.items()) if key.startswith("gradzip")}
         if ranks_per_node:  # told its node as torchrun tells the ranks of one (spawn_local's ranks_per_node)
             os.environ.update(
                 GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
@@ -59,6 +63,11 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
             record = {"ok": False, "error": traceback.format_exc()}
         os.environ.clear()
         os.environ.update(environ)
+        for key, before in names.items():
+            module = vars(sys.modules[key])
+            for name, value in before.items():
+                if module.get(name) is not value:
+                    module[name] = value
         conn.send_bytes(pickle.dumps(record))
     dist.destroy_process_group()
     os._exit(0)

@@ -541,6 +541,38 @@ def test_dgc_memory_skip_keeps_old_state():
     assert torch.equal(m.momentums["fresh"], torch.zeros(6)) and torch.equal(m.velocities["fresh"], torch.zeros(6))
 
 
+def test_dgc_memory_takes_a_group_at_once_as_tensor_by_tensor(monkeypatch):
+    """On an accelerator a group's momenta and velocities are one buffer each, compensated and
+    masked in a few multi-tensor operations: the same values as tensor by tensor, a skipped
+    step (the flag on the device) keeps them, a name released leaves the others intact, and a
+    checkpoint holds copies."""
+    from gradzip.sync import memory as memories
+
+    names, shapes = ["a", "b", "c"], [(5, 3), (7,), (2, 2, 2)]
+    group, alone = memory("dgc"), memory("dgc")
+    for step in range(4):
+        gs = [_randn(s, seed=10 * step + i) for i, s in enumerate(shapes)]
+        decoded = [torch.where(g.abs() > 1.0, g, torch.zeros(())) for g in gs]
+        skip = torch.tensor(step == 2)
+        monkeypatch.setattr(memories, "_by_groups", lambda device: True)
+        monkeypatch.setattr(memories, "reads_on_host", lambda flag: False)
+        outs = [torch.full((g.numel(),), float("nan")) for g in gs]
+        group.compensate_many_into(gs, names, outs)
+        group.update_many(names, [o.view(g.shape) for o, g in zip(outs, gs)], decoded, skip=skip)
+        monkeypatch.setattr(memories, "_by_groups", lambda device: False)
+        ins = [alone.compensate(g, n) for g, n in zip(gs, names)]
+        assert all(torch.equal(o, i.reshape(-1)) for o, i in zip(outs, ins))
+        alone.update_many(names, ins, decoded, skip=skip)
+        for store in ("momentums", "velocities"):
+            assert all(torch.equal(getattr(group, store)[n], getattr(alone, store)[n]) for n in names)
+    assert group.momentums["a"]._base is group.momentums["c"]._base is not None  # one buffer
+    saved = group.state_dict()
+    assert saved["velocities"]["a"].data_ptr() != group.velocities["a"].data_ptr()
+    owed = group.release("b")
+    assert torch.equal(owed, alone.velocities["b"]) and "b" not in group.momentums
+    assert torch.equal(group.velocities["c"], alone.velocities["c"])
+
+
 def test_dgc_memory_clipping():
     m = memory("dgc", clip_norm=1.0)
     big = torch.tensor([3.0, 4.0])  # norm 5: scaled to norm 1

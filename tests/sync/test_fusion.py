@@ -95,7 +95,9 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     """Three steps of a codec encoded by parts with its error feedback, fused and one tensor at
     a time; the third with a NaN in one member on the last rank."""
     from gradzip.codecs import sign
+    from gradzip.sync import memory
     sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
+    memory._by_groups = lambda device: not in_turn  # (DGC's memory: a group's state at once, or by name)
     names = list(SHAPES)
     out: Dict[str, object] = {}
     comms = {"fused": gradzip.Communicator(name, fusion=True, **opts),
@@ -144,6 +146,7 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     # (the sampled thresholds drawn from the whole of each member: each member's exact quantile)
     (2, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}), (3, True, "graddrop", {"ratio": 0.05, "sample_ratio": 1.0}),
     (2, True, "dgc", {"ratio": 0.05, "sample_ratio": 1.0}),  # (DGC's memory: momenta and velocities by name)
+    (2, False, "dgc", {"ratio": 0.05, "sample_ratio": 1.0}), (3, False, "topk", {"ratio": 0.05, "memory": "dgc"}),
     (3, True, "dgc", {"ratio": 0.02, "sample_ratio": 1.0, "memory": "residual"}),
     (2, True, "adaq", {}), (3, True, "adaq", {"bin_size": 300}),  # (each member's scale; its bins as alone)
     (2, True, "adaq", {"bin_size": 7, "memory": "residual", "memory_options": {"beta": 0.5}}),  # (the codec's own residuals)

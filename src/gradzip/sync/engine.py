@@ -1010,9 +1010,8 @@ class Communicator:
                     if mem.gamma != 1.0:
                         buf.mul_(mem.gamma)
                     buf.add_(residual, alpha=mem.beta)
-            else:
-                for x, i in zip(views, order):
-                    mem.compensate_into(tensors[i], names[i], x)
+            else:  # (a memory may take the group in a few multi-tensor operations: DGC's on an accelerator)
+                mem.compensate_many_into([tensors[i] for i in order], [names[i] for i in order], views)
             self._places_of(buf.device, layout.gaps).fill_(buf, 0)
 
         def remake(held: List[torch.Tensor]) -> torch.Tensor:

@@ -36,6 +36,57 @@ def _all_fp32(tensors: Sequence[torch.Tensor], residuals: Sequence[Optional[torc
     return all(r is not None and r.dtype == torch.float32 and t.dtype == torch.float32 for t, r in zip(tensors, residuals))
 
 
+Flats = Dict[Tuple[str, ...], List["weakref.ref[torch.Tensor]"]]
+
+
+def _by_groups(device: torch.device) -> bool:
+    """Whether a stateful memory works on a group's state in a few flat and multi-tensor
+    operations (an accelerator, which pays a launch an operation) rather than tensor by tensor
+    (the CPU, where a call costs next to nothing and the passes stay in cache)."""
+    return device.type != "cpu"
+
+
+def flat_views(store: Dict[str, torch.Tensor], flats: Flats, names: Sequence[str],
+               olds: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors of ``names`` in ``store`` (``olds``, fp32) as views of one flat buffer, back to
+    back, so one operation updates them all; the buffer is made (one multi-tensor copy) the
+    first time these names are updated together, and again after any of them was replaced (a
+    checkpoint loaded, a name released, a fused group's residual put in its place). ``flats``
+    records which names share a buffer (weakly: a buffer is held by its views alone)."""
+    key = tuple(names)
+    views = _live_views(store, flats, key)
+    if views is not None:
+        return views[0]._base
+    detach_views(store, flats, key)
+    flat = torch.empty(sum(old.numel() for old in olds), dtype=torch.float32, device=olds[0].device)
+    views = list(_unflatten_dense_tensors(flat, olds))
+    torch._foreach_copy_(views, list(olds))
+    for n, v in zip(names, views):
+        store[n] = v
+    flats[key] = [weakref.ref(v) for v in views]
+    return flat
+
+
+def _live_views(store: Dict[str, torch.Tensor], flats: Flats, key: Tuple[str, ...]) -> Optional[List[torch.Tensor]]:
+    """The tensors of ``key``'s flat buffer, where each is still the one of its name in ``store``."""
+    refs = flats.get(key)
+    views = None if refs is None else [ref() for ref in refs]
+    if views is None or any(v is None or store.get(n) is not v for n, v in zip(key, views)):
+        return None
+    return views
+
+
+def detach_views(store: Dict[str, torch.Tensor], flats: Flats, names: Sequence[str]) -> None:
+    """Forget the flat buffers that hold a tensor of ``names``, or one whose tensor was
+    replaced; the tensors of other names still in them get copies of their own, so no buffer
+    stays alive for a part of it."""
+    for key in [k for k in flats if not set(k).isdisjoint(names) or _live_views(store, flats, k) is None]:
+        for n, ref in zip(key, flats.pop(key)):
+            v = ref()
+            if n not in names and v is not None and store.get(n) is v:
+                store[n] = v.clone()
+
+
 class Memory(Configurable):
     """No error feedback: the codec sees the raw gradient."""
 
@@ -63,6 +114,13 @@ class Memory(Configurable):
         """:meth:`compensate` of several gradients (contiguous) encoded one by one but exchanged
         together; a memory may do them in a few multi-tensor operations instead of one each."""
         return [self.compensate(t, name) for t, name in zip(tensors, names)]
+
+    def compensate_many_into(self, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                             outs: Sequence[torch.Tensor]) -> None:
+        """:meth:`compensate_into` of several gradients, each into its ``out`` (their places in
+        a fused group's buffer); a memory may do them in a few multi-tensor operations."""
+        for t, name, out in zip(tensors, names, outs):
+            self.compensate_into(t, name, out)
 
     def update_many(self, names: Sequence[str], compensated: Sequence[torch.Tensor], decoded: Sequence[torch.Tensor],
                     skip: Optional[torch.Tensor] = None) -> None:
@@ -110,7 +168,7 @@ class ResidualMemory(Memory):
         self.beta, self.gamma = float(getattr(self, "beta", 1.0)), float(getattr(self, "gamma", 1.0))
         self.residuals: Dict[str, torch.Tensor] = {}
         # names updated together -> their residuals, views of one flat buffer (weakly: see _flat)
-        self._flats: Dict[Tuple[str, ...], List["weakref.ref[torch.Tensor]"]] = {}
+        self._flats: Flats = {}
 
     @property
     def stateful(self) -> bool:
@@ -197,40 +255,12 @@ class ResidualMemory(Memory):
         return self._flat(names, residuals)
 
     def _flat(self, names: Sequence[str], olds: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The residuals of ``names`` (``olds``) as views of one flat buffer, back to back, so the
-        flag picks them all in one operation. Made (one multi-tensor copy) the first time these
-        names are updated together, and again after any of them was replaced (a checkpoint
-        loaded, a name released, a fused group's residual put in its place)."""
-        key = tuple(names)
-        views = self._views(key)
-        if views is not None:
-            return views[0]._base
-        self._detach(key)
-        flat = torch.empty(sum(old.numel() for old in olds), dtype=torch.float32, device=olds[0].device)
-        views = list(_unflatten_dense_tensors(flat, olds))
-        torch._foreach_copy_(views, list(olds))
-        for n, v in zip(names, views):
-            self.residuals[n] = v
-        self._flats[key] = [weakref.ref(v) for v in views]
-        return flat
-
-    def _views(self, key: Tuple[str, ...]) -> Optional[List[torch.Tensor]]:
-        """The residuals of ``key``'s flat buffer, where each is still the residual of its name."""
-        refs = self._flats.get(key)
-        views = None if refs is None else [ref() for ref in refs]
-        if views is None or any(v is None or self.residuals.get(n) is not v for n, v in zip(key, views)):
-            return None
-        return views
+        """The residuals of ``names`` (``olds``) as views of one flat buffer (:func:`flat_views`),
+        so the flag picks them all in one operation."""
+        return flat_views(self.residuals, self._flats, names, olds)
 
     def _detach(self, names: Sequence[str]) -> None:
-        """Forget the flat buffers that hold a residual of ``names``, or one whose residual was
-        replaced; the residuals of other names still in them get copies of their own, so no
-        buffer stays alive for a part of it (the buffers are held by their views alone)."""
-        for key in [k for k in self._flats if not set(k).isdisjoint(names) or self._views(k) is None]:
-            for n, ref in zip(key, self._flats.pop(key)):
-                v = ref()
-                if n not in names and v is not None and self.residuals.get(n) is v:
-                    self.residuals[n] = v.clone()
+        detach_views(self.residuals, self._flats, names)
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         old = self._residual(name, compensated)
@@ -322,6 +352,8 @@ class DGCMemory(Memory):
         self.momentums: Dict[str, torch.Tensor] = {}  # u
         self.velocities: Dict[str, torch.Tensor] = {}  # v
         self._pending: Dict[str, torch.Tensor] = {}  # this step's u, until update() decides
+        # a fused group's u and v as views of one flat buffer each (see flat_views)
+        self._flats: Tuple[Flats, Flats] = ({}, {})
 
     @property
     def stateful(self) -> bool:
@@ -349,6 +381,72 @@ class DGCMemory(Memory):
         self._pending[name] = u
         return v
 
+    def _group_state(self, tensors: Sequence[torch.Tensor], names: Sequence[str]
+                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]]:
+        """A group's u and v as views of one flat buffer each (flat u, flat v, and their views by
+        name), where it can be taken at once: on an accelerator, several gradients, each with
+        both states in fp32 on its device, and no clipping (a norm a tensor); else None."""
+        if len(tensors) < 2 or self.clip_norm is not None or not _by_groups(tensors[0].device):
+            return None
+        flats = []
+        for store, kept in zip((self.momentums, self.velocities), self._flats):
+            olds = [self._get(store, n, t) for n, t in zip(names, tensors)]
+            if any(o is None or o.dtype != torch.float32 or o.device != tensors[0].device for o in olds):
+                return None
+            flats.append(flat_views(store, kept, names, olds))
+        return flats[0], flats[1], [self.momentums[n] for n in names], [self.velocities[n] for n in names]
+
+    def compensate_many_into(self, tensors: Sequence[torch.Tensor], names: Sequence[str],
+                             outs: Sequence[torch.Tensor]) -> None:
+        """A fused group's ``u`` and ``v`` in a few multi-tensor operations (:meth:`_group_state`):
+        this step's ``u = g + momentum·u`` in one flat buffer, ``v + u`` written into ``outs``;
+        the same operations as :meth:`compensate`'s, tensor by tensor elsewhere."""
+        state = self._group_state(tensors, names)
+        if state is None:
+            return super().compensate_many_into(tensors, names, outs)
+        u_flat, _, us, vs = state
+        pending = list(_unflatten_dense_tensors(torch.empty_like(u_flat), us))
+        torch._foreach_copy_(pending, [t.view(u.shape) for t, u in zip(tensors, us)])
+        torch._foreach_add_(pending, us, alpha=self.momentum)
+        self._pending.update(zip(names, pending))
+        shaped = [out.view(v.shape) for out, v in zip(outs, vs)]
+        torch._foreach_copy_(shaped, vs)
+        torch._foreach_add_(shaped, pending)
+
+    def update_many(self, names: Sequence[str], compensated: Sequence[torch.Tensor], decoded: Sequence[torch.Tensor],
+                    skip: Optional[torch.Tensor] = None) -> None:
+        """A group compensated at once (its pending ``u`` one flat buffer): the sent values'
+        mask, the masking and the flag's pick in a few flat operations (the flag not read on the
+        host); else one :meth:`update` each."""
+        pending = [self._pending.get(n) for n in names]
+        base = None if pending[0] is None else pending[0]._base
+        state = None
+        if base is not None and all(p is not None and p._base is base for p in pending):
+            state = self._group_state(compensated, names)
+        if state is None:
+            return super().update_many(names, compensated, decoded, skip)
+        if skip is not None and reads_on_host(skip):  # (free to read: a skipped step touches nothing)
+            if bool(skip):
+                for n in names:
+                    self._pending.pop(n, None)
+                return
+            skip = None
+        u_flat, v_flat, us, _ = state
+        sent = torch.empty_like(base)
+        torch._foreach_copy_(list(_unflatten_dense_tensors(sent, us)), [d.view(u.shape) for d, u in zip(decoded, us)])
+        mask = sent != 0
+        v_new = sent  # (the decoded values are read: their buffer takes v)
+        torch._foreach_copy_(list(_unflatten_dense_tensors(v_new, us)), [c.view(u.shape) for c, u in zip(compensated, us)])
+        u_new = base.masked_fill_(mask, 0.0)
+        v_new.masked_fill_(mask, 0.0)
+        for flat, new in ((u_flat, u_new), (v_flat, v_new)):
+            if skip is None:
+                flat.copy_(new)
+            else:
+                torch.where(skip, flat, new, out=flat)
+        for n in names:
+            self._pending.pop(n, None)
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
         v = compensated.float()
         u = self._pending.pop(name, None)
@@ -366,19 +464,23 @@ class DGCMemory(Memory):
         self.velocities[name] = v_new
 
     def release(self, name: str) -> Optional[torch.Tensor]:
+        for store, kept in zip((self.momentums, self.velocities), self._flats):
+            detach_views(store, kept, [name])
         self.momentums.pop(name, None)  # momentum correction ends with compression
         return self.velocities.pop(name, None)  # accumulated, not yet sent
 
     def state_dict(self) -> Dict[str, Any]:
         return {
-            "momentums": {k: v.cpu() for k, v in self.momentums.items()},
-            "velocities": {k: v.cpu() for k, v in self.velocities.items()},
+            # copies: a fused group's are updated in place at the next step
+            "momentums": {k: v.detach().to("cpu", copy=True) for k, v in self.momentums.items()},
+            "velocities": {k: v.detach().to("cpu", copy=True) for k, v in self.velocities.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.momentums = {k: v.clone() for k, v in state.get("momentums", {}).items()}
         self.velocities = {k: v.clone() for k, v in state.get("velocities", {}).items()}
         self._pending = {}
+        self._flats = ({}, {})
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(momentum={self.momentum}, clip_norm={self.clip_norm})"
