@@ -168,6 +168,28 @@ def test_user_codec_works_like_any_codec():
         _CODECS._classes.pop("_test_user_ternary", None)  # keep names() clean for other tests
 
 
+def test_a_compll_codec_by_buckets_encodes_a_fused_group_as_its_members_alone():
+    """``cl_terngrad`` with buckets (``block``): a group whose members start on buckets decodes
+    each value to 0 or ± its own bucket's largest magnitude (a bucket never mixes members) in
+    one encode; one reduce a tensor (no buckets) never fuses."""
+    c = gradzip.codec("cl_terngrad", bucket_size=64)
+    members = [torch.randn(100) * 1e-20, torch.randn(64) * 1e20, torch.randn(3)]
+    starts, at = [], 0
+    for m in members:
+        starts.append(at)
+        at += m.numel() + (-m.numel() % 64)
+    flat = torch.zeros(at)
+    for a, m in zip(starts, members):
+        flat[a : a + m.numel()] = m
+    y = c.decode(c.encode(flat, name="g"))
+    for a, m in zip(starts, members):
+        for b in range(0, m.numel(), 64):
+            top = float(m[b : b + 64].abs().max())
+            got = y[a + b : a + min(b + 64, m.numel())]
+            assert all(float(v) in (0.0, top, -top) for v in got)
+    assert not y[100:128].any()  # the padding: zeros, a zero's code is 0
+
+
 # ---------------------------------------------------------------------------- compilation
 @pytest.mark.timeout(600)
 def test_compiled_bodies_match_eager(caplog):

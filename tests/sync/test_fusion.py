@@ -81,7 +81,8 @@ def _elementwise_fused_and_alone(rank: int, world: int, name: str, opts: dict) -
                                              (3, "tbq", {"threshold": 0.5, "memory": "none"}),
                                              (2, "threshold", {"threshold": 1.0}),
                                              (3, "threshold", {"threshold": 2.0, "memory": "none"}),
-                                             (2, "inceptionn", {}), (3, "inceptionn", {"error_bound": 0.01})])
+                                             (2, "inceptionn", {}), (3, "inceptionn", {"error_bound": 0.01}),
+                                             (2, "cl_tbq", {"threshold": 0.5})])  # (a CompLL codec's ``block``)
 def test_elementwise_codecs_send_a_fused_group_exactly_as_its_gradients_alone(world, name, opts):
     """signSGD (a bit and a vote a value), TBQ (a code a value, τ shared), threshold
     sparsification (a value sent by its own magnitude) and INCEPTIONN (a tag and bytes a
@@ -361,6 +362,9 @@ def test_codecs_that_are_per_tensor_say_so():
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
     assert gradzip.codec("adaq", bin_size=7).fused_alignment() == 7 and gradzip.codec("adaq").parts_format  # on bins
     assert not gradzip.codec("sketchml").fused_alignment()  # a quantile sketch a tensor
+    # CompLL codecs fuse where their bodies say their blocks are encoded apart
+    assert gradzip.codec("cl_tbq").fusion_block() == 4 and gradzip.codec("cl_terngrad", bucket_size=64).fusion_block() == 64
+    assert not any(gradzip.codec(n).fused_alignment() for n in ("cl_terngrad", "cl_onebit"))
     assert gradzip.codec("randomk").parts_format and gradzip.codec("randomk").fused_alignment() == 1
     assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8

@@ -203,6 +203,12 @@ class CompLLCodec(Codec):
 
     wire_bits: int = 0  # bits per element on the wire: 1..8 packed, or 16/32 (default _wire_bytes)
     header_bytes: int = 0  # bytes of header per tensor
+    # values the bodies encode apart from the rest of the tensor (an element-wise map packed to
+    # k bits: 8 // k, whole bytes; a reduce by buckets: the bucket), so that several gradients
+    # may go through them as one fused group, each starting on a multiple of it, and decode as
+    # alone; 0: the bodies read the whole tensor (its size, its shape, one reduce)
+    block: int = 0
+    records_fusion = False  # (fused only where ``block`` says so: checkpoints without ``fusion`` load)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -244,6 +250,9 @@ class CompLLCodec(Codec):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         bits = self.wire_bits
         return (packed_bytes(numel, bits) if bits <= 8 else numel * bits // 8) + self.header_bytes
+
+    def fusion_block(self) -> int:
+        return self.block
 
     def _compiled(self, fn: Callable) -> Callable:
         """``fn`` through torch.compile, falling back to eager (once, with a warning) on failure."""

@@ -43,6 +43,9 @@ class CLTernGrad(cl.CompLLCodec):
         s = wire[1].repeat_interleave(self.bucket_size or ctx.numel)[: ctx.numel]
         return cl.map(_ternary, cl.unpack(wire[0], 2, ctx.numel), s)
 
+    def fusion_block(self):
+        return self.bucket_size  # buckets are encoded apart (0, a scale a tensor: never fused)
+
     def _wire_bytes(self, numel, dtype):
         return packed_bytes(numel, 2) + 4 * -(-numel // (self.bucket_size or numel))
 
@@ -56,7 +59,7 @@ class CLTBQ(cl.CompLLCodec):
     (``docs/bench/gpu-codecs-h200.json``).
     """
 
-    name, family, paper, wire_bits = "cl_tbq", "quantization", TBQ.paper, 2
+    name, family, paper, wire_bits, block = "cl_tbq", "quantization", TBQ.paper, 2, 4  # (a code a value)
     collectives, options, default_memory = TBQ.collectives, TBQ.options, TBQ.default_memory
     reencodable = TBQ.reencodable
 
