@@ -391,6 +391,22 @@ def test_a_group_by_parts_sampled_whole_sends_each_members_top_k():
             assert torch.equal(y[a : a + m.numel()], _round_trip(gradzip.codec("topk", ratio=0.05), m))
 
 
+@pytest.mark.parametrize("name,opts", [("threshold", {"threshold": 2.0}), ("dgc", {"ratio": 0.05}),
+                                       ("graddrop", {"ratio": 0.05, "sample_ratio": 1.0})])
+def test_selections_taken_a_piece_at_a_time_on_the_cpu_are_the_whole_ones(name, opts, monkeypatch):
+    """On the CPU the magnitudes and the mask of a selection are made a piece at a time (not a
+    fused group's size): the same payload as in one piece."""
+    from gradzip.kernels import fused
+
+    members = [_randn((3000,), seed=7), _randn((700,), seed=8) * 1e-3, _randn((5000,), seed=9)]
+    flat, parts, _ = _group(members)
+    whole = gradzip.codec(name, **opts).encode(flat, name="g", parts=None if name == "threshold" else parts)
+    monkeypatch.setattr(fused, "TORCH_PIECE", 512)
+    pieces = gradzip.codec(name, **opts).encode(flat, name="g", parts=None if name == "threshold" else parts)
+    assert all(torch.equal(a, b) for a, b in zip(whole.tensors, pieces.tensors))
+    assert 0 < pieces.tensors[0].numel() < flat.numel() // 4
+
+
 def test_threshold_measured_wire_below_raw_when_tuned():
     x = _randn((1 << 20,), seed=10)
     p = gradzip.codec("threshold", threshold=2.0).encode(x)

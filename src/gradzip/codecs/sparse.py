@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -322,38 +322,55 @@ def _descending_by_member(member: torch.Tensor, mag: torch.Tensor) -> torch.Tens
     return (member << 32) | (_MAGNITUDE_BITS - mag.contiguous().view(torch.int32).long())
 
 
-def _part_thresholds(mag: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
+def _magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """|x| in fp32."""
+    return x.float().abs()
+
+
+def _selected(x: torch.Tensor, keep: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """The ascending indices where ``keep(|piece| in fp32, its start)`` holds (one ``nonzero``: a
+    device wait). On the CPU a piece of :data:`fused.TORCH_PIECE` values at a time, so the
+    magnitudes and the mask are a piece long, not a fused group's."""
+    n, step = x.numel(), fused.piece_length(x)
+    if step >= n:
+        return torch.nonzero(keep(_magnitudes(x), 0)).reshape(-1)
+    found = [torch.nonzero(keep(_magnitudes(x[a : a + step]), a)).reshape(-1).add_(a) for a in range(0, n, step)]
+    return torch.cat(found)
+
+
+def _part_thresholds(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
                      sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
-    """Each member's :func:`_sampled_threshold` (fp32, one a member) for a fused group's
-    magnitudes ``mag`` (members on blocks of :data:`PART_ALIGN`), in a fixed number of
-    operations whatever the members: every member's sample drawn by one ``rand`` (uniform
-    indices in its own range, as alone), the samples sorted once by member and magnitude, and
-    each member's ``k``-th largest read at its place."""
-    plan = _sample_plan(parts, ratio, sample_ratio, mag.device)
+    """Each member's :func:`_sampled_threshold` (fp32, one a member) for a fused group ``x``
+    (members on blocks of :data:`PART_ALIGN`), in a fixed number of operations whatever the
+    members: every member's sample drawn by one ``rand`` (uniform indices in its own range, as
+    alone), the sampled magnitudes sorted once by member and magnitude, and each member's
+    ``k``-th largest read at its place."""
+    plan = _sample_plan(parts, ratio, sample_ratio, x.device)
     member = torch.repeat_interleave(plan.members, plan.counts, output_size=plan.slots)
     first = plan.starts.index_select(0, member)
     if plan.drawn:  # a uniform index in the member's range (the member's whole blocks where it is sampled whole)
-        at = torch.rand(plan.slots, generator=gen, dtype=torch.float64, device=mag.device)
+        at = torch.rand(plan.slots, generator=gen, dtype=torch.float64, device=x.device)
         size = plan.sizes.index_select(0, member)
         drawn = torch.minimum(at.mul_(size).floor_(), size.sub_(1), out=at).long()
-        slot = torch.arange(plan.slots, device=mag.device) - plan.firsts.index_select(0, member)
+        slot = torch.arange(plan.slots, device=x.device) - plan.firsts.index_select(0, member)
         first += torch.where(plan.whole.index_select(0, member), slot, drawn)
     else:  # every member sampled whole: its values in turn
-        first += torch.arange(plan.slots, device=mag.device) - plan.firsts.index_select(0, member)
-    keys = torch.sort(_descending_by_member(member, mag.index_select(0, first))).values
+        first += torch.arange(plan.slots, device=x.device) - plan.firsts.index_select(0, member)
+    keys = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, first)))).values
     bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.kth) & 0xFFFFFFFF)
     return bits.to(torch.int32).view(torch.float32)
 
 
-def _part_selection(mag: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
+def _part_selection(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
                     sample_ratio: float, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The indices of a fused group's magnitudes at or above their member's sampled threshold
-    (ascending; one ``nonzero``, a device wait), and the number each member selected (int64)."""
-    units = part_units(parts, 0, mag.device)
-    thresholds = _part_thresholds(mag, parts, ratio, sample_ratio, gen).index_select(0, units.of_block)
-    sel = mag.view(-1, PART_ALIGN) >= thresholds.unsqueeze(1)
-    counts = units.sums(sel.sum(dim=1, dtype=torch.float64)).long()
-    return torch.nonzero(sel.view(-1)).reshape(-1), counts
+    """The indices of a fused group's values whose magnitudes reach their member's sampled
+    threshold (ascending; :func:`_selected`), and the number each member selected (int64)."""
+    units = part_units(parts, 0, x.device)
+    thresholds = _part_thresholds(x, parts, ratio, sample_ratio, gen).index_select(0, units.of_block)
+    idx = _selected(x, lambda mag, a: (
+        mag.view(-1, PART_ALIGN) >= thresholds[a // PART_ALIGN : (a + mag.numel()) // PART_ALIGN].unsqueeze(1)).view(-1))
+    per_block = torch.bincount(idx // PART_ALIGN, minlength=thresholds.numel()).double()
+    return idx, units.sums(per_block).long()
 
 
 def _upper_bound(numel: int, dtype: torch.dtype) -> int:
@@ -408,8 +425,7 @@ class Threshold(_ValuesIndices):
         return 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        idx = torch.nonzero(x.float().abs() >= self.threshold).reshape(-1)  # CUDA: one device wait
-        return self._payload(x, idx)
+        return self._payload(x, _selected(x, lambda mag, a: mag >= self.threshold))  # CUDA: one device wait
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -472,10 +488,10 @@ class DGC(_ValuesIndices):
         return PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        mag = x.float().abs()
         if meta.parts is not None:
-            idx, counts = _part_selection(mag, meta.parts, self.ratio, self.sample_ratio, self._generator(mag.device))
-            return self._payload(x, self._capped(mag, idx, counts, meta.parts))
+            idx, counts = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
+            return self._payload(x, self._capped(x, idx, counts, meta.parts))
+        mag = x.float().abs()
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait, the size is data-dependent
         k = _k(mag.numel(), self.ratio)
@@ -483,18 +499,18 @@ class DGC(_ValuesIndices):
             idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
         return self._payload(x, idx)
 
-    def _capped(self, mag: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
+    def _capped(self, x: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
                 parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
         """A group's selection with each member that let through more than ``2k`` of its values
         cut to its ``k`` largest of them: the selected values sorted once by member and
         magnitude, and a member's kept while their rank is under its bound (a second device
         wait, only in a step where some member is over its cap)."""
-        caps = _caps(parts, self.ratio, mag.device)
+        caps = _caps(parts, self.ratio, x.device)
         over = counts > 2 * caps
         if not bool(over.any()):  # (a host read: whether any member is over)
             return idx
-        member = part_units(parts, 0, mag.device).of_block.index_select(0, idx // PART_ALIGN).long()
-        order = torch.sort(_descending_by_member(member, mag.index_select(0, idx))).indices
+        member = part_units(parts, 0, x.device).of_block.index_select(0, idx // PART_ALIGN).long()
+        order = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, idx)))).indices
         member = member.index_select(0, order)
         rank = torch.arange(idx.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts).index_select(0, member)
         bound = torch.where(over, caps, counts).index_select(0, member)
@@ -551,10 +567,10 @@ class GradDrop(_ValuesIndices):
         return PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        mag = x.float().abs()
         if meta.parts is not None:
-            idx, _ = _part_selection(mag, meta.parts, self.ratio, self.sample_ratio, self._generator(mag.device))
+            idx, _ = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
             return self._payload(x, idx)
+        mag = x.float().abs()
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
         return self._payload(x, idx)
