@@ -391,6 +391,42 @@ def test_a_group_by_parts_sampled_whole_sends_each_members_top_k():
             assert torch.equal(y[a : a + m.numel()], _round_trip(gradzip.codec("topk", ratio=0.05), m))
 
 
+def test_a_top_k_group_selected_at_once_is_each_members_own_k_largest(monkeypatch):
+    """The accelerator's way (candidates above a threshold from a fixed sample, one sort by
+    member and magnitude) selects each member's own ``k`` largest, ties to the lowest index
+    as the radix selects break them, NaN among the largest; where a member's candidates fall
+    short of its ``k`` (a sample far off) the members are selected one by one instead."""
+    from gradzip.codecs import sparse
+
+    def both(members, ratio):
+        flat = torch.cat([m.reshape(-1) for m in members])
+        parts = [(f"m{i}", tuple(m.shape)) for i, m in enumerate(members)]
+        c = gradzip.codec("topk", ratio=ratio)
+        monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: False)
+        one_by_one = c.encode(flat, name="g", parts=parts)
+        monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: True)
+        at_once = c.encode(flat, name="g", parts=parts)
+        indices = [p.tensors[1].long().sort().values for p in (one_by_one, at_once)]
+        grouped = sparse._group_topk(flat, tuple((n, torch.Size(s)) for n, s in parts), ratio)
+        return torch.equal(*indices), grouped is not None, c.decode(at_once).nan_to_num(7.0), flat
+
+    ties = [torch.randint(-3, 4, s).float() for s in ((37, 29), (3000,), (5, 7, 61), (100_000,))]
+    nan = [_randn((3000,), seed=11), _randn((5000,), seed=12)]
+    nan[1][17] = float("nan")
+    for members, ratio in [([_randn((37, 29)), torch.empty(0), _randn((3000,)) * 1e-30, _randn((200_000,)), _randn((1,))], 0.01),
+                           (ties, 0.05), ([_randn((4096,)), _randn((300,))], 0.5), ([torch.zeros(10), torch.zeros(3)], 0.01),
+                           (nan, 0.01)]:
+        same, grouped, decoded, flat = both(members, ratio)
+        assert same and grouped
+    assert decoded[3017] == 7.0  # (the NaN sent, as a member's largest)
+    # a member whose large values are all in the sample: its threshold leaves too few candidates
+    plan = sparse._topk_plan((("m0", torch.Size([100_000])),), 0.05, torch.device("cpu"))
+    x = torch.rand(100_000)
+    x[plan.sample] += 10.0
+    same, grouped, _, _ = both([x], 0.05)
+    assert same and not grouped
+
+
 @pytest.mark.parametrize("name,opts", [("threshold", {"threshold": 2.0}), ("dgc", {"ratio": 0.05}),
                                        ("graddrop", {"ratio": 0.05, "sample_ratio": 1.0})])
 def test_selections_taken_a_piece_at_a_time_on_the_cpu_are_the_whole_ones(name, opts, monkeypatch):

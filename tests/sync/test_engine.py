@@ -156,7 +156,7 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
 
 
 def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
-    from gradzip.codecs import sign
+    from gradzip.codecs import sign, sparse
     from gradzip.sync import engine, memory
 
     engine._multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
@@ -164,6 +164,7 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
     sign._parts_in_turn = lambda device: False
     memory._by_groups = lambda device: True
     memory.reads_on_host = lambda flag: False
+    sparse._selects_by_groups = lambda device: True
     out = {}
     for count in (8, 64):
         comm = gradzip.Communicator(name, **opts)
@@ -188,7 +189,7 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
                                        ("graddrop", {}), ("dgc", {"sample_ratio": 1.0}),
-                                       ("adaq", {})])
+                                       ("adaq", {}), ("topk", {})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
@@ -205,10 +206,12 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
             assert ops["_local_scalar_dense"] == (name == "dgc"), ops
         elif name == "adaq":  # its selection's size: one nonzero; each member's scale by one sum of the sent values
             assert ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 0, ops
+        elif name == "topk":  # a sort of the samples and one of the candidates, one nonzero, one bool read
+            assert ops["sort"] == 2 and ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 1, ops
         else:
             assert ops["_local_scalar_dense"] == 0, ops
-        # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends)
-        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq"), ops
+        # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends, top-k's a sort)
+        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk"), ops
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

@@ -99,6 +99,8 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     from gradzip.sync import memory
     sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
     memory._by_groups = lambda device: not in_turn  # (DGC's memory: a group's state at once, or by name)
+    from gradzip.codecs import sparse
+    sparse._selects_by_groups = lambda device: not in_turn  # (top-k: a group's selections at once, or by member)
     names = list(SHAPES)
     out: Dict[str, object] = {}
     comms = {"fused": gradzip.Communicator(name, fusion=True, **opts),
@@ -140,6 +142,7 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     (2, True, "onebit", {}), (3, False, "onebit", {}), (2, False, "onebit", {"bucket_size": 512}),
     (2, False, "onebit", {"bucket_size": 100}),  # (buckets that are not whole blocks: member by member)
     (2, True, "topk", {"ratio": 0.05}), (3, True, "topk", {"ratio": 0.05}),  # (each member's own selection)
+    (2, False, "topk", {"ratio": 0.05}),  # (selected at once: one sort of the group's candidates)
     # (random-k: each member's own draws; at 3 ranks gloo's all-reduce orders a value's sum by its
     # place in the buffer, so bit for bit at 2)
     (2, True, "randomk", {"ratio": 0.05}), (2, True, "randomk", {"ratio": 0.05, "scale": True}),

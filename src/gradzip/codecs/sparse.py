@@ -145,8 +145,11 @@ class TopK(_ValuesIndices):
 
     A fused group on the all-gather is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`):
     each member's own ``k`` largest (the selection it has alone), their indices in the group,
-    one all-gather and one scatter-add a rank; the selections are still made member by member
-    (a radix select each).
+    one all-gather and one scatter-add a rank. On the CPU the selections are made member by
+    member (a radix select each); on an accelerator all at once, in a fixed number of
+    operations: candidates above a threshold estimated from a fixed sample of each member,
+    sorted once by member and magnitude (the same sets; a member whose candidates fall short
+    of its ``k`` sends the group member by member that step).
     """
 
     name = "topk"
@@ -159,14 +162,99 @@ class TopK(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
-            picks = [fused.topk(x[a : a + n], _k(n, self.ratio))[1].add_(a)
-                     for a, n in part_spans(meta.parts, self.fused_alignment()) if n]
-            return self._payload(x, torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=x.device))
+            idx = _group_topk(x, meta.parts, self.ratio) if _selects_by_groups(x.device) else None
+            if idx is None:  # member by member (the CPU's way, and where a member has too few candidates)
+                picks = [fused.topk(x[a : a + n], _k(n, self.ratio))[1].add_(a)
+                         for a, n in part_spans(meta.parts, self.fused_alignment()) if n]
+                idx = torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=x.device)
+            return self._payload(x, idx)
         _, idx = fused.topk(x, _k(x.numel(), self.ratio))
         return self._payload(x, idx)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(_k(numel, self.ratio) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
+
+
+def _selects_by_groups(device: torch.device) -> bool:
+    """Whether top-k selects a fused group's members at once (:func:`_group_topk`: an
+    accelerator, which pays a launch an operation) rather than one radix select a member (the
+    CPU, where a call costs next to nothing)."""
+    return device.type != "cpu"
+
+
+class _TopKPlan:
+    """How :func:`_group_topk` samples a fused group (members back to back), made once per
+    layout on its device: each member's ``starts`` (with the group's end), ``sizes``, ``ks``
+    (its ``k``, 0 for an empty member), a fixed uniform sample of its values (``sample`` and
+    the sample's ``member``), the sorted sample's place of each member's candidate threshold
+    (``at``: its ``k``-th largest where the sample is the whole member, else the rank that
+    leaves about ``2k`` of its values above, so that all of its ``k`` largest are candidates
+    unless the sample is far off), and for each of the ``total_k`` values kept its member
+    (``kmember``) and its rank in it (``kslot``); on the host ``total_k`` and ``size``."""
+
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> None:
+        gen = torch.Generator().manual_seed(0x70C)  # (a fixed sample: only where a threshold falls depends on it)
+        starts, sizes, ks, sample, member, at = [], [], [], [], [], []
+        slots = total = 0
+        for i, (_, shape) in enumerate(parts):
+            n = shape.numel()
+            k = _k(n, ratio) if n else 0
+            s = min(n, max(-(-n // 64), 1024))
+            if s == n:  # the whole member: its k-th largest exactly
+                sample.append(torch.arange(total, total + n))
+                rank = k
+            else:
+                sample.append(torch.randint(0, n, (s,), generator=gen).add_(total))
+                rank = min(s, max(1, -(-2 * k * s // n)))
+            member.append(torch.full((s,), i, dtype=torch.long))
+            at.append(slots + rank - 1 if n else 0)
+            starts.append(total)
+            sizes.append(n)
+            ks.append(k)
+            slots += s
+            total += n
+        self.size, self.total_k = total, sum(ks)
+        self.starts = torch.tensor(starts + [total], dtype=torch.long, device=device)
+        self.sizes = torch.tensor(sizes, dtype=torch.long, device=device)
+        self.ks = torch.tensor(ks, dtype=torch.long, device=device)
+        self.sample = torch.cat(sample).to(device)
+        self.member = torch.cat(member).to(device)
+        self.at = torch.tensor(at, dtype=torch.long, device=device)
+        firsts = torch.repeat_interleave(torch.cumsum(self.ks, 0) - self.ks, self.ks, output_size=self.total_k)
+        self.kslot = torch.arange(self.total_k, device=device) - firsts
+        self.kmember = torch.repeat_interleave(torch.arange(len(parts), device=device), self.ks, output_size=self.total_k)
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+def _topk_plan(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> _TopKPlan:
+    return _TopKPlan(parts, ratio, device)
+
+
+def _group_topk(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float) -> Optional[torch.Tensor]:
+    """Each member's ``k`` largest magnitudes of a fused group (members back to back), in a
+    fixed number of operations whatever the members: each member's candidate threshold from a
+    fixed sample (one gather and one sort of all the samples, keyed by member and magnitude),
+    the candidates at or above it (one ``nonzero``: a device wait), sorted once by member and
+    magnitude (stably: ties go to the lowest index, as the radix selects break them), and each
+    member's first ``k`` taken. The indices go member by member, the largest first. None where
+    some member has fewer than ``k`` candidates (a sample far off, NaN): then member by member."""
+    plan = _topk_plan(parts, ratio, x.device)
+    if plan.size != x.numel() or plan.total_k == 0:
+        return None
+    mag = x.float().abs()
+    keys = torch.sort(_descending_by_member(plan.member, mag.index_select(0, plan.sample))).values
+    bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.at) & 0xFFFFFFFF)
+    thresholds = bits.to(torch.int32).view(torch.float32)
+    # (not below: NaN, the largest magnitude to the radix selects, is a candidate too)
+    below = mag < torch.repeat_interleave(thresholds, plan.sizes, output_size=plan.size)
+    candidates = torch.nonzero(below.logical_not_()).reshape(-1)
+    member = torch.searchsorted(plan.starts, candidates, right=True).sub_(1)
+    counts = torch.bincount(member, minlength=plan.ks.numel())
+    if bool((counts < plan.ks).any()):  # (a host read, once the nonzero has waited for the device)
+        return None
+    order = torch.sort(_descending_by_member(member, mag.index_select(0, candidates)), stable=True).indices
+    first = (torch.cumsum(counts, 0) - counts).index_select(0, plan.kmember)
+    return candidates.index_select(0, order.index_select(0, first + plan.kslot))
 
 
 @register_codec
