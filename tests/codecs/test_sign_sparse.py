@@ -427,6 +427,33 @@ def test_a_top_k_group_selected_at_once_is_each_members_own_k_largest(monkeypatc
     assert same and not grouped
 
 
+def test_random_k_draws_a_group_at_once_each_members_own_k_in_its_own_range(monkeypatch):
+    """The accelerator's way: one draw keyed by the group, every rank alike, each member's ``k``
+    indices in its own range (uniform: every value of a small member drawn over the steps), the
+    drawn values sent as they are and, with ``scale``, each weighted by its own member's n/k."""
+    from gradzip.codecs import sparse
+
+    monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: True)
+    members = [_randn((37, 29), seed=1), torch.empty(0), _randn((50,), seed=2) * 1e-20, _randn((3000,), seed=3)]
+    flat = torch.cat([m.reshape(-1) for m in members])
+    parts = [(f"m{i}", tuple(m.shape)) for i, m in enumerate(members)]
+    starts = [0, 1073, 1073, 1123]
+    seen = torch.zeros(50, dtype=torch.bool)
+    for step in range(60):
+        a, b = (gradzip.codec("randomk", ratio=0.1, scale=True) for _ in range(2))
+        pa, pb = a.encode(flat, name="g", step=step, parts=parts), b.encode(flat, name="g", step=step, parts=parts)
+        idx = pa.ctx.extra["indices"]
+        assert torch.equal(idx, pb.ctx.extra["indices"]) and torch.equal(pa.tensors[0], flat[idx])
+        for (s, m), n_drawn in zip([(starts[0], members[0]), (starts[2], members[2]), (starts[3], members[3])], (108, 5, 300)):
+            mine = idx[(idx >= s) & (idx < s + m.numel())]
+            assert mine.numel() == n_drawn
+        seen[idx[(idx >= 1073) & (idx < 1123)] - 1073] = True
+        decoded = a.decode(pa)
+        drawn = idx[(idx >= 1073) & (idx < 1123)]
+        assert torch.allclose(decoded[drawn], flat[drawn] * 10 * torch.bincount(drawn - 1073, minlength=50)[drawn - 1073])
+    assert seen.all()
+
+
 @pytest.mark.parametrize("name,opts", [("threshold", {"threshold": 2.0}), ("dgc", {"ratio": 0.05}),
                                        ("graddrop", {"ratio": 0.05, "sample_ratio": 1.0})])
 def test_selections_taken_a_piece_at_a_time_on_the_cpu_are_the_whole_ones(name, opts, monkeypatch):

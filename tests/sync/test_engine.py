@@ -189,7 +189,7 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
                                        ("graddrop", {}), ("dgc", {"sample_ratio": 1.0}),
-                                       ("adaq", {}), ("topk", {})])
+                                       ("adaq", {}), ("topk", {}), ("randomk", {})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
@@ -208,10 +208,13 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
             assert ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 0, ops
         elif name == "topk":  # a sort of the samples and one of the candidates, one nonzero, one bool read
             assert ops["sort"] == 2 and ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 1, ops
+        elif name == "randomk":  # one draw a group
+            assert ops["rand"] == 1 and ops["randint"] == 0 and ops["_local_scalar_dense"] == 0, ops
         else:
             assert ops["_local_scalar_dense"] == 0, ops
-        # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends, top-k's a sort)
-        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk"), ops
+        # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends, top-k's a
+        # sort; random-k's draws none)
+        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk", "randomk"), ops
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

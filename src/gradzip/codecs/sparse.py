@@ -270,9 +270,12 @@ class RandomK(Codec):
 
     Options: ``ratio`` (default 0.01), ``seed``, ``scale`` (default False).
 
-    A fused group is one call (:attr:`~gradzip.codecs.base.Codec.parts_format`): each member's
-    indices are drawn as alone (its name, its size), shifted to its place in the group, and the
-    group's values are gathered, summed and scattered once: the bits of one tensor at a time.
+    A fused group is one call (:attr:`~gradzip.codecs.base.Codec.parts_format`): on the CPU each
+    member's indices are drawn as alone (its name, its size), shifted to its place in the group,
+    and the group's values are gathered, summed and scattered once: the bits of one tensor at a
+    time. On an accelerator one draw keyed by the group gives every member its own ``k``
+    indices, uniform in its own range (one ``rand`` a group, not a generator and a draw a
+    member: other indices than alone, drawn alike on every rank, the same distribution).
     """
 
     name = "randomk"
@@ -295,6 +298,11 @@ class RandomK(Codec):
         if idx is None:
             if meta.parts is None:
                 idx = self._draw(meta.name, meta.step, meta.numel, meta.device)
+            elif _selects_by_groups(meta.device):  # one draw for the group: each member's own k in its own range
+                gen = shared_generator(self.seed, meta.step, meta.name, meta.device)
+                first, size = _draw_ranges(meta.parts, self.ratio, meta.device)
+                at = torch.rand(size.numel(), generator=gen, dtype=torch.float64, device=meta.device)
+                idx = torch.minimum(at.mul_(size).floor_(), size - 1).long().add_(first)
             else:  # each member's draws as alone, in its place in the group
                 spans = part_spans(meta.parts, self.fused_alignment())
                 idx = torch.cat([self._draw(name, meta.step, n, meta.device).add_(a)
@@ -337,6 +345,18 @@ class RandomK(Codec):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _k(numel, self.ratio) * element_size(dtype)
+
+
+@functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
+def _draw_ranges(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random-k's range of each draw of a fused group drawn at once: its member's first index
+    in the group (int64) and size (fp64), ``k`` draws a member in the members' order."""
+    spans = [(a, n) for a, n in part_spans(parts, 1) if n]
+    counts = torch.tensor([_k(n, ratio) for _, n in spans], dtype=torch.long)
+    first = torch.repeat_interleave(torch.tensor([a for a, _ in spans], dtype=torch.long), counts)
+    size = torch.repeat_interleave(torch.tensor([float(n) for _, n in spans], dtype=torch.float64), counts)
+    return first.to(device), size.to(device)
 
 
 @functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
