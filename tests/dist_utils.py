@@ -64,7 +64,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
         os.environ.clear()
         os.environ.update(environ)
         for key, before in names.items():
-            module = vars(sys.modules[key])
+            module = vars(sys.modules[key]) if key in sys.modules else {}  # (a function may drop a module)
             for name, value in before.items():
                 if module.get(name) is not value:
                     module[name] = value

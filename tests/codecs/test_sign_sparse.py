@@ -381,6 +381,22 @@ def test_a_group_by_parts_samples_each_member_for_its_own_threshold(name):
     assert 0.01 <= grouped <= 0.12 and 0.7 <= grouped / alone <= 1.4, (grouped, alone)  # (DGC: capped at k)
 
 
+@pytest.mark.parametrize("name", ["dgc", "graddrop"])
+def test_a_group_by_parts_never_sends_its_padding(name):
+    """A member whose threshold is 0 (fewer nonzeros than its ``k``) sends its zeros, as alone,
+    but never the padding after it; DGC's cap then counts its own values only."""
+    sparse_member = torch.zeros(10)
+    sparse_member[3] = 1.0
+    members = [sparse_member, _randn((3000,), seed=13)]
+    flat, parts, starts = _group(members)
+    c = gradzip.codec(name, ratio=0.2, sample_ratio=1.0)
+    p = c.encode(flat, name="g", parts=parts)
+    idx = p.tensors[1].long() if p.tensors[1].numel() else torch.nonzero(p.tensors[0]).reshape(-1)
+    assert not ((idx >= 10) & (idx < starts[1])).any()
+    alone = c.decode(c.encode(sparse_member, name="m0"))
+    assert torch.equal(c.decode(p)[:10], alone)
+
+
 def test_a_group_by_parts_sampled_whole_sends_each_members_top_k():
     members = [_distinct(1001, seed=4), _distinct(257, seed=5) * 1e-20, _distinct(1, seed=6)]
     flat, parts, starts = _group(members)
@@ -419,6 +435,10 @@ def test_a_top_k_group_selected_at_once_is_each_members_own_k_largest(monkeypatc
         same, grouped, decoded, flat = both(members, ratio)
         assert same and grouped
     assert decoded[3017] == 7.0  # (the NaN sent, as a member's largest)
+    # fp64 magnitudes that fp32 would tie: member by member, as the radix selects tell them apart
+    close = [torch.tensor([1 + 2.0**-40, 1 + 2.0**-35, 1 + 2.0**-30], dtype=torch.float64), _randn((50,)).double()]
+    same, grouped, _, _ = both(close, 0.5)
+    assert same and not grouped
     # a member whose large values are all in the sample: its threshold leaves too few candidates
     plan = sparse._topk_plan((("m0", torch.Size([100_000])),), 0.05, torch.device("cpu"))
     x = torch.rand(100_000)

@@ -12,8 +12,9 @@ Four kinds of selection, from exact to adaptive:
 
 The data-dependent ones declare ``fixed_size = False``: the all-gather collective then exchanges
 payload lengths first. They find their indices with ``torch.nonzero``, which on CUDA waits for
-the device once (the output size must be known); there is no other host sync but DGC's
-question, in a fused group, whether any member is over its cap.
+the device once (the output size must be known); there is no other host sync but, in a fused
+group, DGC's question whether any member is over its cap and top-k's whether every member has
+enough candidates (one read each, once the device has been waited for).
 
 Every one of them sends a fused group of gradients as one payload: threshold's selection is a
 value's own; top-k, random-k, DGC, gradient dropping and AdaComp take the group by its parts
@@ -239,8 +240,8 @@ def _group_topk(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], rati
     member's first ``k`` taken. The indices go member by member, the largest first. None where
     some member has fewer than ``k`` candidates (a sample far off, NaN): then member by member."""
     plan = _topk_plan(parts, ratio, x.device)
-    if plan.size != x.numel() or plan.total_k == 0:
-        return None
+    if plan.size != x.numel() or plan.total_k == 0 or x.dtype == torch.float64:
+        return None  # (fp64: magnitudes equal in fp32 would tie where the radix selects tell them apart)
     mag = x.float().abs()
     keys = torch.sort(_descending_by_member(plan.member, mag.index_select(0, plan.sample))).values
     bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.at) & 0xFFFFFFFF)
@@ -249,12 +250,11 @@ def _group_topk(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], rati
     below = mag < torch.repeat_interleave(thresholds, plan.sizes, output_size=plan.size)
     candidates = torch.nonzero(below.logical_not_()).reshape(-1)
     member = torch.searchsorted(plan.starts, candidates, right=True).sub_(1)
-    counts = torch.bincount(member, minlength=plan.ks.numel())
+    firsts, counts = _member_counts(candidates, plan.starts)
     if bool((counts < plan.ks).any()):  # (a host read, once the nonzero has waited for the device)
         return None
     order = torch.sort(_descending_by_member(member, mag.index_select(0, candidates)), stable=True).indices
-    first = (torch.cumsum(counts, 0) - counts).index_select(0, plan.kmember)
-    return candidates.index_select(0, order.index_select(0, first + plan.kslot))
+    return candidates.index_select(0, order.index_select(0, firsts.index_select(0, plan.kmember) + plan.kslot))
 
 
 @register_codec
@@ -387,14 +387,18 @@ class _SamplePlan:
     member sampled whole, which draws nothing, every value of its blocks, its padding zeros
     included, which rank last), whether it is sampled whole (``whole``), where its slots start
     (``firsts``) and the slot of its ``k``-th largest sampled magnitude once the slots are
-    sorted by member, largest first (``kth``); ``slots`` and ``drawn`` (any member sampled,
-    not whole) on the host."""
+    sorted by member, largest first (``kth``), the members' bounds in the group (``bounds``:
+    their starts and its end) and each block's number of the member's values (``valid``: the
+    rest of a member's last block is padding, never selected); ``slots`` and ``drawn`` (any
+    member sampled, not whole) on the host."""
 
     def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
                  device: torch.device) -> None:
-        starts, sizes, counts, whole, kth = [], [], [], [], []
-        slots = 0
+        starts, sizes, counts, whole, kth, valid = [], [], [], [], [], []
+        slots = end = 0
         for a, n in part_spans(parts, PART_ALIGN):
+            valid += [PART_ALIGN] * (n // PART_ALIGN) + ([n % PART_ALIGN] if n % PART_ALIGN else [])
+            end = a + -(-n // PART_ALIGN) * PART_ALIGN
             s = min(n, math.ceil(n * sample_ratio))
             alone = s == n
             count = -(-n // PART_ALIGN) * PART_ALIGN if alone else s
@@ -412,6 +416,9 @@ class _SamplePlan:
         self.firsts = torch.cumsum(self.counts, 0) - self.counts
         self.kth = torch.tensor(kth, dtype=torch.long, device=device)
         self.members = torch.arange(len(counts), dtype=torch.long, device=device)
+        self.bounds = torch.tensor(starts + [end], dtype=torch.long, device=device)
+        self.valid = torch.tensor(valid, dtype=torch.int32, device=device).unsqueeze(1)
+        self.columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
@@ -470,15 +477,25 @@ def _part_thresholds(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...],
 
 
 def _part_selection(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
-                    sample_ratio: float, gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+                    sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
     """The indices of a fused group's values whose magnitudes reach their member's sampled
-    threshold (ascending; :func:`_selected`), and the number each member selected (int64)."""
-    units = part_units(parts, 0, x.device)
-    thresholds = _part_thresholds(x, parts, ratio, sample_ratio, gen).index_select(0, units.of_block)
-    idx = _selected(x, lambda mag, a: (
-        mag.view(-1, PART_ALIGN) >= thresholds[a // PART_ALIGN : (a + mag.numel()) // PART_ALIGN].unsqueeze(1)).view(-1))
-    per_block = torch.bincount(idx // PART_ALIGN, minlength=thresholds.numel()).double()
-    return idx, units.sums(per_block).long()
+    threshold (ascending; :func:`_selected`), never its padding (sent where a threshold is 0)."""
+    plan = _sample_plan(parts, ratio, sample_ratio, x.device)
+    thresholds = _part_thresholds(x, parts, ratio, sample_ratio, gen)
+    thresholds = thresholds.index_select(0, part_units(parts, 0, x.device).of_block).unsqueeze(1)
+
+    def keep(mag: torch.Tensor, a: int) -> torch.Tensor:
+        blocks = slice(a // PART_ALIGN, (a + mag.numel()) // PART_ALIGN)
+        return ((mag.view(-1, PART_ALIGN) >= thresholds[blocks]) & (plan.columns < plan.valid[blocks])).view(-1)
+
+    return _selected(x, keep)
+
+
+def _member_counts(idx: torch.Tensor, bounds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """For ascending indices ``idx`` into a group whose members lie between ``bounds``: where
+    each member's run of them starts in ``idx`` and how many it has (on the device, no host read)."""
+    firsts = torch.searchsorted(idx, bounds)
+    return firsts[:-1], firsts.diff()
 
 
 def _upper_bound(numel: int, dtype: torch.dtype) -> int:
@@ -572,9 +589,9 @@ class DGC(_ValuesIndices):
     A fused group is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`; members on
     blocks of 256 values): each member's threshold from its own sample (its size, its range),
     all drawn at once and sorted once by member, one selection, and each member over its own
-    cap cut to its own ``k`` by one sort of the selection (a second device wait, a bool read,
-    tells whether any is over). The draws are the group's, so the selection differs from one
-    tensor at a time; with ``sample_ratio=1`` it is the same.
+    cap cut to its own ``k`` by one sort of the selection (one host read, after the
+    selection's device wait, tells whether any is over). The draws are the group's, so the
+    selection differs from one tensor at a time; with ``sample_ratio=1`` it is the same.
     """
 
     name = "dgc"
@@ -597,8 +614,8 @@ class DGC(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
-            idx, counts = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
-            return self._payload(x, self._capped(x, idx, counts, meta.parts))
+            idx = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
+            return self._payload(x, self._capped(x, idx, meta.parts))
         mag = x.float().abs()
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait, the size is data-dependent
@@ -607,22 +624,25 @@ class DGC(_ValuesIndices):
             idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
         return self._payload(x, idx)
 
-    def _capped(self, x: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor,
-                parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
+    def _capped(self, x: torch.Tensor, idx: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
         """A group's selection with each member that let through more than ``2k`` of its values
         cut to its ``k`` largest of them: the selected values sorted once by member and
-        magnitude, and a member's kept while their rank is under its bound (a second device
-        wait, only in a step where some member is over its cap)."""
+        magnitude, each member's first ``k`` taken. One host read after the selection's own
+        device wait (whether any member is over; where one is, how many are kept)."""
+        plan = _sample_plan(parts, self.ratio, self.sample_ratio, x.device)
+        firsts, counts = _member_counts(idx, plan.bounds)
         caps = _caps(parts, self.ratio, x.device)
-        over = counts > 2 * caps
-        if not bool(over.any()):  # (a host read: whether any member is over)
+        kept = torch.where(counts > 2 * caps, caps, counts)
+        if not bool((kept < counts).any()):
             return idx
+        total = int(kept.sum())  # (the device has been waited for: a copy of one value)
         member = part_units(parts, 0, x.device).of_block.index_select(0, idx // PART_ALIGN).long()
         order = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, idx)))).indices
-        member = member.index_select(0, order)
-        rank = torch.arange(idx.numel(), device=idx.device) - (torch.cumsum(counts, 0) - counts).index_select(0, member)
-        bound = torch.where(over, caps, counts).index_select(0, member)
-        return idx.index_select(0, order)[rank < bound]
+        # (sorted by member, each member's run starts where it did: its first ``kept`` are its largest)
+        at = torch.repeat_interleave(firsts, kept, output_size=total)
+        at += torch.arange(total, device=idx.device) - torch.repeat_interleave(
+            torch.cumsum(kept, 0) - kept, kept, output_size=total)
+        return idx.index_select(0, order.index_select(0, at))
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
@@ -676,8 +696,7 @@ class GradDrop(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
-            idx, _ = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
-            return self._payload(x, idx)
+            return self._payload(x, _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device)))
         mag = x.float().abs()
         thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
         idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
@@ -731,7 +750,9 @@ class AdaComp(Codec):
     A fused group is one payload (:attr:`~gradzip.codecs.base.Codec.parts_format`): its members
     start on bins, so each keeps the bins and the selection it has alone; the payload carries
     one scale a member (the mean over that member's sent values, by one sum over the sent
-    values), and the residuals it keeps stay by name: the bits of one tensor at a time.
+    values), and the residuals it keeps stay by name: the bits of one tensor at a time (but
+    that one non-finite flag covers the group: a NaN in one member keeps every member's kept
+    residual, as it keeps their memory's).
     """
 
     name = "adaq"
