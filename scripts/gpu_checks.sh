@@ -66,7 +66,7 @@ else
         --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
     # the codecs that take a group by its parts or were fused late: what each adds to a step
     step overhead-groups 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
-        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk,randomk \
+        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk,randomk,threshold,inceptionn,graddrop,dgc,adaq \
         --json "$out/overhead-groups.json"
     step traces 600 $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
         --steps 4 --trace "$out/traces"
