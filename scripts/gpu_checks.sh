@@ -66,13 +66,17 @@ else
         --configs maxmin4,maxmin:bits=4 --json "$out/overhead-2ranks.json"
     # the codecs that take a group by its parts or were fused late: what each adds to a step
     step overhead-groups 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
-        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk,randomk,threshold,inceptionn,graddrop,dgc,adaq \
+        --configs fp32,signsgd,tbq,efsignsgd,onebit,terngrad,natural,signum,topk,randomk \
         --json "$out/overhead-groups.json"
     step traces 600 $py -m gradzip bench overhead --device cuda --models resnet50 --configs fp32,maxmin4,powersgd,torch-powersgd \
         --steps 4 --trace "$out/traces"
     step traces-2ranks 600 $py -m gradzip bench overhead --device cuda --workers 2 --models resnet50 --configs fp32,maxmin:bits=4 \
         --steps 4 --trace "$out/traces-2ranks"
     step memory 600 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
+    # last (the earlier steps' results come back if the device time ends here): the sparsifiers
+    # and INCEPTIONN, fused or taken by parts
+    step overhead-sparse 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
+        --configs fp32,threshold,inceptionn,graddrop,dgc,adaq --json "$out/overhead-sparse.json"
 fi
 echo "== [$(( $(date +%s) - start ))s] all of it in $out.tar.gz"
 exit $status
