@@ -113,6 +113,9 @@ def launch_everything(quick: bool) -> None:
                     gpu.qsgd_decode(packed, norms, bits, bucket, 6000, torch.zeros(6000), accumulate)
         bits_ = gpu.sign_encode(xd)
         gpu.tbq_encode(xd, 0.01)
+        tags, stream = gpu.inceptionn_encode(xd, 2.0**-10, 2.0**-9)
+        for accumulate in (False, True):
+            gpu.inceptionn_decode(tags, stream, dtype, 6000, 2.0**-9, torch.zeros(6000), accumulate)
         for fmt in ("e4m3", "e5m2"):
             gpu.fp8_encode(xd, fmt, 128)
         for elem in ("e4m3", "e2m1"):

@@ -288,6 +288,54 @@ def test_tbq_bit_identical(dtype):
                       reference.ternary_decode(packed, scale, x.numel(), x.numel()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_inceptionn_bit_identical(dtype):
+    """The tags, the byte stream and the decoded values (stored and added) of the codec's torch
+    version, bit for bit: values of every tag (under the bound, 7 and 15 bits, raw), the
+    16-bit inputs whose cast-back decode decides the tag, ±0, NaN and ±inf; empty and
+    all-zero inputs (no stream)."""
+    import gradzip
+    from gradzip.codecs.base import Meta
+    from gradzip.kernels import pack_bits
+
+    c = gradzip.codec("inceptionn", error_bound=0.01)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(10007, generator=g) * torch.logspace(-4, 3, 10007)).to(dtype).to(DEVICE)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.005], dtype=torch.float64).to(dtype)
+    for values in (x, x[:0], torch.zeros(9, dtype=dtype, device=DEVICE)):
+        # (the torch version on the CPU: CUDA's torch divides by a scalar as a product with its inverse)
+        tag, word, kept = c._tag_words(values.cpu()) if values.numel() else (torch.zeros(0, dtype=torch.uint8),) * 2 + (None,)
+        packed, stream = gpu.inceptionn_encode(values, c._b, c._step)
+        assert torch.equal(packed.cpu(), pack_bits(tag, 2))
+        if values.numel():
+            assert torch.equal(stream.cpu(), torch.index_select(word.view(torch.uint8), 0, kept))
+        else:
+            assert stream.numel() == 0
+        meta = Meta(values.shape, values.dtype, torch.device("cpu"))  # (the torch version: on the CPU)
+        for accumulate in (False, True):
+            base = torch.linspace(-1, 1, values.numel())
+            ref = c._decode_pieces([packed.cpu(), stream.cpu()], meta, base.clone(), accumulate)
+            got = gpu.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.to(DEVICE), accumulate)
+            assert torch.equal(got.cpu().nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
+
+
+def test_inceptionn_codec_takes_the_kernels_with_the_same_payloads(monkeypatch):
+    """The codec with the kernels (as it takes them for CUDA tensors) sends the payloads of its
+    torch version, dense where those are dense, and decodes them alike."""
+    import gradzip
+    from gradzip.kernels import fused
+
+    c = gradzip.codec("inceptionn")
+    cases = [_randn(5000, seed=3) * 1e-3, _randn(300, seed=4).half() * 1e3, _randn(20, seed=5).bfloat16()]
+    torch_way = [(p, c.decode(p)) for p in (c.encode(x.cpu(), name="t") for x in cases)]
+    monkeypatch.setattr(fused, "triton_for", lambda x: gpu)
+    for x, (ref, decoded) in zip(cases, torch_way):
+        got = c.encode(x, name="t")
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got.tensors, ref.tensors))
+        assert torch.equal(c.decode(got).cpu(), decoded)
+    assert torch_way[1][0].tensors[0].numel() == 0  # (16-bit values beyond the tags' range: the dense form)
+
+
 @pytest.mark.parametrize("n,bucket", [(1, 1), (9, 4), (1000, 64), (4097, 1024)])
 def test_onebit_decode_bit_identical(n, bucket):
     x = _randn(n, seed=n)

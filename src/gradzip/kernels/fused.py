@@ -175,6 +175,15 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
     return backend(x) if x.device.type == "cuda" else reference
 
 
+def triton_for(x: torch.Tensor) -> Optional[ModuleType]:
+    """The Triton kernels where :func:`backend` picks them for the CUDA tensor ``x``, else None
+    (a codec whose only other version is its own torch code then runs that)."""
+    if x.device.type != "cuda":
+        return None
+    impl = backend(x)
+    return None if impl is reference or impl is native else impl
+
+
 def uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch.Tensor:
     """``rng.counter_uniform(numel, key, start=start)`` on ``device``: one pass of a fused C loop
     on the CPU or of a Triton kernel on CUDA (as :func:`backend` picks them), else torch's ten

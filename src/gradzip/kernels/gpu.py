@@ -395,6 +395,107 @@ def _ternary_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
+def _inceptionn_tags(x_ptr, numel, b, step, BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr):
+    """INCEPTIONN's tag, word and byte count of this program's values (the codec's torch
+    version, ``Inceptionn._tag_words``): the fixed-point level ``m = floor(|x| / 2b + 0.5)`` (an
+    IEEE division), tag 1 or 2 where ``m · 2b`` (cast back to a 16-bit input's dtype) is within
+    ``b`` of ``|x|`` and ``m`` fits 7 or 15 bits, 0 under ``b``, else 3 (the raw value)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    xf = x.to(tl.float32)
+    mag = tl.abs(xf)
+    m = tl.floor(tl.div_rn(mag, step) + 0.5)
+    approx = m * step
+    if SHORT:  # the decode as the caller gets it: cast back, rounded to nearest even
+        if BF16:  # (on the bits, exact: Triton's interpreter truncates a cast to bf16)
+            u = approx.to(tl.uint32, bitcast=True)
+            approx = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        else:
+            approx = approx.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    ok = tl.abs(approx - mag) <= b
+    tag = 3 - (ok & (m <= 32767.0)).to(tl.int32) - (ok & (m <= 127.0)).to(tl.int32)
+    tag = tl.where(mag < b, 0, tag)
+    sign_at = tl.maximum(tag * 8 - 1, 0)
+    fixed = tl.minimum(tl.maximum(m, 0.0), 32767.0).to(tl.int32) | ((xf < 0).to(tl.int32) << sign_at)
+    if SHORT:
+        raw = x.to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        raw = xf.to(tl.int32, bitcast=True)
+    word = tl.where(tag == 3, raw, fixed)
+    length = tl.where(tag == 3, 2 if SHORT else 4, tag)
+    return pid, offs, valid, tl.where(valid, tag, 0), word, tl.where(valid, length, 0)
+
+
+def _inceptionn_tags_kernel(
+    x_ptr, packed_ptr, counts_ptr, numel, b, step,
+    BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr,
+):
+    """INCEPTIONN's 2-bit tags of ``BLOCK`` values (packed as ``pack_bits``) and the bytes this
+    program's values put in the stream (``counts``, one a program: their prefix sums place it)."""
+    pid, offs, valid, tag, word, length = _inceptionn_tags(x_ptr, numel, b, step, BLOCK, SHORT, BF16)
+    G: tl.constexpr = BLOCK // 4
+    j = tl.arange(0, 4)
+    data = tl.sum(tl.reshape(tag, (G, 4)) << (2 * j)[None, :], axis=1)
+    g = pid * G + tl.arange(0, G)
+    tl.store(packed_ptr + g, data.to(tl.uint8), mask=(g // 2) * 8 < numel)
+    tl.store(counts_ptr + pid, tl.sum(length, axis=0))
+
+
+def _inceptionn_stream_kernel(
+    x_ptr, starts_ptr, stream_ptr, numel, b, step,
+    BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr,
+):
+    """Each value's 0, 1, 2 or raw-width low bytes of its word, in value order, from where this
+    program's bytes start (``starts``: the exclusive prefix sums of the tags kernel's counts)."""
+    pid, offs, valid, tag, word, length = _inceptionn_tags(x_ptr, numel, b, step, BLOCK, SHORT, BF16)
+    at = tl.load(starts_ptr + pid) + (tl.cumsum(length, axis=0) - length).to(tl.int64)
+    for j in tl.static_range(4):
+        tl.store(stream_ptr + at + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=valid & (length > j))
+
+
+def _inceptionn_lengths(packed_ptr, numel, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """This program's tags (from the packed 2-bit tags) and their values' byte counts."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    byte = tl.load(packed_ptr + (offs >> 2), mask=valid, other=0).to(tl.int32)
+    tag = (byte >> (2 * (offs & 3)).to(tl.int32)) & 3
+    return pid, offs, valid, tag, tl.where(tag == 3, WIDTH, tag)
+
+
+def _inceptionn_counts_kernel(packed_ptr, counts_ptr, numel, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    """The stream bytes of each program's values, read from their tags (the decoder's offsets)."""
+    pid, offs, valid, tag, length = _inceptionn_lengths(packed_ptr, numel, BLOCK, WIDTH)
+    tl.store(counts_ptr + pid, tl.sum(length, axis=0))
+
+
+def _inceptionn_decode_kernel(
+    packed_ptr, stream_ptr, starts_ptr, out_ptr, numel, step,
+    BLOCK: tl.constexpr, WIDTH: tl.constexpr, BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
+):
+    """Each value from its tag and its bytes: ``±m · 2b`` (tags 1, 2: the sign above the 7 or
+    15 bits of ``m``), 0 (tag 0) or the raw value (tag 3), stored or added into ``out``."""
+    pid, offs, valid, tag, length = _inceptionn_lengths(packed_ptr, numel, BLOCK, WIDTH)
+    at = tl.load(starts_ptr + pid) + (tl.cumsum(length, axis=0) - length).to(tl.int64)
+    word = tl.zeros((BLOCK,), tl.int32)
+    for j in tl.static_range(4):
+        byte = tl.load(stream_ptr + at + j, mask=valid & (length > j), other=0).to(tl.int32)
+        word = word | (byte << (8 * j))
+    sign_at = tl.minimum(tl.maximum(tag * 8 - 1, 0), 15)
+    val = (word & ((1 << sign_at) - 1)).to(tl.float32) * step
+    val = tl.where(((word >> sign_at) & 1) == 1, -val, val)
+    if WIDTH == 2:
+        if BF16:  # (a bf16's bits are an fp32's upper half)
+            raw = ((word & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            raw = (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        raw = word.to(tl.float32, bitcast=True)
+    _store_decoded(out_ptr, offs, tl.where(tag == 3, raw, val), valid, ACCUMULATE)
+
+
 def _header(top_ptr, offs, valid, SHIFT: tl.constexpr):
     """Natural compression's header of each value: the one at ``top_ptr`` (``SHIFT`` < 0), else
     that of its bucket of ``2**SHIFT`` values. (One load of one type either way: compiled Triton
@@ -769,6 +870,8 @@ _JIT = (
     "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_uniform_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
+    "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
+    "_inceptionn_counts_kernel", "_inceptionn_decode_kernel",
     "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
@@ -1264,6 +1367,53 @@ def onebit_decode(
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (see ``reference.onebit_decode``)."""
     return _bucket_decode(_onebit_decode_kernel, packed, (), means, bucket, numel, out, accumulate)
+
+
+def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """INCEPTIONN's packed 2-bit tags and its byte stream (the codec's torch version, bit for
+    bit): one pass for the tags and each program's byte count, their prefix sums, one pass
+    writing the bytes. The stream's length depends on the data: read on the host (one device
+    wait, as the torch version's ``nonzero``). ``bound`` and ``step`` (2 · bound) are fp32 values."""
+    _require()
+    x = x.reshape(-1).contiguous()
+    numel, device = x.numel(), x.device
+    short = x.dtype in (torch.float16, torch.bfloat16)
+    if x.dtype == torch.float64:  # (handled as fp32, as the torch version does)
+        x = x.float()
+    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=device)
+    programs = -(-numel // _SIGN_BLOCK)
+    if not numel:
+        return packed, torch.empty(0, dtype=torch.uint8, device=device)
+    counts = torch.zeros(programs, dtype=torch.int32, device=device)
+    meta = dict(BLOCK=_SIGN_BLOCK, SHORT=short, BF16=x.dtype == torch.bfloat16, num_warps=_WARPS)
+    _launch(_inceptionn_tags_kernel, (programs,), device, x, packed, counts, numel, bound, step, **meta)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    stream = torch.empty(int(ends[-1]), dtype=torch.uint8, device=device)  # (the host read)
+    _launch(_inceptionn_stream_kernel, (programs,), device, x, ends - counts, stream, numel, bound, step, **meta)
+    return packed, stream
+
+
+def inceptionn_decode(
+    packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
+    out: torch.Tensor | None = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """INCEPTIONN's fp32 values from their tags and bytes (the codec's torch version, bit for
+    bit), stored or added into ``out``: one pass counting each program's bytes, their prefix
+    sums, one pass decoding (no host read)."""
+    _require()
+    device = packed.device
+    out = _output(out, numel, device, accumulate)
+    if numel:
+        programs = -(-numel // _SIGN_BLOCK)
+        width = 2 if dtype in (torch.float16, torch.bfloat16) else 4
+        counts = torch.empty(programs, dtype=torch.int32, device=device)
+        _launch(_inceptionn_counts_kernel, (programs,), device, packed, counts, numel,
+                BLOCK=_SIGN_BLOCK, WIDTH=width, num_warps=_WARPS)
+        starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+        _launch(_inceptionn_decode_kernel, (programs,), device, packed, stream, starts, out, numel, step,
+                BLOCK=_SIGN_BLOCK, WIDTH=width, BF16=dtype == torch.bfloat16, ACCUMULATE=accumulate,
+                num_warps=_WARPS)
+    return out
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
