@@ -113,6 +113,8 @@ def launch_everything(quick: bool) -> None:
                     gpu.qsgd_decode(packed, norms, bits, bucket, 6000, torch.zeros(6000), accumulate)
         bits_ = gpu.sign_encode(xd)
         gpu.tbq_encode(xd, 0.01)
+        gpu.select_magnitudes(xd, 0.5)
+        gpu.select_magnitudes(xd, thresholds=torch.full((24,), 0.5), valid=torch.full((24,), 256, dtype=torch.int32))
         tags, stream = gpu.inceptionn_encode(xd, 2.0**-10, 2.0**-9)
         for accumulate in (False, True):
             gpu.inceptionn_decode(tags, stream, dtype, 6000, 2.0**-9, torch.zeros(6000), accumulate)

@@ -319,6 +319,54 @@ def test_inceptionn_bit_identical(dtype):
             assert torch.equal(got.cpu().nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_select_magnitudes_is_nonzero_of_the_comparison(dtype):
+    """The indices ``torch.nonzero(|x| >= t)`` gives (|x| in fp32), with one threshold or one a
+    block of 256 values among each block's first ``valid`` values; NaN never reaches a
+    threshold, ±inf reaches any finite one; across programs of 4096 values; empty input."""
+    x = _randn(9000, seed=21).to(dtype)
+    x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=torch.float64).to(dtype)
+    mag = x.float().abs().cpu()
+    for t in (0.0, 0.7, 2.5, float("inf")):
+        got = gpu.select_magnitudes(x, t)
+        assert torch.equal(got.cpu(), torch.nonzero(mag >= t).reshape(-1)), t
+    blocks = -(-9000 // 256)
+    thresholds = (torch.rand(blocks, generator=torch.Generator().manual_seed(2)) * 2).to(DEVICE)
+    valid = torch.randint(0, 257, (blocks,), generator=torch.Generator().manual_seed(3), dtype=torch.int32).to(DEVICE)
+    got = gpu.select_magnitudes(x, thresholds=thresholds, valid=valid, span=256)
+    pos = torch.arange(9000)
+    ref = torch.nonzero((mag >= thresholds.cpu()[pos // 256]) & (pos % 256 < valid.cpu()[pos // 256])).reshape(-1)
+    assert torch.equal(got.cpu(), ref)
+    assert gpu.select_magnitudes(x[:0], 0.5).numel() == 0
+
+
+def test_sparsifiers_select_with_the_kernel_as_with_torch(monkeypatch):
+    """Threshold sparsification, and gradient dropping and DGC by a fused group's parts (each
+    member's sampled threshold, never its padding), with the selection kernel (as they take it
+    for CUDA tensors): the payloads of their torch versions."""
+    import gradzip
+    from gradzip.kernels import fused
+
+    members = [_randn(3000, seed=31), torch.zeros(10, device=DEVICE), _randn(700, seed=32) * 1e-3, _randn(5000, seed=33)]
+    members[1][3] = 1.0  # (a threshold of 0: its zeros sent, not its padding)
+    starts, at = [], 0
+    for m in members:
+        starts.append(at)
+        at += m.numel() + (-m.numel() % 256)
+    flat = torch.zeros(at, device=DEVICE)
+    for a, m in zip(starts, members):
+        flat[a : a + m.numel()] = m
+    parts = [(f"m{i}", (m.numel(),)) for i, m in enumerate(members)]
+    # (samples of the whole members: CUDA's generators draw other samples than the CPU's)
+    cases = [("threshold", {"threshold": 0.7}, None), ("graddrop", {"ratio": 0.05, "sample_ratio": 1.0}, parts),
+             ("dgc", {"ratio": 0.01, "sample_ratio": 1.0}, parts), ("dgc", {"ratio": 0.3, "sample_ratio": 1.0}, parts)]
+    torch_way = [gradzip.codec(name, **opts).encode(flat.cpu(), name="g", parts=p) for name, opts, p in cases]
+    monkeypatch.setattr(fused, "triton_for", lambda x: gpu)
+    for (name, opts, p), ref in zip(cases, torch_way):
+        got = gradzip.codec(name, **opts).encode(flat, name="g", parts=p)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got.tensors, ref.tensors)), name
+
+
 def test_inceptionn_codec_takes_the_kernels_with_the_same_payloads(monkeypatch):
     """The codec with the kernels (as it takes them for CUDA tensors) sends the payloads of its
     torch version, dense where those are dense, and decodes them alike."""

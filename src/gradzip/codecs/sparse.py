@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,7 @@ from .base import (
     raw_bytes,
     saturate,
 )
+from .quantize import _fp32
 from .registry import register_codec
 
 RATIO = Option(0.01, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of values sent")
@@ -417,8 +418,7 @@ class _SamplePlan:
         self.kth = torch.tensor(kth, dtype=torch.long, device=device)
         self.members = torch.arange(len(counts), dtype=torch.long, device=device)
         self.bounds = torch.tensor(starts + [end], dtype=torch.long, device=device)
-        self.valid = torch.tensor(valid, dtype=torch.int32, device=device).unsqueeze(1)
-        self.columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=device)
+        self.valid = torch.tensor(valid, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
@@ -442,10 +442,28 @@ def _magnitudes(x: torch.Tensor) -> torch.Tensor:
     return x.float().abs()
 
 
-def _selected(x: torch.Tensor, keep: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
-    """The ascending indices where ``keep(|piece| in fp32, its start)`` holds (one ``nonzero``: a
-    device wait). On the CPU a piece of :data:`fused.TORCH_PIECE` values at a time, so the
-    magnitudes and the mask are a piece long, not a fused group's."""
+def _selected(x: torch.Tensor, threshold: float = 0.0,
+              per_block: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """The ascending indices of the values whose magnitude in fp32 reaches ``threshold`` (an
+    fp32 value), or with ``per_block`` = (thresholds, valid) their block of :data:`PART_ALIGN`
+    values' threshold (fp32) among its first ``valid`` (int32) values, the rest of a fused
+    group's block being padding. One device wait (the size is the data's). On CUDA two Triton
+    passes (:func:`gpu.select_magnitudes`); on the CPU a piece of :data:`fused.TORCH_PIECE`
+    values at a time, so the magnitudes and the mask are a piece long, not a fused group's."""
+    kernels = fused.triton_for(x)
+    if kernels is not None:
+        return kernels.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN)
+    if per_block is not None:
+        thresholds, valid = per_block
+        columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=x.device)
+
+    def keep(mag: torch.Tensor, a: int) -> torch.Tensor:
+        if per_block is None:
+            return mag >= threshold
+        blocks = slice(a // PART_ALIGN, (a + mag.numel()) // PART_ALIGN)
+        rows = mag.view(-1, PART_ALIGN)
+        return ((rows >= thresholds[blocks].unsqueeze(1)) & (columns < valid[blocks].unsqueeze(1))).view(-1)
+
     n, step = x.numel(), fused.piece_length(x)
     if step >= n:
         return torch.nonzero(keep(_magnitudes(x), 0)).reshape(-1)
@@ -480,15 +498,9 @@ def _part_selection(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], 
                     sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
     """The indices of a fused group's values whose magnitudes reach their member's sampled
     threshold (ascending; :func:`_selected`), never its padding (sent where a threshold is 0)."""
-    plan = _sample_plan(parts, ratio, sample_ratio, x.device)
     thresholds = _part_thresholds(x, parts, ratio, sample_ratio, gen)
-    thresholds = thresholds.index_select(0, part_units(parts, 0, x.device).of_block).unsqueeze(1)
-
-    def keep(mag: torch.Tensor, a: int) -> torch.Tensor:
-        blocks = slice(a // PART_ALIGN, (a + mag.numel()) // PART_ALIGN)
-        return ((mag.view(-1, PART_ALIGN) >= thresholds[blocks]) & (plan.columns < plan.valid[blocks])).view(-1)
-
-    return _selected(x, keep)
+    thresholds = thresholds.index_select(0, part_units(parts, 0, x.device).of_block)
+    return _selected(x, per_block=(thresholds, _sample_plan(parts, ratio, sample_ratio, x.device).valid))
 
 
 def _member_counts(idx: torch.Tensor, bounds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -522,7 +534,9 @@ class Threshold(_ValuesIndices):
 
     Speed on CUDA: the values above the threshold are counted, then gathered (a data-dependent
     size). An H200 encoded at 11% and decoded at 79% of a device copy (``gradzip bench codecs
-    --device cuda --numel 67108864``, each call's host work included). Fused groups (a value
+    --device cuda --numel 67108864``, each call's host work included) when the selection was
+    torch's ``abs``, comparison and ``nonzero``; it is now one Triton kernel's two passes (not
+    yet timed on a GPU). Fused groups (a value
     is sent by its own magnitude: :meth:`fusion_block` 1) take one selection and one
     all-gather a group.
     """
@@ -550,7 +564,7 @@ class Threshold(_ValuesIndices):
         return 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return self._payload(x, _selected(x, lambda mag, a: mag >= self.threshold))  # CUDA: one device wait
+        return self._payload(x, _selected(x, _fp32(self.threshold)))  # CUDA: one device wait
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -637,7 +651,8 @@ class DGC(_ValuesIndices):
             return idx
         total = int(kept.sum())  # (the device has been waited for: a copy of one value)
         member = part_units(parts, 0, x.device).of_block.index_select(0, idx // PART_ALIGN).long()
-        order = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, idx)))).indices
+        # (stably: of equal magnitudes the lowest indices first, on every device)
+        order = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, idx))), stable=True).indices
         # (sorted by member, each member's run starts where it did: its first ``kept`` are its largest)
         at = torch.repeat_interleave(firsts, kept, output_size=total)
         at += torch.arange(total, device=idx.device) - torch.repeat_interleave(

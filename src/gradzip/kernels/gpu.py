@@ -395,6 +395,32 @@ def _ternary_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
+def _select_kernel(
+    x_ptr, thr_ptr, valid_ptr, starts_ptr, counts_ptr, idx_ptr, numel, thr,
+    BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr, SPAN: tl.constexpr, WRITE: tl.constexpr,
+):
+    """The values whose magnitude (in fp32) reaches the threshold: ``thr``, or with PER_BLOCK
+    each block of ``SPAN`` values' own (``thr_ptr``), its first ``valid_ptr`` values only (the
+    rest: a fused group's padding). Counted a program at a time (``counts``), or, with WRITE,
+    their indices stored in ascending order from where the program's start (``starts``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < numel
+    mag = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+    if PER_BLOCK:
+        block = offs // SPAN
+        keep = valid & (mag >= tl.load(thr_ptr + block, mask=valid, other=0.0))
+        keep = keep & ((offs % SPAN) < tl.load(valid_ptr + block, mask=valid, other=0))
+    else:
+        keep = valid & (mag >= thr)
+    k = keep.to(tl.int32)
+    if WRITE:
+        at = tl.load(starts_ptr + pid) + (tl.cumsum(k, axis=0) - k).to(tl.int64)
+        tl.store(idx_ptr + at, offs, mask=keep)
+    else:
+        tl.store(counts_ptr + pid, tl.sum(k, axis=0))
+
+
 def _inceptionn_tags(x_ptr, numel, b, step, BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr):
     """INCEPTIONN's tag, word and byte count of this program's values (the codec's torch
     version, ``Inceptionn._tag_words``): the fixed-point level ``m = floor(|x| / 2b + 0.5)`` (an
@@ -870,7 +896,7 @@ _JIT = (
     "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_uniform_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
-    "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
+    "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
     "_inceptionn_counts_kernel", "_inceptionn_decode_kernel",
     "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
@@ -1367,6 +1393,32 @@ def onebit_decode(
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (see ``reference.onebit_decode``)."""
     return _bucket_decode(_onebit_decode_kernel, packed, (), means, bucket, numel, out, accumulate)
+
+
+def select_magnitudes(
+    x: torch.Tensor, threshold: float = 0.0, thresholds: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None, span: int = 256,
+) -> torch.Tensor:
+    """The ascending int64 indices of the values of ``x`` whose magnitude in fp32 reaches
+    ``threshold`` (an fp32 value), or with ``thresholds`` (fp32, one a block of ``span``
+    values) their block's, among each block's first ``valid`` (int32, one a block) values:
+    ``torch.nonzero(|x| >= t)`` in two passes (counts, their prefix sums, the indices), the
+    count read on the host in between (the size is the data's, as ``nonzero``'s)."""
+    _require()
+    x = x.reshape(-1).contiguous()
+    numel, device = x.numel(), x.device
+    if not numel:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    programs = -(-numel // _SIGN_BLOCK)
+    counts = torch.zeros(programs, dtype=torch.int32, device=device)
+    per_block = thresholds is not None
+    side = (thresholds, valid) if per_block else (x, x)
+    meta = dict(BLOCK=_SIGN_BLOCK, PER_BLOCK=per_block, SPAN=span, num_warps=_WARPS)
+    _launch(_select_kernel, (programs,), device, x, *side, counts, counts, counts, numel, threshold, WRITE=False, **meta)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    idx = torch.empty(int(ends[-1]), dtype=torch.int64, device=device)  # (the host read)
+    _launch(_select_kernel, (programs,), device, x, *side, ends - counts, counts, idx, numel, threshold, WRITE=True, **meta)
+    return idx
 
 
 def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> tuple[torch.Tensor, torch.Tensor]:
