@@ -47,7 +47,10 @@ Element-wise codecs (TernGrad, TBQ, 1-bit SGD, natural compression, 8-bit) keep 
 a kernel cannot reproduce bit for bit or must share with their CompLL twins (per-bucket sums
 and maxima) and take the rest in one pass each way: codes from values and per-bucket scales
 (TernGrad's and natural compression's draws made in the kernel from the counter hash, as
-max-min's), values from codes and scales.
+max-min's), values from codes and scales. Formats whose size is the data's (INCEPTIONN's byte
+stream, the sparsifiers' selected indices) take two passes: each program's count, then, once
+their prefix sums place every program's output (the total read on the host, as ``nonzero``
+reads it), the bytes or indices written in order.
 """
 from __future__ import annotations
 
