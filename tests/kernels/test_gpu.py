@@ -291,9 +291,10 @@ def test_tbq_bit_identical(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_inceptionn_bit_identical(dtype):
     """The tags, the byte stream and the decoded values (stored and added) of the codec's torch
-    version, bit for bit: values of every tag (under the bound, 7 and 15 bits, raw), the
-    16-bit inputs whose cast-back decode decides the tag, ±0, NaN and ±inf; empty and
-    all-zero inputs (no stream)."""
+    version, bit for bit (NaN's payload bits aside): values of every tag (under the bound, 7
+    and 15 bits, raw), every fp16 and bf16 bit pattern (whose cast-back decode decides the
+    tag), ±0, NaN and ±inf; sizes about a program's 4096 values; empty and all-zero inputs (no
+    stream); a payload too short for its values refused."""
     import gradzip
     from gradzip.codecs.base import Meta
     from gradzip.kernels import pack_bits
@@ -302,7 +303,11 @@ def test_inceptionn_bit_identical(dtype):
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(10007, generator=g) * torch.logspace(-4, 3, 10007)).to(dtype).to(DEVICE)
     x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.005], dtype=torch.float64).to(dtype)
-    for values in (x, x[:0], torch.zeros(9, dtype=dtype, device=DEVICE)):
+    cases = [x, x[:0], torch.zeros(9, dtype=dtype, device=DEVICE), x[:4095], x[:4097]]
+    if dtype in (torch.float16, torch.bfloat16):  # every bit pattern of the type, under two bounds
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(DEVICE)
+        cases += [every, every * 3]
+    for values in cases:
         # (the torch version on the CPU: CUDA's torch divides by a scalar as a product with its inverse)
         tag, word, kept = c._tag_words(values.cpu()) if values.numel() else (torch.zeros(0, dtype=torch.uint8),) * 2 + (None,)
         packed, stream = gpu.inceptionn_encode(values, c._b, c._step)
@@ -317,6 +322,9 @@ def test_inceptionn_bit_identical(dtype):
             ref = c._decode_pieces([packed.cpu(), stream.cpu()], meta, base.clone(), accumulate)
             got = gpu.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.to(DEVICE), accumulate)
             assert torch.equal(got.cpu().nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
+    packed, stream = gpu.inceptionn_encode(x, c._b, c._step)
+    with pytest.raises(ValueError, match="INCEPTIONN payload"):
+        gpu.inceptionn_decode(packed, stream, dtype, x.numel() + 8, c._step)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

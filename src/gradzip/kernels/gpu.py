@@ -1456,7 +1456,14 @@ def inceptionn_decode(
     bit), stored or added into ``out``: one pass counting each program's bytes, their prefix
     sums, one pass decoding (no host read)."""
     _require()
+    packed, stream = packed.reshape(-1).contiguous(), stream.reshape(-1).contiguous()
     device = packed.device
+    if packed.dtype != torch.uint8 or stream.dtype != torch.uint8 or stream.device != device or (
+            packed.numel() < packed_bytes(numel, 2)):
+        # (the kernels read through the pointers unchecked: a short or mistyped payload would be read past)
+        raise ValueError(f"an INCEPTIONN payload of {numel} values: uint8 tags (at least "
+                         f"{packed_bytes(numel, 2)} bytes) and a uint8 stream on one device, got "
+                         f"{packed.numel()} {packed.dtype} on {device} and {stream.dtype} on {stream.device}")
     out = _output(out, numel, device, accumulate)
     if numel:
         programs = -(-numel // _SIGN_BLOCK)
