@@ -377,12 +377,18 @@ def _ternary_encode_kernel(
         codes = tl.where(keep, tl.where(x < 0, 2, 1), 0)
     else:
         codes = tl.where(valid & (x > tau), 1, tl.where(valid & (x < -tau), 2, 0))
+    _store_2bit(packed_ptr, pid, codes, numel, BLOCK)
+
+
+def _store_2bit(packed_ptr, pid, codes, numel, BLOCK: tl.constexpr):
+    """A program's ``BLOCK`` 2-bit codes (int32, 0 where invalid) packed four to a byte as
+    ``pack_bits`` packs them: every byte up to the next multiple of eight values, the padding's
+    codes 0; byte g is needed where its group of eight, g // 2, starts below numel (int64: no
+    overflow)."""
     G: tl.constexpr = BLOCK // 4
     j = tl.arange(0, 4)
     data = tl.sum(tl.reshape(codes, (G, 4)) << (2 * j)[None, :], axis=1)
     g = pid * G + tl.arange(0, G)
-    # every byte up to the next multiple of eight values, the padding's codes 0 (as pack_bits):
-    # byte g is needed where its group of eight, g // 2, starts below numel (int64: no overflow)
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=(g // 2) * 8 < numel)
 
 
@@ -406,10 +412,8 @@ def _select_kernel(
     each block of ``SPAN`` values' own (``thr_ptr``), its first ``valid_ptr`` values only (the
     rest: a fused group's padding). Counted a program at a time (``counts``), or, with WRITE,
     their indices stored in ascending order from where the program's start (``starts``)."""
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < numel
-    mag = tl.abs(tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32))
+    pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, True)
+    mag = tl.abs(x)
     if PER_BLOCK:
         block = offs // SPAN
         keep = valid & (mag >= tl.load(thr_ptr + block, mask=valid, other=0.0))
@@ -418,10 +422,22 @@ def _select_kernel(
         keep = valid & (mag >= thr)
     k = keep.to(tl.int32)
     if WRITE:
-        at = tl.load(starts_ptr + pid) + (tl.cumsum(k, axis=0) - k).to(tl.int64)
-        tl.store(idx_ptr + at, offs, mask=keep)
+        tl.store(idx_ptr + _places(starts_ptr, pid, k), offs, mask=keep)
     else:
         tl.store(counts_ptr + pid, tl.sum(k, axis=0))
+
+
+def _places(starts_ptr, pid, counts):
+    """Where each of a program's values puts its ``counts`` (int32) outputs in order: from the
+    program's start (``starts``: the exclusive prefix sums of the programs' totals) plus what
+    the values before it put."""
+    return tl.load(starts_ptr + pid) + (tl.cumsum(counts, axis=0) - counts).to(tl.int64)
+
+
+def _bf16_bits(u):
+    """The bf16 nearest (ties to even) to the fp32 whose bits are ``u`` (uint32), as its 16
+    bits: rounded on the bits, exactly (Triton's interpreter truncates a cast to bf16)."""
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16
 
 
 def _inceptionn_tags(x_ptr, numel, b, step, BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr):
@@ -429,18 +445,14 @@ def _inceptionn_tags(x_ptr, numel, b, step, BLOCK: tl.constexpr, SHORT: tl.const
     version, ``Inceptionn._tag_words``): the fixed-point level ``m = floor(|x| / 2b + 0.5)`` (an
     IEEE division), tag 1 or 2 where ``m · 2b`` (cast back to a 16-bit input's dtype) is within
     ``b`` of ``|x|`` and ``m`` fits 7 or 15 bits, 0 under ``b``, else 3 (the raw value)."""
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < numel
-    x = tl.load(x_ptr + offs, mask=valid, other=0.0)
+    pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, False)
     xf = x.to(tl.float32)
     mag = tl.abs(xf)
     m = tl.floor(tl.div_rn(mag, step) + 0.5)
     approx = m * step
     if SHORT:  # the decode as the caller gets it: cast back, rounded to nearest even
-        if BF16:  # (on the bits, exact: Triton's interpreter truncates a cast to bf16)
-            u = approx.to(tl.uint32, bitcast=True)
-            approx = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        if BF16:
+            approx = (_bf16_bits(approx.to(tl.uint32, bitcast=True)) << 16).to(tl.float32, bitcast=True)
         else:
             approx = approx.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
     ok = tl.abs(approx - mag) <= b
@@ -464,11 +476,7 @@ def _inceptionn_tags_kernel(
     """INCEPTIONN's 2-bit tags of ``BLOCK`` values (packed as ``pack_bits``) and the bytes this
     program's values put in the stream (``counts``, one a program: their prefix sums place it)."""
     pid, offs, valid, tag, word, length = _inceptionn_tags(x_ptr, numel, b, step, BLOCK, SHORT, BF16)
-    G: tl.constexpr = BLOCK // 4
-    j = tl.arange(0, 4)
-    data = tl.sum(tl.reshape(tag, (G, 4)) << (2 * j)[None, :], axis=1)
-    g = pid * G + tl.arange(0, G)
-    tl.store(packed_ptr + g, data.to(tl.uint8), mask=(g // 2) * 8 < numel)
+    _store_2bit(packed_ptr, pid, tag, numel, BLOCK)
     tl.store(counts_ptr + pid, tl.sum(length, axis=0))
 
 
@@ -479,7 +487,7 @@ def _inceptionn_stream_kernel(
     """Each value's 0, 1, 2 or raw-width low bytes of its word, in value order, from where this
     program's bytes start (``starts``: the exclusive prefix sums of the tags kernel's counts)."""
     pid, offs, valid, tag, word, length = _inceptionn_tags(x_ptr, numel, b, step, BLOCK, SHORT, BF16)
-    at = tl.load(starts_ptr + pid) + (tl.cumsum(length, axis=0) - length).to(tl.int64)
+    at = _places(starts_ptr, pid, length)
     for j in tl.static_range(4):
         tl.store(stream_ptr + at + j, ((word >> (8 * j)) & 0xFF).to(tl.uint8), mask=valid & (length > j))
 
@@ -489,8 +497,7 @@ def _inceptionn_lengths(packed_ptr, numel, BLOCK: tl.constexpr, WIDTH: tl.conste
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     valid = offs < numel
-    byte = tl.load(packed_ptr + (offs >> 2), mask=valid, other=0).to(tl.int32)
-    tag = (byte >> (2 * (offs & 3)).to(tl.int32)) & 3
+    tag = _unpack_load(packed_ptr, offs, valid, 2)
     return pid, offs, valid, tag, tl.where(tag == 3, WIDTH, tag)
 
 
@@ -507,7 +514,7 @@ def _inceptionn_decode_kernel(
     """Each value from its tag and its bytes: ``±m · 2b`` (tags 1, 2: the sign above the 7 or
     15 bits of ``m``), 0 (tag 0) or the raw value (tag 3), stored or added into ``out``."""
     pid, offs, valid, tag, length = _inceptionn_lengths(packed_ptr, numel, BLOCK, WIDTH)
-    at = tl.load(starts_ptr + pid) + (tl.cumsum(length, axis=0) - length).to(tl.int64)
+    at = _places(starts_ptr, pid, length)
     word = tl.zeros((BLOCK,), tl.int32)
     for j in tl.static_range(4):
         byte = tl.load(stream_ptr + at + j, mask=valid & (length > j), other=0).to(tl.int32)
@@ -622,8 +629,7 @@ def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexp
     beyond = (tl.abs(x) > TOP) & (tl.abs(x) < float("inf"))
     x = tl.where(beyond, tl.where(x > 0, TOP, -TOP), x)
     if BF16:
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = _bf16_bits(x.to(tl.uint32, bitcast=True))
         r = tl.where(x != x, 0x7FC0, r)  # NaN: the quiet one (a payload could round to inf)
         tl.store(out_ptr + offs, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=valid)
     else:
@@ -899,7 +905,7 @@ _JIT = (
     "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_uniform_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
-    "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
+    "_store_2bit", "_places", "_bf16_bits", "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
     "_inceptionn_counts_kernel", "_inceptionn_decode_kernel",
     "_u8bit_codes_kernel", "_table_decode_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
