@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import gradzip  # noqa: E402
 from gradzip.bench.micro import parse_spec  # noqa: E402
-from gradzip.codecs import sign, sparse  # noqa: E402
 from gradzip.comm import sra  # noqa: E402
 from gradzip.kernels import fused, gpu  # noqa: E402
 from gradzip.sync import engine, memory, worker  # noqa: E402
@@ -42,10 +41,8 @@ def accelerator_choices() -> None:
     sra.segment_values = lambda segment, numel, device: segment if segment is not None else max(numel, 1)
     fused.backend = lambda x, bits=8, bucket=8: gpu if gpu.supports(x, bits, bucket) else fused.reference
     fused._gpu_or_reference = lambda x: gpu
-    sign._parts_in_turn = lambda device: False
-    memory._by_groups = lambda device: True
+    fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
-    sparse._selects_by_groups = lambda device: True
 
 
 def count_on_comm_thread(mode: type, port: str) -> None:

@@ -202,9 +202,9 @@ def test_a_group_encoded_by_its_parts_decodes_each_member_as_alone_and_its_paddi
     its member's ±max), the CPU's way (member by member) and the accelerator's (by blocks) on
     CPU tensors; the padding is zero where decoded member by member, finite where by blocks,
     and a prefix of the group decodes to the prefix of the whole."""
-    from gradzip.codecs import sign
+    from gradzip.kernels import fused
 
-    monkeypatch.setattr(sign, "_parts_in_turn", lambda device: in_turn)
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: not in_turn)
     c = gradzip.codec(name)
     block = c.fused_alignment()
     parts = [("a", (7, 9)), ("b", (0,)), ("c", (block + 5,)), ("d", (3,))]

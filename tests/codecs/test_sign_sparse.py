@@ -413,14 +413,15 @@ def test_a_top_k_group_selected_at_once_is_each_members_own_k_largest(monkeypatc
     as the radix selects break them, NaN among the largest; where a member's candidates fall
     short of its ``k`` (a sample far off) the members are selected one by one instead."""
     from gradzip.codecs import sparse
+    from gradzip.kernels import fused
 
     def both(members, ratio):
         flat = torch.cat([m.reshape(-1) for m in members])
         parts = [(f"m{i}", tuple(m.shape)) for i, m in enumerate(members)]
         c = gradzip.codec("topk", ratio=ratio)
-        monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: False)
+        monkeypatch.setattr(fused, "groups_at_once", lambda device: False)
         one_by_one = c.encode(flat, name="g", parts=parts)
-        monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: True)
+        monkeypatch.setattr(fused, "groups_at_once", lambda device: True)
         at_once = c.encode(flat, name="g", parts=parts)
         indices = [p.tensors[1].long().sort().values for p in (one_by_one, at_once)]
         grouped = sparse._group_topk(flat, tuple((n, torch.Size(s)) for n, s in parts), ratio)
@@ -451,9 +452,9 @@ def test_random_k_draws_a_group_at_once_each_members_own_k_in_its_own_range(monk
     """The accelerator's way: one draw keyed by the group, every rank alike, each member's ``k``
     indices in its own range (uniform: every value of a small member drawn over the steps), the
     drawn values sent as they are and, with ``scale``, each weighted by its own member's n/k."""
-    from gradzip.codecs import sparse
+    from gradzip.kernels import fused
 
-    monkeypatch.setattr(sparse, "_selects_by_groups", lambda device: True)
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: True)
     members = [_randn((37, 29), seed=1), torch.empty(0), _randn((50,), seed=2) * 1e-20, _randn((3000,), seed=3)]
     flat = torch.cat([m.reshape(-1) for m in members])
     parts = [(f"m{i}", tuple(m.shape)) for i, m in enumerate(members)]
@@ -645,6 +646,7 @@ def test_dgc_memory_takes_a_group_at_once_as_tensor_by_tensor(monkeypatch):
     masked in a few multi-tensor operations: the same values as tensor by tensor, a skipped
     step (the flag on the device) keeps them, a name released leaves the others intact, and a
     checkpoint holds copies."""
+    from gradzip.kernels import fused
     from gradzip.sync import memory as memories
 
     names, shapes = ["a", "b", "c"], [(5, 3), (7,), (2, 2, 2)]
@@ -653,12 +655,12 @@ def test_dgc_memory_takes_a_group_at_once_as_tensor_by_tensor(monkeypatch):
         gs = [_randn(s, seed=10 * step + i) for i, s in enumerate(shapes)]
         decoded = [torch.where(g.abs() > 1.0, g, torch.zeros(())) for g in gs]
         skip = torch.tensor(step == 2)
-        monkeypatch.setattr(memories, "_by_groups", lambda device: True)
+        monkeypatch.setattr(fused, "groups_at_once", lambda device: True)
         monkeypatch.setattr(memories, "reads_on_host", lambda flag: False)
         outs = [torch.full((g.numel(),), float("nan")) for g in gs]
         group.compensate_many_into(gs, names, outs)
         group.update_many(names, [o.view(g.shape) for o, g in zip(outs, gs)], decoded, skip=skip)
-        monkeypatch.setattr(memories, "_by_groups", lambda device: False)
+        monkeypatch.setattr(fused, "groups_at_once", lambda device: False)
         ins = [alone.compensate(g, n) for g, n in zip(gs, names)]
         assert all(torch.equal(o, i.reshape(-1)) for o, i in zip(outs, ins))
         alone.update_many(names, ins, decoded, skip=skip)

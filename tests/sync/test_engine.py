@@ -156,15 +156,13 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
 
 
 def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
-    from gradzip.codecs import sign, sparse
+    from gradzip.kernels import fused
     from gradzip.sync import engine, memory
 
     engine._multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
     engine._reads_flag_on_host = lambda device: False
-    sign._parts_in_turn = lambda device: False
-    memory._by_groups = lambda device: True
+    fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
-    sparse._selects_by_groups = lambda device: True
     out = {}
     for count in (8, 64):
         comm = gradzip.Communicator(name, **opts)

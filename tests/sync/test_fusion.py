@@ -95,12 +95,11 @@ def test_elementwise_codecs_send_a_fused_group_exactly_as_its_gradients_alone(wo
 def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, opts: dict) -> Dict[str, object]:
     """Three steps of a codec encoded by parts with its error feedback, fused and one tensor at
     a time; the third with a NaN in one member on the last rank."""
-    from gradzip.codecs import sign
-    from gradzip.sync import memory
-    sign._parts_in_turn = lambda device: in_turn  # the CPU's way, or the accelerator's on CPU tensors
-    memory._by_groups = lambda device: not in_turn  # (DGC's memory: a group's state at once, or by name)
-    from gradzip.codecs import sparse
-    sparse._selects_by_groups = lambda device: not in_turn  # (top-k: a group's selections at once, or by member)
+    from gradzip.kernels import fused
+
+    # the CPU's way (members in turn), or the accelerator's on CPU tensors (a group at once): the
+    # sign codecs' statistics, top-k's selections, random-k's draws, DGC's memory
+    fused.groups_at_once = lambda device: not in_turn
     names = list(SHAPES)
     out: Dict[str, object] = {}
     comms = {"fused": gradzip.Communicator(name, fusion=True, **opts),

@@ -112,7 +112,7 @@ class EFSignSGD(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is None:
             scale = _mean_magnitude(x).reshape(1)
-        elif _parts_in_turn(x.device):
+        elif not fused.groups_at_once(x.device):
             scale = torch.cat([_mean_magnitude(x[a : a + n]).reshape(1)
                                for a, n in part_spans(meta.parts, PART_ALIGN)])
         else:
@@ -136,7 +136,7 @@ class EFSignSGD(Codec):
         if meta.parts is None:
             return fused.sign_decode(packed, out.numel(), scale, out, accumulate)
         flat = out.view(-1)
-        if _parts_in_turn(packed.device):  # each member decoded as alone (it starts on a whole byte)
+        if not fused.groups_at_once(packed.device):  # each member decoded as alone (it starts on a whole byte)
             for i, (a, n) in enumerate(part_spans(meta.parts, PART_ALIGN)):
                 n = min(n, flat.numel() - a)  # (the first ``out.numel()`` values)
                 if n > 0:
@@ -169,13 +169,6 @@ def _zero_padding(flat: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...],
     if not accumulate:
         for a, n in part_spans(parts, PART_ALIGN):
             flat[a + n : a + n + (-n % PART_ALIGN)].zero_()  # (an empty slice past a shorter ``flat``)
-
-
-def _parts_in_turn(device: torch.device) -> bool:
-    """Whether a fused group's members are worked one after the other (on the CPU, where a call
-    costs next to nothing and each member then gets the bits it has alone) rather than the group
-    in a constant number of operations (on an accelerator, where each costs a launch)."""
-    return device.type == "cpu"
 
 
 def _momentum_value(v) -> bool:
@@ -286,7 +279,7 @@ class OneBit(Codec):
         """Whether a fused group's statistics are taken by blocks of :data:`PART_ALIGN` values
         in a constant number of operations: off the CPU, where each bucket is whole blocks
         (``bucket_size`` 0 or a multiple of the block); else member by member, as alone."""
-        return not _parts_in_turn(device) and self.bucket_size % PART_ALIGN == 0
+        return fused.groups_at_once(device) and self.bucket_size % PART_ALIGN == 0
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,

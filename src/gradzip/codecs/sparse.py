@@ -164,7 +164,7 @@ class TopK(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
-            idx = _group_topk(x, meta.parts, self.ratio) if _selects_by_groups(x.device) else None
+            idx = _group_topk(x, meta.parts, self.ratio) if fused.groups_at_once(x.device) else None
             if idx is None:  # member by member (the CPU's way, and where a member has too few candidates)
                 picks = [fused.topk(x[a : a + n], _k(n, self.ratio))[1].add_(a)
                          for a, n in part_spans(meta.parts, self.fused_alignment()) if n]
@@ -175,13 +175,6 @@ class TopK(_ValuesIndices):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(_k(numel, self.ratio) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
-
-
-def _selects_by_groups(device: torch.device) -> bool:
-    """Whether top-k selects a fused group's members at once (:func:`_group_topk`: an
-    accelerator, which pays a launch an operation) rather than one radix select a member (the
-    CPU, where a call costs next to nothing)."""
-    return device.type != "cpu"
 
 
 class _TopKPlan:
@@ -243,10 +236,8 @@ def _group_topk(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], rati
     plan = _topk_plan(parts, ratio, x.device)
     if plan.size != x.numel() or plan.total_k == 0 or x.dtype == torch.float64:
         return None  # (fp64: magnitudes equal in fp32 would tie where the radix selects tell them apart)
-    mag = x.float().abs()
-    keys = torch.sort(_descending_by_member(plan.member, mag.index_select(0, plan.sample))).values
-    bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.at) & 0xFFFFFFFF)
-    thresholds = bits.to(torch.int32).view(torch.float32)
+    mag = _magnitudes(x)
+    thresholds = _ranked_magnitudes(plan.member, mag.index_select(0, plan.sample), plan.at)
     # (not below: NaN, the largest magnitude to the radix selects, is a candidate too)
     below = mag < torch.repeat_interleave(thresholds, plan.sizes, output_size=plan.size)
     candidates = torch.nonzero(below.logical_not_()).reshape(-1)
@@ -299,9 +290,9 @@ class RandomK(Codec):
         if idx is None:
             if meta.parts is None:
                 idx = self._draw(meta.name, meta.step, meta.numel, meta.device)
-            elif _selects_by_groups(meta.device):  # one draw for the group: each member's own k in its own range
+            elif fused.groups_at_once(meta.device):  # one draw for the group: each member's own k in its own range
                 gen = shared_generator(self.seed, meta.step, meta.name, meta.device)
-                first, size = _draw_ranges(meta.parts, self.ratio, meta.device)
+                first, size, _ = _draw_layout(meta.parts, self.ratio, meta.device)
                 at = torch.rand(size.numel(), generator=gen, dtype=torch.float64, device=meta.device)
                 idx = torch.minimum(at.mul_(size).floor_(), size - 1).long().add_(first)
             else:  # each member's draws as alone, in its place in the group
@@ -320,7 +311,7 @@ class RandomK(Codec):
     def _scales(self, meta: Meta) -> Optional[torch.Tensor]:
         """With ``scale``, each drawn value's weight ``numel / k`` of its tensor (fp64, a draw
         each) for a fused group; None for one tensor (one weight)."""
-        return None if meta.parts is None else _draw_weights(meta.parts, self.ratio, meta.device)
+        return None if meta.parts is None else _draw_layout(meta.parts, self.ratio, meta.device)[2]
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return [x[self._indices(meta)]]
@@ -349,22 +340,16 @@ class RandomK(Codec):
 
 
 @functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
-def _draw_ranges(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Random-k's range of each draw of a fused group drawn at once: its member's first index
-    in the group (int64) and size (fp64), ``k`` draws a member in the members' order."""
+def _draw_layout(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each draw of random-k's fused group, ``k`` a member in the members' order: its member's
+    first index in the group (int64) and size (fp64), the range a draw at once takes, and its
+    weight ``numel / k`` with ``scale`` (fp64)."""
     spans = [(a, n) for a, n in part_spans(parts, 1) if n]
     counts = torch.tensor([_k(n, ratio) for _, n in spans], dtype=torch.long)
     first = torch.repeat_interleave(torch.tensor([a for a, _ in spans], dtype=torch.long), counts)
     size = torch.repeat_interleave(torch.tensor([float(n) for _, n in spans], dtype=torch.float64), counts)
-    return first.to(device), size.to(device)
-
-
-@functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
-def _draw_weights(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> torch.Tensor:
-    """Random-k's weight ``numel / k`` of each draw of a fused group, its member's (fp64)."""
-    counts = [(n, _k(n, ratio)) for n in (shape.numel() for _, shape in parts) if n]
-    return torch.cat([torch.full((k,), n / k, dtype=torch.float64) for n, k in counts]).to(device)
+    return first.to(device), size.to(device), (size / counts.double().repeat_interleave(counts)).to(device)
 
 
 def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
@@ -388,14 +373,14 @@ class _SamplePlan:
     member sampled whole, which draws nothing, every value of its blocks, its padding zeros
     included, which rank last), whether it is sampled whole (``whole``), where its slots start
     (``firsts``) and the slot of its ``k``-th largest sampled magnitude once the slots are
-    sorted by member, largest first (``kth``), the members' bounds in the group (``bounds``:
-    their starts and its end) and each block's number of the member's values (``valid``: the
-    rest of a member's last block is padding, never selected); ``slots`` and ``drawn`` (any
-    member sampled, not whole) on the host."""
+    sorted by member, largest first (``kth``), its ``k`` (``caps``: DGC's cap is twice it), the
+    members' bounds in the group (``bounds``: their starts and its end) and each block's number
+    of the member's values (``valid``: the rest of a member's last block is padding, never
+    selected); ``slots`` and ``drawn`` (any member sampled, not whole) on the host."""
 
     def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
                  device: torch.device) -> None:
-        starts, sizes, counts, whole, kth, valid = [], [], [], [], [], []
+        starts, sizes, counts, whole, kth, caps, valid = [], [], [], [], [], [], []
         slots = end = 0
         for a, n in part_spans(parts, PART_ALIGN):
             valid += [PART_ALIGN] * (n // PART_ALIGN) + ([n % PART_ALIGN] if n % PART_ALIGN else [])
@@ -408,6 +393,7 @@ class _SamplePlan:
             counts.append(count)
             whole.append(alone)
             kth.append(slots + _k(s, ratio) - 1 if n else 0)  # (an empty member's: unused, it has no blocks)
+            caps.append(_k(n, ratio))
             slots += count
         self.slots, self.drawn = slots, not all(whole)
         self.starts = torch.tensor(starts, dtype=torch.long, device=device)
@@ -416,6 +402,7 @@ class _SamplePlan:
         self.whole = torch.tensor(whole, dtype=torch.bool, device=device)
         self.firsts = torch.cumsum(self.counts, 0) - self.counts
         self.kth = torch.tensor(kth, dtype=torch.long, device=device)
+        self.caps = torch.tensor(caps, dtype=torch.long, device=device)
         self.members = torch.arange(len(counts), dtype=torch.long, device=device)
         self.bounds = torch.tensor(starts + [end], dtype=torch.long, device=device)
         self.valid = torch.tensor(valid, dtype=torch.int32, device=device)
@@ -435,6 +422,14 @@ def _descending_by_member(member: torch.Tensor, mag: torch.Tensor) -> torch.Tens
     the member in the high word, the fp32 magnitude's bits (order-preserving for |x| ≥ 0, NaN
     above +inf, as ``torch.topk`` ranks it) subtracted from their maximum in the low word."""
     return (member << 32) | (_MAGNITUDE_BITS - mag.contiguous().view(torch.int32).long())
+
+
+def _ranked_magnitudes(member: torch.Tensor, mag: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The magnitudes ``mag`` (fp32, each of its ``member``) at places ``at`` once sorted by
+    member and magnitude, the largest first (one sort of their keys): each member's ``k``-th
+    largest, where ``at`` is its first place plus ``k - 1``."""
+    keys = torch.sort(_descending_by_member(member, mag)).values
+    return (_MAGNITUDE_BITS - (keys.index_select(0, at) & 0xFFFFFFFF)).to(torch.int32).view(torch.float32)
 
 
 def _magnitudes(x: torch.Tensor) -> torch.Tensor:
@@ -481,17 +476,14 @@ def _part_thresholds(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...],
     plan = _sample_plan(parts, ratio, sample_ratio, x.device)
     member = torch.repeat_interleave(plan.members, plan.counts, output_size=plan.slots)
     first = plan.starts.index_select(0, member)
+    slot = torch.arange(plan.slots, device=x.device) - plan.firsts.index_select(0, member)
     if plan.drawn:  # a uniform index in the member's range (the member's whole blocks where it is sampled whole)
         at = torch.rand(plan.slots, generator=gen, dtype=torch.float64, device=x.device)
         size = plan.sizes.index_select(0, member)
         drawn = torch.minimum(at.mul_(size).floor_(), size.sub_(1), out=at).long()
-        slot = torch.arange(plan.slots, device=x.device) - plan.firsts.index_select(0, member)
-        first += torch.where(plan.whole.index_select(0, member), slot, drawn)
-    else:  # every member sampled whole: its values in turn
-        first += torch.arange(plan.slots, device=x.device) - plan.firsts.index_select(0, member)
-    keys = torch.sort(_descending_by_member(member, _magnitudes(x.index_select(0, first)))).values
-    bits = _MAGNITUDE_BITS - (keys.index_select(0, plan.kth) & 0xFFFFFFFF)
-    return bits.to(torch.int32).view(torch.float32)
+        slot = torch.where(plan.whole.index_select(0, member), slot, drawn)
+    first += slot  # (every member sampled whole: its values in turn)
+    return _ranked_magnitudes(member, _magnitudes(x.index_select(0, first)), plan.kth)
 
 
 def _part_selection(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
@@ -645,8 +637,7 @@ class DGC(_ValuesIndices):
         device wait (whether any member is over; where one is, how many are kept)."""
         plan = _sample_plan(parts, self.ratio, self.sample_ratio, x.device)
         firsts, counts = _member_counts(idx, plan.bounds)
-        caps = _caps(parts, self.ratio, x.device)
-        kept = torch.where(counts > 2 * caps, caps, counts)
+        kept = torch.where(counts > 2 * plan.caps, plan.caps, counts)
         if not bool((kept < counts).any()):
             return idx
         total = int(kept.sum())  # (the device has been waited for: a copy of one value)
@@ -661,12 +652,6 @@ class DGC(_ValuesIndices):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(min(numel, 2 * _k(numel, self.ratio)) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
-
-
-@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
-def _caps(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> torch.Tensor:
-    """DGC's ``k`` of each member of a fused group (int64, on ``device``)."""
-    return torch.tensor([_k(shape.numel(), ratio) for _, shape in parts], dtype=torch.long, device=device)
 
 
 @register_codec

@@ -274,6 +274,14 @@ def _ternary_pieces(packed: torch.Tensor, scale: torch.Tensor, bucket: int, nume
 TORCH_PIECE = 1 << 18
 
 
+def groups_at_once(device: torch.device) -> bool:
+    """Whether a fused group's members (their statistics, selections, draws, error feedback)
+    are taken at once, in a fixed number of operations (an accelerator, which pays a launch an
+    operation), rather than one after the other (the CPU, where a call costs next to nothing,
+    the passes stay in cache and each member gets the bits it has alone)."""
+    return torch.device(device).type != "cpu"
+
+
 def piece_length(x: torch.Tensor) -> int:
     """Values a torch version of an element-wise kernel works on at once: on the CPU
     :data:`TORCH_PIECE` (a multiple of 8: whole bytes of packed bits), elsewhere all of them (a

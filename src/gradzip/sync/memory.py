@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
+from ..kernels import fused
 from ..options import Registry
 from ..options import Configurable, Option, float_in, optional
 
@@ -37,13 +38,6 @@ def _all_fp32(tensors: Sequence[torch.Tensor], residuals: Sequence[Optional[torc
 
 
 Flats = Dict[Tuple[str, ...], List["weakref.ref[torch.Tensor]"]]
-
-
-def _by_groups(device: torch.device) -> bool:
-    """Whether a stateful memory works on a group's state in a few flat and multi-tensor
-    operations (an accelerator, which pays a launch an operation) rather than tensor by tensor
-    (the CPU, where a call costs next to nothing and the passes stay in cache)."""
-    return device.type != "cpu"
 
 
 def flat_views(store: Dict[str, torch.Tensor], flats: Flats, names: Sequence[str],
@@ -386,7 +380,7 @@ class DGCMemory(Memory):
         """A group's u and v as views of one flat buffer each (flat u, flat v, and their views by
         name), where it can be taken at once: on an accelerator, several gradients, each with
         both states in fp32 on its device, and no clipping (a norm a tensor); else None."""
-        if len(tensors) < 2 or self.clip_norm is not None or not _by_groups(tensors[0].device):
+        if len(tensors) < 2 or self.clip_norm is not None or not fused.groups_at_once(tensors[0].device):
             return None
         flats = []
         for store, kept in zip((self.momentums, self.velocities), self._flats):
