@@ -178,10 +178,8 @@ def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
 def triton_for(x: torch.Tensor) -> Optional[ModuleType]:
     """The Triton kernels where :func:`backend` picks them for the CUDA tensor ``x``, else None
     (a codec whose only other version is its own torch code then runs that)."""
-    if x.device.type != "cuda":
-        return None
-    impl = backend(x)
-    return None if impl is reference or impl is native else impl
+    impl = _gpu_or_reference(x)
+    return None if impl is reference else impl
 
 
 def uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch.Tensor:
