@@ -263,3 +263,105 @@ def test_sketchml_nonfinite_input_keeps_shape():
     y = gradzip.codec("sketchml").decode(gradzip.codec("sketchml").encode(x))
     assert y.shape == x.shape
     assert torch.isfinite(y[x.abs() < 0.5]).all()  # finite values in other buckets are untouched
+
+
+def _fused(sizes, dtype, scales):
+    """A fused group of members of ``sizes`` values (scales apart, a run of zeros, a NaN, ±inf, -0.0)."""
+    xs = [(_randn((n,), seed=i) * scales[i % len(scales)]).to(dtype) for i, n in enumerate(sizes)]
+    xs[0][:30] = 0.0
+    xs[0][30:40] = -0.0
+    return xs
+
+
+@pytest.mark.parametrize("buckets", [256, 16, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+def test_sketchml_group_is_its_members_alone_back_to_back(monkeypatch, at_once, dtype, buckets):
+    """A fused group (dense) is one payload ``[codes, means, raw values]``: each member coded
+    with the codes and the quantile table it has alone, those alone sent as they are (and, in
+    a group, those of fewer values than buckets) exactly; on the CPU's way member by member,
+    on the accelerator's by one sort of the group; padding decodes to 0, and a group decodes
+    into a given output, added or cut short, as alone."""
+    from gradzip.codecs.base import part_spans
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("sketchml", buckets=buckets)
+    sizes = (1000, 50, 3000, 7, 0, 20_000, 333, 345, 1 << 12)
+    xs = _fused(sizes, dtype, (1e-3, 1.0, 1e3))
+    if dtype in (torch.float32, torch.float64):
+        xs[2][5], xs[2][6], xs[2][7] = float("nan"), float("inf"), -float("inf")
+    parts = tuple((f"m{i}.weight", torch.Size((n,))) for i, n in enumerate(sizes))
+    align = codec.fused_alignment()
+    spans = part_spans(parts, align)
+    flat = torch.zeros(sum(n + (-n % align) for n in sizes), dtype=dtype)
+    for (a, n), x in zip(spans, xs):
+        flat[a : a + n] = x
+    p = codec.encode(flat, "g", parts=parts)
+    coded = [i for i, n in enumerate(sizes) if n >= buckets and not codec._raw(n, dtype)]
+    alone = {i: codec.encode(xs[i], parts[i][0]).tensors for i in coded}
+    assert len(p.tensors) == 3 and p.tensors[2].dtype == dtype
+    assert torch.equal(p.tensors[0], torch.cat([alone[i][0] for i in coded]))
+    torch.testing.assert_close(p.tensors[1], torch.cat([alone[i][1] for i in coded]), rtol=0, atol=0, equal_nan=True)
+    sent = [x for i, x in enumerate(xs) if i not in coded and x.numel()]
+    assert torch.equal(p.tensors[2], torch.cat(sent) if sent else flat[:0])
+    y = codec.decode(p)
+    for i, ((a, n), x) in enumerate(zip(spans, xs)):
+        own = codec.decode(codec.encode(x, parts[i][0]))
+        if i in coded or codec._raw(n, dtype):
+            assert torch.equal(y[a : a + n].nan_to_num(), own.nan_to_num()), i
+        else:  # (fp64 alone codes what a group sends exactly)
+            assert torch.equal(y[a : a + n], x)
+        assert not y[a + n : a + n + (-n % align)].any()
+    full = torch.empty(flat.numel())
+    codec.decode_into(p, full)
+    assert torch.equal(full.to(dtype).nan_to_num(), y.nan_to_num())
+    added = torch.ones(flat.numel())
+    codec.decode_into(p, added, accumulate=True)
+    assert torch.equal(added.nan_to_num(), (full + 1).nan_to_num())
+    cut = torch.full((flat.numel() - 5,), 7.0)
+    codec.decode_into(p, cut)
+    assert torch.equal(cut.nan_to_num(), full[:-5].nan_to_num())
+
+
+def test_sketchml_group_at_once_makes_the_bytes_of_one_member_at_a_time(monkeypatch):
+    """The accelerator's way (one sort of a group) and the CPU's (each member's histogram) make
+    the same payload, for special groups too: none coded, constants, zeros, two buckets."""
+    from gradzip.kernels import fused
+
+    groups = [
+        (torch.zeros(3000), ((1000,), (2000,))),
+        (torch.full((3000,), -0.25), ((1000,), (2000,))),
+        (_randn((600,)), ((200,), (200,), (200,))),  # every member sent as it is
+        (_randn((5000,)).exp(), ((5000,),)),
+    ]
+    for flat, shapes in groups:
+        parts = [(f"p{i}", s) for i, s in enumerate(shapes)]
+        for opts in ({}, {"buckets": 2}, {"buckets": 3}):
+            got = []
+            for at_once in (False, True):
+                monkeypatch.setattr(fused, "groups_at_once", lambda device, at_once=at_once: at_once)
+                codec = gradzip.codec("sketchml", **opts)
+                p = codec.encode(flat, "g", parts=parts)
+                got.append(p.tensors + [codec.decode(p)])
+            for a, b in zip(*got):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sketchml_flags_a_nonfinite_input_from_its_tables(dtype):
+    """The tables (and a group's values sent as they are) carry every NaN and ±inf of the input,
+    so the collective needs no pass over it; fp64, raw and sparse payloads leave it to that pass."""
+    codec = gradzip.codec("sketchml")
+    parts = [("a", (1000,)), ("b", (100,)), ("c", (2000,))]  # b: sent as it is
+    for where in (None, 5, 1003, 2000):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            flat = _randn((3100,), dtype, seed=7)
+            if where is not None:
+                flat[where] = bad
+            for p, first in ((codec.encode(flat, "g", parts=parts), 0), (codec.encode(flat[1100:], "c"), 1100)):
+                assert bool(codec.nonfinite(p)) == (where is not None and where >= first), (where, bad)
+    assert codec.nonfinite(codec.encode(_randn((1000,), torch.float64))) is None
+    assert codec.nonfinite(codec.encode(_randn((10,)))) is None  # sent raw
+    sparse = gradzip.codec("sketchml", ratio=0.1)
+    assert sparse.nonfinite(sparse.encode(_randn((10_000,)))) is None

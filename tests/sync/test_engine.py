@@ -187,11 +187,13 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
                                        ("graddrop", {}), ("dgc", {"sample_ratio": 1.0}),
-                                       ("adaq", {}), ("topk", {}), ("randomk", {})])
+                                       ("adaq", {}), ("topk", {}), ("randomk", {}),
+                                       ("sketchml", {}), ("sketchml", {"buckets": 16})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one
-    decode, so 32 members cost what 4 cost, and no value is read back to the host (but for
+    decode, so 32 members cost what 4 cost (SketchML: each member's quantiles from one sort of
+    the group), and no value is read back to the host (but for
     the data-dependent sizes of the sampled-threshold codecs: one selection, and for DGC
     whether a member is over its cap; DGC's memory takes the group's momenta and velocities
     as one buffer each)."""
@@ -208,11 +210,13 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
             assert ops["sort"] == 2 and ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 1, ops
         elif name == "randomk":  # one draw a group
             assert ops["rand"] == 1 and ops["randint"] == 0 and ops["_local_scalar_dense"] == 0, ops
+        elif name == "sketchml":  # a sort of the group's keys, one of its members' splits, one search
+            assert ops["sort"] == 2 and ops["searchsorted"] == 1 and ops["_local_scalar_dense"] == 0, ops
         else:
             assert ops["_local_scalar_dense"] == 0, ops
         # (Signum's momentum needs no statistics; AdaComp's are sums over what it sends; the
         # selections' a sort, their counts by a search of the selected indices; random-k's draws none)
-        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk", "randomk", "graddrop", "dgc"), ops
+        assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk", "randomk", "graddrop", "dgc", "sketchml"), ops
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:

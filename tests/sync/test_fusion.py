@@ -153,6 +153,9 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     (3, True, "dgc", {"ratio": 0.02, "sample_ratio": 1.0, "memory": "residual"}),
     (2, True, "adaq", {}), (3, True, "adaq", {"bin_size": 300}),  # (each member's scale; its bins as alone)
     (2, True, "adaq", {"bin_size": 7, "memory": "residual", "memory_options": {"beta": 0.5}}),  # (the codec's own residuals)
+    # (SketchML: each member's codes and quantile table as alone, from its histogram or one sort of the group)
+    (2, True, "sketchml", {"memory": "residual"}), (3, False, "sketchml", {"memory": "residual"}),
+    (2, False, "sketchml", {"memory": "residual", "buckets": 16}),
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
     """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
@@ -363,7 +366,10 @@ def test_codecs_that_are_per_tensor_say_so():
     for name in ("dgc", "graddrop"):  # a sampled threshold (DGC: and a cap) a member, by blocks of members
         assert gradzip.codec(name).fused_alignment() == 256 and gradzip.codec(name).parts_format
     assert gradzip.codec("adaq", bin_size=7).fused_alignment() == 7 and gradzip.codec("adaq").parts_format  # on bins
-    assert not gradzip.codec("sketchml").fused_alignment()  # a quantile sketch a tensor
+    # a quantile table a member, its codes on whole bytes; sparse: a selection a tensor
+    assert gradzip.codec("sketchml").parts_format and gradzip.codec("sketchml").fused_alignment() == 1
+    assert gradzip.codec("sketchml", buckets=16).fused_alignment() == 8
+    assert not gradzip.codec("sketchml", ratio=0.1).parts_format and not gradzip.codec("sketchml", ratio=0.1).fused_alignment()
     # CompLL codecs fuse where their bodies say their blocks are encoded apart
     assert gradzip.codec("cl_tbq").fusion_block() == 4 and gradzip.codec("cl_terngrad", bucket_size=64).fusion_block() == 64
     assert not any(gradzip.codec(n).fused_alignment() for n in ("cl_terngrad", "cl_onebit"))

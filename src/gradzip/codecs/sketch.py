@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
-from .base import Codec, Meta, Option, float_in, int_in, raw_bytes, saturate
+from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
+from .base import Codec, Meta, Option, Payload, float_in, int_in, part_spans, raw_bytes, saturate
 from .registry import register_codec
 from .sparse import _k
 
@@ -40,6 +40,12 @@ def _sortable_keys(xf: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
+    """The ``nb - 2`` quantile targets of ``n`` values (fp64, whole numbers below ``n``): a split
+    is the key of the value at each target's place in sorted order."""
+    return torch.arange(1, nb - 1, dtype=torch.float64, device=device).mul_(n).div_(nb - 1).floor_()
+
+
 def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (uint8), means (fp32)]."""
     n = values.numel()
@@ -61,8 +67,7 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     # nb - 2 quantile splits (a split is the first key of a bucket) plus the split at +0.0, so no
     # bucket mixes signs and the two signs share the buckets in proportion to their counts
     cdf = hist.cumsum(0)
-    targets = torch.arange(1, nb - 1, dtype=torch.float64, device=dev).mul_(n).div_(nb - 1).floor_()
-    splits = torch.searchsorted(cdf, targets, right=True)  # first key holding more than target values
+    splits = torch.searchsorted(cdf, _targets(n, nb, dev), right=True)  # first key holding more than target values
     splits = torch.cat([splits, torch.full((1,), _ZERO_KEY, dtype=splits.dtype, device=dev)])
     # lut[key] = number of splits <= key = bucket of the key; buckets are contiguous key ranges
     lut = torch.zeros(_CELLS, dtype=torch.int32, device=dev)
@@ -151,6 +156,19 @@ class SketchML(Codec):
     its dense form, the same four tensors with the first three empty and the decoded values
     (input dtype) as the bytes of the fourth, which the decoder recognises by the empty index.
 
+    A fused group (dense mode; :attr:`~gradzip.codecs.base.Codec.parts_format`) is one payload
+    ``[codes, means, raw values]``: each member's codes and quantile table exactly as alone,
+    back to back, and the members that go as they are (those alone too, and in a group those
+    of fewer values than buckets, which only fp64 members would code alone) in the input's
+    dtype. On the CPU each member is sketched in turn; on an accelerator the group is taken at
+    once in a fixed number of operations: one sort of the group's keys, each prefixed by its
+    member's place, puts every member's values in order at places known from the layout, so
+    its quantile splits are one gather (the key at a target's place is the split its histogram
+    gives), one search among all splits gives each value its code, two sums by code the
+    tables. The codes are those of the histogram; the tables' fp64 sums add the same values in
+    another order. A payload's tables carry every NaN and ±inf of its input (the non-finite
+    flag, for fp32 and 16-bit inputs).
+
     Options: ``buckets`` (2..256, default 256), ``ratio`` (0 < ratio <= 1, default 1.0 = dense).
     Wire: dense ``[codes (packed uint8), means (fp32, nb)]`` with ``nb = min(buckets, numel)``;
     sparse ``[codes, means, first index (int32, 1), gaps (uint8 bytes, (k-1)·width)]``.
@@ -172,17 +190,39 @@ class SketchML(Codec):
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
+        self._groups: Dict[Tuple[Any, ...], _Group] = {}
         if self.ratio < 1.0:  # sparse: the payload size depends on the gaps between indices
             self.fixed_size = False
             self.reencodable = False  # sparse: re-selecting from the union would drop most of it
             self.collectives = ("allgather",)
             self.default_memory = "residual"
 
+    @property
+    def parts_format(self) -> bool:  # type: ignore[override]
+        return self.ratio >= 1.0  # dense: a fused group by its parts, a quantile table a member
+
+    def fused_alignment(self) -> int:
+        if not self.parts_format:
+            return 0  # sparse: a selection and gaps a tensor, sent one at a time
+        return 1 if _index_bits(self.buckets) == 8 else 8  # each member's codes start on a whole byte
+
     def _sparse(self, numel: int) -> bool:
         return _k(numel, self.ratio) < numel
 
+    def _group(self, meta: Meta) -> _Group:
+        """The layout of a fused group (made once per layout)."""
+        key = (meta.parts, meta.dtype)
+        grp = self._groups.get(key)
+        if grp is None:
+            if len(self._groups) > 256:
+                self._groups.clear()
+            grp = self._groups[key] = _Group(meta.parts, meta.dtype, self.buckets, self._raw, self.fused_alignment())
+        return grp
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
+        if meta.parts is not None and self.parts_format:
+            return self._encode_group(x, meta)
         if not self._sparse(n):
             return _quantize(x, _num_buckets(n, self.buckets))
         k = _k(n, self.ratio)
@@ -198,12 +238,102 @@ class SketchML(Codec):
             return [t.new_empty(0) for t in out[:3]] + [values.view(torch.uint8)]
         return out
 
+    def _encode_group(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        """A fused group: ``[codes, means, raw values]``, each member coded with its own
+        quantile table (its codes and table as alone) or sent as it is (where it would be
+        alone). On the CPU member by member; on an accelerator at once (:meth:`_sketch_at_once`)."""
+        grp = self._group(meta)
+        if fused.groups_at_once(x.device):
+            codes, means = self._sketch_at_once(x, grp)
+        else:
+            nb = grp.nb
+            codes = torch.empty(grp.code_bytes, dtype=torch.uint8, device=x.device)
+            means = torch.empty(len(grp.coded) * nb, dtype=torch.float32, device=x.device)
+            for j, (a, n, o) in enumerate(grp.coded):
+                packed, table = _quantize(x[a : a + n], nb)
+                codes[o : o + packed.numel()] = packed
+                means[j * nb : (j + 1) * nb] = table
+        return [codes, means, grp.gather_raw(x)]
+
+    @staticmethod
+    def _sketch_at_once(x: torch.Tensor, grp: _Group) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every coded member's codes and table in a fixed number of operations, whatever the
+        members (the class docstring says how)."""
+        g, n, stride = grp.on(x.device), x.numel(), 1 << grp.bits
+        xf = x.float()
+        keyed = torch.repeat_interleave(g["prefix"], g["lengths"], output_size=n)
+        keyed += _sortable_keys(xf)
+        ordered = torch.sort(keyed).values
+        splits = torch.cat([g["fixed"], ordered.index_select(0, g["positions"])]).sort().values
+        # the number of splits at or below a key: every split of the members before (stride
+        # each), the member's own first ones (lead) and its own quantile splits: its code
+        code = torch.searchsorted(splits, keyed, right=True, out_int32=True).sub_(g["lead"])
+        sums = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, xf.double())
+        one = torch.ones(1, dtype=torch.float64, device=x.device)
+        counts = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, one.expand(n))
+        means = sums.div_(counts.clamp_min_(1)).float().view(-1, stride)[:-1, : grp.nb].reshape(-1)
+        packed = pack_bits(code.bitwise_and_(stride - 1).to(torch.uint8), grp.bits)
+        mine = [(at, size) for own, _, at, size in g["runs"] if own]
+        if mine == [(0, packed.numel())]:
+            return packed, means
+        return torch.cat([packed[at : at + size] for at, size in mine] or [packed[:0]]), means
+
+    def _decode_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """A fused group's payload into the flat fp32 ``out`` (its first ``out.numel()`` values;
+        padding decodes to 0)."""
+        grp, (codes, means, raw) = self._group(meta), tensors
+        numel, nb, bits = out.numel(), grp.nb, grp.bits
+        if fused.groups_at_once(codes.device):  # the whole group's codes, then one lookup
+            g = grp.on(codes.device)
+            pieces = [codes[o : o + size] if own else g["zeros"][:size] for own, o, _, size in g["runs"]]
+            index = torch.repeat_interleave(g["dec_base"], g["lengths"], output_size=grp.numel)
+            index += unpack_bits(pieces[0] if len(pieces) == 1 else torch.cat(pieces), bits, grp.numel)
+            table = torch.cat([means, means.new_zeros(1)])  # (the codes not coded point at a 0)
+            whole = numel == grp.numel and not accumulate
+            values = torch.index_select(table, 0, index, out=out) if whole else table.index_select(0, index)
+            if g["raw_index"] is not None:
+                values.index_copy_(0, g["raw_index"], raw.to(values.dtype))
+            return out if whole else store_into(values[:numel], out, accumulate)
+        spans = [(a, n, None, j) for j, (a, n, _) in enumerate(grp.coded)]
+        at = 0
+        for a, n in grp.raws:
+            spans.append((a, n, raw[at : at + n], None))
+            at += n
+        for a, n, values, j in spans:
+            m = min(n, numel - a)
+            if m <= 0:
+                continue
+            if values is None:
+                o = grp.coded[j][2]
+                values = _dequantize(codes[o : o + packed_bytes(n, bits)], means[j * nb : (j + 1) * nb], n)
+            store_into(values[:m], out[a : a + m], accumulate)
+        if not accumulate:
+            for a, n in part_spans(meta.parts, self.fused_alignment()):
+                out[a + n : min(a + n + (-n % self.fused_alignment()), numel)].zero_()
+        return out
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the tables (and a group's values sent as they are): a bucket's mean is an fp64
+        sum of its fp32 values, so it is NaN or infinite exactly where they held NaN or Inf.
+        None for fp64 inputs (a finite value beyond fp32's range becomes infinite in the
+        sketch), payloads sent raw and sparse ones."""
+        t = payload.tensors
+        if payload.ctx.dtype == torch.float64 or len(t) not in (2, 3):
+            return None
+        flag = t[1].mul(0).sum()
+        if len(t) == 3 and t[2].numel():
+            flag = flag + t[2].mul(0).sum()
+        return flag != 0
+
     def _raw(self, numel: int, dtype: torch.dtype) -> bool:
         # by size alone in dense mode (fixed size even when ratio < 1); sparse: the dense form
         return not self._sparse(numel) and self._wire_bytes(numel, dtype) > raw_bytes(numel, dtype)
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         n = meta.numel
+        if meta.parts is not None and self.parts_format:
+            out = torch.empty(n, dtype=torch.float32, device=tensors[0].device)
+            return self._decode_group(tensors, meta, out, False)
         if not self._sparse(n):
             return _dequantize(tensors[0], tensors[1], n)
         packed, means, first, raw = tensors
@@ -215,6 +345,12 @@ class SketchML(Codec):
         idx = torch.cat([first.to(torch.int64), steps]).cumsum_(0)
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_copy_(0, idx, values)
 
+    def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        if meta.parts is not None and self.parts_format and out.is_contiguous() and out.dtype == torch.float32:
+            self._decode_group(tensors, meta, out.view(-1), accumulate)
+            return out
+        return super()._decode_into(tensors, meta, out, accumulate)
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         count = _k(numel, self.ratio) if self._sparse(numel) else numel
         nb = _num_buckets(count, self.buckets)
@@ -223,3 +359,111 @@ class SketchML(Codec):
             wire += 4 + 4 * (count - 1)  # first index and the widest gaps: an upper bound
             wire = min(wire, raw_bytes(numel, dtype))  # else the dense form
         return wire
+
+
+class _Group:
+    """Where each member of a fused dense SketchML group goes, made once per layout: the members
+    coded, each with its own quantile table (``coded``: start, values, and where its codes lie in
+    the payload's), and those sent as they are (``raws``: where a member alone would be); the
+    payload is ``[codes, means, raw values]``, the coded members' codes and tables back to back,
+    each exactly as alone. For taking the group at once (:meth:`on`), the tensors of its sort."""
+
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], dtype: torch.dtype, buckets: int,
+                 raw: Callable[[int, torch.dtype], bool], align: int) -> None:
+        spans = part_spans(parts, align)
+        self.numel = sum(n + (-n % align) for _, n in spans)
+        self.nb = buckets  # (a member coded has at least as many values: its table is whole)
+        self.bits = _index_bits(buckets)
+        self.coded: List[Tuple[int, int, int]] = []  # (start, values, first byte of its codes in the payload's)
+        self.raws: List[Tuple[int, int]] = []
+        at = 0
+        for a, n in spans:
+            # (a member of fewer values than buckets, whose table would be narrower, is sent as
+            # it is: alone it is too, but for fp64 values, which it then sends exactly)
+            if n and (raw(n, dtype) or n < buckets):
+                self.raws.append((a, n))
+            elif n:
+                self.coded.append((a, n, at))
+                at += packed_bytes(n, self.bits)
+        self.code_bytes = at
+        self.raw_numel = sum(n for _, n in self.raws)
+        self._spans = spans
+        self._align = align
+        self._on: Dict[torch.device, Dict[str, Any]] = {}
+
+    def gather_raw(self, x: torch.Tensor) -> torch.Tensor:
+        """The members sent as they are, back to back, in ``x``'s dtype (empty when none)."""
+        if not self.raws:
+            return x.new_empty(0)
+        return torch.cat([x[a : a + n] for a, n in self.raws])
+
+    def on(self, device: torch.device) -> Dict[str, Any]:
+        """The group's sort on ``device``: each value keyed by its member's place (coded members
+        in turn, then one last "member" for the values not coded: those sent as they are and
+        the padding) above its 18-bit key, so that one sort puts each member's values in order
+        at known places; where each member's quantile targets lie in that order; and the
+        splits every member has whatever its values (see :meth:`SketchML._encode_group`)."""
+        got = self._on.get(device)
+        if got is not None:
+            return got
+        c, nb, stride = len(self.coded), self.nb, 1 << self.bits
+        lead = stride - nb + 1  # copies of a member's first key among the splits: its codes start at j * stride
+        wide = torch.int32 if (c + 1) << KEY_BITS < 2**31 else torch.int64
+        prefix, dec_base, lengths = [], [], []
+
+        def segment(p: int, base: int, n: int) -> None:
+            if n and prefix and prefix[-1] == p and dec_base[-1] == base:
+                lengths[-1] += n
+            elif n:
+                prefix.append(p), dec_base.append(base), lengths.append(n)
+
+        coded = {a: j for j, (a, _, _) in enumerate(self.coded)}
+        for a, n in self._spans:
+            j = coded.get(a) if n else None
+            if j is None:
+                segment(c << KEY_BITS, c * nb, n + (-n % self._align))
+            else:
+                segment(j << KEY_BITS, j * nb, n)
+                segment(c << KEY_BITS, c * nb, -n % self._align)
+        positions, at = [], 0
+        for _, n, _ in self.coded:
+            positions.append(_targets(n, nb, torch.device("cpu")).long() + at)
+            at += n
+        fixed = [torch.full((lead,), j << KEY_BITS, dtype=torch.int64) for j in range(c + 1)]
+        fixed.append(torch.arange(c, dtype=torch.int64).mul_(1 << KEY_BITS).add_(_ZERO_KEY))
+        raw_index = [torch.arange(a, a + n) for a, n in self.raws]
+        runs = self._runs()
+        got = self._on[device] = {
+            "prefix": torch.tensor(prefix, dtype=wide, device=device),
+            "dec_base": torch.tensor(dec_base, dtype=torch.int32, device=device),
+            "lengths": torch.tensor(lengths, dtype=torch.int64, device=device),
+            "positions": torch.cat(positions or [torch.empty(0, dtype=torch.int64)]).to(device),
+            "fixed": torch.cat(fixed).to(wide).to(device),
+            "lead": lead,
+            "cells": (c + 1) * stride,
+            "raw_index": torch.cat(raw_index).to(device) if raw_index else None,
+            "runs": runs,
+            "zeros": torch.zeros(max([size for mine, _, _, size in runs if not mine], default=0),
+                                 dtype=torch.uint8, device=device),
+        }
+        return got
+
+    def _runs(self) -> List[Tuple[bool, int, int, int]]:
+        """The codes of the whole group (:func:`pack_bits` of every value, padding included) as
+        pieces: ``(from the payload's codes, start there, start in the whole, bytes)``, zeros
+        where no member is coded (members sent as they are; 8-bit codes of padding)."""
+        runs: List[Tuple[bool, int, int, int]] = []
+        at = 0  # bytes of the whole group's codes so far
+        for a, n, o in self.coded:
+            start, size = packed_bytes(a, self.bits), packed_bytes(n, self.bits)  # (a member starts on a whole byte)
+            if start > at:
+                runs.append((False, 0, at, start - at))
+            if runs and runs[-1][0] and runs[-1][2] + runs[-1][3] == start:
+                runs[-1] = runs[-1][:3] + (runs[-1][3] + size,)
+            else:
+                runs.append((True, o, start, size))
+            at = start + size
+        total = packed_bytes(self.numel, self.bits)
+        if total > at:
+            runs.append((False, 0, at, total - at))
+        return runs
