@@ -74,9 +74,9 @@ else
         --steps 4 --trace "$out/traces-2ranks"
     step memory 600 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
     # last (the earlier steps' results come back if the device time ends here): the sparsifiers
-    # and INCEPTIONN, fused or taken by parts
+    # INCEPTIONN and SketchML, fused or taken by parts
     step overhead-sparse 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
-        --configs fp32,threshold,inceptionn,graddrop,dgc,adaq --json "$out/overhead-sparse.json"
+        --configs fp32,threshold,inceptionn,graddrop,dgc,adaq,sketchml --json "$out/overhead-sparse.json"
 fi
 echo "== [$(( $(date +%s) - start ))s] all of it in $out.tar.gz"
 exit $status
