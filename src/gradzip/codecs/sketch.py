@@ -263,11 +263,12 @@ class SketchML(Codec):
         xf = x.float()
         keyed = torch.repeat_interleave(g["prefix"], g["lengths"], output_size=n)
         keyed += _sortable_keys(xf)
-        ordered = torch.sort(keyed).values
-        splits = torch.cat([g["fixed"], ordered.index_select(0, g["positions"])]).sort().values
+        quantiles = torch.sort(keyed).values.index_select(0, g["positions"])  # (the sorted keys let go at once)
+        splits = torch.cat([g["fixed"], quantiles]).sort().values
         # the number of splits at or below a key: every split of the members before (stride
         # each), the member's own first ones (lead) and its own quantile splits: its code
         code = torch.searchsorted(splits, keyed, right=True, out_int32=True).sub_(g["lead"])
+        del keyed  # (each group-long temporary let go once read)
         sums = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, xf.double())
         one = torch.ones(1, dtype=torch.float64, device=x.device)
         counts = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, one.expand(n))
