@@ -190,6 +190,75 @@ def test_a_compll_codec_by_buckets_encodes_a_fused_group_as_its_members_alone():
     assert not y[100:128].any()  # the padding: zeros, a zero's code is 0
 
 
+def _group(sizes, scales=(0.1, 1.0, 10.0), seed=0):
+    """A fused group laid out as the engine lays out a codec's taken by its parts."""
+    from gradzip.codecs.base import PART_ALIGN, part_spans
+
+    parts = tuple((f"m{i}.weight", torch.Size((n,))) for i, n in enumerate(sizes))
+    spans = part_spans(parts, PART_ALIGN)
+    flat = torch.zeros(sum(n + (-n % PART_ALIGN) for n in sizes))
+    g = torch.Generator().manual_seed(seed)
+    for i, (a, n) in enumerate(spans):
+        flat[a : a + n] = torch.randn(n, generator=g) * scales[i % len(scales)]
+    return flat, parts, spans
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+@pytest.mark.parametrize("hand,opts", [("terngrad", {}), ("onebit", {}), ("onebit", {"bucket_size": 512})])
+def test_compll_codecs_take_a_group_by_its_parts_as_their_twins(monkeypatch, at_once, hand, opts):
+    """``cl_terngrad`` and ``cl_onebit`` reduce, spread and count through ``ctx``
+    (:attr:`~gradzip.codecs.compll.CompLLCodec.by_parts`): a fused group is one call, each
+    member's scale or bucket means its own, the very payload and values of the hand-written
+    twin's group (whichever way the twin takes it); buckets that are not whole blocks, and
+    ``cl_tbq`` (a block), do not go by parts."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    flat, parts, spans = _group((1000, 50, 3000, 7, 0, 20_000, 333, 1 << 12))
+    flat[spans[1][0] : spans[1][0] + 50] = -flat[spans[1][0] : spans[1][0] + 50].abs()  # all negative: its padding is not a 0
+    twin, mine = _make(hand, **opts), _make("cl_" + hand, **opts)
+    assert mine.parts_format and mine.fused_alignment() == twin.fused_alignment()
+    for step in range(2):
+        a, b = twin.encode(flat, "g", step=step, parts=parts), mine.encode(flat, "g", step=step, parts=parts)
+        assert len(a.tensors) == len(b.tensors) and all(torch.equal(u, v) for u, v in zip(a.tensors, b.tensors))
+        da, db = twin.decode(a), mine.decode(b)
+        assert all(torch.equal(da[s : s + n], db[s : s + n]) for s, n in spans)
+    assert not _make("cl_onebit", bucket_size=100).parts_format and not _make("cl_terngrad", bucket_size=512).parts_format
+    assert not _make("cl_tbq").parts_format
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "absmax", "l1", "l2"])
+@pytest.mark.parametrize("bucket", [0, 512])
+def test_reduce_given_a_groups_context_takes_each_members_values_alone(op, bucket):
+    """Given ``ctx`` of a fused group, a reduction is one a member (or a member's bucket) over
+    its own values: the padding after each member never counts, whatever the body's map made
+    of it (an all-negative member's maximum is its own, not the padding's 0; a count of ones
+    holds only the member's); :func:`spread` puts each statistic back on its values and
+    :func:`count` says how many each covers."""
+    from gradzip.codecs.base import Meta
+
+    flat, parts, spans = _group((1000, 1, 0, 300, 2049), scales=(1.0,), seed=op.__len__())
+    a, n = spans[3]
+    flat[a : a + n] = -flat[a : a + n].abs() - 1  # all negative
+    codec = _make("cl_onebit", bucket_size=bucket)
+    ctx = cl.Context(codec, Meta(flat.shape, flat.dtype, flat.device, "g", 0, parts=parts))
+    units = [(s + b, min(bucket or n, n - b)) for s, n in spans for b in range(0, max(n, 1), bucket or max(n, 1))]
+    got, ones = cl.reduce(flat, op, bucket, ctx), cl.reduce(torch.ones_like(flat, dtype=torch.long), "sum", bucket, ctx)
+    assert got.shape == (len(units),) and torch.equal(ones, cl.count(ctx, bucket))
+    for i, (s, m) in enumerate(units):
+        assert int(ones[i]) == m
+        if m:
+            want = cl.reduce(flat[s : s + m], op)
+            torch.testing.assert_close(got[i], want, rtol=1e-6, atol=0)
+            if op in ("max", "min", "absmax"):
+                assert torch.equal(got[i], want)
+    spread = cl.spread(got, ctx, bucket)
+    for i, (s, m) in enumerate(units):
+        assert (spread[s : s + m] == got[i]).all()
+    with pytest.raises(ValueError, match="multiple of 256"):
+        cl.reduce(flat, "sum", 100, ctx)
+
+
 # ---------------------------------------------------------------------------- compilation
 @pytest.mark.timeout(600)
 def test_compiled_bodies_match_eager(caplog):

@@ -83,11 +83,12 @@ def test_powersgd_over_nccl_on_one_gpu():
                                           ("natural", "none"), ("signum", "none"), ("topk", "residual"),
                                           ("randomk", "residual"), ("graddrop", "residual"), ("dgc", "dgc"),
                                           ("adaq", "residual"), ("threshold", "residual"), ("inceptionn", "residual"),
-                                          ("cl_tbq", "residual"), ("sketchml", "none")])
+                                          ("cl_tbq", "residual"), ("sketchml", "none"),
+                                          ("cl_onebit", "residual")])
 def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
     """The codecs that take a fused group by its parts (EF-signSGD, 1-bit SGD, TernGrad, natural
     compression, Signum, top-k, random-k, gradient dropping, DGC with its memory, AdaComp,
-    SketchML) or
+    SketchML, a CompLL codec that reduces through its context) or
     fused later (threshold, INCEPTIONN, a CompLL codec with a block) on CUDA: one call a group;
     over NCCL on one GPU and over gloo on two ranks sharing it, a non-finite step skipped
     everywhere, replicas identical."""

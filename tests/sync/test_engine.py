@@ -188,7 +188,8 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
                                        ("graddrop", {}), ("dgc", {"sample_ratio": 1.0}),
                                        ("adaq", {}), ("topk", {}), ("randomk", {}),
-                                       ("sketchml", {}), ("sketchml", {"buckets": 16})])
+                                       ("sketchml", {}), ("sketchml", {"buckets": 16}),
+                                       ("cl_onebit", {}), ("cl_terngrad", {})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
     statistics by blocks and one segmented reduction (Signum: its momenta in one buffer), one

@@ -156,6 +156,7 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     # (SketchML: each member's codes and quantile table as alone, from its histogram or one sort of the group)
     (2, True, "sketchml", {"memory": "residual"}), (3, False, "sketchml", {"memory": "residual"}),
     (2, False, "sketchml", {"memory": "residual", "buckets": 16}),
+    (2, True, "cl_onebit", {}), (3, True, "cl_onebit", {"bucket_size": 512}),  # (CompLL: each member's bucket means)
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
     """EF-signSGD, 1-bit SGD and top-k: a fused group is one encode and one all-gather, each
@@ -372,7 +373,10 @@ def test_codecs_that_are_per_tensor_say_so():
     assert not gradzip.codec("sketchml", ratio=0.1).parts_format and not gradzip.codec("sketchml", ratio=0.1).fused_alignment()
     # CompLL codecs fuse where their bodies say their blocks are encoded apart
     assert gradzip.codec("cl_tbq").fusion_block() == 4 and gradzip.codec("cl_terngrad", bucket_size=64).fusion_block() == 64
-    assert not any(gradzip.codec(n).fused_alignment() for n in ("cl_terngrad", "cl_onebit"))
+    # (and by their parts where their bodies reduce through ``ctx``: a scale or means a member)
+    assert all(gradzip.codec(n).parts_format and gradzip.codec(n).fused_alignment() == 256
+               for n in ("cl_terngrad", "cl_onebit"))
+    assert not gradzip.codec("cl_onebit", bucket_size=100).fused_alignment()
     assert gradzip.codec("randomk").parts_format and gradzip.codec("randomk").fused_alignment() == 1
     assert gradzip.codec("topk").parts_format and gradzip.codec("topk").fused_alignment() == 1
     assert gradzip.codec("signum").parts_format and gradzip.codec("signum").fused_alignment() == 8

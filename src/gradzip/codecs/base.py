@@ -153,6 +153,21 @@ class PartUnits:
         self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
         self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
         self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
+        self._units = (blocks, pads)
+        self._device = device
+        self._valid: Optional[torch.Tensor] = None
+
+    def real(self) -> torch.Tensor:
+        """``(blocks, PART_ALIGN)`` bool: where the group holds a member's values, not padding."""
+        if self._valid is None:  # each block's count of values before its padding (made on first use)
+            blocks, pads = self._units
+            last = torch.tensor(blocks, dtype=torch.long).cumsum(0) - 1
+            valid = torch.full((sum(blocks),), PART_ALIGN, dtype=torch.int32)
+            valid[last[torch.tensor(blocks) > 0]] = torch.tensor(
+                [PART_ALIGN - int(p) for b, p in zip(blocks, pads) if b], dtype=torch.int32)
+            self._valid = valid.to(self._device)
+        columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=self._device)
+        return columns < self._valid.unsqueeze(1)
 
     def sums(self, per_block: torch.Tensor) -> torch.Tensor:
         """Each unit's sum of ``per_block`` (one value a block): one segmented reduction

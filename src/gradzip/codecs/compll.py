@@ -30,7 +30,8 @@ A codec in a few lines::
             code = cl.unpack(wire[0], 2, ctx.numel).float()
             return cl.map(lambda c: self.threshold * ((c == 1).float() - (c == 2).float()), code)
 
-Primitives: :func:`map`, :func:`reduce`, :func:`select` (filter by mask → values + indices),
+Primitives: :func:`map`, :func:`reduce`, :func:`spread` and :func:`count` (per-bucket or
+per-member statistics back to values, and how many values each covers), :func:`select` (filter by mask → values + indices),
 :func:`topk`, :func:`scatter`, :func:`random` (keyed by (seed, step, name): shared by all ranks, or private
 per rank), :func:`pack`/:func:`unpack` (k-bit values), :func:`concat`/:func:`extract` (a small
 header and a payload in one byte buffer).
@@ -44,7 +45,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .base import SEED, Codec, Meta, Option, float_in, int_in, one_of  # noqa: F401  (re-exported)
+from .base import PART_ALIGN, SEED, Codec, Meta, Option, PartUnits, float_in, int_in, one_of, part_units  # noqa: F401  (re-exported)
 from .registry import register_codec as register
 from ..kernels import fused, pack_bits, packed_bytes, unpack_bits
 from ..kernels.rng import shared_key
@@ -56,6 +57,7 @@ __all__ = [
     "Option",
     "SEED",
     "concat",
+    "count",
     "extract",
     "float_in",
     "int_in",
@@ -67,6 +69,7 @@ __all__ = [
     "register",
     "scatter",
     "select",
+    "spread",
     "topk",
     "unpack",
 ]
@@ -89,16 +92,22 @@ _REDUCTIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def reduce(x: torch.Tensor, op: str, bucket_size: int = 0) -> torch.Tensor:
+def reduce(x: torch.Tensor, op: str, bucket_size: int = 0, ctx: "Context | None" = None) -> torch.Tensor:
     """Reduce ``x`` with ``op`` (sum, mean, max, min, absmax, l1, l2), whole or per bucket.
 
     With ``bucket_size`` > 0 the result has one value per bucket; the tail bucket only counts
-    real elements (it is padded with the op's neutral element).
+    real elements (it is padded with the op's neutral element). Given the body's ``ctx``, a
+    fused group (:attr:`CompLLCodec.by_parts`) gets one value per member, or per bucket of each
+    member, from its own values only (``bucket_size`` then 0 or a multiple of
+    :data:`~gradzip.codecs.base.PART_ALIGN`); alone, the same as without it.
     """
     if op not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {op!r}; valid: {', '.join(sorted(_REDUCTIONS))}")
+    if ctx is not None and ctx.parts is not None:
+        return _reduce_units(x, op, ctx.units(bucket_size))
     if bucket_size <= 0:
         return _REDUCTIONS[op](x.reshape(1, -1))[0]
+    bucket_size = min(bucket_size, max(x.numel(), 1))  # (one bucket of them all: no padding)
     pad = (-x.numel()) % bucket_size
     if pad:
         if op in ("max", "min"):  # repeat a real element: neutral for both
@@ -108,6 +117,58 @@ def reduce(x: torch.Tensor, op: str, bucket_size: int = 0) -> torch.Tensor:
         else:
             x = torch.cat([x, x.new_zeros(pad)])
     return _REDUCTIONS[op](x.view(-1, bucket_size))
+
+
+_UNIT_REDUCTIONS = {"sum": "sum", "mean": "sum", "l1": "sum", "l2": "sum", "absmax": "max", "max": "max", "min": "min"}
+
+
+def _reduce_units(x: torch.Tensor, op: str, units: PartUnits) -> torch.Tensor:
+    """``op`` over each unit of a fused group: the blocks' reductions (padding set to the op's
+    neutral value), then one segmented reduction over each unit's blocks."""
+    rows = x.reshape(-1, PART_ALIGN)
+    if op in ("max", "min"):
+        info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+        neutral = (-math.inf if op == "max" else math.inf) if x.is_floating_point() else (info.min if op == "max" else info.max)
+    else:
+        neutral = 0
+    rows = rows.masked_fill(~units.real(), neutral)
+    if op in ("l1", "absmax"):
+        rows = rows.abs()
+    elif op == "l2":
+        rows = rows.square()
+    per_block = rows.amax(1) if op in ("absmax", "max") else rows.amin(1) if op == "min" else rows.sum(1)
+    data = per_block if per_block.is_floating_point() else per_block.double()  # (integer sums: exact in fp64)
+    out = torch.segment_reduce(data, _UNIT_REDUCTIONS[op], lengths=units.lengths, unsafe=True,
+                               **({"initial": 0.0} if op == "absmax" else {}))
+    if op == "mean":
+        out = out / units.numels.to(out.dtype)
+    elif op == "l2":
+        out = out.sqrt()
+    return out.to(per_block.dtype)
+
+
+def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
+    """Each value's statistic: ``stats`` (one a bucket of ``bucket_size`` values, or one for
+    the whole tensor with 0; in a fused group one a member or a member's bucket, as
+    :func:`reduce` given ``ctx`` makes them) repeated over the ``ctx.numel`` values it covers."""
+    stats = stats.reshape(-1)
+    if ctx.parts is not None:
+        per_block = stats.index_select(0, ctx.units(bucket_size).of_block)
+        return per_block.unsqueeze(1).expand(-1, PART_ALIGN).reshape(-1)
+    n = ctx.numel
+    size = bucket_size if 0 < bucket_size < n else n
+    return stats.repeat_interleave(size)[:n]
+
+
+def count(ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
+    """How many values each statistic covers (int64, one a bucket, member or member's bucket as
+    :func:`reduce` makes them): a fused group's padding is not counted."""
+    if ctx.parts is not None:
+        return ctx.units(bucket_size).reals.long()
+    n = ctx.numel
+    size = bucket_size if 0 < bucket_size < n else max(n, 1)
+    counts = [size] * (n // size) + ([n % size] if n % size else [])
+    return torch.tensor(counts, dtype=torch.int64, device=ctx.device)
 
 
 def select(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +233,16 @@ class Context:
         self.device = meta.device
         self.name = meta.name
         self.step = meta.step
+        # a fused group's members, ``(name, shape)`` each (each on a block of PART_ALIGN values,
+        # zeros after it), for a codec that takes groups by their parts; None: one tensor
+        self.parts = meta.parts
+
+    def units(self, bucket_size: int = 0) -> PartUnits:
+        """A fused group's units: each member whole, or each member's buckets of ``bucket_size``."""
+        if bucket_size % PART_ALIGN:
+            raise ValueError(f"a fused group is reduced by members or by buckets of a multiple of {PART_ALIGN} "
+                             f"values, got bucket_size={bucket_size}")
+        return part_units(self.parts, bucket_size, self.device)
 
     def private_key(self) -> int:
         """A 32-bit key for this rank's draws on this tensor and step (a fresh one per call)."""
@@ -208,7 +279,24 @@ class CompLLCodec(Codec):
     # may go through them as one fused group, each starting on a multiple of it, and decode as
     # alone; 0: the bodies read the whole tensor (its size, its shape, one reduce)
     block: int = 0
+    # the bodies reduce, spread and count their statistics through ``ctx`` (:func:`reduce`,
+    # :func:`spread`, :func:`count`) by units of :meth:`unit_size` values: a fused group then
+    # goes through one call, its members on blocks of PART_ALIGN values, each member's
+    # statistics its own (where ``block`` is 0 and the unit a multiple of PART_ALIGN)
+    by_parts: bool = False
     records_fusion = False  # (fused only where ``block`` says so: checkpoints without ``fusion`` load)
+
+    def unit_size(self) -> int:
+        """Values each statistic of the bodies covers: the bucket size they reduce by (0: the
+        whole tensor); it decides whether a :attr:`by_parts` codec takes groups by their parts."""
+        return 0
+
+    @property
+    def parts_format(self) -> bool:  # type: ignore[override]
+        return self.by_parts and not self.fusion_block() and self.unit_size() % PART_ALIGN == 0
+
+    def fused_alignment(self) -> int:
+        return self.fusion_block() or (PART_ALIGN if self.parts_format else 0)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

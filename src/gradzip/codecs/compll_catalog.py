@@ -29,22 +29,22 @@ class CLTernGrad(cl.CompLLCodec):
     """
 
     name, family, paper, stochastic = "cl_terngrad", "quantization", TernGrad.paper, True
-    collectives, options = TernGrad.collectives, TernGrad.options
+    collectives, options, by_parts = TernGrad.collectives, TernGrad.options, True
 
     def compress(self, x, ctx):
-        size = self.bucket_size or x.numel()
-        scale = cl.reduce(x, "absmax", size)
-        rand = cl.random(ctx, scale.numel() * size)[: x.numel()]
-        s = scale.repeat_interleave(size)[: x.numel()]
+        scale = cl.reduce(x, "absmax", self.bucket_size, ctx).reshape(-1)
+        s, rand = cl.spread(scale, ctx, self.bucket_size), cl.random(ctx, x.numel())
         keep_shift = cl.map(lambda v, s, r: (r < v.abs() / s).to(torch.uint8) << (v < 0).to(torch.uint8), x, s, rand)
         return [cl.pack(keep_shift, 2), scale]
 
     def decompress(self, wire, ctx):
-        s = wire[1].repeat_interleave(self.bucket_size or ctx.numel)[: ctx.numel]
-        return cl.map(_ternary, cl.unpack(wire[0], 2, ctx.numel), s)
+        return cl.map(_ternary, cl.unpack(wire[0], 2, ctx.numel), cl.spread(wire[1], ctx, self.bucket_size))
 
     def fusion_block(self):
-        return self.bucket_size  # buckets are encoded apart (0, a scale a tensor: never fused)
+        return self.bucket_size  # buckets are encoded apart (0, a scale a tensor: a group by its parts)
+
+    def unit_size(self):
+        return self.bucket_size
 
     def _wire_bytes(self, numel, dtype):
         return packed_bytes(numel, 2) + 4 * -(-numel // (self.bucket_size or numel))
@@ -83,25 +83,25 @@ class CLOneBit(cl.CompLLCodec):
     at 23% and decoded at 34% of a device copy (``docs/bench/gpu-codecs-h200.json``).
     """
 
-    name, family, paper = "cl_onebit", "sign", OneBit.paper
+    name, family, paper, by_parts = "cl_onebit", "sign", OneBit.paper, True
     collectives, options, default_memory = OneBit.collectives, OneBit.options, OneBit.default_memory
 
-    def _size(self, numel):
-        return self.bucket_size if 0 < self.bucket_size < numel else numel
-
     def compress(self, x, ctx):
-        size = self._size(x.numel())
-        neg, nonneg = cl.map(lambda v: v < 0, x), cl.map(lambda v: v >= 0, x)
+        size, neg = self.bucket_size, cl.map(lambda v: v < 0, x)
         # fp64 sums, as onebit: values near the fp32 maximum must not overflow them
-        mean_neg = cl.reduce(x.clamp(max=0).double(), "sum", size) / cl.reduce(neg.long(), "sum", size).clamp_min(1)
-        mean_pos = cl.reduce(x.clamp(min=0).double(), "sum", size) / cl.reduce(nonneg.long(), "sum", size).clamp_min(1)
-        mean_neg, mean_pos = mean_neg.float(), mean_pos.float()
-        return [cl.pack(nonneg.to(torch.uint8), 1), torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
+        sums = [cl.reduce(x.clamp(max=0).double(), "sum", size, ctx), cl.reduce(x.clamp(min=0).double(), "sum", size, ctx)]
+        negatives = cl.reduce(neg.long(), "sum", size, ctx)
+        counts = [negatives, cl.count(ctx, size) - negatives]
+        means = [(s / c.clamp_min(1)).float().reshape(-1) for s, c in zip(sums, counts)]
+        return [cl.pack((~neg).to(torch.uint8), 1), torch.stack(means, 1).reshape(-1)]
 
     def decompress(self, wire, ctx):
-        size, means = self._size(ctx.numel), wire[1].view(-1, 2)
-        mn, mp = (means[:, i].repeat_interleave(size)[: ctx.numel] for i in (0, 1))
+        mn, mp = (cl.spread(wire[1].view(-1, 2)[:, i], ctx, self.bucket_size) for i in (0, 1))
         return cl.map(lambda b, mp, mn: b * mp + (1 - b) * mn, cl.unpack(wire[0], 1, ctx.numel).float(), mp, mn)
 
+    def unit_size(self):
+        return self.bucket_size
+
     def _wire_bytes(self, numel, dtype):
-        return packed_bytes(numel, 1) + 8 * -(-numel // self._size(numel))
+        size = self.bucket_size if 0 < self.bucket_size < numel else numel
+        return packed_bytes(numel, 1) + 8 * -(-numel // size)
