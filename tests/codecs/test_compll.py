@@ -1,6 +1,7 @@
 """CompLL authoring: the primitives, the catalogue codecs written with them, compilation."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -209,20 +210,26 @@ def test_compll_codecs_take_a_group_by_its_parts_as_their_twins(monkeypatch, at_
     """``cl_terngrad`` and ``cl_onebit`` reduce, spread and count through ``ctx``
     (:attr:`~gradzip.codecs.compll.CompLLCodec.by_parts`): a fused group is one call, each
     member's scale or bucket means its own, the very payload and values of the hand-written
-    twin's group (whichever way the twin takes it); buckets that are not whole blocks, and
-    ``cl_tbq`` (a block), do not go by parts."""
+    twin's group (taken at once; on the CPU's way the twin adds each member's fp64 sums alone,
+    the same here, which could differ in a last bit), NaN and infinities included; buckets
+    that are not whole blocks, and ``cl_tbq`` (a block), do not go by parts."""
     from gradzip.kernels import fused
 
     monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
     flat, parts, spans = _group((1000, 50, 3000, 7, 0, 20_000, 333, 1 << 12))
     flat[spans[1][0] : spans[1][0] + 50] = -flat[spans[1][0] : spans[1][0] + 50].abs()  # all negative: its padding is not a 0
+    flat[spans[2][0] + 3], flat[spans[2][0] + 9] = float("nan"), float("inf")  # (NaN: no sign bit set, as onebit)
     twin, mine = _make(hand, **opts), _make("cl_" + hand, **opts)
     assert mine.parts_format and mine.fused_alignment() == twin.fused_alignment()
     for step in range(2):
         a, b = twin.encode(flat, "g", step=step, parts=parts), mine.encode(flat, "g", step=step, parts=parts)
-        assert len(a.tensors) == len(b.tensors) and all(torch.equal(u, v) for u, v in zip(a.tensors, b.tensors))
+        assert len(a.tensors) == len(b.tensors)
+        same = functools.partial(torch.testing.assert_close, rtol=0, atol=0, equal_nan=True)
+        for u, v in zip(a.tensors, b.tensors):
+            same(u, v)
         da, db = twin.decode(a), mine.decode(b)
-        assert all(torch.equal(da[s : s + n], db[s : s + n]) for s, n in spans)
+        for s, n in spans:
+            same(da[s : s + n], db[s : s + n])
     assert not _make("cl_onebit", bucket_size=100).parts_format and not _make("cl_terngrad", bucket_size=512).parts_format
     assert not _make("cl_tbq").parts_format
 
@@ -293,3 +300,30 @@ def test_auto_compiles_only_for_cuda():
     c = gradzip.codec("cl_tbq")
     c.encode(torch.ones(4))
     assert c._bodies[("compress", "cpu")].__func__ is type(c).compress
+
+
+def test_reduce_over_a_group_keeps_the_dtypes_of_one_member_alone():
+    """16-bit values are reduced in fp32 and rounded once (a mean of 70,000 fp16 ones is 1, an
+    l2 of 300s is finite), integer sums are exact and int64, booleans reduce as alone, and a
+    mean of integers is refused as alone."""
+    from gradzip.codecs.base import Meta
+
+    _, parts, spans = _group((70_000, 300, 5))
+    n = spans[-1][0] + 256
+    ctx = cl.Context(_make("cl_onebit"), Meta(torch.Size((n,)), torch.float32, torch.device("cpu"), "g", 0, parts=parts))
+    ones = torch.zeros(n, dtype=torch.float16)
+    for s, m in spans:
+        ones[s : s + m] = 1
+    assert torch.equal(cl.reduce(ones, "mean", 0, ctx), torch.ones(3, dtype=torch.float16))
+    big = ones * 300
+    alone = torch.stack([cl.reduce(big[s : s + m], "l2") for s, m in spans])  # (the first beyond fp16: inf alone too)
+    assert torch.isfinite(alone[1:]).all()
+    torch.testing.assert_close(cl.reduce(big, "l2", 0, ctx), alone, rtol=1e-3, atol=0)
+    wide = torch.zeros(n, dtype=torch.int64)
+    wide[spans[0][0]] = 2**60
+    wide[spans[0][0] + 1] = 1
+    assert cl.reduce(wide, "sum", 0, ctx).tolist() == [2**60 + 1, 0, 0]
+    flags = ones.bool()
+    assert cl.reduce(flags, "max", 0, ctx).dtype == torch.bool and cl.reduce(flags, "sum", 0, ctx).tolist() == [70_000, 300, 5]
+    with pytest.raises(ValueError, match="floating-point"):
+        cl.reduce(wide, "mean", 0, ctx)

@@ -103,7 +103,7 @@ def reduce(x: torch.Tensor, op: str, bucket_size: int = 0, ctx: "Context | None"
     """
     if op not in _REDUCTIONS:
         raise ValueError(f"unknown reduction {op!r}; valid: {', '.join(sorted(_REDUCTIONS))}")
-    if ctx is not None and ctx.parts is not None:
+    if ctx is not None and ctx.grouped:
         return _reduce_units(x, op, ctx.units(bucket_size))
     if bucket_size <= 0:
         return _REDUCTIONS[op](x.reshape(1, -1))[0]
@@ -124,27 +124,42 @@ _UNIT_REDUCTIONS = {"sum": "sum", "mean": "sum", "l1": "sum", "l2": "sum", "absm
 
 def _reduce_units(x: torch.Tensor, op: str, units: PartUnits) -> torch.Tensor:
     """``op`` over each unit of a fused group: the blocks' reductions (padding set to the op's
-    neutral value), then one segmented reduction over each unit's blocks."""
+    neutral value), then one reduction over each unit's blocks. Floating-point values of 16 bits
+    are reduced in fp32 and rounded once (as torch reduces them alone); integer sums are exact;
+    the result has the dtype the reduction of one unit alone has."""
+    floating = x.is_floating_point()
+    if not floating and op in ("mean", "l2"):
+        raise ValueError(f"reduction {op!r} needs floating-point values, got {x.dtype}")
     rows = x.reshape(-1, PART_ALIGN)
+    if floating and x.element_size() < 4:
+        rows = rows.float()
+    elif x.dtype == torch.bool:
+        rows = rows.to(torch.uint8 if op in ("max", "min", "absmax") else torch.int64)
     if op in ("max", "min"):
-        info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
-        neutral = (-math.inf if op == "max" else math.inf) if x.is_floating_point() else (info.min if op == "max" else info.max)
+        info = torch.finfo(rows.dtype) if floating else torch.iinfo(rows.dtype)
+        neutral = (-math.inf if op == "max" else math.inf) if floating else (info.min if op == "max" else info.max)
     else:
         neutral = 0
-    rows = rows.masked_fill(~units.real(), neutral)
+    rows = rows.masked_fill(~_real(units), neutral)
     if op in ("l1", "absmax"):
         rows = rows.abs()
     elif op == "l2":
         rows = rows.square()
     per_block = rows.amax(1) if op in ("absmax", "max") else rows.amin(1) if op == "min" else rows.sum(1)
-    data = per_block if per_block.is_floating_point() else per_block.double()  # (integer sums: exact in fp64)
-    out = torch.segment_reduce(data, _UNIT_REDUCTIONS[op], lengths=units.lengths, unsafe=True,
-                               **({"initial": 0.0} if op == "absmax" else {}))
-    if op == "mean":
-        out = out / units.numels.to(out.dtype)
-    elif op == "l2":
-        out = out.sqrt()
-    return out.to(per_block.dtype)
+    if floating:
+        out = torch.segment_reduce(per_block, _UNIT_REDUCTIONS[op], lengths=units.lengths, unsafe=True,
+                                   **({"initial": 0.0} if op == "absmax" else {}))
+        if op == "mean":
+            out = (out.double() / units.numels).to(out.dtype)
+        elif op == "l2":
+            out = out.sqrt()
+        return out.to(x.dtype)
+    of_block = units.of_block.long()
+    out = torch.zeros(units.lengths.numel(), dtype=per_block.dtype, device=x.device)
+    if op in ("sum", "l1"):  # (exact: integers added as integers)
+        return out.index_add_(0, of_block, per_block)
+    out = out.index_reduce_(0, of_block, per_block, "amax" if op != "min" else "amin", include_self=False)
+    return out.to(x.dtype)
 
 
 def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
@@ -152,7 +167,7 @@ def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.T
     the whole tensor with 0; in a fused group one a member or a member's bucket, as
     :func:`reduce` given ``ctx`` makes them) repeated over the ``ctx.numel`` values it covers."""
     stats = stats.reshape(-1)
-    if ctx.parts is not None:
+    if ctx.grouped:
         per_block = stats.index_select(0, ctx.units(bucket_size).of_block)
         return per_block.unsqueeze(1).expand(-1, PART_ALIGN).reshape(-1)
     n = ctx.numel
@@ -163,12 +178,14 @@ def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.T
 def count(ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
     """How many values each statistic covers (int64, one a bucket, member or member's bucket as
     :func:`reduce` makes them): a fused group's padding is not counted."""
-    if ctx.parts is not None:
+    if ctx.grouped:
         return ctx.units(bucket_size).reals.long()
     n = ctx.numel
     size = bucket_size if 0 < bucket_size < n else max(n, 1)
-    counts = [size] * (n // size) + ([n % size] if n % size else [])
-    return torch.tensor(counts, dtype=torch.int64, device=ctx.device)
+    counts = torch.full((-(-n // size),), size, dtype=torch.int64, device=ctx.device)
+    if n % size:
+        counts[-1] = n % size
+    return counts
 
 
 def select(x: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -222,6 +239,13 @@ def extract(buf: torch.Tensor, header_len: int, dtype: torch.dtype = torch.uint8
 
 
 # ------------------------------------------------------------------------------ the codec
+# a group's units (made once per layout) and where its values lie: once a body is compiled,
+# versions torch.compile does not trace (nor recompile for each layout), set there so that
+# importing gradzip does not load the compiler
+_units: Callable[..., PartUnits] = part_units
+_real: Callable[[PartUnits], torch.Tensor] = PartUnits.real
+
+
 class Context:
     """What an encode/decode body may know about the tensor: size, shape, step, randomness."""
 
@@ -233,16 +257,17 @@ class Context:
         self.device = meta.device
         self.name = meta.name
         self.step = meta.step
-        # a fused group's members, ``(name, shape)`` each (each on a block of PART_ALIGN values,
-        # zeros after it), for a codec that takes groups by their parts; None: one tensor
-        self.parts = meta.parts
+        # a fused group (a codec that takes groups by their parts): its members, ``meta.parts``
+        # (name and shape each, each on a block of PART_ALIGN values, zeros after it), are read
+        # through :meth:`units` only, so a compiled body does not depend on them
+        self.grouped = meta.parts is not None
 
     def units(self, bucket_size: int = 0) -> PartUnits:
         """A fused group's units: each member whole, or each member's buckets of ``bucket_size``."""
         if bucket_size % PART_ALIGN:
             raise ValueError(f"a fused group is reduced by members or by buckets of a multiple of {PART_ALIGN} "
                              f"values, got bucket_size={bucket_size}")
-        return part_units(self.parts, bucket_size, self.device)
+        return _units(self.meta.parts, bucket_size, self.device)
 
     def private_key(self) -> int:
         """A 32-bit key for this rank's draws on this tensor and step (a fresh one per call)."""
@@ -344,8 +369,11 @@ class CompLLCodec(Codec):
 
     def _compiled(self, fn: Callable) -> Callable:
         """``fn`` through torch.compile, falling back to eager (once, with a warning) on failure."""
+        global _units, _real
         try:
             compiled = torch.compile(fn, dynamic=True)
+            if _units is part_units:
+                _units, _real = torch.compiler.disable(part_units), torch.compiler.disable(PartUnits.real)
         except Exception as exc:  # compiler missing or platform unsupported
             log.warning("gradzip.codecs.compll: torch.compile unavailable for %s (%s); running eagerly", self.name, exc)
             return fn

@@ -93,7 +93,7 @@ class CLOneBit(cl.CompLLCodec):
         negatives = cl.reduce(neg.long(), "sum", size, ctx)
         counts = [negatives, cl.count(ctx, size) - negatives]
         means = [(s / c.clamp_min(1)).float().reshape(-1) for s, c in zip(sums, counts)]
-        return [cl.pack((~neg).to(torch.uint8), 1), torch.stack(means, 1).reshape(-1)]
+        return [cl.pack(cl.map(lambda v: v >= 0, x).to(torch.uint8), 1), torch.stack(means, 1).reshape(-1)]
 
     def decompress(self, wire, ctx):
         mn, mp = (cl.spread(wire[1].view(-1, 2)[:, i], ctx, self.bucket_size) for i in (0, 1))
