@@ -365,3 +365,30 @@ def test_sketchml_flags_a_nonfinite_input_from_its_tables(dtype):
     assert codec.nonfinite(codec.encode(_randn((10,)))) is None  # sent raw
     sparse = gradzip.codec("sketchml", ratio=0.1)
     assert sparse.nonfinite(sparse.encode(_randn((10_000,)))) is None
+
+
+def test_sketchml_group_keeps_fp64_members_sent_as_they_are_and_puts_every_nan_in_one_bucket(monkeypatch):
+    """An fp64 member a group sends as it is decodes exactly (not through fp32: 0.1 stays 0.1,
+    1e300 finite); a NaN of any sign and payload takes the last key, so a member's codes do not
+    depend on how its values were converted to fp32 (the whole group at once or the member)."""
+    from gradzip.codecs.sketch import _CELLS
+    from gradzip.kernels import fused
+
+    codec = gradzip.codec("sketchml")
+    x = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for at_once in (False, True):
+        monkeypatch.setattr(fused, "groups_at_once", lambda device, at_once=at_once: at_once)
+        for v in (0.1, 1e300, -3.3e-310):
+            one = torch.tensor([v], dtype=torch.float64)
+            y = codec.decode(codec.encode(torch.cat([x, one]), "g", parts=[("a", (1000,)), ("b", (1,))]))
+            assert y.dtype == torch.float64 and y[1000].item() == v
+    bits = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1], dtype=torch.int32)  # NaNs: ±, quiet, signalling
+    assert _sortable_keys(bits.view(torch.float32)).tolist() == [_CELLS - 1] * 4
+    b = torch.randn(18, generator=torch.Generator().manual_seed(3)).half()
+    b[16] = -float("nan")
+    flat = torch.cat([torch.randn(1024, generator=torch.Generator().manual_seed(4)).half(), b, torch.zeros(6).half()])
+    got = []
+    for at_once in (False, True):
+        monkeypatch.setattr(fused, "groups_at_once", lambda device, at_once=at_once: at_once)
+        got.append(gradzip.codec("sketchml", buckets=2).encode(flat, "g", parts=[("a", (1024,)), ("b", (18,))]).tensors)
+    assert torch.equal(got[0][0], got[1][0])

@@ -30,14 +30,16 @@ def _index_bits(nb: int) -> int:
 
 
 def _sortable_keys(xf: torch.Tensor) -> torch.Tensor:
-    """int32 keys in ``[0, 2**KEY_BITS)``, non-decreasing in the fp32 value (−0.0 just below +0.0)."""
+    """int32 keys in ``[0, 2**KEY_BITS)``, non-decreasing in the fp32 value (−0.0 just below +0.0);
+    every NaN the last key, whatever its sign and payload bits (which a conversion to fp32 need
+    not keep alike for a tensor and a piece of it)."""
     bits = xf.view(torch.int32)
     s = bits >> 31  # all ones for negative values
     s &= 0x7FFFFFFF
     s ^= bits  # negative values: magnitude bits flipped, so signed-int order is float order
     s >>= _SHIFT
     s += _ZERO_KEY
-    return s
+    return s.masked_fill_(xf.isnan(), _CELLS - 1)
 
 
 def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
@@ -280,8 +282,8 @@ class SketchML(Codec):
         return torch.cat([packed[at : at + size] for at, size in mine] or [packed[:0]]), means
 
     def _decode_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        """A fused group's payload into the flat fp32 ``out`` (its first ``out.numel()`` values;
-        padding decodes to 0)."""
+        """A fused group's payload into the flat fp32 (or, for fp64 inputs, fp64) ``out``: its first
+        ``out.numel()`` values, padding decoded to 0."""
         grp, (codes, means, raw) = self._group(meta), tensors
         numel, nb, bits = out.numel(), grp.nb, grp.bits
         if fused.groups_at_once(codes.device):  # the whole group's codes, then one lookup
@@ -289,7 +291,7 @@ class SketchML(Codec):
             pieces = [codes[o : o + size] if own else g["zeros"][:size] for own, o, _, size in g["runs"]]
             index = torch.repeat_interleave(g["dec_base"], g["lengths"], output_size=grp.numel)
             index += unpack_bits(pieces[0] if len(pieces) == 1 else torch.cat(pieces), bits, grp.numel)
-            table = torch.cat([means, means.new_zeros(1)])  # (the codes not coded point at a 0)
+            table = torch.cat([means, means.new_zeros(1)]).to(out.dtype)  # (the codes not coded point at a 0)
             whole = numel == grp.numel and not accumulate
             values = torch.index_select(table, 0, index, out=out) if whole else table.index_select(0, index)
             if g["raw_index"] is not None:
@@ -298,7 +300,7 @@ class SketchML(Codec):
         spans = [(a, n, None, j) for j, (a, n, _) in enumerate(grp.coded)]
         at = 0
         for a, n in grp.raws:
-            spans.append((a, n, raw[at : at + n], None))
+            spans.append((a, n, raw[at : at + n].to(out.dtype), None))  # (as the lookup above casts them)
             at += n
         for a, n, values, j in spans:
             m = min(n, numel - a)
@@ -332,8 +334,9 @@ class SketchML(Codec):
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         n = meta.numel
-        if meta.parts is not None and self.parts_format:
-            out = torch.empty(n, dtype=torch.float32, device=tensors[0].device)
+        if meta.parts is not None and self.parts_format:  # (fp64: its members sent as they are stay exact)
+            out = torch.empty(n, dtype=torch.float64 if meta.dtype == torch.float64 else torch.float32,
+                              device=tensors[0].device)
             return self._decode_group(tensors, meta, out, False)
         if not self._sparse(n):
             return _dequantize(tensors[0], tensors[1], n)
