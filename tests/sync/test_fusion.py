@@ -623,3 +623,33 @@ def test_codecs_fused_later_record_fusion_only_when_off():
         comm = gradzip.Communicator(name, fusion=fusion)
         assert comm.settings().get("fusion") == recorded, (name, fusion)
         comm.close()
+
+
+def test_a_checkpoint_saved_before_its_codec_was_fused_loads_with_fusion_off():
+    """A checkpoint of a codec fused later holds no ``fusion`` (then it never fused): it loads
+    strictly with ``fusion=False`` as with the default; max-min, which always recorded it, still
+    tells a missing setting apart, and any other setting still differs."""
+    from gradzip.comm import consistency
+
+    def older(comm):  # as saved before: no ``fusion`` in its settings
+        state = comm.state_dict()
+        state["settings"].pop("fusion", None)
+        state["fingerprint"] = consistency.fingerprint(state["settings"])
+        return state
+
+    for name in ("sketchml", "dgc", "cl_onebit"):
+        saved = gradzip.Communicator(name, fusion=False)
+        state = older(saved)
+        saved.close()
+        for fusion in (False, True):
+            comm = gradzip.Communicator(name, fusion=fusion)
+            comm.load_state_dict(state)  # strict: no error
+            comm.close()
+    other = gradzip.Communicator("sketchml", fusion=False, buckets=16)
+    with pytest.raises(gradzip.errors.CheckpointError, match="buckets"):
+        other.load_state_dict(older(gradzip.Communicator("sketchml", fusion=False)))
+    other.close()
+    maxmin = gradzip.Communicator("maxmin", fusion=False)
+    with pytest.raises(gradzip.errors.CheckpointError, match="fusion"):
+        maxmin.load_state_dict(older(gradzip.Communicator("maxmin", fusion=False)))
+    maxmin.close()

@@ -1389,6 +1389,10 @@ class Communicator:
             problems.append(f"it is rank {state.get('rank')}'s state, this is rank {self.rank}")
         mine = self.settings()
         theirs = dict(state.get("settings", {}))
+        if "fusion" not in theirs and mine.get("fusion") is False and not (
+            self.codec.fusion_block() > 0 and self.codec.records_fusion
+        ):  # saved before this codec was fused (it records ``fusion`` only when off): it ran unfused, as this run does
+            del mine["fusion"]
         if state.get("fingerprint") != consistency.fingerprint(mine):
             lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"])
             problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
