@@ -220,6 +220,26 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
         assert ops["segment_reduce"] >= 1 or name in ("signum", "adaq", "topk", "randomk", "graddrop", "dgc", "sketchml"), ops
 
 
+def _every_fused_codec_ops(rank: int, world: int) -> dict:
+    return {name: _parts_ops(rank, world, name) for name in gradzip.codecs.names() if gradzip.codec(name).fused_alignment()}
+
+
+def test_every_fused_codec_costs_the_same_operations_for_4_or_32_members():
+    """Every codec that takes fused groups, by blocks or by parts, with its defaults and on the
+    accelerator's path: eight times the members cost not one operation more, every step alike;
+    but PowerSGD's products, one a matrix and round (as PyTorch's PowerSGD hook's)."""
+    (res, _) = run_workers(_every_fused_codec_ops, 2)
+    assert {"maxmin", "sketchml", "cl_onebit", "powersgd"} <= set(res), sorted(res)
+    for name, counts in res.items():
+        few, many = counts[8], counts[64]
+        assert few[0] == few[1] and many[0] == many[1], name
+        if name == "powersgd":  # (4 and 32 matrices: four products a matrix a step)
+            assert many[0]["mm"] - few[0]["mm"] == 4 * (32 - 4), (few, many)
+            for step in few + many:
+                del step["mm"]
+        assert few == many, (name, few, many)
+
+
 def _fused_views(rank: int, world: int, memory: str) -> dict:
     from gradzip.sync import engine
 
