@@ -7,8 +7,8 @@ torch functions, and the ``compress``/``decompress`` bodies of a :class:`CompLLC
 (the default) compiles for CUDA tensors; on CPU it stays eager, because the first call then
 costs seconds of compilation per codec and shape family (which tests and short jobs never win
 back). ``compile=True`` compiles on CPU too: on 1 M fp32 values, one thread, encode+decode of
-``cl_onebit`` went from 25.8 ms eager to 3.1 ms compiled, ``cl_terngrad`` from 36.5 to 20.7 ms
-and ``cl_tbq`` from 17.7 to 13.6 ms. Where compiling fails (no C++ compiler, an unsupported
+``cl_onebit`` went from 4.6–5.4 ms eager to 2.4 ms compiled and ``cl_terngrad`` from 3.4–4.5
+to 3.0–3.1 ms; ``cl_tbq`` (one map each way) from 2.1–2.2 to 2.4–2.5 ms. Where compiling fails (no C++ compiler, an unsupported
 platform, an error at first call) the same bodies run eagerly, with one warning.
 
 A codec in a few lines::
