@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -180,7 +180,26 @@ class PartUnits:
         return torch.segment_reduce(per_block, "max", lengths=self.lengths, unsafe=True, initial=0.0)
 
 
-@functools.lru_cache(maxsize=4096)  # (a group each: exchanged in the same order every step, so well above their count)
+_LAYOUT_RELEASES: List[Callable[[], None]] = []
+
+
+def layout_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` made once per fused layout (its arguments; tensors on the group's device) and kept
+    while the layouts repeat, step after step (a group each: well under the 4,096 kept), until
+    :func:`release_layouts`."""
+    cached = functools.lru_cache(maxsize=4096)(fn)
+    _LAYOUT_RELEASES.append(cached.cache_clear)
+    return cached
+
+
+def release_layouts() -> None:
+    """Let every layout's plan go, and the device memory it holds: a communicator closing calls
+    it (a communicator still running makes the plans it needs again, once)."""
+    for release in _LAYOUT_RELEASES:
+        release()
+
+
+@layout_cache
 def part_units(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> PartUnits:
     return PartUnits(parts, size, device)
 

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import shared_generator
 from ..kernels.rng import counter_uniform
-from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in
+from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in, layout_cache
 from .registry import register_codec
 
 
@@ -131,59 +131,42 @@ def padded_stack(mats: Sequence[torch.Tensor]) -> torch.Tensor:
     return stack
 
 
-_CACHE: Dict[Tuple[Any, ...], Any] = {}
-
-
-def _cached(key: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
-    """Index and filler tensors, made once per layout (the layouts of a model's factors repeat
-    every step)."""
-    got = _CACHE.get(key)
-    if got is None:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        got = _CACHE[key] = make()
-    return got
-
-
+@layout_cache  # (the layouts of a model's factors repeat every step)
 def _slots(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
     """Where each value of the concatenated matrices goes in their padded stack."""
-    def make() -> torch.Tensor:
-        width = rows[0] * r
-        return torch.cat([i * width + torch.arange(n * r) for i, n in enumerate(rows)]).to(device)
-    return _cached(("slots", rows, r, device), make)
+    width = rows[0] * r
+    return torch.cat([i * width + torch.arange(n * r) for i, n in enumerate(rows)]).to(device)
 
 
+@layout_cache
 def _packed_index(starts: Tuple[int, ...], rows: Tuple[int, ...], r: int, total: int, device: torch.device
                   ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """For the transposed ``n_i × r`` matrices at ``starts`` of a packed buffer of ``total``
     values, in stack order: the values to take from it (None: all of it, as it lies) and where
     each goes in their ``k × n_0 × r`` stack."""
-    def make() -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-        width = rows[0] * r
-        dst = torch.cat([  # value (c, j) of a transpose is value (j, c) of the matrix
-            (i * width + torch.arange(r)[:, None] + torch.arange(n)[None, :] * r).reshape(-1)
-            for i, n in enumerate(rows)
-        ])
-        src = torch.cat([a + torch.arange(n * r) for a, n in zip(starts, rows)])
-        whole = src.numel() == total and bool((src == torch.arange(total)).all())
-        return (None if whole else src.to(device)), dst.to(device)
-    return _cached(("packed", starts, rows, r, total, device), make)
+    width = rows[0] * r
+    dst = torch.cat([  # value (c, j) of a transpose is value (j, c) of the matrix
+        (i * width + torch.arange(r)[:, None] + torch.arange(n)[None, :] * r).reshape(-1)
+        for i, n in enumerate(rows)
+    ])
+    src = torch.cat([a + torch.arange(n * r) for a, n in zip(starts, rows)])
+    whole = src.numel() == total and bool((src == torch.arange(total)).all())
+    return (None if whole else src.to(device)), dst.to(device)
 
 
+@layout_cache
 def _fillers(rows: Tuple[int, ...], r: int, device: torch.device) -> torch.Tensor:
     """The fixed directions that stand in for dependent columns: value ``(i, j)`` of every
     matrix a counter hash of ``i · r + j`` (the same bits on every device and host, and the same
     for a matrix whatever the height of the others in its stack), zero in each matrix's padding
     (so orthonormalising one keeps it inside the matrix); the first column normalised."""
-    def make() -> torch.Tensor:
-        base = (counter_uniform(rows[0] * r, 0x5EED) - 0.5).view(rows[0], r)
-        fill = torch.zeros(len(rows), rows[0], r)
-        for i, n in enumerate(rows):
-            fill[i, :n] = base[:n]
-        first = fill[:, :, :1]  # used as it is (nothing is projected out of a first column)
-        first.div_(torch.linalg.vector_norm(first, dim=1, keepdim=True))
-        return fill.to(device)
-    return _cached(("fill", rows, r, device), make)
+    base = (counter_uniform(rows[0] * r, 0x5EED) - 0.5).view(rows[0], r)
+    fill = torch.zeros(len(rows), rows[0], r)
+    for i, n in enumerate(rows):
+        fill[i, :n] = base[:n]
+    first = fill[:, :, :1]  # used as it is (nothing is projected out of a first column)
+    first.div_(torch.linalg.vector_norm(first, dim=1, keepdim=True))
+    return fill.to(device)
 
 
 def _gram_schmidt(a: torch.Tensor, fill: torch.Tensor) -> None:

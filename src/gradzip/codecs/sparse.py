@@ -28,7 +28,6 @@ pick its own, and the all-gather keeps the tensor count and dtypes it expects.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -47,6 +46,7 @@ from .base import (
     empty_result,
     float_in,
     int_in,
+    layout_cache,
     part_spans,
     part_units,
     raw_bytes,
@@ -220,7 +220,7 @@ class _TopKPlan:
         self.kmember = torch.repeat_interleave(torch.arange(len(parts), device=device), self.ks, output_size=self.total_k)
 
 
-@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+@layout_cache  # (a group each: the same every step)
 def _topk_plan(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device) -> _TopKPlan:
     return _TopKPlan(parts, ratio, device)
 
@@ -339,7 +339,7 @@ class RandomK(Codec):
         return _k(numel, self.ratio) * element_size(dtype)
 
 
-@functools.lru_cache(maxsize=4096)  # (a group each, the same every step)
+@layout_cache  # (a group each: the same every step)
 def _draw_layout(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device: torch.device
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each draw of random-k's fused group, ``k`` a member in the members' order: its member's
@@ -408,7 +408,7 @@ class _SamplePlan:
         self.valid = torch.tensor(valid, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+@layout_cache  # (a group each: the same every step)
 def _sample_plan(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
                  device: torch.device) -> _SamplePlan:
     return _SamplePlan(parts, ratio, sample_ratio, device)
@@ -896,7 +896,7 @@ class AdaComp(Codec):
         return min((self._bins(numel)[1] + numel) * width + packed_bytes(numel, 1) + 4, raw_bytes(numel, dtype))
 
 
-@functools.lru_cache(maxsize=4096)  # (a group each: the same every step)
+@layout_cache  # (a group each: the same every step)
 def _bin_members(parts: Tuple[Tuple[str, torch.Size], ...], size: int, device: torch.device) -> torch.Tensor:
     """The member of each bin of ``size`` values of a fused group whose members start on bins (int64)."""
     bins = torch.tensor([-(-shape.numel() // size) for _, shape in parts], dtype=torch.long)

@@ -15,7 +15,7 @@ from .. import comm as _collectives
 from ..comm import consistency
 from . import memory as _memory
 from ..codecs import registry as _registry
-from ..codecs.base import FLOAT_DTYPES, Codec
+from ..codecs.base import FLOAT_DTYPES, Codec, release_layouts
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool, size_class
 from ..comm.allgather import default_collective
@@ -1421,6 +1421,7 @@ class Communicator:
         self._flat_pools.clear()
         self._places.clear()
         self._fused_layouts.clear()
+        release_layouts()  # (the codecs' plans a fused layout each, and their device tensors)
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
