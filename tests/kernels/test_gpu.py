@@ -346,6 +346,16 @@ def test_select_magnitudes_is_nonzero_of_the_comparison(dtype):
     ref = torch.nonzero((mag >= thresholds.cpu()[pos // 256]) & (pos % 256 < valid.cpu()[pos // 256])).reshape(-1)
     assert torch.equal(got.cpu(), ref)
     assert gpu.select_magnitudes(x[:0], 0.5).numel() == 0
+    # the torch specification, whole and a piece at a time (the CPU's way), says the same
+    from gradzip.kernels import fused, reference
+
+    for t in (0.7, float("inf")):
+        assert torch.equal(reference.select_magnitudes(x.cpu(), t), torch.nonzero(mag >= t).reshape(-1))
+    assert torch.equal(reference.select_magnitudes(x.cpu(), 0.0, thresholds.cpu(), valid.cpu()), ref)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "TORCH_PIECE", 1000)  # (pieces of whole blocks: 768 values)
+        assert torch.equal(fused.select_magnitudes(x.cpu(), 0.0, thresholds.cpu(), valid.cpu()), ref)
+        assert torch.equal(fused.select_magnitudes(x.cpu(), 0.7), torch.nonzero(mag >= 0.7).reshape(-1))
 
 
 def test_sparsifiers_select_with_the_kernel_as_with_torch(monkeypatch):

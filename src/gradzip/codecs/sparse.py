@@ -442,28 +442,9 @@ def _selected(x: torch.Tensor, threshold: float = 0.0,
     """The ascending indices of the values whose magnitude in fp32 reaches ``threshold`` (an
     fp32 value), or with ``per_block`` = (thresholds, valid) their block of :data:`PART_ALIGN`
     values' threshold (fp32) among its first ``valid`` (int32) values, the rest of a fused
-    group's block being padding. One device wait (the size is the data's). On CUDA two Triton
-    passes (:func:`gpu.select_magnitudes`); on the CPU a piece of :data:`fused.TORCH_PIECE`
-    values at a time, so the magnitudes and the mask are a piece long, not a fused group's."""
-    kernels = fused.triton_for(x)
-    if kernels is not None:
-        return kernels.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN)
-    if per_block is not None:
-        thresholds, valid = per_block
-        columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=x.device)
-
-    def keep(mag: torch.Tensor, a: int) -> torch.Tensor:
-        if per_block is None:
-            return mag >= threshold
-        blocks = slice(a // PART_ALIGN, (a + mag.numel()) // PART_ALIGN)
-        rows = mag.view(-1, PART_ALIGN)
-        return ((rows >= thresholds[blocks].unsqueeze(1)) & (columns < valid[blocks].unsqueeze(1))).view(-1)
-
-    n, step = x.numel(), fused.piece_length(x)
-    if step >= n:
-        return torch.nonzero(keep(_magnitudes(x), 0)).reshape(-1)
-    found = [torch.nonzero(keep(_magnitudes(x[a : a + step]), a)).reshape(-1).add_(a) for a in range(0, n, step)]
-    return torch.cat(found)
+    group's block being padding (:func:`fused.select_magnitudes
+    <gradzip.kernels.fused.select_magnitudes>`: one device wait, the size is the data's)."""
+    return fused.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN)
 
 
 def _part_thresholds(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,

@@ -272,6 +272,31 @@ def _ternary_pieces(packed: torch.Tensor, scale: torch.Tensor, bucket: int, nume
 TORCH_PIECE = 1 << 18
 
 
+def select_magnitudes(
+    x: torch.Tensor, threshold: float = 0.0, thresholds: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None, span: int = 256,
+) -> torch.Tensor:
+    """:func:`reference.select_magnitudes`: on CUDA two Triton passes; on the CPU a piece of
+    :data:`TORCH_PIECE` values (whole blocks) at a time, so the magnitudes and the mask are a
+    piece long, not a fused group's. One device wait (the size is the data's)."""
+    kernels = triton_for(x)
+    if kernels is not None:
+        return kernels.select_magnitudes(x, threshold, thresholds, valid, span)
+    x = x.reshape(-1)
+    n, step = x.numel(), piece_length(x)
+    if step >= n:
+        return reference.select_magnitudes(x, threshold, thresholds, valid, span)
+    if thresholds is not None:
+        step = max(span, step - step % span)
+    found = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        blocks = slice(a // span, -(-b // span))
+        per_block = (thresholds[blocks], valid[blocks]) if thresholds is not None else (None, None)
+        found.append(reference.select_magnitudes(x[a:b], threshold, *per_block, span=span).add_(a))
+    return torch.cat(found)
+
+
 def groups_at_once(device: torch.device) -> bool:
     """Whether a fused group's members (their statistics, selections, draws, error feedback)
     are taken at once, in a fixed number of operations (an accelerator, which pays a launch an

@@ -423,3 +423,23 @@ def mx_decode(
     vals = bucket_view(element_decode(codes.reshape(-1)[:numel], elem), block)
     vals = vals * mx_scales(scales[: vals.shape[0]])[:, None]
     return store(vals.reshape(-1)[:numel], out, accumulate)
+
+
+def select_magnitudes(
+    x: torch.Tensor, threshold: float = 0.0, thresholds: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None, span: int = 256,
+) -> torch.Tensor:
+    """The ascending int64 indices of the values of ``x`` whose magnitude in fp32 reaches
+    ``threshold`` (an fp32 value), or with ``thresholds`` (fp32, one a block of ``span``
+    values) their block's, among each block's first ``valid`` (int32, one a block) values: the
+    sparsifiers' selection (NaN reaches no threshold), ``torch.nonzero`` of the comparison."""
+    mag = x.reshape(-1).float().abs()
+    if thresholds is None:
+        return torch.nonzero(mag >= threshold).reshape(-1)
+    n = mag.numel()
+    pad = -n % span
+    rows = (torch.cat([mag, mag.new_zeros(pad)]) if pad else mag).view(-1, span)
+    columns = torch.arange(span, dtype=torch.int32, device=x.device)
+    blocks = rows.shape[0]
+    keep = (rows >= thresholds[:blocks].unsqueeze(1)) & (columns < valid[:blocks].unsqueeze(1))
+    return torch.nonzero(keep.view(-1)[:n]).reshape(-1)
