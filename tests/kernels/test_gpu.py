@@ -290,14 +290,14 @@ def test_tbq_bit_identical(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_inceptionn_bit_identical(dtype):
-    """The tags, the byte stream and the decoded values (stored and added) of the codec's torch
-    version, bit for bit (NaN's payload bits aside): values of every tag (under the bound, 7
-    and 15 bits, raw), every fp16 and bf16 bit pattern (whose cast-back decode decides the
-    tag), ±0, NaN and ±inf; sizes about a program's 4096 values; empty and all-zero inputs (no
-    stream); a payload too short for its values refused."""
+    """The tags, the byte stream and the decoded values (stored and added) of the torch
+    version (``reference``, whole and a piece at a time as on the CPU), bit for bit (NaN's
+    payload bits aside): values of every tag (under the bound, 7 and 15 bits, raw), every fp16
+    and bf16 bit pattern (whose cast-back decode decides the tag), ±0, NaN and ±inf; sizes
+    about a program's 4096 values; empty and all-zero inputs (no stream); a payload too short
+    for its values refused."""
     import gradzip
-    from gradzip.codecs.base import Meta
-    from gradzip.kernels import pack_bits
+    from gradzip.kernels import fused, reference
 
     c = gradzip.codec("inceptionn", error_bound=0.01)
     g = torch.Generator().manual_seed(1)
@@ -309,19 +309,23 @@ def test_inceptionn_bit_identical(dtype):
         cases += [every, every * 3]
     for values in cases:
         # (the torch version on the CPU: CUDA's torch divides by a scalar as a product with its inverse)
-        tag, word, kept = c._tag_words(values.cpu()) if values.numel() else (torch.zeros(0, dtype=torch.uint8),) * 2 + (None,)
+        want = reference.inceptionn_encode(values.cpu(), c._b, c._step)
         packed, stream = gpu.inceptionn_encode(values, c._b, c._step)
-        assert torch.equal(packed.cpu(), pack_bits(tag, 2))
-        if values.numel():
-            assert torch.equal(stream.cpu(), torch.index_select(word.view(torch.uint8), 0, kept))
-        else:
-            assert stream.numel() == 0
-        meta = Meta(values.shape, values.dtype, torch.device("cpu"))  # (the torch version: on the CPU)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fused, "TORCH_PIECE", 1000)  # (the CPU's pieces)
+            pieces = fused.inceptionn_encode(values.cpu(), c._b, c._step)
+        for got in ((packed.cpu(), stream.cpu()), pieces):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         for accumulate in (False, True):
             base = torch.linspace(-1, 1, values.numel())
-            ref = c._decode_pieces([packed.cpu(), stream.cpu()], meta, base.clone(), accumulate)
-            got = gpu.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.to(DEVICE), accumulate)
-            assert torch.equal(got.cpu().nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
+            ref = reference.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step, base.clone(), accumulate)
+            got = gpu.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.clone().to(DEVICE), accumulate)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(fused, "TORCH_PIECE", 1000)
+                by_pieces = fused.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step,
+                                                    base.clone(), accumulate)
+            for other in (got.cpu(), by_pieces):
+                assert torch.equal(other.nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
     packed, stream = gpu.inceptionn_encode(x, c._b, c._step)
     with pytest.raises(ValueError, match="INCEPTIONN payload"):
         gpu.inceptionn_decode(packed, stream, dtype, x.numel() + 8, c._step)

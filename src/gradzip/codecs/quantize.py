@@ -6,7 +6,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels import bucket_view, fused, pack_bits, packed_bytes, unpack_bits
+from ..kernels import bucket_view, fused, packed_bytes
+from ..kernels.reference import SHORT_FLOATS
 from .base import (
     PART_ALIGN, SEED, Codec, Meta, Option, Payload, element_size, float_in, int_in, one_of, part_units, raw_bytes,
     saturate, stats_nonfinite,
@@ -543,22 +544,6 @@ def _fp32(v: float) -> float:
     return torch.tensor(float(v), dtype=torch.float32).item()
 
 
-_SHORT = (torch.float16, torch.bfloat16)  # inputs whose raw values take 2 bytes
-_INC_TABLES: Dict[Tuple[int, torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _inc_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """INCEPTIONN lookups on ``device`` (cached): bytes per tag 0..3; int32 masks keeping the low
-    0..4 bytes (by byte count); which of an int32's 4 bytes each tag keeps (4 x 4 bools)."""
-    key = (width, torch.device(device))
-    if key not in _INC_TABLES:
-        lengths = torch.tensor([0, 1, 2, width], dtype=torch.int32)
-        masks = torch.tensor([0, 0xFF, 0xFFFF, 0, -1], dtype=torch.int32)
-        keep = torch.arange(4) < lengths[:, None]
-        _INC_TABLES[key] = (lengths.to(device), masks.to(device), keep.to(device))
-    return _INC_TABLES[key]
-
-
 @register_codec
 class Inceptionn(Codec):
     """INCEPTIONN error-bounded lossy encoding (Li et al., A Network-Centric Hardware/Algorithm
@@ -628,55 +613,18 @@ class Inceptionn(Codec):
 
     @staticmethod
     def _raw_bytes(dtype: torch.dtype) -> int:
-        return 2 if dtype in _SHORT else 4
+        return 2 if dtype in SHORT_FLOATS else 4
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        # on the CPU a piece at a time (whole bytes of tags), whose temporaries (about ten of
-        # its size) stay small; each piece's tags and stream bytes are those of the whole, in order
+        # (on CUDA the Triton kernels; on the CPU the torch version a piece at a time: the same bytes)
         x = x.reshape(-1)
         n, width = x.numel(), self._raw_bytes(x.dtype)
-        kernels = fused.triton_for(x)
-        if kernels is not None:  # a CUDA tensor: two Triton passes (the same bytes)
-            packed, stream = kernels.inceptionn_encode(x, self._b, self._step)
-            tags, streams = [packed], [stream]
-        else:
-            tags, streams = [], []
-            step = fused.piece_length(x)
-            for a in range(0, n, step):
-                tag, word, kept = self._tag_words(x[a : a + step])
-                tags.append(pack_bits(tag, 2))
-                streams.append(torch.index_select(word.view(torch.uint8), 0, kept))
-        if packed_bytes(n, 2) + sum(t.numel() for t in streams) > n * width:
+        packed, stream = fused.inceptionn_encode(x, self._b, self._step)
+        if packed.numel() + stream.numel() > n * width:
             # the dense form: no tags, every raw value (exact; recognised by the empty tags)
-            dense = x if x.dtype in _SHORT else x.float()
-            return [tags[0].new_empty(0), dense.contiguous().view(torch.uint8)]
-        if len(tags) == 1:
-            return [tags[0], streams[0]]
-        return [torch.cat(tags), torch.cat(streams)]
-
-    def _tag_words(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each value's tag, its int32 word (little-endian; the first 0/1/2/width bytes are sent)
-        and the indices of the bytes it keeps in the words' bytes."""
-        xf = x.float()
-        mag = xf.abs()
-        m = torch.floor(mag / self._step + 0.5)
-        approx = m * self._step
-        if x.dtype in _SHORT:  # the decode is cast back: check what the caller will get
-            approx = approx.to(x.dtype).float()
-        ok = (approx - mag).abs() <= self._b  # false for NaN/inf: they go raw
-        # tag 3, minus one if 15 bits do, minus one more if 7 do; 0 under the bound
-        tag = 3 - (ok & (m <= 32767)).to(torch.uint8) - (ok & (m <= 127)).to(torch.uint8)
-        tag = tag * (~(mag < self._b)).to(torch.uint8)  # (NaN is not below the bound: raw)
-        sign_at = (tag.to(torch.int32) << 3) - 1  # tag 1 → bit 7, tag 2 → bit 15
-        fixed = m.clamp(0, 32767).to(torch.int32) | ((xf < 0).to(torch.int32) << sign_at.clamp(min=0))
-        if x.dtype in _SHORT:
-            raw = x.contiguous().view(torch.int16).to(torch.int32)
-        else:
-            raw = xf.contiguous().view(torch.int32)
-        word = torch.where(tag == 3, raw, fixed)
-        keep = torch.index_select(_inc_tables(self._raw_bytes(x.dtype), x.device)[2], 0, tag.to(torch.int32))
-        kept = keep.view(-1).nonzero().view(-1)  # the stream's length depends on the data
-        return tag, word, kept
+            dense = x if x.dtype in SHORT_FLOATS else x.float()
+            return [packed.new_empty(0), dense.contiguous().view(torch.uint8)]
+        return [packed, stream]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         return self._decode_pieces(tensors, meta, torch.empty(meta.numel, dtype=torch.float32,
@@ -692,48 +640,13 @@ class Inceptionn(Codec):
 
     def _decode_pieces(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
                        accumulate: bool) -> torch.Tensor:
-        """Decode into the flat fp32 ``out`` (added to it where ``accumulate``), a piece at a time
-        on the CPU: each value from its tag and its bytes, the stream's offsets carried over."""
+        """Decode into the flat fp32 ``out`` (added to it where ``accumulate``): each value from
+        its tag and its bytes (:func:`fused.inceptionn_decode <gradzip.kernels.fused.inceptionn_decode>`)."""
         packed, stream = tensors
-        n = meta.numel
-        width = self._raw_bytes(meta.dtype)
         if packed.numel() == 0:  # the dense form
-            values = stream.view(meta.dtype if meta.dtype in _SHORT else torch.float32).float()
+            values = stream.view(meta.dtype if meta.dtype in SHORT_FLOATS else torch.float32).float()
             return out.add_(values) if accumulate else out.copy_(values)
-        kernels = fused.triton_for(packed)
-        if kernels is not None:  # a CUDA tensor: two Triton passes (the same values)
-            return kernels.inceptionn_decode(packed, stream, meta.dtype, n, self._step, out, accumulate)
-        lengths, masks, _ = _inc_tables(width, packed.device)
-        # width bytes from each element's start (reads past the end land in the zero padding),
-        # then the bytes beyond the element's length are masked off
-        windows = torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
-        offset = torch.zeros((), dtype=torch.int32, device=packed.device)
-        step = fused.piece_length(out)
-        for a in range(0, n, step):
-            b = min(a + step, n)
-            tag = unpack_bits(packed[a // 4 : -(-b // 4)], 2, b - a)
-            length = torch.index_select(lengths, 0, tag.to(torch.int32))
-            ends = torch.cumsum(length, 0, dtype=torch.int32)
-            start = ends - length + offset
-            offset = offset + ends[-1]
-            grabbed = torch.index_select(windows, 0, start)
-            if width == 2:
-                word = grabbed.view(torch.int16).reshape(b - a).to(torch.int32) & 0xFFFF
-                raw = grabbed.view(meta.dtype).reshape(b - a).float()
-            else:
-                word = grabbed.view(torch.int32).reshape(b - a)
-                raw = word.view(torch.float32)
-            word = word & torch.index_select(masks, 0, length)
-            sign_at = (tag.to(torch.int32) << 3) - 1
-            sign_at = sign_at.clamp_(0, 15)
-            val = (word & ((1 << sign_at) - 1)).float() * self._step  # tag 0: word 0 → 0
-            val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
-            values = torch.where(tag == 3, raw, val)
-            if accumulate:
-                out[a:b].add_(values)
-            else:
-                out[a:b].copy_(values)
-        return out
+        return fused.inceptionn_decode(packed, stream, meta.dtype, meta.numel, self._step, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel * self._raw_bytes(dtype)  # the dense form whenever the tagged one is larger

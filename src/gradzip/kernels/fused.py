@@ -297,6 +297,49 @@ def select_magnitudes(
     return torch.cat(found)
 
 
+def _inceptionn_piece(numel: int, device: torch.device) -> int:
+    """Values of INCEPTIONN's torch version at once: on the CPU whole bytes of tags
+    (:data:`TORCH_PIECE`, a multiple of 4), whose temporaries (about ten of its size) stay small."""
+    return max(4, TORCH_PIECE - TORCH_PIECE % 4) if torch.device(device).type == "cpu" else max(numel, 1)
+
+
+def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reference.inceptionn_encode`: on CUDA two Triton passes (the same bytes); on the
+    CPU a piece at a time, each piece's tags and bytes those of the whole, in order."""
+    kernels = triton_for(x)
+    if kernels is not None:
+        return kernels.inceptionn_encode(x, bound, step)
+    x = x.reshape(-1)
+    n, piece = x.numel(), _inceptionn_piece(x.numel(), x.device)
+    if piece >= n:
+        return reference.inceptionn_encode(x, bound, step)
+    pieces = [reference.inceptionn_encode(x[a : a + piece], bound, step) for a in range(0, n, piece)]
+    return torch.cat([tags for tags, _ in pieces]), torch.cat([stream for _, stream in pieces])
+
+
+def inceptionn_decode(packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
+                      out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """:func:`reference.inceptionn_decode`: on CUDA two Triton passes (the same values); on the
+    CPU a piece at a time, each piece's bytes found from its tags."""
+    kernels = triton_for(packed)
+    if kernels is not None:
+        return kernels.inceptionn_decode(packed, stream, dtype, numel, step, out, accumulate)
+    piece = _inceptionn_piece(numel, packed.device)
+    if piece >= numel:
+        return reference.inceptionn_decode(packed, stream, dtype, numel, step, out, accumulate)
+    if out is None:
+        out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
+    lengths = reference.inceptionn_lengths(dtype, packed.device)
+    at = 0
+    for a in range(0, numel, piece):
+        b = min(a + piece, numel)
+        tags = packed[a // 4 : -(-b // 4)]
+        used = int(lengths.index_select(0, unpack_bits(tags, 2, b - a).to(torch.int32)).sum())
+        reference.inceptionn_decode(tags, stream[at : at + used], dtype, b - a, step, out[a:b], accumulate)
+        at += used
+    return out
+
+
 def groups_at_once(device: torch.device) -> bool:
     """Whether a fused group's members (their statistics, selections, draws, error feedback)
     are taken at once, in a fixed number of operations (an accelerator, which pays a launch an

@@ -441,8 +441,8 @@ def _bf16_bits(u):
 
 
 def _inceptionn_tags(x_ptr, numel, b, step, BLOCK: tl.constexpr, SHORT: tl.constexpr, BF16: tl.constexpr):
-    """INCEPTIONN's tag, word and byte count of this program's values (the codec's torch
-    version, ``Inceptionn._tag_words``): the fixed-point level ``m = floor(|x| / 2b + 0.5)`` (an
+    """INCEPTIONN's tag, word and byte count of this program's values (the torch version,
+    ``reference.inceptionn_encode``): the fixed-point level ``m = floor(|x| / 2b + 0.5)`` (an
     IEEE division), tag 1 or 2 where ``m · 2b`` (cast back to a 16-bit input's dtype) is within
     ``b`` of ``|x|`` and ``m`` fits 7 or 15 bits, 0 under ``b``, else 3 (the raw value)."""
     pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, False)
@@ -1431,7 +1431,7 @@ def select_magnitudes(
 
 
 def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """INCEPTIONN's packed 2-bit tags and its byte stream (the codec's torch version, bit for
+    """INCEPTIONN's packed 2-bit tags and its byte stream (``reference.inceptionn_encode``, bit for
     bit): one pass for the tags and each program's byte count, their prefix sums, one pass
     writing the bytes. The stream's length depends on the data: read on the host (one device
     wait, as the torch version's ``nonzero``). ``bound`` and ``step`` (2 · bound) are fp32 values."""
@@ -1458,7 +1458,7 @@ def inceptionn_decode(
     packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
     out: torch.Tensor | None = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    """INCEPTIONN's fp32 values from their tags and bytes (the codec's torch version, bit for
+    """INCEPTIONN's fp32 values from their tags and bytes (``reference.inceptionn_decode``, bit for
     bit), stored or added into ``out``: one pass counting each program's bytes, their prefix
     sums, one pass decoding (no host read)."""
     _require()

@@ -10,6 +10,7 @@ for round-to-nearest.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -443,3 +444,77 @@ def select_magnitudes(
     blocks = rows.shape[0]
     keep = (rows >= thresholds[:blocks].unsqueeze(1)) & (columns < valid[:blocks].unsqueeze(1))
     return torch.nonzero(keep.view(-1)[:n]).reshape(-1)
+
+
+SHORT_FLOATS = (torch.float16, torch.bfloat16)  # INCEPTIONN: inputs whose raw values take 2 bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _inceptionn_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INCEPTIONN lookups on ``device``: bytes per tag 0..3; int32 masks keeping the low 0..4
+    bytes (by byte count); which of an int32's 4 bytes each tag keeps (4 x 4 bools)."""
+    lengths = torch.tensor([0, 1, 2, width], dtype=torch.int32)
+    masks = torch.tensor([0, 0xFF, 0xFFFF, 0, -1], dtype=torch.int32)
+    keep = torch.arange(4) < lengths[:, None]
+    return lengths.to(device), masks.to(device), keep.to(device)
+
+
+def inceptionn_lengths(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """INCEPTIONN's bytes per tag 0..3 (int32) for inputs of ``dtype``."""
+    return _inceptionn_tables(2 if dtype in SHORT_FLOATS else 4, torch.device(device))[0]
+
+
+def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """INCEPTIONN's packed 2-bit tags and byte stream (Li et al., MICRO'18; the wire format in
+    :class:`~gradzip.codecs.quantize.Inceptionn`): each value's tag is the smallest whose decode
+    (cast back to a 16-bit input's dtype) lies within ``bound`` of it (0: under the bound, nothing
+    stored; 1 and 2: sign and 7 or 15 bits of ``m = floor(|x| / step + 0.5)``; 3: the raw value,
+    as NaN and ±inf always are), and its 0/1/2/raw-width bytes follow in value order. ``bound``
+    and ``step`` (2 · bound) are fp32 values; fp64 is handled as fp32."""
+    x = x.reshape(-1)
+    short = x.dtype in SHORT_FLOATS
+    xf = x.float()
+    mag = xf.abs()
+    m = torch.floor(mag / step + 0.5)
+    approx = m * step
+    if short:  # the decode is cast back: check what the caller will get
+        approx = approx.to(x.dtype).float()
+    ok = (approx - mag).abs() <= bound  # false for NaN/inf: they go raw
+    # tag 3, minus one if 15 bits do, minus one more if 7 do; 0 under the bound
+    tag = 3 - (ok & (m <= 32767)).to(torch.uint8) - (ok & (m <= 127)).to(torch.uint8)
+    tag = tag * (~(mag < bound)).to(torch.uint8)  # (NaN is not below the bound: raw)
+    sign_at = (tag.to(torch.int32) << 3) - 1  # tag 1 → bit 7, tag 2 → bit 15
+    fixed = m.clamp(0, 32767).to(torch.int32) | ((xf < 0).to(torch.int32) << sign_at.clamp(min=0))
+    raw = x.contiguous().view(torch.int16).to(torch.int32) if short else xf.contiguous().view(torch.int32)
+    word = torch.where(tag == 3, raw, fixed)  # little-endian: its first 0/1/2/width bytes are sent
+    keep = torch.index_select(_inceptionn_tables(2 if short else 4, x.device)[2], 0, tag.to(torch.int32))
+    kept = keep.view(-1).nonzero().view(-1)  # the stream's length depends on the data
+    return pack_bits(tag, 2), torch.index_select(word.view(torch.uint8), 0, kept)
+
+
+def inceptionn_decode(
+    packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """Inverse of :func:`inceptionn_encode`: the ``numel`` values in fp32 (into the flat fp32
+    ``out``, added where ``accumulate``), each from its tag and its bytes of the stream."""
+    width = 2 if dtype in SHORT_FLOATS else 4
+    lengths, masks, _ = _inceptionn_tables(width, packed.device)
+    tag = unpack_bits(packed, 2, numel)
+    length = torch.index_select(lengths, 0, tag.to(torch.int32))
+    start = torch.cumsum(length, 0, dtype=torch.int32) - length
+    # width bytes from each value's start (reads past the end land in the zero padding), then
+    # the bytes beyond the value's length masked off
+    windows = torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
+    grabbed = torch.index_select(windows, 0, start)
+    if width == 2:
+        word = grabbed.view(torch.int16).reshape(numel).to(torch.int32) & 0xFFFF
+        raw = grabbed.view(dtype).reshape(numel).float()
+    else:
+        word = grabbed.view(torch.int32).reshape(numel)
+        raw = word.view(torch.float32)
+    word = word & torch.index_select(masks, 0, length)
+    sign_at = ((tag.to(torch.int32) << 3) - 1).clamp_(0, 15)
+    val = (word & ((1 << sign_at) - 1)).float() * step  # tag 0: word 0 → 0
+    val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
+    return store(torch.where(tag == 3, raw, val), out, accumulate)
