@@ -475,7 +475,7 @@ def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch
     short = x.dtype in SHORT_FLOATS
     xf = x.float()
     mag = xf.abs()
-    m = torch.floor(mag / step + 0.5)
+    m = torch.floor(divide(mag, step) + 0.5)  # (an IEEE division on every device, as the kernels')
     approx = m * step
     if short:  # the decode is cast back: check what the caller will get
         approx = approx.to(x.dtype).float()
