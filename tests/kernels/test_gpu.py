@@ -308,7 +308,7 @@ def test_inceptionn_bit_identical(dtype):
         every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(DEVICE)
         cases += [every, every * 3]
     for values in cases:
-        # (the torch version on the CPU: CUDA's torch divides by a scalar as a product with its inverse)
+        # (the torch version on the CPU, as the codec takes it there)
         want = reference.inceptionn_encode(values.cpu(), c._b, c._step)
         packed, stream = gpu.inceptionn_encode(values, c._b, c._step)
         with pytest.MonkeyPatch.context() as patch:
