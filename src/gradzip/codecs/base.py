@@ -12,6 +12,7 @@ are the same on every rank (shape, dtype, name, step, shared random indices, sha
 from __future__ import annotations
 
 import functools
+import threading
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
@@ -192,11 +193,24 @@ def layout_cache(fn: Callable[..., Any]) -> Callable[..., Any]:
     return cached
 
 
+_LAYOUT_USERS = [0]  # communicators running, which make and read the plans
+_LAYOUT_LOCK = threading.Lock()
+
+
+def hold_layouts() -> None:
+    """A communicator starts: the plans stay until every one that started has closed."""
+    with _LAYOUT_LOCK:
+        _LAYOUT_USERS[0] += 1
+
+
 def release_layouts() -> None:
-    """Let every layout's plan go, and the device memory it holds: a communicator closing calls
-    it (a communicator still running makes the plans it needs again, once)."""
-    for release in _LAYOUT_RELEASES:
-        release()
+    """A communicator closes; the last one to close lets every layout's plan go, and the
+    device memory it holds (a later one makes its own again)."""
+    with _LAYOUT_LOCK:
+        _LAYOUT_USERS[0] = max(0, _LAYOUT_USERS[0] - 1)
+        if _LAYOUT_USERS[0] == 0:
+            for release in _LAYOUT_RELEASES:
+                release()
 
 
 @layout_cache

@@ -298,9 +298,10 @@ def select_magnitudes(
 
 
 def _inceptionn_piece(numel: int, device: torch.device) -> int:
-    """Values of INCEPTIONN's torch version at once: on the CPU whole bytes of tags
-    (:data:`TORCH_PIECE`, a multiple of 4), whose temporaries (about ten of its size) stay small."""
-    return max(4, TORCH_PIECE - TORCH_PIECE % 4) if torch.device(device).type == "cpu" else max(numel, 1)
+    """Values of INCEPTIONN's torch version at once: on the CPU :data:`TORCH_PIECE` rounded to a
+    multiple of 8 (:func:`pack_bits` pads a call's tags to 8 values, so pieces of whole groups of
+    8 pack to the whole's bytes), whose temporaries (about ten of its size) stay small."""
+    return max(8, TORCH_PIECE - TORCH_PIECE % 8) if torch.device(device).type == "cpu" else max(numel, 1)
 
 
 def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -329,14 +330,13 @@ def inceptionn_decode(packed: torch.Tensor, stream: torch.Tensor, dtype: torch.d
         return reference.inceptionn_decode(packed, stream, dtype, numel, step, out, accumulate)
     if out is None:
         out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
-    lengths = reference.inceptionn_lengths(dtype, packed.device)
-    at = 0
+    windows = reference.inceptionn_windows(stream, dtype)  # (the stream padded once; its place carried)
+    offset = 0
     for a in range(0, numel, piece):
         b = min(a + piece, numel)
-        tags = packed[a // 4 : -(-b // 4)]
-        used = int(lengths.index_select(0, unpack_bits(tags, 2, b - a).to(torch.int32)).sum())
-        reference.inceptionn_decode(tags, stream[at : at + used], dtype, b - a, step, out[a:b], accumulate)
-        at += used
+        values, offset = reference.inceptionn_values(unpack_bits(packed[a // 4 : -(-b // 4)], 2, b - a), windows,
+                                                     offset, dtype, step)
+        reference.store(values, out[a:b], accumulate)
     return out
 
 

@@ -459,11 +459,6 @@ def _inceptionn_tables(width: int, device: torch.device) -> Tuple[torch.Tensor, 
     return lengths.to(device), masks.to(device), keep.to(device)
 
 
-def inceptionn_lengths(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """INCEPTIONN's bytes per tag 0..3 (int32) for inputs of ``dtype``."""
-    return _inceptionn_tables(2 if dtype in SHORT_FLOATS else 4, torch.device(device))[0]
-
-
 def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """INCEPTIONN's packed 2-bit tags and byte stream (Li et al., MICRO'18; the wire format in
     :class:`~gradzip.codecs.quantize.Inceptionn`): each value's tag is the smallest whose decode
@@ -498,23 +493,39 @@ def inceptionn_decode(
 ) -> torch.Tensor:
     """Inverse of :func:`inceptionn_encode`: the ``numel`` values in fp32 (into the flat fp32
     ``out``, added where ``accumulate``), each from its tag and its bytes of the stream."""
+    values, _ = inceptionn_values(unpack_bits(packed, 2, numel), inceptionn_windows(stream, dtype), 0, dtype, step)
+    return store(values, out, accumulate)
+
+
+def inceptionn_windows(stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The raw width's bytes from every place of an INCEPTIONN stream (a view of it padded once
+    with zeros, so reads past its end land in them): the windows :func:`inceptionn_values` reads."""
     width = 2 if dtype in SHORT_FLOATS else 4
-    lengths, masks, _ = _inceptionn_tables(width, packed.device)
-    tag = unpack_bits(packed, 2, numel)
+    return torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
+
+
+def inceptionn_values(
+    tag: torch.Tensor, windows: torch.Tensor, offset, dtype: torch.dtype, step: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 values of the tags ``tag`` (uint8), whose bytes start at ``offset`` (an int or a
+    0-dim int32 tensor) of the stream ``windows`` were made of, and where the next value's bytes
+    start (0-dim int32): a piece of a decode, the stream's place carried to the next."""
+    width = windows.shape[1]
+    lengths, masks, _ = _inceptionn_tables(width, tag.device)
     length = torch.index_select(lengths, 0, tag.to(torch.int32))
-    start = torch.cumsum(length, 0, dtype=torch.int32) - length
-    # width bytes from each value's start (reads past the end land in the zero padding), then
-    # the bytes beyond the value's length masked off
-    windows = torch.cat([stream.reshape(-1), stream.new_zeros(width)]).unfold(0, width, 1)
-    grabbed = torch.index_select(windows, 0, start)
+    ends = torch.cumsum(length, 0, dtype=torch.int32)
+    start = ends - length + offset
+    grabbed = torch.index_select(windows, 0, start)  # then the bytes beyond the value's length masked off
+    n = tag.numel()
     if width == 2:
-        word = grabbed.view(torch.int16).reshape(numel).to(torch.int32) & 0xFFFF
-        raw = grabbed.view(dtype).reshape(numel).float()
+        word = grabbed.view(torch.int16).reshape(n).to(torch.int32) & 0xFFFF
+        raw = grabbed.view(dtype).reshape(n).float()
     else:
-        word = grabbed.view(torch.int32).reshape(numel)
+        word = grabbed.view(torch.int32).reshape(n)
         raw = word.view(torch.float32)
     word = word & torch.index_select(masks, 0, length)
     sign_at = ((tag.to(torch.int32) << 3) - 1).clamp_(0, 15)
     val = (word & ((1 << sign_at) - 1)).float() * step  # tag 0: word 0 → 0
     val = torch.where(((word >> sign_at) & 1) == 1, -val, val)
-    return store(torch.where(tag == 3, raw, val), out, accumulate)
+    after = (ends[-1] + offset) if n else torch.zeros((), dtype=torch.int32, device=tag.device) + offset
+    return torch.where(tag == 3, raw, val), after

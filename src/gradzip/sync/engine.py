@@ -15,7 +15,7 @@ from .. import comm as _collectives
 from ..comm import consistency
 from . import memory as _memory
 from ..codecs import registry as _registry
-from ..codecs.base import FLOAT_DTYPES, Codec, release_layouts
+from ..codecs.base import FLOAT_DTYPES, Codec, hold_layouts, release_layouts
 from ..comm import base as _collective_base
 from ..comm.pool import BufferPool, size_class
 from ..comm.allgather import default_collective
@@ -261,6 +261,7 @@ class Communicator:
                         "flat across nodes (the node stage's flat shares could not be factorised); plain exchanges "
                         "still go through the nodes (see describe_topology())", stacklevel=2,
                     )
+        hold_layouts()  # (the codecs' layout plans kept until the last communicator closes)
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
@@ -1421,7 +1422,7 @@ class Communicator:
         self._flat_pools.clear()
         self._places.clear()
         self._fused_layouts.clear()
-        release_layouts()  # (the codecs' plans a fused layout each, and their device tensors)
+        release_layouts()  # (the last to close: the codecs' plans a fused layout each, and their device tensors)
         self.collective.release()
         for coll in self._route_collectives.values():
             coll.release()
