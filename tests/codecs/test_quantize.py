@@ -266,12 +266,14 @@ def test_inceptionn_decodes_payloads_of_other_sizes():
     torch.testing.assert_close(c.decode(Payload(other.tensors, mine.ctx)), c.decode(other), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("piece", [1000, 12])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_inceptionn_works_piece_by_piece_with_the_bytes_of_one_pass(dtype, monkeypatch):
+def test_inceptionn_works_piece_by_piece_with_the_bytes_of_one_pass(dtype, piece, monkeypatch):
     """On the CPU INCEPTIONN encodes and decodes :data:`fused.TORCH_PIECE` values at a time (its
-    temporaries a piece's size, not several times the tensor's): the payload's bytes and the
-    decoded bits of one pass over the whole, NaN, ±inf and -0.0 included, into ``out`` and added
-    to it, and another rank's payload of another length decoded alike."""
+    temporaries a piece's size, not several times the tensor's; a piece of whole groups of 8
+    values, 12 taken as 8): the payload's bytes and the decoded bits of one pass over the
+    whole, NaN, ±inf and -0.0 included, into ``out`` and added to it, and another rank's
+    payload of another length decoded alike."""
     from gradzip.kernels import fused
 
     from ..tensors import LargestMade
@@ -282,7 +284,7 @@ def test_inceptionn_works_piece_by_piece_with_the_bytes_of_one_pass(dtype, monke
     c = gradzip.codec("inceptionn")
     whole = c.encode(x, name="w", step=0)
     want = c.decode(whole)
-    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    monkeypatch.setattr(fused, "TORCH_PIECE", piece)
     with LargestMade() as made:
         pieces = c.encode(x, name="w", step=0)
     assert all(torch.equal(a, b) for a, b in zip(pieces.tensors, whole.tensors))
