@@ -12,8 +12,8 @@ are the same on every rank (shape, dtype, name, step, shared random indices, sha
 from __future__ import annotations
 
 import functools
-import threading
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
@@ -154,21 +154,13 @@ class PartUnits:
         self.numels = torch.tensor(numels, dtype=torch.float64, device=device)
         self.reals = torch.tensor(reals, dtype=torch.float64, device=device)
         self.pads = torch.tensor(pads, dtype=torch.float64, device=device)
-        self._units = (blocks, pads)
-        self._device = device
-        self._valid: Optional[torch.Tensor] = None
+        self._parts, self._device = parts, device
 
     def real(self) -> torch.Tensor:
-        """``(blocks, PART_ALIGN)`` bool: where the group holds a member's values, not padding."""
-        if self._valid is None:  # each block's count of values before its padding (made on first use)
-            blocks, pads = self._units
-            last = torch.tensor(blocks, dtype=torch.long).cumsum(0) - 1
-            valid = torch.full((sum(blocks),), PART_ALIGN, dtype=torch.int32)
-            valid[last[torch.tensor(blocks) > 0]] = torch.tensor(
-                [PART_ALIGN - int(p) for b, p in zip(blocks, pads) if b], dtype=torch.int32)
-            self._valid = valid.to(self._device)
+        """``(blocks, PART_ALIGN)`` bool: where the group holds a member's values, not padding
+        (a unit's buckets are whole blocks, so only a member's last block holds padding)."""
         columns = torch.arange(PART_ALIGN, dtype=torch.int32, device=self._device)
-        return columns < self._valid.unsqueeze(1)
+        return columns < part_fill(self._parts, self._device).unsqueeze(1)
 
     def sums(self, per_block: torch.Tensor) -> torch.Tensor:
         """Each unit's sum of ``per_block`` (one value a block): one segmented reduction
@@ -211,6 +203,16 @@ def release_layouts() -> None:
         if _LAYOUT_USERS[0] == 0:
             for release in _LAYOUT_RELEASES:
                 release()
+
+
+@layout_cache
+def part_fill(parts: Tuple[Tuple[str, torch.Size], ...], device: torch.device) -> torch.Tensor:
+    """Each block of :data:`PART_ALIGN` values of a fused group whose members start on blocks:
+    how many of its member's values it holds (int32; the rest of a member's last block is padding)."""
+    fill: List[int] = []
+    for _, n in part_spans(parts, PART_ALIGN):
+        fill += [PART_ALIGN] * (n // PART_ALIGN) + ([n % PART_ALIGN] if n % PART_ALIGN else [])
+    return torch.tensor(fill, dtype=torch.int32, device=device)
 
 
 @layout_cache

@@ -162,6 +162,12 @@ def _reduce_units(x: torch.Tensor, op: str, units: PartUnits) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def _bucket(numel: int, bucket_size: int) -> int:
+    """Values each statistic of one tensor covers: ``bucket_size``, or all of them (0, or a
+    bucket as large)."""
+    return bucket_size if 0 < bucket_size < numel else max(numel, 1)
+
+
 def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
     """Each value's statistic: ``stats`` (one a bucket of ``bucket_size`` values, or one for
     the whole tensor with 0; in a fused group one a member or a member's bucket, as
@@ -171,8 +177,7 @@ def spread(stats: torch.Tensor, ctx: "Context", bucket_size: int = 0) -> torch.T
         per_block = stats.index_select(0, ctx.units(bucket_size).of_block)
         return per_block.unsqueeze(1).expand(-1, PART_ALIGN).reshape(-1)
     n = ctx.numel
-    size = bucket_size if 0 < bucket_size < n else n
-    return stats.repeat_interleave(size)[:n]
+    return stats.repeat_interleave(_bucket(n, bucket_size))[:n]
 
 
 def count(ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
@@ -181,7 +186,7 @@ def count(ctx: "Context", bucket_size: int = 0) -> torch.Tensor:
     if ctx.grouped:
         return ctx.units(bucket_size).reals.long()
     n = ctx.numel
-    size = bucket_size if 0 < bucket_size < n else max(n, 1)
+    size = _bucket(n, bucket_size)
     counts = torch.full((-(-n // size),), size, dtype=torch.int64, device=ctx.device)
     if n % size:
         counts[-1] = n % size

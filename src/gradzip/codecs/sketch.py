@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
-from .base import Codec, Meta, Option, Payload, float_in, int_in, part_spans, raw_bytes, saturate
+from .base import Codec, Meta, Option, Payload, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite
 from .registry import register_codec
 from .sparse import _k
 
@@ -311,8 +311,8 @@ class SketchML(Codec):
                 values = _dequantize(codes[o : o + packed_bytes(n, bits)], means[j * nb : (j + 1) * nb], n)
             store_into(values[:m], out[a : a + m], accumulate)
         if not accumulate:
-            for a, n in part_spans(meta.parts, self.fused_alignment()):
-                out[a + n : min(a + n + (-n % self.fused_alignment()), numel)].zero_()
+            for a, n in grp.spans:
+                out[a + n : min(a + n + (-n % grp.align), numel)].zero_()
         return out
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
@@ -323,10 +323,8 @@ class SketchML(Codec):
         t = payload.tensors
         if payload.ctx.dtype == torch.float64 or len(t) not in (2, 3):
             return None
-        flag = t[1].mul(0).sum()
-        if len(t) == 3 and t[2].numel():
-            flag = flag + t[2].mul(0).sum()
-        return flag != 0
+        flag = stats_nonfinite(payload, 1)
+        return flag | stats_nonfinite(payload, 2) if len(t) == 3 and t[2].numel() else flag
 
     def _raw(self, numel: int, dtype: torch.dtype) -> bool:
         # by size alone in dense mode (fixed size even when ratio < 1); sparse: the dense form
@@ -390,9 +388,7 @@ class _Group:
                 self.coded.append((a, n, at))
                 at += packed_bytes(n, self.bits)
         self.code_bytes = at
-        self.raw_numel = sum(n for _, n in self.raws)
-        self._spans = spans
-        self._align = align
+        self.spans, self.align = spans, align
         self._on: Dict[torch.device, Dict[str, Any]] = {}
 
     def gather_raw(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,13 +418,13 @@ class _Group:
                 prefix.append(p), dec_base.append(base), lengths.append(n)
 
         coded = {a: j for j, (a, _, _) in enumerate(self.coded)}
-        for a, n in self._spans:
+        for a, n in self.spans:
             j = coded.get(a) if n else None
             if j is None:
-                segment(c << KEY_BITS, c * nb, n + (-n % self._align))
+                segment(c << KEY_BITS, c * nb, n + (-n % self.align))
             else:
                 segment(j << KEY_BITS, j * nb, n)
-                segment(c << KEY_BITS, c * nb, -n % self._align)
+                segment(c << KEY_BITS, c * nb, -n % self.align)
         positions, at = [], 0
         for _, n, _ in self.coded:
             positions.append(_targets(n, nb, torch.device("cpu")).long() + at)

@@ -47,6 +47,7 @@ from .base import (
     float_in,
     int_in,
     layout_cache,
+    part_fill,
     part_spans,
     part_units,
     raw_bytes,
@@ -380,10 +381,9 @@ class _SamplePlan:
 
     def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample_ratio: float,
                  device: torch.device) -> None:
-        starts, sizes, counts, whole, kth, caps, valid = [], [], [], [], [], [], []
+        starts, sizes, counts, whole, kth, caps = [], [], [], [], [], []
         slots = end = 0
         for a, n in part_spans(parts, PART_ALIGN):
-            valid += [PART_ALIGN] * (n // PART_ALIGN) + ([n % PART_ALIGN] if n % PART_ALIGN else [])
             end = a + -(-n // PART_ALIGN) * PART_ALIGN
             s = min(n, math.ceil(n * sample_ratio))
             alone = s == n
@@ -405,7 +405,7 @@ class _SamplePlan:
         self.caps = torch.tensor(caps, dtype=torch.long, device=device)
         self.members = torch.arange(len(counts), dtype=torch.long, device=device)
         self.bounds = torch.tensor(starts + [end], dtype=torch.long, device=device)
-        self.valid = torch.tensor(valid, dtype=torch.int32, device=device)
+        self.valid = part_fill(parts, device)
 
 
 @layout_cache  # (a group each: the same every step)

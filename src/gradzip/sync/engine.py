@@ -404,7 +404,7 @@ class Communicator:
         out["collective"] = self.collective_name
         out.update({f"collective.{k}": v for k, v in self.collective.config().items()})
         if (self.codec.fusion_block() > 0 or self.codec.parts_format) and (
-            not self.fusion or (self.codec.fusion_block() > 0 and self.codec.records_fusion)
+            not self.fusion or self._records_fusion_always()
         ):
             # (a codec fused by its parts, or fused later, records only the non-default:
             # checkpoints saved before it was fused still load)
@@ -420,6 +420,11 @@ class Communicator:
             out["kernels"] = _kernels_in_use(self.group)
         out.update(self._extra)
         return out
+
+    def _records_fusion_always(self) -> bool:
+        """Whether the settings hold ``fusion`` on or off (max-min and the codecs fused from the
+        first); the others, fused later, record it only when off."""
+        return self.codec.fusion_block() > 0 and self.codec.records_fusion
 
     def fingerprint(self) -> str:
         """A hash of :meth:`settings`, carried by state dicts."""
@@ -1390,10 +1395,8 @@ class Communicator:
             problems.append(f"it is rank {state.get('rank')}'s state, this is rank {self.rank}")
         mine = self.settings()
         theirs = dict(state.get("settings", {}))
-        if "fusion" not in theirs and mine.get("fusion") is False and not (
-            self.codec.fusion_block() > 0 and self.codec.records_fusion
-        ):  # saved before this codec was fused (it records ``fusion`` only when off): it ran unfused, as this run does
-            del mine["fusion"]
+        if "fusion" not in theirs and mine.get("fusion") is False and not self._records_fusion_always():
+            del mine["fusion"]  # saved before this codec was fused (it records ``fusion`` only when off): it ran unfused, as this run does
         if state.get("fingerprint") != consistency.fingerprint(mine):
             lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"])
             problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
