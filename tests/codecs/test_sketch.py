@@ -392,3 +392,100 @@ def test_sketchml_group_keeps_fp64_members_sent_as_they_are_and_puts_every_nan_i
         monkeypatch.setattr(fused, "groups_at_once", lambda device, at_once=at_once: at_once)
         got.append(gradzip.codec("sketchml", buckets=2).encode(flat, "g", parts=[("a", (1024,)), ("b", (18,))]).tensors)
     assert torch.equal(got[0][0], got[1][0])
+
+
+def _alone_sparse(codec, x, name):
+    """A member's payload alone, its codes unpacked: (levels, means, first, gaps) or None where
+    it goes in its dense form."""
+    codes, means, first, gaps = codec.encode(x, name).tensors
+    if first.numel() == 0:
+        return None
+    k = math.ceil(x.numel() * codec.ratio)
+    return unpack_bits(codes, max(1, (means.numel() - 1).bit_length()), k), means, first, gaps
+
+
+@pytest.mark.parametrize("ratio,buckets", [(0.01, 256), (0.05, 16), (0.3, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+def test_sketchml_sparse_group_is_its_members_selections_tables_and_gaps(monkeypatch, at_once, dtype, ratio, buckets):
+    """A fused sparse group is one payload ``[codes, means, heads, gaps, raw values]``: each coded
+    member's selection, quantile table, first index and gaps (in its own width) as alone, its
+    codes at the group's width; members whose selection is every value, or whose payload could
+    not be smaller, sent as they are. The CPU's way (member by member) and the accelerator's (at
+    once) give the same payload; it decodes into a given output, added or cut short."""
+    from gradzip.codecs.base import part_spans
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("sketchml", ratio=ratio, buckets=buckets)
+    sizes = (1000, 50, 3000, 1, 0, 20_000, 333, 140_000, 1 << 12)
+    xs = _fused(sizes, dtype, (1e-3, 1.0, 1e3))
+    k = math.ceil(sizes[7] * ratio)
+    xs[7][: k // 2] += 100  # its selection at both ends: one gap over 65,535 (4 bytes)
+    xs[7][k // 2 - k :] -= 100
+    if dtype in (torch.float32, torch.float64):
+        xs[2][5], xs[2][6], xs[2][7] = float("nan"), float("inf"), -float("inf")
+    parts = tuple((f"m{i}.weight", torch.Size((n,))) for i, n in enumerate(sizes))
+    spans = part_spans(parts, codec.fused_alignment())
+    flat = torch.cat(xs)
+    p = codec.encode(flat, "g", parts=parts)
+    codes, means, heads, gaps, raw = p.tensors
+    lay = codec._group(p.ctx)
+    coded = [spans.index((a, n)) for a, n, _ in lay.coded]
+    assert len(coded) >= 5 and heads.dtype == torch.int32 and heads.numel() == 2 * len(coded)
+    levels = unpack_bits(codes, lay.bits, lay.selected).long()
+    at = table = gap_at = 0
+    for j, i in enumerate(coded):
+        k = lay.coded[j][2]
+        alone = _alone_sparse(codec, xs[i], parts[i][0])
+        assert alone is not None, i
+        own_levels, own_means, own_first, own_gaps = alone
+        assert torch.equal(levels[at : at + k], own_levels.long()), i
+        torch.testing.assert_close(means[table : table + own_means.numel()], own_means, rtol=0, atol=0, equal_nan=True)
+        assert int(heads[j]) == int(own_first) and int(heads[len(coded) + j]) * (k - 1) == own_gaps.numel(), i
+        assert torch.equal(gaps[gap_at : gap_at + own_gaps.numel()], own_gaps), i
+        at, table, gap_at = at + k, table + own_means.numel(), gap_at + own_gaps.numel()
+    assert (at, table, gap_at) == (codes.numel() and lay.selected, means.numel(), gaps.numel())
+    assert int(heads[len(coded) + coded.index(7)]) == 4
+    sent = [x for i, x in enumerate(xs) if i not in coded and x.numel()]
+    assert torch.equal(raw, torch.cat(sent)) and 3 in {i for i, x in enumerate(xs) if i not in coded}
+    y = codec.decode(p)
+    assert y.dtype == dtype
+    for i, ((a, n), x) in enumerate(zip(spans, xs)):
+        want = codec.decode(codec.encode(x, parts[i][0])) if i in coded else x
+        assert torch.equal(y[a : a + n].nan_to_num(), want.nan_to_num()), i
+    full = torch.full((flat.numel(),), 3.0)
+    codec.decode_into(p, full)
+    assert torch.equal(full.to(dtype).nan_to_num(), y.nan_to_num())
+    added = torch.ones(flat.numel())
+    codec.decode_into(p, added, accumulate=True)
+    assert torch.equal(added.nan_to_num(), (full + 1).nan_to_num())
+    cut = torch.full((flat.numel() - 5,), 7.0)
+    codec.decode_into(p, cut)
+    assert torch.equal(cut.nan_to_num(), full[:-5].nan_to_num())
+    assert codec.nonfinite(p) is None  # (a value not selected may be NaN: the collective's pass)
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+def test_sketchml_sparse_group_goes_as_it_is_where_that_is_smaller(monkeypatch, at_once):
+    """A sparse group whose payload would be larger than its values (here fp16 at 90%, the tenth
+    left out in one run, so a gap takes two bytes) sends every value as it is, told by
+    empty heads; a group of members that all go as they are sends the same."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("sketchml", ratio=0.9)
+    x = _randn((20_000,), torch.float16)
+    x[100:1100] = 0.0
+    lay = codec._group(codec.encode(x, "g", parts=[("a", (10_000,)), ("b", (10_000,))]).ctx)
+    assert len(lay.coded) == 2  # (each could be smaller alone: one-byte gaps)
+    for parts in ([("a", (10_000,)), ("b", (10_000,))], [("a", (3,)), ("b", (19_997,))], [("a", (20_000,))]):
+        p = codec.encode(x, "g", parts=parts)
+        assert [t.numel() for t in p.tensors[:4]] == [0, 0, 0, 0] and torch.equal(p.tensors[4], x)
+        assert torch.equal(codec.decode(p), x.float())
+        out = torch.ones(20_000)
+        codec.decode_into(p, out, accumulate=True)
+        assert torch.equal(out, x.float() + 1)
+    tiny = gradzip.codec("sketchml", ratio=0.5)
+    p = tiny.encode(_randn((6,)), "g", parts=[("a", (1,)), ("b", (5,))])  # every member's k is (about) all of it
+    assert [t.numel() for t in p.tensors[:4]] == [0, 0, 0, 0] and torch.equal(tiny.decode(p), _randn((6,)))

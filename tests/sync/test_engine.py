@@ -188,7 +188,7 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
 @pytest.mark.parametrize("name,opts", [("efsignsgd", {}), ("onebit", {}), ("terngrad", {}), ("natural", {}), ("signum", {}),
                                        ("graddrop", {}), ("dgc", {"sample_ratio": 1.0}),
                                        ("adaq", {}), ("topk", {}), ("randomk", {}),
-                                       ("sketchml", {}), ("sketchml", {"buckets": 16}),
+                                       ("sketchml", {}), ("sketchml", {"buckets": 16}), ("sketchml", {"ratio": 0.05}),
                                        ("cl_onebit", {}), ("cl_terngrad", {})])
 def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_members(name, opts):
     """The codecs that take a group by its parts, on the accelerator's path: a group's
@@ -211,6 +211,8 @@ def test_a_group_encoded_by_its_parts_costs_the_same_operations_for_4_or_32_memb
             assert ops["sort"] == 2 and ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 1, ops
         elif name == "randomk":  # one draw a group
             assert ops["rand"] == 1 and ops["randint"] == 0 and ops["_local_scalar_dense"] == 0, ops
+        elif name == "sketchml" and opts.get("ratio"):  # top-k's selection (sorted), the sketch's sorts, the gaps' widths read
+            assert ops["sort"] == 5 and ops["nonzero"] == 1 and ops["_local_scalar_dense"] == 1, ops
         elif name == "sketchml":  # a sort of the group's keys, one of its members' splits, one search
             assert ops["sort"] == 2 and ops["searchsorted"] == 1 and ops["_local_scalar_dense"] == 0, ops
         else:

@@ -156,6 +156,7 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
     # (SketchML: each member's codes and quantile table as alone, from its histogram or one sort of the group)
     (2, True, "sketchml", {"memory": "residual"}), (3, False, "sketchml", {"memory": "residual"}),
     (2, False, "sketchml", {"memory": "residual", "buckets": 16}),
+    (2, True, "sketchml", {"ratio": 0.05}), (3, False, "sketchml", {"ratio": 0.05, "buckets": 16}),  # (sparse: its selections too)
     (2, True, "cl_onebit", {}), (3, True, "cl_onebit", {"bucket_size": 512}),  # (CompLL: each member's bucket means)
 ])
 def test_codecs_by_parts_send_a_group_as_one_payload_with_each_members_own_statistics(world, in_turn, name, opts):
@@ -370,7 +371,8 @@ def test_codecs_that_are_per_tensor_say_so():
     # a quantile table a member, its codes on whole bytes; sparse: a selection a tensor
     assert gradzip.codec("sketchml").parts_format and gradzip.codec("sketchml").fused_alignment() == 1
     assert gradzip.codec("sketchml", buckets=16).fused_alignment() == 8
-    assert not gradzip.codec("sketchml", ratio=0.1).parts_format and not gradzip.codec("sketchml", ratio=0.1).fused_alignment()
+    # (sparse: a selection, a table and gaps a member, the codes back to back)
+    assert gradzip.codec("sketchml", ratio=0.1).parts_format and gradzip.codec("sketchml", ratio=0.1).fused_alignment() == 1
     # CompLL codecs fuse where their bodies say their blocks are encoded apart
     assert gradzip.codec("cl_tbq").fusion_block() == 4 and gradzip.codec("cl_terngrad", bucket_size=64).fusion_block() == 64
     # (and by their parts where their bodies reduce through ``ctx``: a scale or means a member)

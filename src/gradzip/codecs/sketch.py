@@ -9,7 +9,7 @@ import torch
 from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
 from .base import Codec, Meta, Option, Payload, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite
 from .registry import register_codec
-from .sparse import _k
+from .sparse import _group_topk, _k
 
 # Quantile sketch resolution: values are keyed by the top KEY_BITS bits of their fp32 pattern
 # (sign, 8 exponent bits, 9 mantissa bits), mapped to an order-preserving integer. A histogram
@@ -48,11 +48,10 @@ def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, nb - 1, dtype=torch.float64, device=device).mul_(n).div_(nb - 1).floor_()
 
 
-def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
-    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (uint8), means (fp32)]."""
-    n = values.numel()
-    xf = values.float().contiguous()
-    dev = xf.device
+def _sketch(xf: torch.Tensor, nb: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The quantile sketch of the fp32 values ``xf`` in ``nb`` buckets: the bucket of every key
+    (uint8, one a cell), each bucket's mean (fp32) and, where the values were one piece, their keys."""
+    n, dev = xf.numel(), xf.device
     # the sketch: per-cell counts and sums (fp64 sums: a bucket's mean stays inside its range),
     # on the CPU a piece at a time, so the keys and the fp64 copy are a piece long, not the
     # tensor's twice (the CPU adds in index order: the same sums)
@@ -78,16 +77,31 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     bucket_sums = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, sums)
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
     means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
-    codes, bits = lut.to(torch.uint8), _index_bits(nb)
+    return lut.to(torch.uint8), means, (keys if n <= step else None)
+
+
+def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
+    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (packed), means (fp32)]."""
+    xf = values.float().contiguous()
+    n = xf.numel()
+    codes, means, keys = _sketch(xf, nb)
+    bits, step = _index_bits(nb), fused.piece_length(xf)
     if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
         keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
         return [pack_bits(codes.index_select(0, keys), bits), means]
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
+    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=xf.device)
     for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
         b = min(a + step, n)
         levels = codes.index_select(0, _sortable_keys(xf[a:b]))
         packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = pack_bits(levels, bits)
     return [packed, means]
+
+
+def _levels(values: torch.Tensor, nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_quantize`'s buckets of ``values``, not packed: (uint8 bucket a value, means)."""
+    xf = values.float().contiguous()
+    codes, means, keys = _sketch(xf, nb)
+    return codes.index_select(0, _sortable_keys(xf) if keys is None else keys), means
 
 
 def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int) -> torch.Tensor:
@@ -97,6 +111,7 @@ def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int) -> torch.
 
 
 _GAP_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_BYTE = torch.arange(4)  # a gap's bytes, little-endian as a tensor's int32 view (both devices) has them
 
 
 def _encode_gaps(gaps: torch.Tensor) -> torch.Tensor:
@@ -120,6 +135,30 @@ def _decode_gaps(raw: torch.Tensor, count: int) -> torch.Tensor:
     width = raw.numel() // count
     gaps = raw.view(_GAP_DTYPES[width]).to(torch.int64)
     return gaps & 0xFFFF if width == 2 else gaps
+
+
+def _gap_bytes(gaps: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """Several tensors' gaps (int64, >= 0, back to back, ``counts`` each), each tensor's in its
+    own width (``widths``: 1, 2 or 4 bytes, the bytes :func:`_encode_gaps` gives it alone), back
+    to back: ``total`` bytes, in a fixed number of operations."""
+    if total == 0:
+        return gaps.new_empty(0, dtype=torch.uint8)
+    width = torch.repeat_interleave(widths, counts, output_size=gaps.numel())
+    keep = (_BYTE.to(gaps.device) < width.unsqueeze(1)).view(-1)
+    place = keep.cumsum(0).sub_(1).masked_fill_(keep.logical_not_(), total)  # the bytes dropped: one place past the end
+    out = torch.empty(total + 1, dtype=torch.uint8, device=gaps.device)
+    return out.scatter_(0, place, gaps.to(torch.int32).view(torch.uint8))[:total]
+
+
+def _read_gaps(raw: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` gaps (int64) of :func:`_gap_bytes`, in a fixed number of operations."""
+    if count == 0:
+        return raw.new_empty(0, dtype=torch.int64)
+    width = torch.repeat_interleave(widths, counts, output_size=count)
+    byte = _BYTE.to(raw.device)
+    at = (width.cumsum(0).sub_(width).unsqueeze(1) + byte).view(-1).clamp_(max=raw.numel() - 1)
+    got = raw.index_select(0, at).view(count, 4).long().masked_fill_(byte >= width.unsqueeze(1), 0)
+    return got.bitwise_left_shift_(byte * 8).sum(1)
 
 
 @register_codec
@@ -199,37 +238,39 @@ class SketchML(Codec):
             self.collectives = ("allgather",)
             self.default_memory = "residual"
 
-    @property
-    def parts_format(self) -> bool:  # type: ignore[override]
-        return self.ratio >= 1.0  # dense: a fused group by its parts, a quantile table a member
+    parts_format = True  # a fused group by its parts: a quantile table (and a selection) a member
 
     def fused_alignment(self) -> int:
-        if not self.parts_format:
-            return 0  # sparse: a selection and gaps a tensor, sent one at a time
+        if self.ratio < 1.0:
+            return 1  # sparse: the selected values' codes go back to back
         return 1 if _index_bits(self.buckets) == 8 else 8  # each member's codes start on a whole byte
 
     def _sparse(self, numel: int) -> bool:
         return _k(numel, self.ratio) < numel
 
-    def _group(self, meta: Meta) -> _Group:
-        """The layout of a fused group (made once per layout)."""
+    def _group(self, meta: Meta) -> Any:
+        """The layout of a fused group (made once per layout): a :class:`_Group` in dense mode,
+        a :class:`_SparseGroup` in sparse mode."""
         key = (meta.parts, meta.dtype)
         grp = self._groups.get(key)
         if grp is None:
             if len(self._groups) > 256:
                 self._groups.clear()
-            grp = self._groups[key] = _Group(meta.parts, meta.dtype, self.buckets, self._raw, self.fused_alignment())
+            if self.ratio < 1.0:
+                grp = _SparseGroup(meta.parts, meta.dtype, self.buckets, self.ratio)
+            else:
+                grp = _Group(meta.parts, meta.dtype, self.buckets, self._raw, self.fused_alignment())
+            self._groups[key] = grp
         return grp
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
-        if meta.parts is not None and self.parts_format:
-            return self._encode_group(x, meta)
+        if meta.parts is not None:
+            return self._encode_group(x, meta) if self.ratio >= 1.0 else self._encode_sparse_group(x, meta)
         if not self._sparse(n):
             return _quantize(x, _num_buckets(n, self.buckets))
         k = _k(n, self.ratio)
-        _, idx = torch.topk(x.abs(), k, sorted=False)
-        idx = idx.sort().values
+        idx = fused.topk(x, k)[1].sort().values  # (the radix select: ties to the lowest indices)
         out = _quantize(x[idx], _num_buckets(k, self.buckets))
         gaps = idx.diff() - 1
         out += [idx[:1].to(torch.int32), _encode_gaps(gaps)]
@@ -248,44 +289,100 @@ class SketchML(Codec):
         if fused.groups_at_once(x.device):
             codes, means = self._sketch_at_once(x, grp)
         else:
-            nb = grp.nb
             codes = torch.empty(grp.code_bytes, dtype=torch.uint8, device=x.device)
-            means = torch.empty(len(grp.coded) * nb, dtype=torch.float32, device=x.device)
-            for j, (a, n, o) in enumerate(grp.coded):
-                packed, table = _quantize(x[a : a + n], nb)
+            means = torch.empty(grp.table_size, dtype=torch.float32, device=x.device)
+            for (a, n, o), (t, nb) in zip(grp.coded, grp.tables):
+                packed, means[t : t + nb] = _quantize(x[a : a + n], nb)
                 codes[o : o + packed.numel()] = packed
-                means[j * nb : (j + 1) * nb] = table
         return [codes, means, grp.gather_raw(x)]
 
     @staticmethod
     def _sketch_at_once(x: torch.Tensor, grp: _Group) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Every coded member's codes and table in a fixed number of operations, whatever the
-        members (the class docstring says how)."""
-        g, n, stride = grp.on(x.device), x.numel(), 1 << grp.bits
-        xf = x.float()
-        keyed = torch.repeat_interleave(g["prefix"], g["lengths"], output_size=n)
-        keyed += _sortable_keys(xf)
-        quantiles = torch.sort(keyed).values.index_select(0, g["positions"])  # (the sorted keys let go at once)
-        splits = torch.cat([g["fixed"], quantiles]).sort().values
-        # the number of splits at or below a key: every split of the members before (stride
-        # each), the member's own first ones (lead) and its own quantile splits: its code
-        code = torch.searchsorted(splits, keyed, right=True, out_int32=True).sub_(g["lead"])
-        del keyed  # (each group-long temporary let go once read)
-        sums = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, xf.double())
-        one = torch.ones(1, dtype=torch.float64, device=x.device)
-        counts = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, one.expand(n))
-        means = sums.div_(counts.clamp_min_(1)).float().view(-1, stride)[:-1, : grp.nb].reshape(-1)
-        packed = pack_bits(code.bitwise_and_(stride - 1).to(torch.uint8), grp.bits)
+        """Every coded member's codes (packed) and table in a fixed number of operations,
+        whatever the members (the class docstring says how)."""
+        g = grp.on(x.device)
+        levels, means = _levels_at_once(x, grp)
+        packed = pack_bits(levels, grp.bits)
         mine = [(at, size) for own, _, at, size in g["runs"] if own]
         if mine == [(0, packed.numel())]:
             return packed, means
         return torch.cat([packed[at : at + size] for at, size in mine] or [packed[:0]]), means
 
+    def _encode_sparse_group(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        """A fused sparse group: ``[codes, means, heads, gaps, raw values]`` (the class docstring
+        says what each holds), or every value as it is where that is smaller (``heads`` empty).
+        Each coded member's selection, table and gaps are its own alone; the codes are packed at
+        the group's width. The selections, the sketch and the gaps' widths (one host read) are
+        taken at once on an accelerator, the selections and sketches member by member on the CPU."""
+        lay = self._group(meta)
+        g, dev = lay.on(x.device), x.device
+        at_once = fused.groups_at_once(dev)
+        sel = _group_topk(x, meta.parts, self.ratio) if at_once and lay.coded else None
+        if sel is not None:  # every member's, largest first: ascending, members in turn
+            sel = sel.sort().values
+            sel = sel if g["keep"] is None else sel.index_select(0, g["keep"])
+        else:  # (the CPU's way, and where a member has too few candidates)
+            picks = [fused.topk(x[a : a + n], k)[1].sort().values.add_(a) for a, n, k in lay.coded]
+            sel = torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=dev)
+        values = x.index_select(0, sel)
+        if at_once:
+            levels, means = _levels_at_once(values, lay.sketch)
+        else:
+            pieces = [_levels(values[p : p + k], nb) for (_, _, k), p, (_, nb) in zip(lay.coded, lay.offsets, lay.sketch.tables)]
+            levels = torch.cat([t for t, _ in pieces] or [sel.new_empty(0, dtype=torch.uint8)])
+            means = torch.cat([m for _, m in pieces] or [x.new_empty(0, dtype=torch.float32)])
+        gaps = sel.diff().sub_(1)
+        gaps = gaps if g["gap_from"] is None else gaps.index_select(0, g["gap_from"])
+        largest = torch.zeros(len(lay.coded), dtype=torch.int64, device=dev)
+        largest = largest.scatter_reduce_(0, g["gap_member"], gaps, "amax").tolist()  # (the one host read)
+        widths = [1 if m <= 0xFF else 2 if m <= 0xFFFF else 4 for m in largest]
+        gap_bytes = sum(w * (k - 1) for w, (_, _, k) in zip(widths, lay.coded))
+        codes = pack_bits(levels, lay.bits)
+        size = codes.numel() + 4 * means.numel() + 8 * len(lay.coded) + gap_bytes + lay.raw_bytes
+        if size > raw_bytes(lay.numel, x.dtype):  # every value as it is (a choice by the data, told by empty heads)
+            none = x.new_empty(0, dtype=torch.uint8)
+            return [none, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.int32), none, x]
+        width = torch.tensor(widths, dtype=torch.int64, device=dev)
+        heads = torch.cat([sel.index_select(0, g["firsts"]).sub_(g["starts"]), width]).to(torch.int32)
+        raw = x.new_empty(0) if g["raw_index"] is None else x.index_select(0, g["raw_index"])
+        return [codes, means, heads, _gap_bytes(gaps, width, g["gap_counts"], gap_bytes), raw]
+
+    def _decode_sparse_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
+                             accumulate: bool) -> torch.Tensor:
+        """A fused sparse group's payload into the flat ``out`` (its first ``out.numel()``
+        values; added to it with ``accumulate``), in a fixed number of operations on any device."""
+        lay, (codes, means, heads, gaps, raw) = self._group(meta), tensors
+        numel = out.numel()
+        if heads.numel() == 0:  # every value as it is
+            return store_into(raw[:numel].to(out.dtype), out, accumulate)
+        g, c = lay.on(out.device), len(lay.coded)
+        full = out if numel == lay.numel else torch.zeros(lay.numel, dtype=out.dtype, device=out.device)
+        if full is out and not accumulate:
+            out.zero_()
+        firsts = heads[:c].long().add_(g["starts"])  # each member's first index in the group
+        steps = _read_gaps(gaps, heads[c:].long(), g["gap_counts"], lay.gap_count).add_(1)
+        at = torch.empty(lay.selected, dtype=torch.int64, device=out.device)
+        at.index_copy_(0, g["gap_to"], steps).index_copy_(0, g["firsts"], firsts)
+        at = at.cumsum_(0)
+        before = at.index_select(0, g["firsts"]).sub_(firsts)  # the sum of the members before, each one's
+        at -= torch.repeat_interleave(before, g["counts"], output_size=lay.selected)
+        table = g["table_of"] + unpack_bits(codes, lay.bits, lay.selected)
+        values = means.index_select(0, table).to(out.dtype)
+        if accumulate and full is out:
+            out.index_add_(0, at, values)
+        else:
+            full.index_copy_(0, at, values)
+        if g["raw_index"] is not None and accumulate and full is out:
+            out.index_add_(0, g["raw_index"], raw.to(out.dtype))
+        elif g["raw_index"] is not None:
+            full.index_copy_(0, g["raw_index"], raw.to(out.dtype))
+        return out if full is out else store_into(full[:numel], out, accumulate)
+
     def _decode_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
         """A fused group's payload into the flat fp32 (or, for fp64 inputs, fp64) ``out``: its first
         ``out.numel()`` values, padding decoded to 0."""
         grp, (codes, means, raw) = self._group(meta), tensors
-        numel, nb, bits = out.numel(), grp.nb, grp.bits
+        numel, bits = out.numel(), grp.bits
         if fused.groups_at_once(codes.device):  # the whole group's codes, then one lookup
             g = grp.on(codes.device)
             pieces = [codes[o : o + size] if own else g["zeros"][:size] for own, o, _, size in g["runs"]]
@@ -307,8 +404,8 @@ class SketchML(Codec):
             if m <= 0:
                 continue
             if values is None:
-                o = grp.coded[j][2]
-                values = _dequantize(codes[o : o + packed_bytes(n, bits)], means[j * nb : (j + 1) * nb], n)
+                o, (t, nb) = grp.coded[j][2], grp.tables[j]
+                values = _dequantize(codes[o : o + packed_bytes(n, bits)], means[t : t + nb], n)
             store_into(values[:m], out[a : a + m], accumulate)
         if not accumulate:
             for a, n in grp.spans:
@@ -332,9 +429,11 @@ class SketchML(Codec):
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         n = meta.numel
-        if meta.parts is not None and self.parts_format:  # (fp64: its members sent as they are stay exact)
+        if meta.parts is not None:  # (fp64: its members sent as they are stay exact)
             out = torch.empty(n, dtype=torch.float64 if meta.dtype == torch.float64 else torch.float32,
-                              device=tensors[0].device)
+                              device=tensors[-1].device)
+            if self.ratio < 1.0:
+                return self._decode_sparse_group(tensors, meta, out, False)
             return self._decode_group(tensors, meta, out, False)
         if not self._sparse(n):
             return _dequantize(tensors[0], tensors[1], n)
@@ -348,8 +447,11 @@ class SketchML(Codec):
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_copy_(0, idx, values)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        if meta.parts is not None and self.parts_format and out.is_contiguous() and out.dtype == torch.float32:
-            self._decode_group(tensors, meta, out.view(-1), accumulate)
+        if meta.parts is not None and out.is_contiguous() and out.dtype == torch.float32:
+            if self.ratio < 1.0:
+                self._decode_sparse_group(tensors, meta, out.view(-1), accumulate)
+            else:
+                self._decode_group(tensors, meta, out.view(-1), accumulate)
             return out
         return super()._decode_into(tensors, meta, out, accumulate)
 
@@ -363,6 +465,31 @@ class SketchML(Codec):
         return wire
 
 
+def _levels_at_once(x: torch.Tensor, grp: _Group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every value's code in its member's table (uint8; 0 for the values not coded) and the
+    coded members' tables back to back, for a group laid out as ``grp`` says, in a fixed number
+    of operations (see :meth:`SketchML._encode_group`)."""
+    g, n, stride = grp.on(x.device), x.numel(), 1 << grp.bits
+    xf = x.float()
+    keyed = torch.repeat_interleave(g["prefix"], g["lengths"], output_size=n)
+    keyed += _sortable_keys(xf)
+    quantiles = torch.sort(keyed).values.index_select(0, g["positions"])  # (the sorted keys let go at once)
+    splits = torch.cat([g["fixed"], quantiles]).sort().values
+    # the number of splits at or below a key: stride for each member before, the member's own
+    # first key and those of its own splits at or below it (its code)
+    code = torch.searchsorted(splits, keyed, right=True, out_int32=True).sub_(1)
+    del keyed  # (each group-long temporary let go once read)
+    sums = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, xf.double())
+    one = torch.ones(1, dtype=torch.float64, device=x.device)
+    counts = torch.zeros(g["cells"], dtype=torch.float64, device=x.device).index_add_(0, code, one.expand(n))
+    means = sums.div_(counts.clamp_min_(1)).float()
+    if g["tables"] is None:  # every member's table as wide: a view of the cells
+        means = means.view(-1, stride)[:-1, : grp.nb].reshape(-1)
+    else:
+        means = means.index_select(0, g["tables"])
+    return code.bitwise_and_(stride - 1).to(torch.uint8), means
+
+
 class _Group:
     """Where each member of a fused dense SketchML group goes, made once per layout: the members
     coded, each with its own quantile table (``coded``: start, values, and where its codes lie in
@@ -371,23 +498,27 @@ class _Group:
     each exactly as alone. For taking the group at once (:meth:`on`), the tensors of its sort."""
 
     def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], dtype: torch.dtype, buckets: int,
-                 raw: Callable[[int, torch.dtype], bool], align: int) -> None:
+                 raw: Callable[[int, torch.dtype], bool], align: int, narrow: bool = False) -> None:
         spans = part_spans(parts, align)
         self.numel = sum(n + (-n % align) for _, n in spans)
-        self.nb = buckets  # (a member coded has at least as many values: its table is whole)
+        self.nb = buckets
         self.bits = _index_bits(buckets)
         self.coded: List[Tuple[int, int, int]] = []  # (start, values, first byte of its codes in the payload's)
+        self.tables: List[Tuple[int, int]] = []  # each coded member's table: (first mean, buckets)
         self.raws: List[Tuple[int, int]] = []
-        at = 0
+        at = means = 0
         for a, n in spans:
             # (a member of fewer values than buckets, whose table would be narrower, is sent as
-            # it is: alone it is too, but for fp64 values, which it then sends exactly)
-            if n and (raw(n, dtype) or n < buckets):
+            # it is: alone it is too, but for fp64 values, which it then sends exactly; with
+            # ``narrow`` it is coded with the narrower table it has alone)
+            if n and (raw(n, dtype) or (n < buckets and not narrow)):
                 self.raws.append((a, n))
             elif n:
                 self.coded.append((a, n, at))
+                self.tables.append((means, _num_buckets(n, buckets)))
                 at += packed_bytes(n, self.bits)
-        self.code_bytes = at
+                means += self.tables[-1][1]
+        self.code_bytes, self.table_size = at, means
         self.spans, self.align = spans, align
         self._on: Dict[torch.device, Dict[str, Any]] = {}
 
@@ -406,8 +537,7 @@ class _Group:
         got = self._on.get(device)
         if got is not None:
             return got
-        c, nb, stride = len(self.coded), self.nb, 1 << self.bits
-        lead = stride - nb + 1  # copies of a member's first key among the splits: its codes start at j * stride
+        c, stride = len(self.coded), 1 << self.bits
         wide = torch.int32 if (c + 1) << KEY_BITS < 2**31 else torch.int64
         prefix, dec_base, lengths = [], [], []
 
@@ -421,26 +551,34 @@ class _Group:
         for a, n in self.spans:
             j = coded.get(a) if n else None
             if j is None:
-                segment(c << KEY_BITS, c * nb, n + (-n % self.align))
+                segment(c << KEY_BITS, self.table_size, n + (-n % self.align))
             else:
-                segment(j << KEY_BITS, j * nb, n)
-                segment(c << KEY_BITS, c * nb, -n % self.align)
+                segment(j << KEY_BITS, self.tables[j][0], n)
+                segment(c << KEY_BITS, self.table_size, -n % self.align)
         positions, at = [], 0
-        for _, n, _ in self.coded:
+        for (_, n, _), (_, nb) in zip(self.coded, self.tables):
             positions.append(_targets(n, nb, torch.device("cpu")).long() + at)
             at += n
-        fixed = [torch.full((lead,), j << KEY_BITS, dtype=torch.int64) for j in range(c + 1)]
+        # each member j has ``stride`` splits: its first key (below every key of its own), the
+        # split at +0.0, its nb - 2 quantile splits and ``stride - nb`` copies of the next
+        # member's first key (above every key of its own), so that the splits at or below one
+        # of its keys number j * stride + 1 + its code; the last "member" has its first key
+        fixed = [torch.tensor([j << KEY_BITS] + [(j + 1) << KEY_BITS] * (stride - nb)) for j, (_, nb) in enumerate(self.tables)]
+        fixed.append(torch.tensor([c << KEY_BITS]))
         fixed.append(torch.arange(c, dtype=torch.int64).mul_(1 << KEY_BITS).add_(_ZERO_KEY))
+        uniform = all(nb == self.nb for _, nb in self.tables)  # (else each member's table by its cells)
+        cells = [torch.arange(j * stride, j * stride + nb) for j, (_, nb) in enumerate(self.tables)]
         raw_index = [torch.arange(a, a + n) for a, n in self.raws]
-        runs = self._runs()
+        # (members on whole bytes of codes: a sparse group's selections, back to back, have none)
+        runs = self._runs() if self.bits == 8 or self.align % 8 == 0 else []
         got = self._on[device] = {
             "prefix": torch.tensor(prefix, dtype=wide, device=device),
             "dec_base": torch.tensor(dec_base, dtype=torch.int32, device=device),
             "lengths": torch.tensor(lengths, dtype=torch.int64, device=device),
             "positions": torch.cat(positions or [torch.empty(0, dtype=torch.int64)]).to(device),
             "fixed": torch.cat(fixed).to(wide).to(device),
-            "lead": lead,
             "cells": (c + 1) * stride,
+            "tables": None if uniform else torch.cat(cells or [torch.empty(0, dtype=torch.int64)]).to(device),
             "raw_index": torch.cat(raw_index).to(device) if raw_index else None,
             "runs": runs,
             "zeros": torch.zeros(max([size for mine, _, _, size in runs if not mine], default=0),
@@ -467,3 +605,68 @@ class _Group:
         if total > at:
             runs.append((False, 0, at, total - at))
         return runs
+
+
+class _SparseGroup:
+    """Where each member of a fused sparse SketchML group goes, made once per layout: the members
+    coded (``coded``: start, values, ``k``), each with its own ``k`` largest selected and
+    sketched as alone, their selections back to back (member j's from ``offsets[j]``; the
+    sketch's layout over them, ``sketch``, gives each its table as wide as alone), and the
+    members sent as they are (``raws``: those whose selection would be every value, or whose
+    payload could not be smaller than their values). For taking the group at once
+    (:meth:`on`), the places of each member's selection, gaps and table."""
+
+    def __init__(self, parts: Tuple[Tuple[str, torch.Size], ...], dtype: torch.dtype, buckets: int, ratio: float) -> None:
+        spans = part_spans(parts, 1)
+        self.numel = sum(n for _, n in spans)
+        self.bits = _index_bits(buckets)
+        self.coded: List[Tuple[int, int, int]] = []
+        self.raws: List[Tuple[int, int]] = []
+        self._chosen: List[Tuple[int, int]] = []  # (first place, k) of each coded member's among every member's selections
+        chosen = 0
+        for a, n in spans:
+            k = _k(n, ratio) if n else 0
+            # its smallest payload: codes, table, first index and width, one-byte gaps
+            least = -(-k * self.bits // 8) + 4 * _num_buckets(k, buckets) + 8 + (k - 1)
+            if n and k < n and least <= raw_bytes(n, dtype):
+                self.coded.append((a, n, k))
+                self._chosen.append((chosen, k))
+            elif n:
+                self.raws.append((a, n))
+            chosen += k
+        self.offsets, at = [], 0
+        for _, _, k in self.coded:
+            self.offsets.append(at)
+            at += k
+        self.selected = at
+        self.gap_count = sum(k - 1 for _, _, k in self.coded)
+        self.raw_bytes = sum(raw_bytes(n, dtype) for _, n in self.raws)
+        selections = tuple((str(j), torch.Size((k,))) for j, (_, _, k) in enumerate(self.coded))
+        self.sketch = _Group(selections, torch.float32, buckets, lambda n, dtype: False, 1, narrow=True)
+        self._on: Dict[torch.device, Dict[str, Any]] = {}
+
+    def on(self, device: torch.device) -> Dict[str, Any]:
+        got = self._on.get(device)
+        if got is not None:
+            return got
+
+        def ranges(pairs: List[Tuple[int, int]]) -> torch.Tensor:
+            return torch.cat([torch.arange(a, a + n) for a, n in pairs] or [torch.empty(0, dtype=torch.int64)]).to(device)
+
+        ks = [k for _, _, k in self.coded]
+        gaps = [(p, k - 1) for p, k in zip(self.offsets, ks)]
+        got = self._on[device] = {
+            # the coded members' places among every member's selections (None: no other)
+            "keep": ranges(self._chosen) if self.raws else None,
+            "gap_from": ranges(gaps) if len(ks) > 1 else None,  # each member's gaps among the differences
+            "gap_to": ranges([(p + 1, g) for p, g in gaps]),  # where they add up, in the selection
+            "gap_member": torch.repeat_interleave(torch.arange(len(ks)), torch.tensor([g for _, g in gaps], dtype=torch.int64)).to(device),
+            "gap_counts": torch.tensor([g for _, g in gaps], dtype=torch.int64, device=device),
+            "counts": torch.tensor(ks, dtype=torch.int64, device=device),
+            "firsts": torch.tensor(self.offsets, dtype=torch.int64, device=device),
+            "starts": torch.tensor([a for a, _, _ in self.coded], dtype=torch.int64, device=device),
+            "table_of": torch.repeat_interleave(torch.tensor([t for t, _ in self.sketch.tables], dtype=torch.int32),
+                                                torch.tensor(ks, dtype=torch.int64)).to(device),
+            "raw_index": ranges(self.raws) if self.raws else None,
+        }
+        return got
