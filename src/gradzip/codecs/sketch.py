@@ -97,13 +97,6 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     return [packed, means]
 
 
-def _levels(values: torch.Tensor, nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_quantize`'s buckets of ``values``, not packed: (uint8 bucket a value, means)."""
-    xf = values.float().contiguous()
-    codes, means, keys = _sketch(xf, nb)
-    return codes.index_select(0, _sortable_keys(xf) if keys is None else keys), means
-
-
 def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int) -> torch.Tensor:
     nb = means.numel()
     codes = unpack_bits(packed, _index_bits(nb), count)
@@ -184,7 +177,9 @@ class SketchML(Codec):
     decode, a table lookup, 32% and 28%).
 
     Keys (``ratio < 1``): only the ``k = ceil(ratio * numel)`` values of largest magnitude are sent
-    (as top-k does); their indices go in increasing order as the first index (int32) followed by
+    (top-k's selection: the radix select, ties to the lowest index), sketched by a sort of their
+    keys, which for a selection costs less than a histogram of every key (the same buckets: see
+    the fused group below); their indices go in increasing order as the first index (int32) followed by
     the gaps minus one in the narrowest of 1, 2 or 4 bytes that holds the largest gap, chosen per
     tensor (the paper's delta-binary key encoding, with one width per tensor). The payload size
     then depends on the data: ``fixed_size`` is false, :meth:`wire_bytes` is an upper bound (4-byte
@@ -197,7 +192,7 @@ class SketchML(Codec):
     its dense form, the same four tensors with the first three empty and the decoded values
     (input dtype) as the bytes of the fourth, which the decoder recognises by the empty index.
 
-    A fused group (dense mode; :attr:`~gradzip.codecs.base.Codec.parts_format`) is one payload
+    A fused group in dense mode (:attr:`~gradzip.codecs.base.Codec.parts_format`) is one payload
     ``[codes, means, raw values]``: each member's codes and quantile table exactly as alone,
     back to back, and the members that go as they are (those alone too, and in a group those
     of fewer values than buckets, which only fp64 members would code alone) in the input's
@@ -210,9 +205,21 @@ class SketchML(Codec):
     another order. A payload's tables carry every NaN and ±inf of its input (the non-finite
     flag, for fp32 and 16-bit inputs).
 
+    A fused group in sparse mode is one payload ``[codes, means, heads, gaps, raw values]``: each
+    coded member's selection, quantile table, first index and gaps (in its own width) as alone,
+    back to back, its codes at the group's width (``ceil(log2(buckets))`` bits: a member of fewer
+    than ``buckets`` selected values has a narrower table, and alone narrower codes); ``heads``
+    holds the members' first indices and then their gap widths (int32). Members whose selection
+    is every value, or whose payload could not be smaller than their values, go as they are;
+    where the whole payload would be larger than the group's values, the group goes as it is
+    (empty heads). On an accelerator the members are selected at once (top-k's group
+    selection), every member's selection is sketched by one sort and the gaps' widths are the
+    group's one host read; on the CPU each member is selected alone.
+
     Options: ``buckets`` (2..256, default 256), ``ratio`` (0 < ratio <= 1, default 1.0 = dense).
     Wire: dense ``[codes (packed uint8), means (fp32, nb)]`` with ``nb = min(buckets, numel)``;
-    sparse ``[codes, means, first index (int32, 1), gaps (uint8 bytes, (k-1)·width)]``.
+    sparse ``[codes, means, first index (int32, 1), gaps (uint8 bytes, (k-1)·width)]``; fused
+    groups as above.
     Collectives: ``allgather`` (default); ``sra`` and ``ps`` re-encode the average once more.
     ``sra`` needs the fixed-size dense mode. Default memory: ``none`` when dense (every value is
     sent; the bucket means keep each bucket's sum), ``residual`` when sparse (what top-k did not
@@ -263,6 +270,16 @@ class SketchML(Codec):
             self._groups[key] = grp
         return grp
 
+    def _selection(self, k: int) -> _Group:
+        """The sketch's layout of ``k`` selected values (sparse mode: a sort of their keys, which
+        for a selection costs less than a histogram of every key; its table as wide as alone)."""
+        key = ("selection", k)
+        grp = self._groups.get(key)
+        if grp is None:
+            grp = self._groups[key] = _Group(((str(k), torch.Size((k,))),), torch.float32, self.buckets,
+                                             lambda n, dtype: False, 1, narrow=True)
+        return grp
+
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
         if meta.parts is not None:
@@ -271,7 +288,8 @@ class SketchML(Codec):
             return _quantize(x, _num_buckets(n, self.buckets))
         k = _k(n, self.ratio)
         idx = fused.topk(x, k)[1].sort().values  # (the radix select: ties to the lowest indices)
-        out = _quantize(x[idx], _num_buckets(k, self.buckets))
+        levels, means = _levels_at_once(x[idx], self._selection(k))
+        out = [pack_bits(levels, _index_bits(_num_buckets(k, self.buckets))), means]
         gaps = idx.diff() - 1
         out += [idx[:1].to(torch.int32), _encode_gaps(gaps)]
         if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, x.dtype):
@@ -312,8 +330,8 @@ class SketchML(Codec):
         """A fused sparse group: ``[codes, means, heads, gaps, raw values]`` (the class docstring
         says what each holds), or every value as it is where that is smaller (``heads`` empty).
         Each coded member's selection, table and gaps are its own alone; the codes are packed at
-        the group's width. The selections, the sketch and the gaps' widths (one host read) are
-        taken at once on an accelerator, the selections and sketches member by member on the CPU."""
+        the group's width. The sketch is one sort on any device; the selections are taken at once
+        on an accelerator (the gaps' widths then its one host read), member by member on the CPU."""
         lay = self._group(meta)
         g, dev = lay.on(x.device), x.device
         at_once = fused.groups_at_once(dev)
@@ -325,12 +343,7 @@ class SketchML(Codec):
             picks = [fused.topk(x[a : a + n], k)[1].sort().values.add_(a) for a, n, k in lay.coded]
             sel = torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=dev)
         values = x.index_select(0, sel)
-        if at_once:
-            levels, means = _levels_at_once(values, lay.sketch)
-        else:
-            pieces = [_levels(values[p : p + k], nb) for (_, _, k), p, (_, nb) in zip(lay.coded, lay.offsets, lay.sketch.tables)]
-            levels = torch.cat([t for t, _ in pieces] or [sel.new_empty(0, dtype=torch.uint8)])
-            means = torch.cat([m for _, m in pieces] or [x.new_empty(0, dtype=torch.float32)])
+        levels, means = _levels_at_once(values, lay.sketch)
         gaps = sel.diff().sub_(1)
         gaps = gaps if g["gap_from"] is None else gaps.index_select(0, g["gap_from"])
         largest = torch.zeros(len(lay.coded), dtype=torch.int64, device=dev)
