@@ -536,9 +536,12 @@ class _Group:
         self._on: Dict[torch.device, Dict[str, Any]] = {}
 
     def gather_raw(self, x: torch.Tensor) -> torch.Tensor:
-        """The members sent as they are, back to back, in ``x``'s dtype (empty when none)."""
+        """The members sent as they are, back to back, in ``x``'s dtype (empty when none): on
+        the CPU a slice a member, elsewhere one gather."""
         if not self.raws:
             return x.new_empty(0)
+        if fused.groups_at_once(x.device):
+            return x.index_select(0, self.on(x.device)["raw_index"])
         return torch.cat([x[a : a + n] for a, n in self.raws])
 
     def on(self, device: torch.device) -> Dict[str, Any]:
