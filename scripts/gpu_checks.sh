@@ -76,7 +76,7 @@ else
     # last (the earlier steps' results come back if the device time ends here): the sparsifiers
     # INCEPTIONN and SketchML, fused or taken by parts
     step overhead-sparse 600 $py -m gradzip bench overhead --device cuda --models resnet50 \
-        --configs fp32,threshold,inceptionn,graddrop,dgc,adaq,sketchml --json "$out/overhead-sparse.json"
+        --configs fp32,threshold,inceptionn,graddrop,dgc,adaq,sketchml,sketchml:ratio=0.01 --json "$out/overhead-sparse.json"
 fi
 echo "== [$(( $(date +%s) - start ))s] all of it in $out.tar.gz"
 exit $status

@@ -79,21 +79,21 @@ def test_powersgd_over_nccl_on_one_gpu():
     assert res["skipped"] == 1
 
 
-@pytest.mark.parametrize("codec,memory", [("efsignsgd", "efsign"), ("onebit", "residual"), ("terngrad", "none"),
-                                          ("natural", "none"), ("signum", "none"), ("topk", "residual"),
-                                          ("randomk", "residual"), ("graddrop", "residual"), ("dgc", "dgc"),
-                                          ("adaq", "residual"), ("threshold", "residual"), ("inceptionn", "residual"),
-                                          ("cl_tbq", "residual"), ("sketchml", "none"),
-                                          ("cl_onebit", "residual")])
-def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory):
+@pytest.mark.parametrize("codec,memory,opts", [
+    ("efsignsgd", "efsign", {}), ("onebit", "residual", {}), ("terngrad", "none", {}), ("natural", "none", {}),
+    ("signum", "none", {}), ("topk", "residual", {}), ("randomk", "residual", {}), ("graddrop", "residual", {}),
+    ("dgc", "dgc", {}), ("adaq", "residual", {}), ("threshold", "residual", {}), ("inceptionn", "residual", {}),
+    ("cl_tbq", "residual", {}), ("sketchml", "none", {}), ("sketchml", "residual", {"ratio": 0.05}),
+    ("cl_onebit", "residual", {})])
+def test_codecs_that_take_a_group_by_its_parts_on_cuda(codec, memory, opts):
     """The codecs that take a fused group by its parts (EF-signSGD, 1-bit SGD, TernGrad, natural
     compression, Signum, top-k, random-k, gradient dropping, DGC with its memory, AdaComp,
-    SketchML, a CompLL codec that reduces through its context) or
+    SketchML dense and sparse, a CompLL codec that reduces through its context) or
     fused later (threshold, INCEPTIONN, a CompLL codec with a block) on CUDA: one call a group;
     over NCCL on one GPU and over gloo on two ranks sharing it, a non-finite step skipped
     everywhere, replicas identical."""
     for world, backend in ((1, "nccl"), (2, "gloo")):
-        for res in run_workers(_cuda_job, world, backend, memory, False, codec, {}):
+        for res in run_workers(_cuda_job, world, backend, memory, False, codec, opts):
             assert res["identical"] and res["finite"] and res["compressed"] and res["residuals_finite"], res
             assert res["skipped"] == 1, res
 
