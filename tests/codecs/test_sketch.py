@@ -489,3 +489,37 @@ def test_sketchml_sparse_group_goes_as_it_is_where_that_is_smaller(monkeypatch, 
     tiny = gradzip.codec("sketchml", ratio=0.5)
     p = tiny.encode(_randn((6,)), "g", parts=[("a", (1,)), ("b", (5,))])  # every member's k is (about) all of it
     assert [t.numel() for t in p.tensors[:4]] == [0, 0, 0, 0] and torch.equal(tiny.decode(p), _randn((6,)))
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+def test_sketchml_sparse_group_gaps_of_one_width_or_several(monkeypatch, at_once):
+    """The members' gaps in one width (written and read by one cast) or in several (each in its
+    own): each member's bytes as alone, its values back as alone, a member of one value among them."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("sketchml", ratio=0.01)
+    for widths_wanted in ((1, 1, 1), (2, 2, 2), (1, 2, 4), (4, 4, 1)):
+        xs = []
+        for i, w in enumerate(widths_wanted):  # the selection spread evenly (1), or at both ends (2, 4)
+            n = {1: 30_000, 2: 30_000, 4: 140_000}[w]
+            k = math.ceil(n * 0.01)
+            x = _randn((n,), seed=i) * 1e-3
+            if w == 1:
+                x[:: n // k] += 10.0
+            else:
+                x[: k // 2] += 10.0
+                x[k // 2 - k :] += 10.0
+            xs.append(x)
+        xs.insert(1, _randn((100,), seed=9))  # (k = 1: no gaps)
+        parts = [(f"p{i}", (x.numel(),)) for i, x in enumerate(xs)]
+        p = codec.encode(torch.cat(xs), "g", parts=parts)
+        widths = p.tensors[2][len(xs):].tolist()
+        assert widths == [widths_wanted[0], 1, *widths_wanted[1:]] and p.tensors[3].numel() == sum(
+            w * (math.ceil(x.numel() * 0.01) - 1) for w, x in zip(widths, xs))
+        y, at = codec.decode(p), 0
+        for i, x in enumerate(xs):
+            k, alone = math.ceil(x.numel() * 0.01), codec.encode(x, parts[i][0]).tensors
+            assert k == 1 or widths[i] == alone[3].numel() // (k - 1), (widths_wanted, i)
+            assert torch.equal(y[at : at + x.numel()], codec.decode(codec.encode(x, parts[i][0]))), (widths_wanted, i)
+            at += x.numel()

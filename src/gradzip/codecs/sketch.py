@@ -114,10 +114,19 @@ def _encode_gaps(gaps: torch.Tensor) -> torch.Tensor:
     """
     if gaps.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=gaps.device)
-    largest = int(gaps.max())  # the one host sync of sparse mode
-    if largest <= 0xFF:
+    return _narrow(gaps, _gap_width(int(gaps.max())))  # (the one host sync of sparse mode)
+
+
+def _gap_width(largest: int) -> int:
+    """The narrowest of 1, 2 or 4 bytes that holds gaps up to ``largest``."""
+    return 1 if largest <= 0xFF else 2 if largest <= 0xFFFF else 4
+
+
+def _narrow(gaps: torch.Tensor, width: int) -> torch.Tensor:
+    """Gaps (int64) in ``width`` bytes each, as raw bytes."""
+    if width == 1:
         return gaps.to(torch.uint8)
-    if largest <= 0xFFFF:  # int16 bit pattern of an unsigned 16-bit gap
+    if width == 2:  # int16 bit pattern of an unsigned 16-bit gap
         return torch.where(gaps > 0x7FFF, gaps - 0x10000, gaps).to(torch.int16).view(torch.uint8)
     return gaps.to(torch.int32).view(torch.uint8)
 
@@ -130,12 +139,16 @@ def _decode_gaps(raw: torch.Tensor, count: int) -> torch.Tensor:
     return gaps & 0xFFFF if width == 2 else gaps
 
 
-def _gap_bytes(gaps: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+def _gap_bytes(gaps: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, total: int,
+               one: Optional[int] = None) -> torch.Tensor:
     """Several tensors' gaps (int64, >= 0, back to back, ``counts`` each), each tensor's in its
     own width (``widths``: 1, 2 or 4 bytes, the bytes :func:`_encode_gaps` gives it alone), back
-    to back: ``total`` bytes, in a fixed number of operations."""
+    to back: ``total`` bytes, in a fixed number of operations (``one``: every tensor's width,
+    where they are alike)."""
     if total == 0:
         return gaps.new_empty(0, dtype=torch.uint8)
+    if one is not None:
+        return _narrow(gaps, one)
     width = torch.repeat_interleave(widths, counts, output_size=gaps.numel())
     keep = (_BYTE.to(gaps.device) < width.unsqueeze(1)).view(-1)
     place = keep.cumsum(0).sub_(1).masked_fill_(keep.logical_not_(), total)  # the bytes dropped: one place past the end
@@ -149,9 +162,10 @@ def _read_gaps(raw: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, co
         return raw.new_empty(0, dtype=torch.int64)
     width = torch.repeat_interleave(widths, counts, output_size=count)
     byte = _BYTE.to(raw.device)
-    at = (width.cumsum(0).sub_(width).unsqueeze(1) + byte).view(-1).clamp_(max=raw.numel() - 1)
-    got = raw.index_select(0, at).view(count, 4).long().masked_fill_(byte >= width.unsqueeze(1), 0)
-    return got.bitwise_left_shift_(byte * 8).sum(1)
+    at = width.cumsum(0).sub_(width).unsqueeze(1) + byte  # each gap's four bytes, those past its width
+    at.masked_fill_(byte >= width.unsqueeze(1), raw.numel())  # read from a zero after the end
+    padded = torch.cat([raw, raw.new_zeros(1)])
+    return padded.index_select(0, at.view(-1)).view(torch.int32).long()
 
 
 @register_codec
@@ -348,7 +362,7 @@ class SketchML(Codec):
         gaps = gaps if g["gap_from"] is None else gaps.index_select(0, g["gap_from"])
         largest = torch.zeros(len(lay.coded), dtype=torch.int64, device=dev)
         largest = largest.scatter_reduce_(0, g["gap_member"], gaps, "amax").tolist()  # (the one host read)
-        widths = [1 if m <= 0xFF else 2 if m <= 0xFFFF else 4 for m in largest]
+        widths = [_gap_width(m) for m in largest]
         gap_bytes = sum(w * (k - 1) for w, (_, _, k) in zip(widths, lay.coded))
         codes = pack_bits(levels, lay.bits)
         size = codes.numel() + 4 * means.numel() + 8 * len(lay.coded) + gap_bytes + lay.raw_bytes
@@ -358,7 +372,9 @@ class SketchML(Codec):
         width = torch.tensor(widths, dtype=torch.int64, device=dev)
         heads = torch.cat([sel.index_select(0, g["firsts"]).sub_(g["starts"]), width]).to(torch.int32)
         raw = x.new_empty(0) if g["raw_index"] is None else x.index_select(0, g["raw_index"])
-        return [codes, means, heads, _gap_bytes(gaps, width, g["gap_counts"], gap_bytes), raw]
+        one = {w for w, (_, _, k) in zip(widths, lay.coded) if k > 1}  # (a member of one value has no gaps)
+        gaps = _gap_bytes(gaps, width, g["gap_counts"], gap_bytes, one.pop() if len(one) == 1 else None)
+        return [codes, means, heads, gaps, raw]
 
     def _decode_sparse_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
                              accumulate: bool) -> torch.Tensor:
@@ -373,7 +389,14 @@ class SketchML(Codec):
         if full is out and not accumulate:
             out.zero_()
         firsts = heads[:c].long().add_(g["starts"])  # each member's first index in the group
-        steps = _read_gaps(gaps, heads[c:].long(), g["gap_counts"], lay.gap_count).add_(1)
+        one = None
+        if not fused.groups_at_once(out.device):  # (the CPU reads the widths for nothing: alike, one cast)
+            one = {w for w, (_, _, k) in zip(heads[c:].tolist(), lay.coded) if k > 1}
+        if one is not None and len(one) == 1:
+            steps = _decode_gaps(gaps, lay.gap_count)
+        else:
+            steps = _read_gaps(gaps, heads[c:].long(), g["gap_counts"], lay.gap_count)
+        steps += 1
         at = torch.empty(lay.selected, dtype=torch.int64, device=out.device)
         at.index_copy_(0, g["gap_to"], steps).index_copy_(0, g["firsts"], firsts)
         at = at.cumsum_(0)
