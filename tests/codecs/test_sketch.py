@@ -523,3 +523,22 @@ def test_sketchml_sparse_group_gaps_of_one_width_or_several(monkeypatch, at_once
             assert k == 1 or widths[i] == alone[3].numel() // (k - 1), (widths_wanted, i)
             assert torch.equal(y[at : at + x.numel()], codec.decode(codec.encode(x, parts[i][0]))), (widths_wanted, i)
             at += x.numel()
+
+
+def test_sparse_groups_rank_every_nan_alike_on_both_ways(monkeypatch):
+    """A 16-bit NaN converted to fp32 need not keep its payload bits alike for a tensor and a
+    piece of it; every NaN has one magnitude key (above +inf) in the radix selects and in the
+    group's sort, so where k falls among NaNs both ways keep the lowest indices."""
+    from gradzip.kernels import fused
+
+    a = torch.zeros(10, dtype=torch.float16)
+    a[1] = a[9] = float("nan")
+    flat = torch.cat([a, _randn((3000,), torch.float16)])
+    parts = [("a", (10,)), ("b", (3000,))]
+    got = []
+    for at_once in (False, True):
+        monkeypatch.setattr(fused, "groups_at_once", lambda device, at_once=at_once: at_once)
+        sketch = gradzip.codec("sketchml", ratio=0.05).encode(flat, "g", parts=parts).tensors
+        picked = gradzip.codec("topk", ratio=0.05).encode(flat, "g", parts=parts).tensors[1]
+        got.append((sketch[2].tolist(), sorted(picked.tolist())))
+    assert got[0] == got[1] and got[0][0][0] == 1 and 1 in got[0][1] and 9 not in got[0][1]

@@ -227,8 +227,9 @@ class SketchML(Codec):
     is every value, or whose payload could not be smaller than their values, go as they are;
     where the whole payload would be larger than the group's values, the group goes as it is
     (empty heads). On an accelerator the members are selected at once (top-k's group
-    selection), every member's selection is sketched by one sort and the gaps' widths are the
-    group's one host read; on the CPU each member is selected alone.
+    selection, which waits for the device once), every member's selection is sketched by one
+    sort and the members' gap widths are read on the host once (alone: a read a tensor); on the
+    CPU each member is selected alone.
 
     Options: ``buckets`` (2..256, default 256), ``ratio`` (0 < ratio <= 1, default 1.0 = dense).
     Wire: dense ``[codes (packed uint8), means (fp32, nb)]`` with ``nb = min(buckets, numel)``;
@@ -252,7 +253,8 @@ class SketchML(Codec):
 
     def __init__(self, **opts: Any) -> None:
         super().__init__(**opts)
-        self._groups: Dict[Tuple[Any, ...], _Group] = {}
+        self._groups: Dict[Tuple[Any, ...], Any] = {}
+        self._selections: Dict[int, _Group] = {}  # (sparse mode, alone)
         if self.ratio < 1.0:  # sparse: the payload size depends on the gaps between indices
             self.fixed_size = False
             self.reencodable = False  # sparse: re-selecting from the union would drop most of it
@@ -287,10 +289,11 @@ class SketchML(Codec):
     def _selection(self, k: int) -> _Group:
         """The sketch's layout of ``k`` selected values (sparse mode: a sort of their keys, which
         for a selection costs less than a histogram of every key; its table as wide as alone)."""
-        key = ("selection", k)
-        grp = self._groups.get(key)
+        grp = self._selections.get(k)
         if grp is None:
-            grp = self._groups[key] = _Group(((str(k), torch.Size((k,))),), torch.float32, self.buckets,
+            if len(self._selections) > 256:
+                self._selections.clear()
+            grp = self._selections[k] = _Group(((str(k), torch.Size((k,))),), torch.float32, self.buckets,
                                              lambda n, dtype: False, 1, narrow=True)
         return grp
 
@@ -345,7 +348,8 @@ class SketchML(Codec):
         says what each holds), or every value as it is where that is smaller (``heads`` empty).
         Each coded member's selection, table and gaps are its own alone; the codes are packed at
         the group's width. The sketch is one sort on any device; the selections are taken at once
-        on an accelerator (the gaps' widths then its one host read), member by member on the CPU."""
+        on an accelerator (top-k's group selection, which waits for the device once, and the
+        gaps' widths, read on the host), member by member on the CPU."""
         lay = self._group(meta)
         g, dev = lay.on(x.device), x.device
         at_once = fused.groups_at_once(dev)
@@ -361,7 +365,8 @@ class SketchML(Codec):
         gaps = sel.diff().sub_(1)
         gaps = gaps if g["gap_from"] is None else gaps.index_select(0, g["gap_from"])
         largest = torch.zeros(len(lay.coded), dtype=torch.int64, device=dev)
-        largest = largest.scatter_reduce_(0, g["gap_member"], gaps, "amax").tolist()  # (the one host read)
+        member = torch.repeat_interleave(g["members"], g["gap_counts"], output_size=lay.gap_count)
+        largest = largest.scatter_reduce_(0, member, gaps, "amax").tolist()  # (a host read: the widths)
         widths = [_gap_width(m) for m in largest]
         gap_bytes = sum(w * (k - 1) for w, (_, _, k) in zip(widths, lay.coded))
         codes = pack_bits(levels, lay.bits)
@@ -398,11 +403,13 @@ class SketchML(Codec):
             steps = _read_gaps(gaps, heads[c:].long(), g["gap_counts"], lay.gap_count)
         steps += 1
         at = torch.empty(lay.selected, dtype=torch.int64, device=out.device)
-        at.index_copy_(0, g["gap_to"], steps).index_copy_(0, g["firsts"], firsts)
+        gap_to = g["gap_from"].long().add_(1) if g["gap_from"] is not None else torch.arange(1, lay.selected, device=out.device)
+        at.index_copy_(0, gap_to, steps).index_copy_(0, g["firsts"], firsts)
         at = at.cumsum_(0)
         before = at.index_select(0, g["firsts"]).sub_(firsts)  # the sum of the members before, each one's
         at -= torch.repeat_interleave(before, g["counts"], output_size=lay.selected)
-        table = g["table_of"] + unpack_bits(codes, lay.bits, lay.selected)
+        table = torch.repeat_interleave(g["table_starts"], g["counts"], output_size=lay.selected)
+        table += unpack_bits(codes, lay.bits, lay.selected)
         values = means.index_select(0, table).to(out.dtype)
         if accumulate and full is out:
             out.index_add_(0, at, values)
@@ -689,23 +696,24 @@ class _SparseGroup:
         if got is not None:
             return got
 
-        def ranges(pairs: List[Tuple[int, int]]) -> torch.Tensor:
-            return torch.cat([torch.arange(a, a + n) for a, n in pairs] or [torch.empty(0, dtype=torch.int64)]).to(device)
+        def ranges(pairs: List[Tuple[int, int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.cat([torch.arange(a, a + n) for a, n in pairs] or [torch.empty(0, dtype=torch.int64)]).to(device, dtype)
 
         ks = [k for _, _, k in self.coded]
         gaps = [(p, k - 1) for p, k in zip(self.offsets, ks)]
         got = self._on[device] = {
+            # (int32 where a gather reads them: a layout's tensors a selected value long are 4 to 8 bytes
+            # a value; the other places are made when needed)
             # the coded members' places among every member's selections (None: no other)
-            "keep": ranges(self._chosen) if self.raws else None,
-            "gap_from": ranges(gaps) if len(ks) > 1 else None,  # each member's gaps among the differences
-            "gap_to": ranges([(p + 1, g) for p, g in gaps]),  # where they add up, in the selection
-            "gap_member": torch.repeat_interleave(torch.arange(len(ks)), torch.tensor([g for _, g in gaps], dtype=torch.int64)).to(device),
+            "keep": ranges(self._chosen, torch.int32) if self.raws else None,
+            # each member's gaps among the selection's differences (they add up one place on)
+            "gap_from": ranges(gaps, torch.int32) if len(ks) > 1 else None,
+            "members": torch.arange(len(ks), device=device),
             "gap_counts": torch.tensor([g for _, g in gaps], dtype=torch.int64, device=device),
             "counts": torch.tensor(ks, dtype=torch.int64, device=device),
             "firsts": torch.tensor(self.offsets, dtype=torch.int64, device=device),
             "starts": torch.tensor([a for a, _, _ in self.coded], dtype=torch.int64, device=device),
-            "table_of": torch.repeat_interleave(torch.tensor([t for t, _ in self.sketch.tables], dtype=torch.int32),
-                                                torch.tensor(ks, dtype=torch.int64)).to(device),
+            "table_starts": torch.tensor([t for t, _ in self.sketch.tables], dtype=torch.int32, device=device),
             "raw_index": ranges(self.raws) if self.raws else None,
         }
         return got

@@ -415,13 +415,15 @@ def _sample_plan(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, sample
 
 
 _MAGNITUDE_BITS = 0x7FFFFFFF  # the bits of |x| as int32 lie in [0, this]: NaN's the largest
+_NAN_KEY = 0x7F800001  # every NaN's magnitude key, as in the radix selects: just above +inf
 
 
 def _descending_by_member(member: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     """int64 keys that sort values by member (ascending), then by magnitude, the largest first:
-    the member in the high word, the fp32 magnitude's bits (order-preserving for |x| ≥ 0, NaN
-    above +inf, as ``torch.topk`` ranks it) subtracted from their maximum in the low word."""
-    return (member << 32) | (_MAGNITUDE_BITS - mag.contiguous().view(torch.int32).long())
+    the member in the high word, the fp32 magnitude's bits (order-preserving for |x| ≥ 0, every
+    NaN one key above +inf, as the radix selects rank it) subtracted from their maximum in the
+    low word."""
+    return (member << 32) | (_MAGNITUDE_BITS - mag.contiguous().view(torch.int32).long().clamp_(max=_NAN_KEY))
 
 
 def _ranked_magnitudes(member: torch.Tensor, mag: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

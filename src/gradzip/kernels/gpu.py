@@ -652,9 +652,10 @@ def _sign_decode_kernel(
 
 
 def _magnitude_key(x_ptr, offs, valid):
-    """``|x|`` as fp32 bits in an int32: non-negative, and ordered as the magnitudes are."""
+    """``|x|`` as fp32 bits in an int32: non-negative, and ordered as the magnitudes are (every
+    NaN the one key above +inf, as in the C kernel)."""
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    return tl.abs(x).to(tl.int32, bitcast=True)
+    return tl.minimum(tl.abs(x).to(tl.int32, bitcast=True), 0x7F800001)
 
 
 def _radix_hist_kernel(x_ptr, numel, state_ptr, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):

@@ -291,9 +291,12 @@ void gz_sign_decode(const uint8_t *packed, int64_t n, const float *scale, float 
  * the k-th largest, pass 3 writes the indices, ascending: every key above the threshold and the
  * first of those equal to it (lowest indices first), k in all. `hist` is 65536 scratch counters. */
 static inline uint32_t magnitude_key(float v) {
+    /* |v|'s bits, every NaN the one key above +inf (a 16-bit NaN converted to fp32 need not keep
+       its payload bits alike everywhere: ties among NaNs then go to the lowest index too) */
     uint32_t u;
     memcpy(&u, &v, sizeof u);
-    return u & 0x7FFFFFFFu;
+    u &= 0x7FFFFFFFu;
+    return u < 0x7F800001u ? u : 0x7F800001u;
 }
 
 static uint32_t select_bin(const int64_t *hist, int64_t k, int64_t *above) {
