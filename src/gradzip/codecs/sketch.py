@@ -150,10 +150,12 @@ def _gap_bytes(gaps: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, t
     if one is not None:
         return _narrow(gaps, one)
     width = torch.repeat_interleave(widths, counts, output_size=gaps.numel())
-    keep = (_BYTE.to(gaps.device) < width.unsqueeze(1)).view(-1)
-    place = keep.cumsum(0).sub_(1).masked_fill_(keep.logical_not_(), total)  # the bytes dropped: one place past the end
-    out = torch.empty(total + 1, dtype=torch.uint8, device=gaps.device)
-    return out.scatter_(0, place, gaps.to(torch.int32).view(torch.uint8))[:total]
+    end = width.cumsum(0)  # where each gap's bytes end in the output
+    at = torch.arange(total, device=gaps.device)
+    gap = torch.searchsorted(end, at, right=True)  # the gap of each byte written, then its byte
+    at -= end.sub_(width).index_select(0, gap)
+    at += gap.mul_(4)
+    return gaps.to(torch.int32).view(torch.uint8).index_select(0, at)
 
 
 def _read_gaps(raw: torch.Tensor, widths: torch.Tensor, counts: torch.Tensor, count: int) -> torch.Tensor:
