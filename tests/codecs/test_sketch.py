@@ -273,6 +273,20 @@ def _fused(sizes, dtype, scales):
     return xs
 
 
+def _check_decode_into(codec, p: Payload, y: torch.Tensor) -> None:
+    """A group's payload decodes into a given fp32 output (what was there before overwritten)
+    as ``decode`` gives ``y``, added to it, and cut short."""
+    full = torch.full((y.numel(),), 3.0)
+    codec.decode_into(p, full)
+    assert torch.equal(full.to(y.dtype).nan_to_num(), y.nan_to_num())
+    added = torch.ones(y.numel())
+    codec.decode_into(p, added, accumulate=True)
+    assert torch.equal(added.nan_to_num(), (full + 1).nan_to_num())
+    cut = torch.full((y.numel() - 5,), 7.0)
+    codec.decode_into(p, cut)
+    assert torch.equal(cut.nan_to_num(), full[:-5].nan_to_num())
+
+
 @pytest.mark.parametrize("buckets", [256, 16, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
@@ -313,15 +327,7 @@ def test_sketchml_group_is_its_members_alone_back_to_back(monkeypatch, at_once, 
         else:  # (fp64 alone codes what a group sends exactly)
             assert torch.equal(y[a : a + n], x)
         assert not y[a + n : a + n + (-n % align)].any()
-    full = torch.empty(flat.numel())
-    codec.decode_into(p, full)
-    assert torch.equal(full.to(dtype).nan_to_num(), y.nan_to_num())
-    added = torch.ones(flat.numel())
-    codec.decode_into(p, added, accumulate=True)
-    assert torch.equal(added.nan_to_num(), (full + 1).nan_to_num())
-    cut = torch.full((flat.numel() - 5,), 7.0)
-    codec.decode_into(p, cut)
-    assert torch.equal(cut.nan_to_num(), full[:-5].nan_to_num())
+    _check_decode_into(codec, p, y)
 
 
 def test_sketchml_group_at_once_makes_the_bytes_of_one_member_at_a_time(monkeypatch):
@@ -454,15 +460,7 @@ def test_sketchml_sparse_group_is_its_members_selections_tables_and_gaps(monkeyp
     for i, ((a, n), x) in enumerate(zip(spans, xs)):
         want = codec.decode(codec.encode(x, parts[i][0])) if i in coded else x
         assert torch.equal(y[a : a + n].nan_to_num(), want.nan_to_num()), i
-    full = torch.full((flat.numel(),), 3.0)
-    codec.decode_into(p, full)
-    assert torch.equal(full.to(dtype).nan_to_num(), y.nan_to_num())
-    added = torch.ones(flat.numel())
-    codec.decode_into(p, added, accumulate=True)
-    assert torch.equal(added.nan_to_num(), (full + 1).nan_to_num())
-    cut = torch.full((flat.numel() - 5,), 7.0)
-    codec.decode_into(p, cut)
-    assert torch.equal(cut.nan_to_num(), full[:-5].nan_to_num())
+    _check_decode_into(codec, p, y)
     assert codec.nonfinite(p) is None  # (a value not selected may be NaN: the collective's pass)
 
 
