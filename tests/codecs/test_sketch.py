@@ -370,7 +370,36 @@ def test_sketchml_flags_a_nonfinite_input_from_its_tables(dtype):
     assert codec.nonfinite(codec.encode(_randn((1000,), torch.float64))) is None
     assert codec.nonfinite(codec.encode(_randn((10,)))) is None  # sent raw
     sparse = gradzip.codec("sketchml", ratio=0.1)
-    assert sparse.nonfinite(sparse.encode(_randn((10_000,)))) is None
+    assert sparse.nonfinite(sparse.encode(_randn((10_000,), torch.float64))) is None
+    dense_form = gradzip.codec("sketchml", ratio=0.9).encode(_randn((1000,), torch.float16))
+    assert not dense_form.tensors[2].numel() and sparse.nonfinite(dense_form) is None
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sparse_sketchml_flags_a_nonfinite_input_from_its_tables(monkeypatch, dtype, at_once):
+    """A NaN or ±inf is among a member's largest magnitudes, so its selection and table hold it
+    (or hold nothing finite): the tables and the values sent as they are tell, alone and in a
+    group, coded or sent as it is, with more non-finite values than a member sends too."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("sketchml", ratio=0.01)
+    parts = [("a", (10_000,)), ("b", (100,)), ("r", (1,)), ("c", (19_999,))]  # b: k = 1; r: sent as it is
+    for where in (None, 5, 10_050, 10_100, 25_000, "many"):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            flat = _randn((30_100,), dtype, seed=7)
+            if where == "many":
+                flat[:500] = bad  # more than member a's 100
+            elif where is not None:
+                flat[where] = bad
+            p = codec.encode(flat, "g", parts=parts)
+            assert len(p.tensors) == 5 and p.tensors[2].numel(), p.tensors
+            assert bool(codec.nonfinite(p)) == (where is not None), (where, bad)
+            alone = codec.encode(flat[10_101:], "c")
+            assert bool(codec.nonfinite(alone)) == (where == 25_000), (where, bad)
+    whole = codec.encode(torch.full((3000,), float("nan"), dtype=dtype), "g", parts=[("a", (3,)), ("b", (2997,))])
+    assert bool(codec.nonfinite(whole))
 
 
 def test_sketchml_group_keeps_fp64_members_sent_as_they_are_and_puts_every_nan_in_one_bucket(monkeypatch):
@@ -461,7 +490,8 @@ def test_sketchml_sparse_group_is_its_members_selections_tables_and_gaps(monkeyp
         want = codec.decode(codec.encode(x, parts[i][0])) if i in coded else x
         assert torch.equal(y[a : a + n].nan_to_num(), want.nan_to_num()), i
     _check_decode_into(codec, p, y)
-    assert codec.nonfinite(p) is None  # (a value not selected may be NaN: the collective's pass)
+    if dtype != torch.float64:  # (a NaN and ±inf in member 2: its table, its selection's)
+        assert bool(codec.nonfinite(p)) == (dtype == torch.float32)
 
 
 @pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])

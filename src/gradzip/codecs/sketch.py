@@ -460,13 +460,16 @@ class SketchML(Codec):
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """From the tables (and a group's values sent as they are): a bucket's mean is an fp64
         sum of its fp32 values, so it is NaN or infinite exactly where they held NaN or Inf.
-        None for fp64 inputs (a finite value beyond fp32's range becomes infinite in the
-        sketch), payloads sent raw and sparse ones."""
+        In sparse mode a NaN or ±inf has the largest magnitude, so a member's selection holds
+        every one of them, or nothing else: its table tells too. None for fp64 inputs (a finite
+        value beyond fp32's range becomes infinite in the sketch), payloads sent raw and the
+        dense form of a sparse one."""
         t = payload.tensors
-        if payload.ctx.dtype == torch.float64 or len(t) not in (2, 3):
+        if payload.ctx.dtype == torch.float64 or len(t) not in (2, 3, 4, 5) or (len(t) == 4 and not t[2].numel()):
             return None
         flag = stats_nonfinite(payload, 1)
-        return flag | stats_nonfinite(payload, 2) if len(t) == 3 and t[2].numel() else flag
+        raw = {3: 2, 5: 4}.get(len(t))  # a group's values sent as they are
+        return flag | stats_nonfinite(payload, raw) if raw is not None and t[raw].numel() else flag
 
     def _raw(self, numel: int, dtype: torch.dtype) -> bool:
         # by size alone in dense mode (fixed size even when ratio < 1); sparse: the dense form
