@@ -732,3 +732,27 @@ def test_signsgd_counts_its_vote_exactly_into_a_16_bit_destination(dtype, votes)
     assert torch.equal(c.aggregate(payloads), torch.ones(8, dtype=dtype))
     fp32 = torch.zeros(8)
     assert c.aggregate_into(payloads, fp32) is fp32 and torch.equal(fp32, torch.ones(8))
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_topk_flags_a_nonfinite_input_from_the_values_it_sends(monkeypatch, dtype, at_once):
+    """A NaN or ±inf has the largest magnitude, so a selection holds every one of them (or
+    nothing finite): the values sent are the non-finite flag, alone, in a group, in the dense
+    form, with more non-finite values than a member sends."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    codec = gradzip.codec("topk", ratio=0.01)
+    parts = [("a", (10_000,)), ("b", (100,)), ("c", (20_000,))]
+    for where in (None, 5, 10_050, 25_000, "many"):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            flat = _randn((30_100,), dtype, seed=7)
+            if where == "many":
+                flat[:500] = bad  # more than member a's 100
+            elif where is not None:
+                flat[where] = bad
+            assert bool(codec.nonfinite(codec.encode(flat, "g", parts=parts))) == (where is not None), (where, bad)
+            assert bool(codec.nonfinite(codec.encode(flat[10_100:], "c"))) == (where == 25_000), (where, bad)
+    dense = gradzip.codec("topk", ratio=0.9).encode(torch.tensor([1.0, float("nan"), 2.0], dtype=dtype))
+    assert not dense.tensors[1].numel() and bool(codec.nonfinite(dense))

@@ -52,6 +52,7 @@ from .base import (
     part_units,
     raw_bytes,
     saturate,
+    stats_nonfinite,
 )
 from .quantize import _fp32
 from .registry import register_codec
@@ -176,6 +177,12 @@ class TopK(_ValuesIndices):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(_k(numel, self.ratio) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the values sent: a NaN or ±inf has the largest magnitude, so each tensor's
+        selection holds every one of them, or nothing finite (and the dense form every value),
+        and the collective needs no pass over the input for the flag."""
+        return stats_nonfinite(payload, 0)
 
 
 class _TopKPlan:
