@@ -358,10 +358,11 @@ def test_nonfinite_flag_does_not_overflow():
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("spec", ["maxmin", "qsgd"])
+@pytest.mark.parametrize("spec", ["maxmin", "qsgd", "u8bit"])
 def test_bucket_statistics_tell_every_nonfinite_input_and_no_finite_one(spec, kernels, monkeypatch):
-    """The flag read from max-min's and QSGD's statistics (no pass over the input): true for a
-    NaN, +inf or -inf in any bucket, false for values at the top of fp32 of both signs."""
+    """The flag read from max-min's, QSGD's and the 8-bit codec's statistics (no pass over the
+    input): true for a NaN, +inf or -inf in any bucket, false for values at the top of fp32 of
+    both signs."""
     monkeypatch.setenv("GRADZIP_KERNELS", kernels)
     c = gradzip.codec(spec, bucket_size=64)
     assert not bool(c.nonfinite(c.encode(torch.tensor([FLT_MAX, -FLT_MAX, 3e38, -2e38] * 50), "w")))

@@ -534,6 +534,11 @@ class U8bit(Codec):
     def fusion_block(self) -> int:
         return self.bucket_size  # 0 (one scale per tensor): not fusable
 
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the scales: a bucket's largest magnitude (torch's ``amax``, which keeps NaN, on
+        every device) is NaN or infinite exactly where the bucket held NaN or ±inf."""
+        return stats_nonfinite(payload, 1)
+
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel + 4 * _num_buckets(self.bucket_size, numel)
 
