@@ -358,13 +358,13 @@ def test_nonfinite_flag_does_not_overflow():
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
-@pytest.mark.parametrize("spec", ["maxmin", "qsgd", "u8bit"])
+@pytest.mark.parametrize("spec", ["maxmin", "qsgd", "u8bit", "fp8", "mxfp8", "mxfp4"])
 def test_bucket_statistics_tell_every_nonfinite_input_and_no_finite_one(spec, kernels, monkeypatch):
-    """The flag read from max-min's, QSGD's and the 8-bit codec's statistics (no pass over the
-    input): true for a NaN, +inf or -inf in any bucket, false for values at the top of fp32 of
-    both signs."""
+    """The flag read from the statistics of max-min, QSGD, the 8-bit codec, FP8 and MX (no pass
+    over the input): true for a NaN, +inf or -inf in any bucket, false for values at the top of
+    fp32 of both signs."""
     monkeypatch.setenv("GRADZIP_KERNELS", kernels)
-    c = gradzip.codec(spec, bucket_size=64)
+    c = gradzip.codec(spec, **{"block_size" if spec.startswith(("fp8", "mx")) else "bucket_size": 64})
     assert not bool(c.nonfinite(c.encode(torch.tensor([FLT_MAX, -FLT_MAX, 3e38, -2e38] * 50), "w")))
     assert not bool(c.nonfinite(c.encode(_randn((1000,)), "w")))
     for where, bad in [(0, float("nan")), (500, float("inf")), (999, -float("inf"))]:

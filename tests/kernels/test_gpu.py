@@ -669,6 +669,26 @@ FP8_CASES = [(1, 1), (7, 7), (1000, 128), (1000, 100), (4097, 1024), (9000, 5000
 MX_CASES = [(1, 32), (33, 32), (1000, 32), (1001, 96), (4097, 64), (9000, 8192)]
 
 
+def test_fp8_and_mx_scales_tell_nonfinite_blocks_as_in_the_reference():
+    """A block holding NaN or ±inf gets a non-finite FP8 scale (NaN for NaN) and the MX scale
+    code 255, as in the specification, and no other block does: the scales are the non-finite
+    flag on every device."""
+    n, block = 9000, 64
+    x = _randn(n, seed=5)
+    x[3], x[n // 2], x[n - 2] = float("nan"), float("inf"), -float("inf")
+    bad = torch.zeros(-(-n // block), dtype=torch.bool)
+    bad[[3 // block, (n // 2) // block, (n - 2) // block]] = True
+    for fmt in ("e4m3", "e5m2"):
+        _, scales = gpu.fp8_encode(x, fmt, block)
+        _, ref = reference.fp8_encode(x, fmt, block)
+        assert torch.equal(~torch.isfinite(scales.cpu()), bad) and torch.isnan(scales[3 // block].cpu())
+        assert _same_bits(scales, ref)
+    for elem in ("e4m3", "e2m1"):
+        _, scales = gpu.mx_encode(x, elem, block)
+        _, ref = reference.mx_encode(x, elem, block)
+        assert torch.equal(scales.cpu() == 255, bad) and torch.equal(scales, ref)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_bit_identical(fmt):
     for n, block in FP8_CASES:

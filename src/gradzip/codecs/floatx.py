@@ -10,12 +10,12 @@ elsewhere) produce the same bytes.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from ..kernels import fused
-from .base import Codec, Meta, Option, int_in, one_of
+from .base import Codec, Meta, Option, Payload, int_in, one_of, stats_nonfinite
 from .registry import register_codec
 
 
@@ -92,6 +92,11 @@ class FP8(_BlockFloat):
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return numel + 4 * self._blocks(numel)
 
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the scales: a block's ``amax`` (the largest of its magnitudes' bits, NaN's the
+        largest, in every kernel) makes its scale NaN or infinite exactly where it held NaN or ±inf."""
+        return stats_nonfinite(payload, 1)
+
 
 class _MX(_BlockFloat):
     """OCP Microscaling: blocks share one E8M0 (power-of-two) scale; see the subclasses."""
@@ -128,6 +133,12 @@ class _MX(_BlockFloat):
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return (numel if self.bits == 8 else (numel + 1) // 2) + self._blocks(numel)
+
+    def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
+        """From the scales: a block holding NaN or ±inf gets the E8M0 code 255 (NaN), which no
+        finite block's scale takes (at most 254)."""
+        t = payload.tensors
+        return (t[1] == 255).any() if len(t) > 1 else None
 
 
 @register_codec
