@@ -373,6 +373,9 @@ def test_bucket_statistics_tell_every_nonfinite_input_and_no_finite_one(spec, ke
         assert bool(c.nonfinite(c.encode(x, "w"))), (where, bad)
     x = torch.full((128,), float("inf"))  # every value +inf: the range inf - inf is NaN
     assert bool(c.nonfinite(c.encode(x, "w")))
+    big = torch.tensor([1e300, 1.0] * 64, dtype=torch.float64)  # finite, but an inf in the codec's fp32
+    p = c.encode(big, "w")
+    assert bool(c.nonfinite(p)) and not torch.isfinite(c.decode(p)).all()
 
 
 def test_allgather_of_huge_finite_values_is_finite():

@@ -94,7 +94,8 @@ class FP8(_BlockFloat):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """From the scales: a block's ``amax`` (the largest of its magnitudes' bits, NaN's the
-        largest, in every kernel) makes its scale NaN or infinite exactly where it held NaN or ±inf."""
+        largest, in every kernel) makes its scale NaN or infinite exactly where it held NaN or
+        ±inf (in fp32, so an fp64 value beyond its range is an inf, and flagged, as max-min's)."""
         return stats_nonfinite(payload, 1)
 
 
@@ -136,7 +137,7 @@ class _MX(_BlockFloat):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """From the scales: a block holding NaN or ±inf gets the E8M0 code 255 (NaN), which no
-        finite block's scale takes (at most 254)."""
+        finite block's scale takes (at most 254); an fp64 value beyond fp32's range is an inf."""
         t = payload.tensors
         return (t[1] == 255).any() if len(t) > 1 else None
 

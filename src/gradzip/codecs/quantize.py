@@ -536,7 +536,8 @@ class U8bit(Codec):
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """From the scales: a bucket's largest magnitude (torch's ``amax``, which keeps NaN, on
-        every device) is NaN or infinite exactly where the bucket held NaN or ±inf."""
+        every device) is NaN or infinite exactly where the bucket held NaN or ±inf (the codec
+        works in fp32, so an fp64 value beyond its range is an inf, and flagged, as max-min's)."""
         return stats_nonfinite(payload, 1)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -655,7 +655,7 @@ def _magnitude_key(x_ptr, offs, valid):
     """``|x|`` as fp32 bits in an int32: non-negative, and ordered as the magnitudes are (every
     NaN the one key above +inf, as in the C kernel)."""
     x = tl.load(x_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    return tl.minimum(tl.abs(x).to(tl.int32, bitcast=True), 0x7F800001)
+    return tl.minimum(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7F800001)  # (the sign bit cleared, a NaN's too)
 
 
 def _radix_hist_kernel(x_ptr, numel, state_ptr, hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
