@@ -11,6 +11,19 @@ def randn(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def with_nonfinite(n: int, dtype, places, many: int = 500):
+    """``(where, bad, x)`` for each of NaN, +inf and -inf at each of ``places``: ``x`` is
+    ``n`` N(0, 1) values with ``bad`` at ``where`` (None: none; "many": the first ``many``)."""
+    for where in places:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            x = randn((n,), dtype, seed=7)
+            if where == "many":
+                x[:many] = bad
+            elif where is not None:
+                x[where] = bad
+            yield where, bad, x
+
+
 class LargestMade(TorchDispatchMode):
     """While active, :attr:`numel` is the size of the largest tensor an operator made and
     :attr:`nbytes` the bytes of all of them (views and results written into one of the

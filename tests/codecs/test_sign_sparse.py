@@ -16,6 +16,7 @@ from gradzip.sync.memory import DGCMemory, memory
 
 from ..tensors import LargestMade
 from ..tensors import randn as _randn
+from ..tensors import with_nonfinite
 
 NEW = ["onebit", "signum", "threshold", "dgc", "graddrop", "adaq"]
 
@@ -745,14 +746,8 @@ def test_topk_flags_a_nonfinite_input_from_the_values_it_sends(monkeypatch, dtyp
     monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
     codec = gradzip.codec("topk", ratio=0.01)
     parts = [("a", (10_000,)), ("b", (100,)), ("c", (20_000,))]
-    for where in (None, 5, 10_050, 25_000, "many"):
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            flat = _randn((30_100,), dtype, seed=7)
-            if where == "many":
-                flat[:500] = bad  # more than member a's 100
-            elif where is not None:
-                flat[where] = bad
-            assert bool(codec.nonfinite(codec.encode(flat, "g", parts=parts))) == (where is not None), (where, bad)
-            assert bool(codec.nonfinite(codec.encode(flat[10_100:], "c"))) == (where == 25_000), (where, bad)
+    for where, bad, flat in with_nonfinite(30_100, dtype, (None, 5, 10_050, 25_000, "many")):  # (many: over a's k)
+        assert bool(codec.nonfinite(codec.encode(flat, "g", parts=parts))) == (where is not None), (where, bad)
+        assert bool(codec.nonfinite(codec.encode(flat[10_100:], "c"))) == (where == 25_000), (where, bad)
     dense = gradzip.codec("topk", ratio=0.9).encode(torch.tensor([1.0, float("nan"), 2.0], dtype=dtype))
     assert not dense.tensors[1].numel() and bool(codec.nonfinite(dense))

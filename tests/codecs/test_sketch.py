@@ -16,6 +16,7 @@ from gradzip.codecs.sketch import _sortable_keys
 from gradzip.kernels import packed_bytes, unpack_bits
 
 from ..tensors import randn as _randn
+from ..tensors import with_nonfinite
 
 
 def _codes(p: Payload, count: int) -> torch.Tensor:
@@ -386,18 +387,12 @@ def test_sparse_sketchml_flags_a_nonfinite_input_from_its_tables(monkeypatch, dt
     monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
     codec = gradzip.codec("sketchml", ratio=0.01)
     parts = [("a", (10_000,)), ("b", (100,)), ("r", (1,)), ("c", (19_999,))]  # b: k = 1; r: sent as it is
-    for where in (None, 5, 10_050, 10_100, 25_000, "many"):
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            flat = _randn((30_100,), dtype, seed=7)
-            if where == "many":
-                flat[:500] = bad  # more than member a's 100
-            elif where is not None:
-                flat[where] = bad
-            p = codec.encode(flat, "g", parts=parts)
-            assert len(p.tensors) == 5 and p.tensors[2].numel(), p.tensors
-            assert bool(codec.nonfinite(p)) == (where is not None), (where, bad)
-            alone = codec.encode(flat[10_101:], "c")
-            assert bool(codec.nonfinite(alone)) == (where == 25_000), (where, bad)
+    for where, bad, flat in with_nonfinite(30_100, dtype, (None, 5, 10_050, 10_100, 25_000, "many")):  # (many: over a's k)
+        p = codec.encode(flat, "g", parts=parts)
+        assert len(p.tensors) == 5 and p.tensors[2].numel(), p.tensors
+        assert bool(codec.nonfinite(p)) == (where is not None), (where, bad)
+        alone = codec.encode(flat[10_101:], "c")
+        assert bool(codec.nonfinite(alone)) == (where == 25_000), (where, bad)
     whole = codec.encode(torch.full((3000,), float("nan"), dtype=dtype), "g", parts=[("a", (3,)), ("b", (2997,))])
     assert bool(codec.nonfinite(whole))
 
