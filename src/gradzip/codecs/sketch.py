@@ -48,10 +48,11 @@ def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, nb - 1, dtype=torch.float64, device=device).mul_(n).div_(nb - 1).floor_()
 
 
-def _sketch(xf: torch.Tensor, nb: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The quantile sketch of the fp32 values ``xf`` in ``nb`` buckets: the bucket of every key
-    (uint8, one a cell), each bucket's mean (fp32) and, where the values were one piece, their keys."""
-    n, dev = xf.numel(), xf.device
+def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
+    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (uint8), means (fp32)]."""
+    n = values.numel()
+    xf = values.float().contiguous()
+    dev = xf.device
     # the sketch: per-cell counts and sums (fp64 sums: a bucket's mean stays inside its range),
     # on the CPU a piece at a time, so the keys and the fp64 copy are a piece long, not the
     # tensor's twice (the CPU adds in index order: the same sums)
@@ -77,19 +78,11 @@ def _sketch(xf: torch.Tensor, nb: int) -> Tuple[torch.Tensor, torch.Tensor, Opti
     bucket_sums = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, sums)
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
     means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
-    return lut.to(torch.uint8), means, (keys if n <= step else None)
-
-
-def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
-    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (packed), means (fp32)]."""
-    xf = values.float().contiguous()
-    n = xf.numel()
-    codes, means, keys = _sketch(xf, nb)
-    bits, step = _index_bits(nb), fused.piece_length(xf)
+    codes, bits = lut.to(torch.uint8), _index_bits(nb)
     if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
         keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
         return [pack_bits(codes.index_select(0, keys), bits), means]
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=xf.device)
+    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
     for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
         b = min(a + step, n)
         levels = codes.index_select(0, _sortable_keys(xf[a:b]))
@@ -379,8 +372,7 @@ class SketchML(Codec):
         width = torch.tensor(widths, dtype=torch.int64, device=dev)
         heads = torch.cat([sel.index_select(0, g["firsts"]).sub_(g["starts"]), width]).to(torch.int32)
         raw = x.new_empty(0) if g["raw_index"] is None else x.index_select(0, g["raw_index"])
-        one = {w for w, (_, _, k) in zip(widths, lay.coded) if k > 1}  # (a member of one value has no gaps)
-        gaps = _gap_bytes(gaps, width, g["gap_counts"], gap_bytes, one.pop() if len(one) == 1 else None)
+        gaps = _gap_bytes(gaps, width, g["gap_counts"], gap_bytes, lay.one_width(widths))
         return [codes, means, heads, gaps, raw]
 
     def _decode_sparse_group(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor,
@@ -396,10 +388,8 @@ class SketchML(Codec):
         if full is out and not accumulate:
             out.zero_()
         firsts = heads[:c].long().add_(g["starts"])  # each member's first index in the group
-        one = None
-        if not fused.groups_at_once(out.device):  # (the CPU reads the widths for nothing: alike, one cast)
-            one = {w for w, (_, _, k) in zip(heads[c:].tolist(), lay.coded) if k > 1}
-        if one is not None and len(one) == 1:
+        # (the CPU reads the widths for nothing: where they are alike, one cast)
+        if not fused.groups_at_once(out.device) and lay.one_width(heads[c:].tolist()) is not None:
             steps = _decode_gaps(gaps, lay.gap_count)
         else:
             steps = _read_gaps(gaps, heads[c:].long(), g["gap_counts"], lay.gap_count)
@@ -695,6 +685,12 @@ class _SparseGroup:
         selections = tuple((str(j), torch.Size((k,))) for j, (_, _, k) in enumerate(self.coded))
         self.sketch = _Group(selections, torch.float32, buckets, lambda n, dtype: False, 1, narrow=True)
         self._on: Dict[torch.device, Dict[str, Any]] = {}
+
+    def one_width(self, widths: List[int]) -> Optional[int]:
+        """The gap width every coded member has (a member of one value, with no gaps, aside),
+        or None where they differ."""
+        alike = {w for w, (_, _, k) in zip(widths, self.coded) if k > 1}
+        return alike.pop() if len(alike) == 1 else None
 
     def on(self, device: torch.device) -> Dict[str, Any]:
         got = self._on.get(device)
