@@ -675,15 +675,12 @@ class _SparseGroup:
             elif n:
                 self.raws.append((a, n))
             chosen += k
-        self.offsets, at = [], 0
-        for _, _, k in self.coded:
-            self.offsets.append(at)
-            at += k
-        self.selected = at
-        self.gap_count = sum(k - 1 for _, _, k in self.coded)
-        self.raw_bytes = sum(raw_bytes(n, dtype) for _, n in self.raws)
         selections = tuple((str(j), torch.Size((k,))) for j, (_, _, k) in enumerate(self.coded))
         self.sketch = _Group(selections, torch.float32, buckets, lambda n, dtype: False, 1, narrow=True)
+        self.offsets = [at for at, _, _ in self.sketch.coded]  # (every selection coded, back to back)
+        self.selected = self.sketch.numel
+        self.gap_count = sum(k - 1 for _, _, k in self.coded)
+        self.raw_bytes = sum(raw_bytes(n, dtype) for _, n in self.raws)
         self._on: Dict[torch.device, Dict[str, Any]] = {}
 
     def one_width(self, widths: List[int]) -> Optional[int]:
