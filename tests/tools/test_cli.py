@@ -238,6 +238,14 @@ def test_bench_allreduce_rejects_bad_sizes(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_spec_names_a_memory_or_collective_as_written():
+    from gradzip.bench.micro import parse_spec
+
+    # "none" is the memory of that name (no error feedback), not the codec's default
+    assert parse_spec("powersgd:rank=2:memory=none:collective=allreduce:fusion=none") == (
+        "powersgd", {"rank": 2, "memory": "none", "collective": "allreduce", "fusion": None})
+
+
 def test_bench_codecs(tmp_path):
     path = tmp_path / "codecs.json"
     plot = tmp_path / "roofline.png"

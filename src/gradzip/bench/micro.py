@@ -53,7 +53,8 @@ def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"bad option {pair!r} in {spec!r}; expected name:key=value[:key=value]")
-        opts[key] = parse_value(value)
+        # (a memory or collective is a name: "none" is the memory of that name, not the default)
+        opts[key] = value if key in ("memory", "collective") else parse_value(value)
     return name, opts
 
 
