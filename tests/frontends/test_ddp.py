@@ -382,7 +382,8 @@ def test_ddp_features_keep_replicas_identical():
     assert results[0]["no_sync"]["steps"] == 4 and results[0]["fp16"]["steps"] == 8, "no_sync must skip communication"
 
 
-def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False) -> dict:
+def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False, codec: str = "maxmin",
+              warmup: int = 0) -> dict:
     from gradzip.sync import engine
 
     reads, multi = engine._reads_flag_on_host, engine._multi_tensor
@@ -390,16 +391,17 @@ def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool =
         engine._reads_flag_on_host = lambda device: False  # and groups are filled by multi-tensor copies
         engine._multi_tensor = lambda device: True
     try:
-        return _nan_steps(rank, world, in_place)
+        return _nan_steps(rank, world, in_place, codec, warmup)
     finally:
         engine._reads_flag_on_host, engine._multi_tensor = reads, multi
 
 
-def _nan_steps(rank: int, world: int, in_place: bool) -> dict:
+def _nan_steps(rank: int, world: int, in_place: bool, codec: str = "maxmin", warmup: int = 0) -> dict:
     torch.manual_seed(0)
     model = Net()
     ddp = DDP(model, bucket_cap_mb=0.01)
-    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64, in_place=in_place)
+    state = gradzip.register(ddp, codec, memory="residual", min_numel=64, in_place=in_place, warmup=warmup,
+                             **CODEC_OPTS.get(codec, {}))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     skipped, kept = 0, None
     for i, (x, y) in enumerate(_batches(rank, 6)):
@@ -431,6 +433,21 @@ def test_nonfinite_gradient_is_skipped_on_every_rank_and_spares_memory(in_place)
     for res in run_workers(_nan_step, 2, in_place):
         res.pop("params")
         assert res == expected
+
+
+def test_powersgd_averages_buckets_where_they_lie_and_skips_a_nonfinite_step_alike():
+    """PowerSGD with ``in_place=True``: DDP's buckets averaged where they lie (their biases
+    carried with the factors), a non-finite step skipped on every rank with the residuals
+    kept, replicas identical, and the weights those of the default path to the last bits
+    a product takes from where it lies (its first step dense, as DDP's provisional bucket's
+    is in place with error feedback); the accelerator's choices give the CPU's bits."""
+    fused = run_workers(_nan_step, 2, False, False, "powersgd", 1)
+    here = run_workers(_nan_step, 2, True, False, "powersgd")
+    device = run_workers(_nan_step, 2, True, True, "powersgd")
+    for f, h, d in zip(fused, here, device):
+        assert h["in_place_buckets"] and h["skipped"] == 1 and h["kept"] and h["identical"], h
+        torch.testing.assert_close(h["params"], f["params"], rtol=1e-4, atol=1e-6)
+        assert torch.equal(h.pop("params"), d.pop("params")) and h == d
 
 
 @pytest.mark.parametrize("in_place", [False, True])

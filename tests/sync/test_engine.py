@@ -1027,3 +1027,66 @@ def test_adacomp_under_the_residual_memory_selects_with_the_memorys_residual_not
     for res in run_workers(_adacomp_residuals, 2):
         assert res[True]["kept"] == 0 and res[False]["kept"] == 2
         assert all(torch.equal(a, b) for a, b in zip(res[True]["avg"], res[False]["avg"]))
+
+
+# summed codecs that take a group by its parts laid back to back, as DDP lays out a bucket
+BY_PARTS = {"powersgd": {"rank": 2}, "randomk": {"ratio": 0.05}}
+# gathered ones by parts, whose default path holds no copy of a group through its exchange
+GATHERED_BY_PARTS = {"topk": {"ratio": 0.05}, "sketchml": {}, "sketchml-sparse": {"ratio": 0.05}}
+
+
+def _by_parts_in_place(rank: int, world: int, memory: str) -> dict:
+    out = {}
+    for label, options in GATHERED_BY_PARTS.items():
+        buffer, tensors, names, compress = _bucket(8)
+        comm = gradzip.Communicator(label.split("-")[0], memory=memory, **options)
+        out[label] = comm.in_place(buffer, tensors, names, compress)
+        comm.close()
+    for label, options in BY_PARTS.items():
+        name = label.split("-")[0]
+        for path in ("in place", "fused"):
+            comm = gradzip.Communicator(name, memory=memory, **options)
+            buffer, tensors, names, compress = _bucket(8)
+            assert comm.in_place(buffer, tensors, names, compress), label
+            avgs = []
+            for step in range(3):
+                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+                if path == "in place":
+                    drive(comm.bucket_stages(buffer, tensors, names, compress, step))
+                else:
+                    drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+                avgs.append(buffer.clone())
+            stats = comm.stats()
+            out[label, path] = {"avgs": avgs, "ratio": stats["ratio"], "layouts": len(comm._fused_layouts),
+                                "residuals": sorted(getattr(comm.memory, "residuals", {}))}
+            comm.close()
+    return out
+
+
+@pytest.mark.parametrize("memory", ["none", "residual"])
+def test_codecs_by_parts_average_a_bucket_where_it_lies(memory):
+    """PowerSGD and random-k take a DDP bucket as it lies, by its members in DDP's order (no
+    flat copy of the group): the same averages as the default path's fused group, sorted by
+    name, to the last bits a product takes from where it lies; the uncompressed gradients
+    exactly (PowerSGD carries them with its factors), every rank alike, and the measured wire
+    in the ratio. Top-k and SketchML stay on the default path."""
+    results = run_workers(_by_parts_in_place, 2, memory)
+    assert not any(results[0][label] for label in GATHERED_BY_PARTS)
+    _, tensors, names, compress = _bucket(8)
+    plain = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.bool)
+    at = 0
+    for t, c in zip(tensors, compress):
+        plain[at : at + t.numel()] = not c
+        at += t.numel()
+    for label in BY_PARTS:
+        here, fused = results[0][label, "in place"], results[0][label, "fused"]
+        assert here["layouts"] == 0 and fused["layouts"] >= 1, label  # no group buffer laid out in place
+        for a, b in zip(here["avgs"], results[1][label, "in place"]["avgs"]):
+            assert torch.equal(a, b), label  # every rank alike
+        for step, (a, b) in enumerate(zip(here["avgs"], fused["avgs"])):
+            assert torch.equal(a[plain], b[plain]), (label, step)
+            assert not torch.equal(a[~plain], b[plain].new_zeros(int((~plain).sum()))), label  # compressed, not dropped
+            torch.testing.assert_close(a[~plain], b[~plain], rtol=1e-4, atol=1e-5, msg=f"{label} step {step}")
+        assert 1.5 < here["ratio"] and abs(here["ratio"] / fused["ratio"] - 1) < 0.05, (label, here["ratio"], fused["ratio"])
+        if memory == "residual":
+            assert here["residuals"] == sorted(n for n, c in zip(names, compress) if c), label

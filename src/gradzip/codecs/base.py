@@ -299,6 +299,10 @@ class Codec(Configurable):
     # payload and one exchange for a group, each tensor encoded by its shape inside it (see
     # :meth:`fused_alignment`); collectives that carry parts pass them (``Collective.carries_parts``)
     parts_format: ClassVar[bool] = False
+    # a part given as 1-D goes as it is, its values summed with the factors (PowerSGD): a group
+    # may then carry gradients that are not to be compressed (a DDP bucket averaged where it
+    # lies), with no exchange of their own
+    flat_parts_as_they_are: ClassVar[bool] = False
     # it needs each tensor's shape (PowerSGD factorises matrices): a flat share of a node's sum
     # is sent as it is, so its compressed exchange stays flat across nodes
     needs_shapes: ClassVar[bool] = False

@@ -263,6 +263,7 @@ class PowerSGD(Codec):
     payload_linear = True  # P = M Q, Q = Mᵀ P̂ and the values sent as they are: linear in M
     tensor_state = "q"
     parts_format = True  # a fused group: one call, its factors packed (see the class docstring)
+    flat_parts_as_they_are = True  # (1-D tensors are never factorised)
     needs_shapes = True  # a flat share of a node's sum could not be factorised
     options = {
         "rank": Option(2, int_in(1), "a positive integer", "rank of the approximation"),
@@ -524,8 +525,12 @@ class _Layout:
         return torch.cat([x[a : a + n] for a, n in self.raws], out=out)
 
     def write_raw(self, raw: torch.Tensor, out: torch.Tensor) -> None:
-        """The spans sent as they are, from their gathered (summed) ``raw``, into the flat ``out``."""
-        at = 0
-        for a, n in self.raws:
-            out[a : a + n].copy_(raw[at : at + n])
-            at += n
+        """The spans sent as they are, from their gathered (summed) ``raw``, into the flat ``out``:
+        one multi-tensor copy (a DDP bucket averaged where it lies has a bias between matrices)."""
+        dst = [out[a : a + n] for a, n in self.raws]
+        # (one dtype both sides: CUDA's multi-tensor copy takes its kernel from the destination's)
+        src = list(raw[: self.raw_numel].to(out.dtype).split([n for _, n in self.raws]))
+        if len(dst) == 1:
+            dst[0].copy_(src[0])
+        else:
+            torch._foreach_copy_(dst, src)
