@@ -1035,7 +1035,19 @@ BY_PARTS = {"powersgd": {"rank": 2}, "randomk": {"ratio": 0.05}}
 GATHERED_BY_PARTS = {"topk": {"ratio": 0.05}, "sketchml": {}, "sketchml-sparse": {"ratio": 0.05}}
 
 
-def _by_parts_in_place(rank: int, world: int, memory: str) -> dict:
+def _bucket_of(dtype: torch.dtype, count: int = 8):
+    """:func:`_bucket` in ``dtype``."""
+    buffer, tensors, names, compress = _bucket(count)
+    if dtype == torch.float32:
+        return buffer, tensors, names, compress
+    cast, views, at = buffer.to(dtype), [], 0
+    for t in tensors:
+        views.append(cast[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return cast, views, names, compress
+
+
+def _by_parts_in_place(rank: int, world: int, memory: str, dtype: torch.dtype) -> dict:
     out = {}
     for label, options in GATHERED_BY_PARTS.items():
         buffer, tensors, names, compress = _bucket(8)
@@ -1046,11 +1058,11 @@ def _by_parts_in_place(rank: int, world: int, memory: str) -> dict:
         name = label.split("-")[0]
         for path in ("in place", "fused"):
             comm = gradzip.Communicator(name, memory=memory, **options)
-            buffer, tensors, names, compress = _bucket(8)
+            buffer, tensors, names, compress = _bucket_of(dtype)
             assert comm.in_place(buffer, tensors, names, compress), label
             avgs = []
             for step in range(3):
-                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)))
+                buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(step * 7 + rank)).to(dtype))
                 if path == "in place":
                     drive(comm.bucket_stages(buffer, tensors, names, compress, step))
                 else:
@@ -1063,14 +1075,16 @@ def _by_parts_in_place(rank: int, world: int, memory: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("memory", ["none", "residual"])
-def test_codecs_by_parts_average_a_bucket_where_it_lies(memory):
+@pytest.mark.parametrize("memory, dtype", [("none", torch.float32), ("residual", torch.float32),
+                                           ("none", torch.float16), ("none", torch.bfloat16)])
+def test_codecs_by_parts_average_a_bucket_where_it_lies(memory, dtype):
     """PowerSGD and random-k take a DDP bucket as it lies, by its members in DDP's order (no
     flat copy of the group): the same averages as the default path's fused group, sorted by
     name, to the last bits a product takes from where it lies; the uncompressed gradients
     exactly (PowerSGD carries them with its factors), every rank alike, and the measured wire
-    in the ratio. Top-k and SketchML stay on the default path."""
-    results = run_workers(_by_parts_in_place, 2, memory)
+    in the ratio. Top-k and SketchML stay on the default path. (16-bit buckets are averaged
+    in place without error feedback only: the residual is fp32.)"""
+    results = run_workers(_by_parts_in_place, 2, memory, dtype)
     assert not any(results[0][label] for label in GATHERED_BY_PARTS)
     _, tensors, names, compress = _bucket(8)
     plain = torch.zeros(sum(t.numel() for t in tensors), dtype=torch.bool)
@@ -1086,7 +1100,8 @@ def test_codecs_by_parts_average_a_bucket_where_it_lies(memory):
         for step, (a, b) in enumerate(zip(here["avgs"], fused["avgs"])):
             assert torch.equal(a[plain], b[plain]), (label, step)
             assert not torch.equal(a[~plain], b[plain].new_zeros(int((~plain).sum()))), label  # compressed, not dropped
-            torch.testing.assert_close(a[~plain], b[~plain], rtol=1e-4, atol=1e-5, msg=f"{label} step {step}")
+            tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}  # (16-bit: one rounding of the same)
+            torch.testing.assert_close(a[~plain], b[~plain], **tol, msg=f"{label} step {step}")
         assert 1.5 < here["ratio"] and abs(here["ratio"] / fused["ratio"] - 1) < 0.05, (label, here["ratio"], fused["ratio"])
         if memory == "residual":
             assert here["residuals"] == sorted(n for n, c in zip(names, compress) if c), label
