@@ -378,6 +378,23 @@ def test_bucket_statistics_tell_every_nonfinite_input_and_no_finite_one(spec, ke
     assert bool(c.nonfinite(p)) and not torch.isfinite(c.decode(p)).all()
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_casts_tell_every_nonfinite_input_from_the_values_they_send(spec, dtype, kernels, monkeypatch):
+    """The casts' flag, read from the values sent (no pass over the input): true for a NaN,
+    +inf or -inf anywhere, false for finite values however large (the cast saturates them)."""
+    monkeypatch.setenv("GRADZIP_KERNELS", kernels)
+    c = gradzip.codec(spec)
+    top = torch.finfo(dtype).max
+    assert not bool(c.nonfinite(c.encode(torch.tensor([top, -top, 1.0, 0.0] * 40, dtype=dtype), "w")))
+    assert not bool(c.nonfinite(c.encode(torch.empty(0, dtype=dtype), "w")))
+    for where, bad in [(0, float("nan")), (500, float("inf")), (999, -float("inf"))]:
+        x = _randn((1000,)).to(dtype)
+        x[where] = bad
+        assert bool(c.nonfinite(c.encode(x, "w"))), (where, bad)
+
+
 def test_allgather_of_huge_finite_values_is_finite():
     x = torch.full((15,), 1e38)
     for name in ("none", "topk", "signsgd"):
