@@ -28,7 +28,7 @@ workers=$($py -c "import os; print(max(1, min(12, (os.cpu_count() or 2) - 2)))")
 xdist=$($py -c "import xdist" 2>/dev/null && echo "-n $workers")
 status=0
 start=$(date +%s)
-mem=fp32,torch-fp16,maxmin:bits=4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual,powersgd,topk
+mem=fp32,torch-fp16,maxmin:bits=4,maxmin:bits=4:in_place=true,maxmin:bits=4:memory=residual,powersgd,powersgd:in_place=true,topk
 step() {  # name, time limit (s), command...
     local name=$1 limit=$2; shift 2
     echo "== [$(( $(date +%s) - start ))s] $name: $*"
@@ -40,7 +40,7 @@ step() {  # name, time limit (s), command...
 }
 if [ $targets = 1 ]; then
     # (maxmin:bits=4:in_place=true: each DDP bucket averaged where it lies, no group buffer)
-    one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,maxmin:bits=4:in_place=true,powersgd
+    one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,maxmin:bits=4:in_place=true,powersgd,powersgd:in_place=true
     two=fp32,maxmin:bits=4,maxmin4,maxmin:bits=4:in_place=true
     # (the steps' limits add up to more than ten minutes: the ones a short lease needs most come first)
     step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
