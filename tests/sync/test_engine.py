@@ -1049,15 +1049,17 @@ def _bucket_of(dtype: torch.dtype, count: int = 8):
 
 def _by_parts_in_place(rank: int, world: int, memory: str, dtype: torch.dtype) -> dict:
     out = {}
+    # "decay": a residual scaled by gamma before the new gradient is added
+    kind = {"memory": "residual", "memory_options": {"gamma": 0.5}} if memory == "decay" else {"memory": memory}
     for label, options in GATHERED_BY_PARTS.items():
         buffer, tensors, names, compress = _bucket(8)
-        comm = gradzip.Communicator(label.split("-")[0], memory=memory, **options)
+        comm = gradzip.Communicator(label.split("-")[0], **kind, **options)
         out[label] = comm.in_place(buffer, tensors, names, compress)
         comm.close()
     for label, options in BY_PARTS.items():
         name = label.split("-")[0]
         for path in ("in place", "fused"):
-            comm = gradzip.Communicator(name, memory=memory, **options)
+            comm = gradzip.Communicator(name, **kind, **options)
             buffer, tensors, names, compress = _bucket_of(dtype)
             assert comm.in_place(buffer, tensors, names, compress), label
             avgs = []
@@ -1069,21 +1071,35 @@ def _by_parts_in_place(rank: int, world: int, memory: str, dtype: torch.dtype) -
                     drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
                 avgs.append(buffer.clone())
             stats = comm.stats()
+            # then a NaN in an uncompressed gradient on the last rank
+            buffer.copy_(torch.randn(buffer.numel(), generator=torch.Generator().manual_seed(50 + rank)).to(dtype))
+            if rank == world - 1:
+                tensors[1].view(-1)[3] = float("nan")
+            kept = {k: v.clone() for k, v in getattr(comm.memory, "residuals", {}).items()}
+            if path == "in place":
+                drive(comm.bucket_stages(buffer, tensors, names, compress, 3))
+            else:
+                drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=3))
             out[label, path] = {"avgs": avgs, "ratio": stats["ratio"], "layouts": len(comm._fused_layouts),
-                                "residuals": sorted(getattr(comm.memory, "residuals", {}))}
+                                "residuals": sorted(getattr(comm.memory, "residuals", {})),
+                                "counted": (stats["params_compressed"], stats["params_uncompressed"]),
+                                "nan": [int(t.isnan().sum()) for t in tensors],
+                                "kept": all(torch.equal(v, comm.memory.residuals[k]) for k, v in kept.items())}
             comm.close()
     return out
 
 
-@pytest.mark.parametrize("memory, dtype", [("none", torch.float32), ("residual", torch.float32),
+@pytest.mark.parametrize("memory, dtype", [("none", torch.float32), ("residual", torch.float32), ("decay", torch.float32),
                                            ("none", torch.float16), ("none", torch.bfloat16)])
 def test_codecs_by_parts_average_a_bucket_where_it_lies(memory, dtype):
     """PowerSGD and random-k take a DDP bucket as it lies, by its members in DDP's order (no
     flat copy of the group): the same averages as the default path's fused group, sorted by
     name, to the last bits a product takes from where it lies; the uncompressed gradients
     exactly (PowerSGD carries them with its factors), every rank alike, and the measured wire
-    in the ratio. Top-k and SketchML stay on the default path. (16-bit buckets are averaged
-    in place without error feedback only: the residual is fp32.)"""
+    in the ratio, the uncompressed ones counted as such. With a residual that decays
+    (``gamma``) PowerSGD copies them out instead: the decay is not theirs. Top-k and SketchML
+    stay on the default path. (16-bit buckets are averaged in place without error feedback
+    only: the residual is fp32.)"""
     results = run_workers(_by_parts_in_place, 2, memory, dtype)
     assert not any(results[0][label] for label in GATHERED_BY_PARTS)
     _, tensors, names, compress = _bucket(8)
@@ -1103,5 +1119,13 @@ def test_codecs_by_parts_average_a_bucket_where_it_lies(memory, dtype):
             tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}  # (16-bit: one rounding of the same)
             torch.testing.assert_close(a[~plain], b[~plain], **tol, msg=f"{label} step {step}")
         assert 1.5 < here["ratio"] and abs(here["ratio"] / fused["ratio"] - 1) < 0.05, (label, here["ratio"], fused["ratio"])
-        if memory == "residual":
+        assert here["counted"] == fused["counted"] == (compress.count(True), compress.count(False)), label
+        # a NaN in an uncompressed gradient: carried with PowerSGD's factors, it makes the whole
+        # bucket NaN (residuals kept); summed apart, it stays in its own value
+        numels = [t.numel() for t in tensors]
+        alone = [1 if i == 1 else 0 for i in range(len(tensors))]
+        carried = label == "powersgd" and memory != "decay"
+        assert here["nan"] == (numels if carried else alone) and fused["nan"] == alone, (label, here["nan"])
+        assert here["kept"] == carried and not fused["kept"] or memory == "none", label
+        if memory != "none":
             assert here["residuals"] == sorted(n for n, c in zip(names, compress) if c), label

@@ -1190,8 +1190,11 @@ class Communicator:
         A codec that takes a group by its parts (PowerSGD) gets the bucket's members in DDP's
         order, each by its shape; a gradient not to be compressed is a 1-D part of its own,
         which PowerSGD sends as it is with its factors (no exchange of its own, no copy out),
-        and other codecs get its place zeroed, as above. Warm starts and residuals stay keyed
-        by name, as on the default path.
+        and other codecs get its place zeroed, as above. Carried so, they share the bucket's
+        non-finite flag: a NaN or ±inf in any gradient of the bucket makes its whole average
+        NaN on every rank (residuals kept), where a separate sum spreads one through the
+        uncompressed gradients alone. Warm starts and residuals stay keyed by name, as on the
+        default path.
         """
         started = time.perf_counter()
         self._prune_layouts(step)  # (it may lend nothing from the pools)
@@ -1206,7 +1209,9 @@ class Communicator:
         # the codec's parts: every gradient by its shape, an uncompressed one flat
         shapes = tuple((names[i], tensors[i].shape if compress[i] else torch.Size([tensors[i].numel()]))
                        for i in range(len(tensors))) if by_parts else None
-        carried = by_parts and codec.flat_parts_as_they_are  # the uncompressed ones go with the payload
+        # the uncompressed ones go with the payload (not where error feedback scales the bucket
+        # by its decay first: they are copied out then, as for other codecs)
+        carried = by_parts and codec.flat_parts_as_they_are and (not mem.stateful or mem.gamma == 1.0)
         parts = []
         lent: List[torch.Tensor] = []
         try:
@@ -1249,9 +1254,15 @@ class Communicator:
             wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
         else:
             wire = codec.wire_bytes(span.numel(), span.dtype)
-        record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
-        sent = range(len(tensors)) if carried else comp  # (carried: the payload holds them too)
-        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in sent], **record)
+        factor = coll.sent_per_byte(self.world_size)
+        if carried and plain:  # sent as they are inside the payload: counted as uncompressed, as on the default path
+            raw = [(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain]
+            plain_bytes = sum(n for _, n in raw)
+            wire -= plain_bytes
+            self.metrics.record_group(raw, wire=plain_bytes, encode_s=0.0, decode_s=0.0, compressed=False,
+                                      sent=factor * plain_bytes, codec=self._plain_codec.name)
+        record = _metrics_of(res, wire, factor, True, codec)
+        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in comp], **record)
         self.metrics.record_group_time(key, time.perf_counter() - started)
         return list(tensors)
 
