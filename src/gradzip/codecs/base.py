@@ -86,6 +86,15 @@ def nonfinite_poison(x: torch.Tensor) -> torch.Tensor:
     return lo * 0 + hi * 0
 
 
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
+
+    One reading pass, the minimum and maximum together: NaN propagates through them and ±Inf
+    is one of them, while, unlike a sum, they cannot overflow on large finite values.
+    """
+    return nonfinite_poison(x) != 0
+
+
 def all_finite(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``x``'s device: no NaN or ±inf in ``x`` (no host sync; see :func:`nonfinite_poison`)."""
     return nonfinite_poison(x) == 0

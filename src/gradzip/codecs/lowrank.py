@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import shared_generator
 from ..kernels.rng import counter_uniform
-from .base import SEED, Codec, Meta, Option, Payload, all_finite, element_size, int_in, layout_cache
+from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in, layout_cache, nonfinite_flag
 from .registry import register_codec
 
 
@@ -339,7 +339,7 @@ class PowerSGD(Codec):
         """From the first payload: ``P = M Q`` carries every NaN or ±inf of a factorised tensor
         (``NaN · 0`` is NaN), a payload sent as it is is the input; the tensors sent as they
         are beside factors go in the last round, whose sums the all-reduce checks."""
-        return None if not payload.tensors else ~all_finite(payload.tensors[0])
+        return None if not payload.tensors else nonfinite_flag(payload.tensors[0])
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
         return self.next_round_many([payload], [reduced])[0]

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs.base import Codec, Payload, element_size, nonfinite_poison
+from ..codecs.base import Codec, Payload, element_size, nonfinite_flag
 from ..kernels import store_into
 from ..options import Registry
 from ..options import Configurable
@@ -167,15 +167,6 @@ def world(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share storage (then writing one may change the other)."""
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
-    """0-dim bool tensor: does ``x`` hold NaN or Inf (no host sync).
-
-    One reading pass, the minimum and maximum together: NaN propagates through them and ±Inf
-    is one of them, while, unlike a sum, they cannot overflow on large finite values.
-    """
-    return nonfinite_poison(x) != 0
 
 
 # ------------------------------------------------------------------------- wire format
