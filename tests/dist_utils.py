@@ -25,13 +25,14 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-from gradzip.comm.launch import free_port, spawn_local
+from gradzip.comm.launch import free_port, local_context, spawn_local, with_environment
 
 TIMEOUT_S = 120  # a collective that waits longer has hung
 
 
-def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
+def _serve(rank: int, world_size: int, port: int, conn: Any, environ: Dict[str, str]) -> None:
     """One kept rank: join the job, then run each function sent until told to stop."""
+    with_environment(environ)
     import torch
     import torch.distributed as dist
 
@@ -77,12 +78,12 @@ class _Pool:
     """W kept ranks and a pipe to each."""
 
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = local_context()  # (forked from a server that has imported torch, as spawn_local's ranks)
         port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child, dict(os.environ)), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -148,8 +148,10 @@ def run_memory(
     # not what glibc's heap kept of earlier steps (the same for every method)
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 17)
-    try:
-        per_method = [spawn_local(memory_worker, workers, model, m, steps, warmup, str(dev), all_ranks=True)
+    try:  # (fresh interpreters: glibc reads that setting when a process starts, and a rank forked
+        # from a server would count its first touch of torch's pages as memory it added)
+        per_method = [spawn_local(memory_worker, workers, model, m, steps, warmup, str(dev), all_ranks=True,
+                                   start_method="spawn")
                       for m in methods]
     finally:
         if old is None:

@@ -4,7 +4,8 @@ Used by ``gradzip demo``, ``gradzip bench`` and the multi-process tests, so a co
 can run a distributed job and then report in the parent process (where printing and plotting
 live). Every rank's result (or its traceback) travels back through a file.
 
-On plain loopback the ranks are started with ``torch.multiprocessing``. On an emulated cluster
+On plain loopback the ranks are started with ``torch.multiprocessing``, forked from a server
+that has imported torch (:func:`local_context`). On an emulated cluster
 they are started as on real machines: one ``torchrun`` per node, inside the node's network
 namespace, meeting the others through a c10d rendezvous on node 0's address; torchrun assigns
 node ranks, sets ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` and the rest, and restarts the whole
@@ -34,10 +35,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_context() -> Any:
+    """The ``multiprocessing`` context local ranks start from: a fork server that imports torch
+    once, where the platform has one (Linux, macOS), else ``spawn``.
+
+    A spawned rank imports torch before it does anything, about 3 s of CPU on a small machine,
+    which is most of what a short benchmark configuration or test job costs; a rank forked from
+    the server has it already and starts in a fraction of a second. The server imports torch
+    alone (no CUDA, no thread pool, no gradzip: each rank reads gradzip's settings fresh), and a
+    rank gets the parent's environment as it is at the start (:func:`with_environment`), not the
+    server's, so it sees what a spawned one would; what a process reads only when it starts
+    (glibc's ``MALLOC_*`` settings, Python's hash seed) it has from the server. The server is
+    Python's own: one a parent process, started with the first ranks; one started before
+    without torch is used as it is.
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (read when the server starts)
+    return ctx
+
+
+def with_environment(environ: dict) -> None:
+    """Make this process's environment ``environ`` (the parent's at the start: a rank forked
+    from the server would otherwise have the server's)."""
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def _entry(
     rank: int, world_size: int, port: int, outdir: str, timeout_s: float, ranks_per_node: Optional[int], fn: Callable,
-    args: tuple,
+    args: tuple, environ: dict,
 ) -> None:
+    with_environment(environ)
     if ranks_per_node:  # what torchrun tells the ranks of a node, one torchrun per node
         os.environ.update(
             GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
@@ -163,7 +196,7 @@ def _torchrun_per_node(
 def spawn_local(
     fn: Callable, world_size: int, *args: Any, all_ranks: bool = False, timeout_s: float = 300, cluster: Any = None,
     deadline_s: Optional[float] = None, missing_ok: bool = False, ranks_per_node: Optional[int] = None,
-    max_restarts: int = 0,
+    max_restarts: int = 0, start_method: Optional[str] = None,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks.
 
@@ -173,6 +206,8 @@ def spawn_local(
     entered :class:`gradzip.bench.cluster.EmulatedCluster`) one torchrun per node starts the
     node's ranks in its namespace, and gloo talks over the shaped links; ``max_restarts`` is
     torchrun's (the job starts again on every node after a rank fails, as often as that).
+    ``start_method``: ``multiprocessing``'s, for loopback ranks (default: :func:`local_context`'s;
+    ``"spawn"`` where a rank must start from a fresh interpreter).
     ``timeout_s`` bounds each collective; ``deadline_s`` bounds the whole job: ranks still
     running then are killed and ``RuntimeError`` says so.
     With ``missing_ok`` a rank that exits with status 0 but no result (one that dies on purpose,
@@ -187,7 +222,7 @@ def spawn_local(
             if cluster is not None:
                 failure = _torchrun_per_node(cluster, world_size, outdir, timeout_s, fn, args, deadline_s, max_restarts)
             else:
-                failure = _spawn(world_size, outdir, timeout_s, ranks_per_node, fn, args, deadline_s)
+                failure = _spawn(world_size, outdir, timeout_s, ranks_per_node, fn, args, deadline_s, start_method)
             records: List[Any] = []
             for r in range(world_size):
                 path = os.path.join(outdir, f"{r}.pkl")
@@ -212,13 +247,14 @@ def spawn_local(
 
 def _spawn(
     world_size: int, outdir: str, timeout_s: float, ranks_per_node: Optional[int], fn: Callable, args: tuple,
-    deadline_s: Optional[float],
+    deadline_s: Optional[float], start_method: Optional[str] = None,
 ) -> Optional[Exception]:
     """``world_size`` ranks from ``torch.multiprocessing``; None when all ended."""
     import torch.multiprocessing as mp
 
-    args_ = (world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args)
-    ctx = mp.spawn(_entry, args=args_, nprocs=world_size, join=False)
+    args_ = (world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args, dict(os.environ))
+    ctx = mp.start_processes(_entry, args=args_, nprocs=world_size, join=False,
+                             start_method=start_method or local_context().get_start_method())
     start = time.monotonic()
     try:
         while not ctx.join(timeout=1.0):
