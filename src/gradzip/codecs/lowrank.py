@@ -381,8 +381,10 @@ class PowerSGD(Codec):
         """Next step's Qs: this step's summed ones, orthonormalised. A non-finite step (NaN/Inf on
         any rank: the sum is then non-finite everywhere, and its orthonormalised Q all NaN)
         keeps the Q before it, or every later step would be NaN too."""
-        # (each sum's Qᵀ alone: an fp32 input's raw values follow them in the same tensor)
-        flat = sums[0] if len(sums) == 1 else torch.cat([s[: lay.q_numel] for s, lay in zip(sums, layouts)])
+        # (each sum's Qᵀ alone: an fp32 input's raw values follow them in the same tensor; one
+        # sum's as a view, so its stacks fill from it as it lies, with no indexed read)
+        flat = (sums[0][: layouts[0].q_numel] if len(sums) == 1
+                else torch.cat([s[: lay.q_numel] for s, lay in zip(sums, layouts)]))
         mats = [mat for lay in layouts for mat in lay.mats]
         for batch, stack in orthonormal_packed(flat, [(mat.m, mat.r) for mat in mats]):
             names = tuple(mats[i].name for i in batch)
