@@ -1,12 +1,12 @@
 """Start real worker processes (gloo on CPU) for multi-rank tests.
 
-Starting W ranks costs about two seconds a job on two cores (each imports torch and meets the
-others), more than many tests take themselves. So the ranks of :func:`run_workers` are started
+Starting W ranks costs time on two cores (each forks from a server that has imported torch, as
+``spawn_local``'s do, imports gradzip and meets the others), more than many tests take themselves. So the ranks of :func:`run_workers` are started
 once per world size and kept for the session: each joins the gloo job once, then runs one test
 function after another. A call's node layout (``ranks_per_node``) is set in the environment for
 that call only, where gradzip reads it (when a communicator is built), so the layouts share the
 ranks. Between two functions a rank puts back what a fresh process would have: its environment,
-torch's default random generator and the module-level names of gradzip's modules (a test may
+torch's default random generator (seeded at random when the rank started) and the module-level names of gradzip's modules (a test may
 patch a device choice there). A function that fails, or a rank that dies or hangs, ends the pool: its ranks
 are killed and the next call starts fresh ones. ``GRADZIP_FRESH_WORKERS=1`` starts new ranks for
 every call instead, as :func:`gradzip.comm.launch.spawn_local` does.
@@ -25,14 +25,15 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-from gradzip.comm.launch import free_port, local_context, spawn_local, with_environment
+from gradzip.comm.launch import begin_rank, free_port, local_context, parent_environment, spawn_local
 
 TIMEOUT_S = 120  # a collective that waits longer has hung
 
 
-def _serve(rank: int, world_size: int, port: int, conn: Any, environ: Dict[str, str]) -> None:
-    """One kept rank: join the job, then run each function sent until told to stop."""
-    with_environment(environ)
+def _serve(environ: Dict[str, str], launcher: int, rank: int, world_size: int, port: int, conn: Any) -> None:
+    """One kept rank: join the job, then run each function sent until told to stop. (The
+    environment, first, is the parent's once unpickled: see ``gradzip.comm.launch``.)"""
+    begin_rank(launcher)  # (its own random seed, as a fresh process has)
     import torch
     import torch.distributed as dist
 
@@ -83,7 +84,7 @@ class _Pool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world_size, port, child, dict(os.environ)), daemon=True)
+            proc = ctx.Process(target=_serve, args=(parent_environment(), os.getpid(), rank, world_size, port, child), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

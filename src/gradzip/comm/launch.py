@@ -25,7 +25,7 @@ import time
 import traceback
 import types
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 
 def free_port() -> int:
@@ -36,41 +36,101 @@ def free_port() -> int:
 
 
 def local_context() -> Any:
-    """The ``multiprocessing`` context local ranks start from: a fork server that imports torch
-    once, where the platform has one (Linux, macOS), else ``spawn``.
+    """The ``multiprocessing`` context local ranks start from: on Linux a fork server that
+    imports torch once, elsewhere ``spawn`` (macOS spawns by default: forking after its system
+    libraries are loaded is not safe).
 
     A spawned rank imports torch before it does anything, about 3 s of CPU on a small machine,
     which is most of what a short benchmark configuration or test job costs; a rank forked from
     the server has it already and starts in a fraction of a second. The server imports torch
-    alone (no CUDA, no thread pool, no gradzip: each rank reads gradzip's settings fresh), and a
-    rank gets the parent's environment as it is at the start (:func:`with_environment`), not the
-    server's, so it sees what a spawned one would; what a process reads only when it starts
-    (glibc's ``MALLOC_*`` settings, Python's hash seed) it has from the server. The server is
-    Python's own: one a parent process, started with the first ranks; one started before
-    without torch is used as it is.
+    alone (no CUDA, no thread pool, no gradzip). A rank then starts as a spawned one would
+    (:func:`parent_environment`, :func:`begin_rank`): with the environment its parent has when
+    it starts the rank, in place before the task's module is imported; a random seed of its own
+    for torch's default generator; and an end when its parent is gone. What a process reads
+    only when it starts, it has from the server, as the server's parent had it when the server
+    started (with the first ranks): glibc's ``MALLOC_*`` settings, Python's hash seed (the same
+    on every rank), and what torch reads when it is imported (``OMP_NUM_THREADS``,
+    ``TORCH_DISTRIBUTED_DEBUG``); ``spawn_local(..., start_method="spawn")`` starts fresh
+    interpreters where that matters. The server is Python's own, one a parent process, its
+    preloaded modules set here (one started before is used as it is).
     """
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if not sys.platform.startswith("linux") or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (read when the server starts)
     return ctx
 
 
-def with_environment(environ: dict) -> None:
-    """Make this process's environment ``environ`` (the parent's at the start: a rank forked
-    from the server would otherwise have the server's)."""
+def with_environment(environ: Dict[str, str]) -> Dict[str, str]:
+    """Make this process's environment ``environ``; returns it."""
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
+    return environ
+
+
+class _ParentEnvironment:
+    """This process's environment, which a rank makes its own as it unpickles it: first among a
+    rank's arguments, it is in place before the task's module (or the parent's script) is
+    imported to unpickle the arguments after it. A rank gets it as a dict."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self) -> Tuple[Callable, Tuple[Dict[str, str]]]:
+        return with_environment, (self.environ,)
+
+
+def parent_environment() -> Any:
+    """This process's environment as a rank's first argument (see :class:`_ParentEnvironment`)."""
+    return _ParentEnvironment()
+
+
+def begin_rank(launcher: int) -> None:
+    """What a local rank does first, so one forked from the server starts as a spawned one
+    would: a random seed of its own for torch's default generator (a fork would share the
+    server's), and an end when ``launcher`` (the process that started it) is gone (the parent's
+    death that torch's ranks wait for is the server's, which outlives it)."""
+    import torch
+
+    torch.seed()
+    if os.getppid() != launcher:
+        import threading
+
+        threading.Thread(target=_end_with, args=(launcher,), name="gradzip-launcher-watch", daemon=True).start()
+
+
+def _end_with(pid: int) -> None:
+    """Exit this process once process ``pid`` has ended (a pidfd turns readable then, zombie or
+    not; without one, polled)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        import select
+
+        select.select([fd], [], [])
+    else:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # (alive, another user's: a reused pid)
+                pass
+    os._exit(1)
 
 
 def _entry(
-    rank: int, world_size: int, port: int, outdir: str, timeout_s: float, ranks_per_node: Optional[int], fn: Callable,
-    args: tuple, environ: dict,
+    rank: int, environ: Dict[str, str], launcher: int, world_size: int, port: int, outdir: str, timeout_s: float,
+    ranks_per_node: Optional[int], fn: Callable, args: tuple,
 ) -> None:
-    with_environment(environ)
+    with_environment(environ)  # (already, as it was unpickled)
+    begin_rank(launcher)
     if ranks_per_node:  # what torchrun tells the ranks of a node, one torchrun per node
         os.environ.update(
             GROUP_RANK=str(rank // ranks_per_node), LOCAL_RANK=str(rank % ranks_per_node),
@@ -216,7 +276,7 @@ def spawn_local(
     ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``); on a cluster the cluster's layout decides.
     """
     old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # children inherit it before they import torch
+    os.environ["OMP_NUM_THREADS"] = "1"  # (a spawned rank reads it as it imports torch; every rank sets one thread)
     try:
         with tempfile.TemporaryDirectory(prefix="gradzip-") as outdir:
             if cluster is not None:
@@ -252,9 +312,11 @@ def _spawn(
     """``world_size`` ranks from ``torch.multiprocessing``; None when all ended."""
     import torch.multiprocessing as mp
 
-    args_ = (world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args, dict(os.environ))
-    ctx = mp.start_processes(_entry, args=args_, nprocs=world_size, join=False,
-                             start_method=start_method or local_context().get_start_method())
+    method = start_method or local_context().get_start_method()
+    if method == "forkserver":
+        local_context()  # (its preloaded modules)
+    args_ = (parent_environment(), os.getpid(), world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args)
+    ctx = mp.start_processes(_entry, args=args_, nprocs=world_size, join=False, start_method=method)
     start = time.monotonic()
     try:
         while not ctx.join(timeout=1.0):
