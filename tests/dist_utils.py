@@ -1,15 +1,17 @@
 """Start real worker processes (gloo on CPU) for multi-rank tests.
 
 Starting W ranks costs time on two cores (each forks from a server that has imported torch, as
-``spawn_local``'s do, imports gradzip and meets the others), more than many tests take themselves. So the ranks of :func:`run_workers` are started
-once per world size and kept for the session: each joins the gloo job once, then runs one test
-function after another. A call's node layout (``ranks_per_node``) is set in the environment for
-that call only, where gradzip reads it (when a communicator is built), so the layouts share the
-ranks. Between two functions a rank puts back what a fresh process would have: its environment,
-torch's default random generator (seeded at random when the rank started) and the module-level names of gradzip's modules (a test may
-patch a device choice there). A function that fails, or a rank that dies or hangs, ends the pool: its ranks
-are killed and the next call starts fresh ones. ``GRADZIP_FRESH_WORKERS=1`` starts new ranks for
-every call instead, as :func:`gradzip.comm.launch.spawn_local` does.
+``spawn_local``'s do, imports gradzip and meets the others), more than many tests take
+themselves. So the ranks of :func:`run_workers` are started once per world size and kept for
+the session: each joins the gloo job once, then runs one test function after another. A call's
+node layout (``ranks_per_node``) is set in the environment for that call only, where gradzip
+reads it (when a communicator is built), so the layouts share the ranks. Between two functions
+a rank puts back what a fresh process would have: its environment, torch's default random
+generator (seeded at random when the rank started) and the module-level names of gradzip's
+modules (a test may patch a device choice there). A function that fails, or a rank that dies
+or hangs, ends the pool: its ranks are killed and the next call starts fresh ones.
+``GRADZIP_FRESH_WORKERS=1`` starts new ranks for every call instead, as
+:func:`gradzip.comm.launch.spawn_local` does.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
-from gradzip.comm.launch import begin_rank, free_port, local_context, parent_environment, spawn_local
+from gradzip.comm.launch import ParentEnvironment, begin_rank, free_port, local_context, spawn_local
 
 TIMEOUT_S = 120  # a collective that waits longer has hung
 
@@ -84,7 +86,8 @@ class _Pool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(parent_environment(), os.getpid(), rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(ParentEnvironment(), os.getpid(), rank, world_size, port, child),
+                               daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

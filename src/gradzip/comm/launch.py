@@ -44,7 +44,7 @@ def local_context() -> Any:
     which is most of what a short benchmark configuration or test job costs; a rank forked from
     the server has it already and starts in a fraction of a second. The server imports torch
     alone (no CUDA, no thread pool, no gradzip). A rank then starts as a spawned one would
-    (:func:`parent_environment`, :func:`begin_rank`): with the environment its parent has when
+    (:class:`ParentEnvironment`, :func:`begin_rank`): with the environment its parent has when
     it starts the rank, in place before the task's module is imported; a random seed of its own
     for torch's default generator; and an end when its parent is gone. What a process reads
     only when it starts, it has from the server, as the server's parent had it when the server
@@ -71,7 +71,7 @@ def with_environment(environ: Dict[str, str]) -> Dict[str, str]:
     return environ
 
 
-class _ParentEnvironment:
+class ParentEnvironment:
     """This process's environment, which a rank makes its own as it unpickles it: first among a
     rank's arguments, it is in place before the task's module (or the parent's script) is
     imported to unpickle the arguments after it. A rank gets it as a dict."""
@@ -81,11 +81,6 @@ class _ParentEnvironment:
 
     def __reduce__(self) -> Tuple[Callable, Tuple[Dict[str, str]]]:
         return with_environment, (self.environ,)
-
-
-def parent_environment() -> Any:
-    """This process's environment as a rank's first argument (see :class:`_ParentEnvironment`)."""
-    return _ParentEnvironment()
 
 
 def begin_rank(launcher: int) -> None:
@@ -129,7 +124,7 @@ def _entry(
     rank: int, environ: Dict[str, str], launcher: int, world_size: int, port: int, outdir: str, timeout_s: float,
     ranks_per_node: Optional[int], fn: Callable, args: tuple,
 ) -> None:
-    with_environment(environ)  # (already, as it was unpickled)
+    # (``environ``, the parent's, was made this process's as it was unpickled: ParentEnvironment)
     begin_rank(launcher)
     if ranks_per_node:  # what torchrun tells the ranks of a node, one torchrun per node
         os.environ.update(
@@ -312,10 +307,9 @@ def _spawn(
     """``world_size`` ranks from ``torch.multiprocessing``; None when all ended."""
     import torch.multiprocessing as mp
 
-    method = start_method or local_context().get_start_method()
-    if method == "forkserver":
-        local_context()  # (its preloaded modules)
-    args_ = (parent_environment(), os.getpid(), world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args)
+    default = local_context()  # (which also sets the fork server's preloaded modules, for either method)
+    method = start_method or default.get_start_method()
+    args_ = (ParentEnvironment(), os.getpid(), world_size, free_port(), outdir, timeout_s, ranks_per_node, fn, args)
     ctx = mp.start_processes(_entry, args=args_, nprocs=world_size, join=False, start_method=method)
     start = time.monotonic()
     try:
