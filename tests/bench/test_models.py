@@ -192,6 +192,15 @@ def test_real_forward_backward_with_an_extra_config(tiny_resnet_report):
     assert rows[EXTRA]["collective"] == "allgather"
 
 
+def test_the_printed_table_has_a_row_for_every_method(tiny_resnet_report):
+    """Five methods and the compute-only row: the model's name and sizes go down the first
+    column, and no row is dropped once they are used up."""
+    (model,) = tiny_resnet_report["models"]
+    cells = M._cells(tiny_resnet_report)
+    assert [row[1] for row in cells] == ["compute only (no DDP)"] + tiny_resnet_report["methods"]
+    assert cells[0][0] == model["model"] and all(row[0] == "" for row in cells[4:])
+
+
 @pytest.mark.timeout(120)
 def test_a_method_that_compresses_nothing_is_measured_too(tiny_resnet_report):
     # in warm-up every bucket goes by a plain all-reduce issued from the hook: no codec time at all

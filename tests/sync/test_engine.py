@@ -457,7 +457,7 @@ def _jobs_in_the_pipeline(rank: int, world: int, collective: str, late: bool, de
 
     with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
-        names = [[f"job{j}.w{i}" for i in range(2)] for j in range(3)]
+        names = [[f"job{j}.w{i}" for i in range(4)] for j in range(3)]
         comm = gradzip.Communicator("maxmin", bits=4, memory="residual", collective=collective)
         if not late:
             comm.collective.reads_input_first = False
@@ -469,8 +469,8 @@ def _jobs_in_the_pipeline(rank: int, world: int, collective: str, late: bool, de
             pipeline = Pipeline(lambda what, exc, seconds: exc)
             futures = [torch.futures.Future() for _ in names]
             for j, (job, fut) in enumerate(zip(names, futures)):
-                pipeline.arrive(comm.reduce_many_stages(grads[j], job, [True, True], inplace=True, step=step),
-                                fut, f"job {j}", flush=j == len(names) - 1)
+                pipeline.arrive(comm.reduce_many_stages(grads[j], job, [True] * 4, inplace=True, groups=[[0, 1], [2, 3]],
+                                                        step=step), fut, f"job {j}", flush=j == len(names) - 1)
             avgs.append([t.clone() for fut in futures for t in fut.value()])
         out = {"avgs": avgs, "pooled": comm._flat_pools[torch.float32].nbytes,
                "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
@@ -484,10 +484,11 @@ def test_with_error_feedback_a_group_in_flight_holds_no_input_buffer(collective,
     """With error feedback a group's input goes back to the pool once encoded, as without it:
     when the agreed flag settles the residual, the input is made again from the gradients and
     the old residual (the same operations, the same bits) in a buffer lent for that moment.
-    Three jobs of two groups in the pipeline hold one buffer of a group's size (on an
+    Three jobs of two groups each in the pipeline hold one buffer of a group's size (on an
     accelerator two: the input made again, and the new residual before the flag picks it)
-    where they held one per group in flight; the same averages and residuals, a NaN step at
-    one rank included (every rank keeps its residual)."""
+    where they held one per group in flight (a job's two, as the pipeline's jobs take turns
+    group by group); the same averages and residuals, a NaN step at one rank included (every
+    rank keeps its residual)."""
     group_bytes = 2 * 64 * 96 * 4
     for late, early in zip(run_workers(_jobs_in_the_pipeline, world, collective, True, device_flag),
                            run_workers(_jobs_in_the_pipeline, world, collective, False, device_flag)):
@@ -495,9 +496,56 @@ def test_with_error_feedback_a_group_in_flight_holds_no_input_buffer(collective,
         assert late["pooled"] < 1.25 * held * group_bytes <= early["pooled"] / 1.5, (late["pooled"], early["pooled"])
         for a, b in zip(late["avgs"], early["avgs"]):
             assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
-        assert all(bool(t.isnan().all()) for t in late["avgs"][1][2:4])
+        assert all(bool(t.isnan().all()) for t in late["avgs"][1][4:6])
         assert late["residuals"].keys() == early["residuals"].keys()
         assert all(torch.equal(late["residuals"][k], early["residuals"][k]) for k in late["residuals"])
+
+
+def _payloads_in_flight(rank: int, world: int, codec: str, collective: str, memory: str, pipelined: bool) -> dict:
+    """Three jobs of four groups each, in the pipeline or each driven alone; what the
+    collective's pool holds after three steps (as many payload buffers as were lent at once)."""
+    from gradzip.sync.pipeline import Pipeline
+
+    g = torch.Generator().manual_seed(rank)
+    comm = gradzip.Communicator(codec, collective=collective, memory=memory)
+    jobs = [[f"job{j}.w{i}" for i in range(8)] for j in range(3)]
+    groups = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    avgs = []
+    for step in range(3):
+        grads = [[torch.randn(64, 96, generator=g) for _ in names] for names in jobs]
+        if step == 1 and rank == 0:
+            grads[1][2][3, 4] = float("inf")
+        futures = [torch.futures.Future() for _ in jobs]
+        pipeline = Pipeline(lambda what, exc, seconds: exc)
+        for j, (names, fut) in enumerate(zip(jobs, futures)):
+            stages = comm.reduce_many_stages(grads[j], names, [True] * 8, inplace=True, groups=groups, step=step)
+            if pipelined:
+                pipeline.arrive(stages, fut, f"job {j}", flush=j == len(jobs) - 1)
+            else:
+                fut.set_result(drive(stages))
+        avgs.append([t.clone() for fut in futures for t in fut.value()])
+    out = {"avgs": avgs, "pooled": comm.collective._pool.nbytes}
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("codec,collective,world,memory,bound", [
+    ("maxmin", "allgather", 2, "none", 1.0),
+    ("fp8", "allgather", 2, "residual", 1.0),
+    ("maxmin", "sra", 3, "residual", 1.5),
+])
+def test_the_pipeline_holds_the_payloads_of_about_one_job_at_a_time(codec, collective, world, memory, bound):
+    """Jobs in the pipeline take turns group by group (an older job's group decoded, then the
+    new job's encoded), so the all-gather's payload buffers are no more than one job's alone
+    (the SRA's, whose three stages keep three jobs in flight, half as much again), where running
+    one job's stage to its end before the next one's held twice a job's; the same averages, bit
+    for bit, an infinite gradient on one rank included."""
+    for piped, alone in zip(run_workers(_payloads_in_flight, world, codec, collective, memory, True),
+                            run_workers(_payloads_in_flight, world, codec, collective, memory, False)):
+        assert 0 < piped["pooled"] <= bound * alone["pooled"], (piped["pooled"], alone["pooled"])
+        for a, b in zip(piped["avgs"], alone["avgs"]):
+            assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+        assert all(bool(t.isnan().all()) for t in piped["avgs"][1][10:12])
 
 
 def _raw_own_payloads(rank: int, world: int, codec: str, collective: str, options: dict, late: bool) -> dict:

@@ -723,6 +723,7 @@ def _cells(report: Dict[str, Any], none: str = "-", one_cell: bool = False) -> L
         else:
             names = ([model["model"]] + about)[:n_rows - 1]
             names.append(", ".join(([model["model"]] + about)[n_rows - 1:]))
+            names += [""] * (n_rows - len(names))  # (more methods than lines of the name)
         comp = model["compute_times_s"]
         rows = [[
             "compute only (no DDP)", f"{model['compute_s']:.3f}", f"{min(comp):.3f}–{max(comp):.3f}",

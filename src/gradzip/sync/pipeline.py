@@ -3,10 +3,19 @@
 A job (the exchange of one DDP bucket) is a generator of *stages*: it yields each time it has
 issued asynchronous collectives and would next wait for them (see
 :meth:`gradzip.comm.base.Collective.stages`). The :class:`Pipeline` keeps several jobs in
-flight on the ordered worker thread. When a job arrives, its first stage runs (encode, issue the
-scatter), then every older job advances by one stage, oldest first (reduce and issue the
-all-gather; then decode). So while bucket k's payloads are on the wire, bucket k+1 is encoded
+flight on the ordered worker thread. When a job arrives, every job in flight advances by one
+stage, oldest first (reduce and issue the all-gather; decode), and the new job runs its first
+(encode, issue the scatter). So while bucket k's payloads are on the wire, bucket k+1 is encoded
 and bucket k−1 decoded (Bai et al., HiPress, SOSP'21).
+
+A stage of a job of several groups comes in parts (one group's share each: the stages yield
+:data:`~gradzip.comm.stages.PART` between them), and the jobs advanced together take turns part
+by part: bucket k−1's first group is decoded, then bucket k's first group encoded, then the
+second of each, and so on. A group's payload buffers go back to the pool as soon as it is
+decoded, and the next group takes them, so one bucket's groups hold payloads at a time, where
+running one job's stage to its end before the next one's held two buckets' (the peak of a step,
+as backward ends). The wire's queue does not run dry: the group waited for was issued a whole
+bucket earlier, and the rest of its bucket is queued behind it.
 
 The order in which collectives are issued depends only on the sequence of jobs and on which of
 them flush (the last bucket of a backward pass drains the pipeline), never on timing, so every
@@ -20,7 +29,7 @@ from typing import Any, Callable, Generator, List, Sequence
 
 import torch
 
-from ..comm.stages import Stages, drive, lockstep, staged  # noqa: F401  (re-exported for the engine)
+from ..comm.stages import PART, Stages, drive, lockstep, staged  # noqa: F401  (re-exported for the engine)
 
 
 @dataclass
@@ -46,31 +55,36 @@ class Pipeline:
         return len(self._jobs)
 
     def arrive(self, stages: Stages, future: torch.futures.Future, what: str, flush: bool) -> None:
-        """Start a job: its first stage, then one stage of every older job; all of them to the
-        end when ``flush``. ``future`` completes with the job's return value."""
+        """Start a job: one stage of every older job, oldest first, and the new job's first, part
+        by part in turn; all of them to the end when ``flush``. ``future`` completes with the
+        job's return value."""
         job = _Job(stages, future, what)
         older = list(self._jobs)
         self._jobs.append(job)
-        self._advance(job)
-        for other in older:
-            self._advance(other)
+        self._stage(older + [job])
         if flush:
             self.drain()
 
     def drain(self) -> None:
         """Advance every job in flight, a stage each in turn, until all have finished."""
         while self._jobs:
-            for job in list(self._jobs):
-                self._advance(job)
+            self._stage(list(self._jobs))
 
-    def _advance(self, job: _Job) -> None:
+    def _stage(self, jobs: List[_Job]) -> None:
+        """One stage of each of ``jobs``, their parts taking turns in that order."""
+        while jobs:
+            jobs = [job for job in jobs if self._advance(job)]
+
+    def _advance(self, job: _Job) -> bool:
+        """One part of ``job``'s stage; whether the stage has more parts."""
         if job not in self._jobs:
-            return
+            return False
         try:
-            next(job.stages)
+            return next(job.stages) is PART
         except StopIteration as stop:
             self._jobs.remove(job)
             job.future.set_result(stop.value)
+            return False
         except Exception as exc:
             failure = self._on_failure(job.what, exc, time.monotonic() - job.start)
             jobs, self._jobs = self._jobs, []
