@@ -50,7 +50,10 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 def test_ranks_end_when_the_process_that_started_them_is_killed(tmp_path: Path):
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    # (its temporary folders in the test's, which a killed launcher cannot remove itself)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(scratch)}
     launcher = subprocess.Popen([sys.executable, "-m", "tests.comm.launch_task", str(tmp_path)], cwd=root, env=env)
     try:
         deadline = time.monotonic() + 60
