@@ -452,9 +452,22 @@ def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(codec
         assert all(bool(t.isnan().all()) for t in late["avgs"][1][4:])
 
 
-def _jobs_in_the_pipeline(rank: int, world: int, collective: str, late: bool, device_flag: bool) -> dict:
+def _averages_of_jobs(jobs: list, pipelined: bool = True) -> List[torch.Tensor]:
+    """Jobs (a bucket's stages each) through one pipeline as DDP's hook hands them over, the
+    last draining it, or each driven alone; every job's averages in order, cloned."""
     from gradzip.sync.pipeline import Pipeline
 
+    pipeline = Pipeline(lambda what, exc, seconds: exc)
+    futures = [torch.futures.Future() for _ in jobs]
+    for j, (stages, fut) in enumerate(zip(jobs, futures)):
+        if pipelined:
+            pipeline.arrive(stages, fut, f"job {j}", flush=j == len(jobs) - 1)
+        else:
+            fut.set_result(drive(stages))
+    return [t.clone() for fut in futures for t in fut.value()]
+
+
+def _jobs_in_the_pipeline(rank: int, world: int, collective: str, late: bool, device_flag: bool) -> dict:
     with _device_choices(device_flag):
         g = torch.Generator().manual_seed(rank)
         names = [[f"job{j}.w{i}" for i in range(4)] for j in range(3)]
@@ -466,12 +479,10 @@ def _jobs_in_the_pipeline(rank: int, world: int, collective: str, late: bool, de
             grads = [[torch.randn(64, 96, generator=g) for _ in job] for job in names]
             if step == 1 and rank == world - 1:
                 grads[1][0][3, 5] = float("nan")
-            pipeline = Pipeline(lambda what, exc, seconds: exc)
-            futures = [torch.futures.Future() for _ in names]
-            for j, (job, fut) in enumerate(zip(names, futures)):
-                pipeline.arrive(comm.reduce_many_stages(grads[j], job, [True] * 4, inplace=True, groups=[[0, 1], [2, 3]],
-                                                        step=step), fut, f"job {j}", flush=j == len(names) - 1)
-            avgs.append([t.clone() for fut in futures for t in fut.value()])
+            avgs.append(_averages_of_jobs([
+                comm.reduce_many_stages(grads[j], job, [True] * 4, inplace=True, groups=[[0, 1], [2, 3]], step=step)
+                for j, job in enumerate(names)
+            ]))
         out = {"avgs": avgs, "pooled": comm._flat_pools[torch.float32].nbytes,
                "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
         comm.close()
@@ -504,8 +515,6 @@ def test_with_error_feedback_a_group_in_flight_holds_no_input_buffer(collective,
 def _payloads_in_flight(rank: int, world: int, codec: str, collective: str, memory: str, pipelined: bool) -> dict:
     """Three jobs of four groups each, in the pipeline or each driven alone; what the
     collective's pool holds after three steps (as many payload buffers as were lent at once)."""
-    from gradzip.sync.pipeline import Pipeline
-
     g = torch.Generator().manual_seed(rank)
     comm = gradzip.Communicator(codec, collective=collective, memory=memory)
     jobs = [[f"job{j}.w{i}" for i in range(8)] for j in range(3)]
@@ -515,15 +524,10 @@ def _payloads_in_flight(rank: int, world: int, codec: str, collective: str, memo
         grads = [[torch.randn(64, 96, generator=g) for _ in names] for names in jobs]
         if step == 1 and rank == 0:
             grads[1][2][3, 4] = float("inf")
-        futures = [torch.futures.Future() for _ in jobs]
-        pipeline = Pipeline(lambda what, exc, seconds: exc)
-        for j, (names, fut) in enumerate(zip(jobs, futures)):
-            stages = comm.reduce_many_stages(grads[j], names, [True] * 8, inplace=True, groups=groups, step=step)
-            if pipelined:
-                pipeline.arrive(stages, fut, f"job {j}", flush=j == len(jobs) - 1)
-            else:
-                fut.set_result(drive(stages))
-        avgs.append([t.clone() for fut in futures for t in fut.value()])
+        avgs.append(_averages_of_jobs([
+            comm.reduce_many_stages(grads[j], names, [True] * 8, inplace=True, groups=groups, step=step)
+            for j, names in enumerate(jobs)
+        ], pipelined))
     out = {"avgs": avgs, "pooled": comm.collective._pool.nbytes}
     comm.close()
     return out
@@ -551,8 +555,6 @@ def test_the_pipeline_holds_the_payloads_of_about_one_job_at_a_time(codec, colle
 def _raw_own_payloads(rank: int, world: int, codec: str, collective: str, options: dict, late: bool) -> dict:
     """Three jobs in the pipeline: a compressed group whose payloads are sent as they are, a
     plain sum of the same size (it borrows the same pool buffers across its wait), another group."""
-    from gradzip.sync.pipeline import Pipeline
-
     g = torch.Generator().manual_seed(rank)
     comm = gradzip.Communicator(codec, collective=collective, memory="residual", **options)
     if not late:
@@ -561,12 +563,10 @@ def _raw_own_payloads(rank: int, world: int, codec: str, collective: str, option
     avgs = []
     for step in range(3):
         grads = [[torch.randn(64, 96, generator=g) for _ in names] for names, _ in jobs]
-        pipeline = Pipeline(lambda what, exc, seconds: exc)
-        futures = [torch.futures.Future() for _ in jobs]
-        for j, ((names, compress), fut) in enumerate(zip(jobs, futures)):
-            pipeline.arrive(comm.reduce_many_stages(grads[j], names, compress, inplace=True, step=step),
-                            fut, f"job {j}", flush=j == len(jobs) - 1)
-        avgs.append([t.clone() for fut in futures for t in fut.value()])
+        avgs.append(_averages_of_jobs([
+            comm.reduce_many_stages(grads[j], names, compress, inplace=True, step=step)
+            for j, (names, compress) in enumerate(jobs)
+        ]))
     out = {"avgs": avgs, "residuals": {k: v.clone() for k, v in comm.memory.residuals.items()}}
     comm.close()
     return out

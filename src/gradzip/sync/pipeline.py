@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, Sequence
+from typing import Callable, List
 
 import torch
 
@@ -58,10 +58,8 @@ class Pipeline:
         """Start a job: one stage of every older job, oldest first, and the new job's first, part
         by part in turn; all of them to the end when ``flush``. ``future`` completes with the
         job's return value."""
-        job = _Job(stages, future, what)
-        older = list(self._jobs)
-        self._jobs.append(job)
-        self._stage(older + [job])
+        self._jobs.append(_Job(stages, future, what))
+        self._stage(list(self._jobs))  # (oldest first: the new job last)
         if flush:
             self.drain()
 
