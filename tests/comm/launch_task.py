@@ -10,6 +10,7 @@ AT_IMPORT = os.environ.get("LAUNCH_TEST_MARKER")
 
 
 def where(rank: int, world: int) -> dict:
+    preloaded = "torch._dynamo" in sys.modules  # (what DistributedDataParallel's constructor imports)
     import torch
     import torch.distributed as dist
 
@@ -17,7 +18,7 @@ def where(rank: int, world: int) -> dict:
     dist.all_reduce(total)
     return {"parent": os.getppid(), "marker": os.environ.get("LAUNCH_TEST_MARKER"), "at_import": AT_IMPORT,
             "seed": torch.initial_seed(), "threads": torch.get_num_threads(), "sum": total.item(),
-            "path": sys.path[:]}
+            "path": sys.path[:], "preloaded": preloaded}
 
 
 def sleep_and_say_where(rank: int, world: int, folder: str) -> None:

@@ -31,11 +31,13 @@ def test_ranks_start_from_the_fork_server_as_spawned_ones_would(monkeypatch):
         assert [(r["marker"], r["at_import"]) for r in ranks] == [(value, value)] * 2
         assert all(r["threads"] == 1 and r["sum"] == 3.0 for r in ranks)
         assert all(r["path"] == sys.path for r in ranks)
+        assert all(r["preloaded"] for r in ranks)  # DDP's imports come with the fork, not in each rank
         seeds.update(r["seed"] for r in ranks)
     assert len(seeds) == 4  # each rank of each job seeded at random, as a fresh process is
     # where a rank must be a fresh interpreter (the memory benchmark): started by this process
     ranks = spawn_local(launch_task.where, 2, all_ranks=True, start_method="spawn")
     assert all(r["parent"] == os.getpid() and r["marker"] == "second" and r["sum"] == 3.0 for r in ranks)
+    assert not any(r["preloaded"] for r in ranks)
 
 
 def _alive(pid: int) -> bool:

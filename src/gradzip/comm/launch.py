@@ -41,9 +41,10 @@ def local_context() -> Any:
     libraries are loaded is not safe).
 
     A spawned rank imports torch before it does anything, about 3 s of CPU on a small machine,
-    which is most of what a short benchmark configuration or test job costs; a rank forked from
-    the server has it already and starts in a fraction of a second. The server imports torch
-    alone (no CUDA, no thread pool, no gradzip). A rank then starts as a spawned one would
+    and its first ``DistributedDataParallel`` imports ``torch._dynamo``, about 3 s more: most of
+    what a short benchmark configuration or test job costs. A rank forked from the server has
+    both already and starts in a fraction of a second. The server imports those alone (no CUDA,
+    no thread pool, no gradzip). A rank then starts as a spawned one would
     (:class:`ParentEnvironment`, :func:`begin_rank`): with the environment its parent has when
     it starts the rank, in place before the task's module is imported; a random seed of its own
     for torch's default generator; and an end when its parent is gone. What a process reads
@@ -59,7 +60,7 @@ def local_context() -> Any:
     if not sys.platform.startswith("linux") or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # (read when the server starts)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])  # (read when the server starts)
     return ctx
 
 
