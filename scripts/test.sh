@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
+.venv/bin/python -m compileall -q tests >/dev/null  # (the ranks import the test modules: see setup.sh)
 exec .venv/bin/python -m pytest -q "$@"
