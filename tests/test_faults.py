@@ -252,6 +252,7 @@ def _torchrun(outdir: Path, kill_at: int, steps: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_killed_and_restarted_job_ends_where_the_uninterrupted_one_does(tmp_path):
     from .resume_job import train
 

@@ -121,6 +121,7 @@ def _node_and_cross(rank: int, world: int, numel: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 @pytest.mark.timeout(300)
 def test_ranks_of_a_node_share_its_namespace_and_only_traffic_between_nodes_is_shaped():

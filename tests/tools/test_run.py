@@ -51,14 +51,13 @@ JOBS = {
 }
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every job of JOBS launched at once (each waits on its own ranks' rendezvous much of the
-    time); the finished ones by name."""
-    root = tmp_path_factory.mktemp("run")
+def _launched(root: Path, *names: str) -> Dict[str, Tuple[subprocess.CompletedProcess, list]]:
+    """The jobs of JOBS named, launched at once (each waits on its own ranks' rendezvous much of
+    the time); the finished ones by name."""
     procs = {}
     try:
-        for name, (launcher, args, env) in JOBS.items():
+        for name in names:
+            launcher, args, env = JOBS[name]
             procs[name] = _start(launcher, root / name, *args, **env)
         return {name: _finish(proc, root / name) for name, proc in procs.items()}
     finally:
@@ -68,36 +67,37 @@ def launched(tmp_path_factory):
                 proc.communicate()
 
 
-@pytest.mark.timeout(180)
-def test_an_unedited_script_trains_compressed_and_a_script_with_its_own_hook_keeps_it(launched):
-    proc, ranks = launched["gz"]
+def _trained_compressed(job: Tuple[subprocess.CompletedProcess, list], codec: str) -> List[float]:
+    """Checks a job that gradzip compressed with ``codec``; rank 0's parameters."""
+    proc, ranks = job
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(ranks) == 2
-    assert all(r["hooks"] == ["gradzip_hook"] for r in ranks), [r["hooks"] for r in ranks]
-    assert all(r["replicas_identical"] for r in ranks)
-    found = SUMMARY.findall(proc.stdout)
-    assert len(found) == 1, proc.stdout  # rank 0 only
-    codec, ratio = found[0]
-    assert codec == "maxmin(bits=4)" and float(ratio) > 3.0, proc.stdout
+    assert all(r["hooks"] == ["gradzip_hook"] and r["replicas_identical"] for r in ranks), ranks
+    (found_codec, ratio), = SUMMARY.findall(proc.stdout)  # rank 0 only
+    assert found_codec == codec and float(ratio) > 3.0, proc.stdout
+    return ranks[0]["params"]
 
+
+@pytest.mark.timeout(180)
+def test_an_unedited_script_trains_compressed(tmp_path):
+    _trained_compressed(_launched(tmp_path, "gz")["gz"], "maxmin(bits=4)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_script_with_its_own_hook_keeps_it_and_gradzip_variables_configure_the_others(tmp_path):
+    jobs = _launched(tmp_path, "own", "env")
+    # GRADZIP_* variables alone (no flags) choose the codec of every rank
+    compressed = _trained_compressed(jobs["env"], "qsgd(bits=2)")
     # the script registers PyTorch's plain all-reduce hook: gradzip leaves that model alone,
     # and it trains uncompressed (the reference for the weights above)
-    own, own_ranks = launched["own"]
+    own, own_ranks = jobs["own"]
     assert own.returncode == 0, own.stderr[-3000:]
     assert all(r["hooks"] == ["allreduce_hook"] and r["replicas_identical"] for r in own_ranks)
     assert "already has a communication hook" in own.stderr
     assert "gradzip run: no DistributedDataParallel model was compressed" in own.stdout
-    diff = max(abs(a - b) for a, b in zip(ranks[0]["params"], own_ranks[0]["params"]))
+    diff = max(abs(a - b) for a, b in zip(compressed, own_ranks[0]["params"]))
     assert 1e-6 < diff < 0.1, diff  # compressed gradients moved the weights, a little
-
-
-@pytest.mark.timeout(180)
-def test_gradzip_variables_configure_it(launched):
-    proc, ranks = launched["env"]
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(r["hooks"] == ["gradzip_hook"] and r["replicas_identical"] for r in ranks)
-    (codec, ratio), = SUMMARY.findall(proc.stdout)
-    assert codec == "qsgd(bits=2)" and float(ratio) > 3.0, proc.stdout
 
 
 def test_bad_settings_fail_in_the_launcher_before_any_rank_starts(tmp_path, capsys):
