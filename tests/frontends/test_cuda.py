@@ -135,3 +135,17 @@ def _held_on_cuda(rank: int, world: int) -> dict:
 def test_held_plain_gradients_on_cuda_tensors_are_ddps_averages():
     for res in run_workers(_held_on_cuda, 2):
         assert res["equal"]
+
+
+def _uses_the_gpu(rank: int, world: int) -> dict:
+    bad_fork = torch.cuda._is_in_bad_fork()  # (set where the process it was forked from had started CUDA)
+    return {"bad_fork": bad_fork, "sum": torch.ones(4, device="cuda").sum().item()}
+
+
+def test_ranks_forked_from_the_server_start_cuda_themselves():
+    """The fork server imports torch and what DDP's constructor imports, never CUDA: each rank
+    forked from it starts CUDA on its own."""
+    from gradzip.comm.launch import spawn_local
+
+    for res in spawn_local(_uses_the_gpu, 2, all_ranks=True):
+        assert res == {"bad_fork": False, "sum": 4.0}
