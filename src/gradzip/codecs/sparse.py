@@ -570,7 +570,9 @@ class DGC(_ValuesIndices):
     factor masking and local gradient clipping (``memory_options={"momentum": 0.9,
     "clip_norm": None}``). Use plain SGD without optimizer momentum with it: the memory already
     accumulates momentum. The paper's warm-up (sparsity ramped up over the first epochs) is a
-    schedule of ``ratio`` and is not built in.
+    schedule of ``ratio``, not part of the codec: :func:`gradzip.register` ramps DGC by default
+    (``ramp``: 25 %, 6.25 %, ... of the values over its first 100 compressed steps; ``ramp=0``
+    starts at ``ratio``).
 
     Options: ``ratio`` (default 0.001, the paper's 99.9 % sparsity), ``sample_ratio`` (default
     0.01), ``seed``. Wire: ``m · (value bytes + 4)`` for the ``m ≤ 2k`` values sent
