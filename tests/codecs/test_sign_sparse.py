@@ -751,3 +751,28 @@ def test_topk_flags_a_nonfinite_input_from_the_values_it_sends(monkeypatch, dtyp
         assert bool(codec.nonfinite(codec.encode(flat[10_100:], "c"))) == (where == 25_000), (where, bad)
     dense = gradzip.codec("topk", ratio=0.9).encode(torch.tensor([1.0, float("nan"), 2.0], dtype=dtype))
     assert not dense.tensors[1].numel() and bool(codec.nonfinite(dense))
+
+
+@pytest.mark.parametrize("name,options", [
+    ("topk", {"ratio": 0.01}), ("threshold", {"threshold": 2.0}), ("threshold", {"threshold": 0.0}),
+    ("dgc", {}), ("graddrop", {}),
+], ids=["topk", "threshold", "threshold-dense", "dgc", "graddrop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_sparse_average_is_summed_into_out_with_the_bits_of_aggregate(name, options, dtype):
+    """Every rank's values and indices added into the flat fp32 ``out`` in rank order and
+    divided there: the bits of :meth:`aggregate`, a NaN sent by one rank included, and for an
+    fp32 gradient no float tensor made but the indices' widening (a selection's length, not the
+    group's). A dense payload (every value selected) is added whole."""
+    codec = gradzip.codec(name, **options)
+    n = 40_000
+    xs = [_randn(n, seed=r).to(dtype) for r in range(3)]
+    xs[1][123] = float("nan")
+    payloads = [codec.encode(x, "g", 5) for x in xs]
+    want = codec.aggregate(payloads).float()
+    out = torch.full((n,), 7.0)
+    with LargestMade(dtypes=(torch.float32, torch.float16)) as made:
+        got = codec.aggregate_into(payloads, out)
+    assert got is out and torch.equal(out.nan_to_num(9.0), want.nan_to_num(9.0))
+    assert bool(out[123].isnan()) == bool(want[123].isnan())
+    if dtype == torch.float32:
+        assert made.numel == 0, made.numel

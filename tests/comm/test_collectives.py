@@ -1125,3 +1125,31 @@ def test_an_input_made_again_goes_back_once_read_unless_it_holds_this_ranks_own_
     assert lent == (["input"] if own_in_input else [])
     call.release_input(torch.tensor(False))  # released: the input goes back now in either case
     assert lent == []
+
+
+def _variable_into_out(rank: int, world: int) -> dict:
+    """Data-dependent payloads through the all-gather: the average into an fp32 ``out`` (with
+    the codec's own ``aggregate`` made to fail, so it must be summed there) and into none."""
+    out = {}
+    for name, options in (("threshold", {"threshold": 1.5}), ("inceptionn", {}), ("dgc", {"ratio": 0.01}),
+                          ("graddrop", {})):
+        x = torch.randn(30_000, generator=torch.Generator().manual_seed(rank))
+        fresh = collectives.get("allgather")(None).run(codec(name, **options), x, "w", 3, need_own=True)
+        c = codec(name, **options)  # (a new one draws DGC's and gradient dropping's samples again)
+        c.aggregate = None  # (not called where the average goes into out)
+        into = torch.full_like(x, 7.0)
+        res = collectives.get("allgather")(None).run(c, x, "w", 3, need_own=True, out=into)
+        out[name] = {"avg_same": torch.equal(res.avg, fresh.avg), "own_same": torch.equal(res.own, fresh.own),
+                     "in_out": res.avg.data_ptr() == into.data_ptr(), "avg": res.avg}
+    return out
+
+
+def test_a_data_dependent_payload_is_averaged_into_out():
+    """The all-gather of payloads whose size depends on the data sums every rank's straight
+    into ``out`` (no average of the input's size made and copied): the same average and own
+    payload as into a fresh tensor, the same on every rank."""
+    results = run_workers(_variable_into_out, 2)
+    for name in results[0]:
+        flags = [(r[name]["avg_same"], r[name]["own_same"], r[name]["in_out"]) for r in results]
+        assert all(all(f) for f in flags), (name, flags)
+        assert torch.equal(results[0][name]["avg"], results[1][name]["avg"]), name

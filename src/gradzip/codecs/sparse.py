@@ -128,6 +128,21 @@ class _ValuesIndices(Codec):
                 out.index_add_(0, idx.long(), values.float())
         return saturate(out.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
+    def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
+        """:meth:`aggregate` summed straight into the flat fp32 ``out``, for an fp32 gradient:
+        the same sums in the same order, no tensor of the group's size made and copied."""
+        meta = payloads[0].ctx
+        if meta.dtype != torch.float32:  # (the average rounded to the gradient's dtype first)
+            return out.copy_(self.aggregate(payloads).reshape(-1))
+        out.zero_()
+        for p in payloads:  # rank order, as aggregate's
+            values, idx = p.tensors
+            if _is_dense(values, idx, meta.numel):
+                out.add_(values.reshape(-1))
+            else:
+                out.index_add_(0, idx.long(), values)
+        return out.div_(len(payloads))
+
 
 @register_codec
 class TopK(_ValuesIndices):

@@ -187,7 +187,12 @@ class AllGather(Collective):
             all_gather_flat(gathered.view(-1), row, self.group)
         nonfinite = any_flag(gathered, specs[0], specs)
         payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
-        avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
+        call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
+        out = call.output()
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous():  # summed in its place
+            avg = call.decode(lambda ps, o: call.codec.aggregate_into(ps, o), payloads, out.view(-1))
+        else:
+            avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
         return Exchanged(avg, nonfinite, mine.nbytes)
 
 
