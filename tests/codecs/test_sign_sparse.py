@@ -776,3 +776,5 @@ def test_a_sparse_average_is_summed_into_out_with_the_bits_of_aggregate(name, op
     assert bool(out[123].isnan()) == bool(want[123].isnan())
     if dtype == torch.float32:
         assert made.numel == 0, made.numel
+        total = codec.aggregate_into(payloads, torch.empty(n), mean=False)  # the sum, unscaled
+        assert torch.equal(total.div_(3).nan_to_num(9.0), want.nan_to_num(9.0))

@@ -130,7 +130,8 @@ class _ValuesIndices(Codec):
 
     def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
         """:meth:`aggregate` summed straight into the flat fp32 ``out``, for an fp32 gradient:
-        the same sums in the same order, no tensor of the group's size made and copied."""
+        the same sums in the same order, no tensor of the group's size made and copied (with
+        ``mean`` False the sum, for a caller that scaled the payloads already)."""
         meta = payloads[0].ctx
         if meta.dtype != torch.float32:  # (the average rounded to the gradient's dtype first)
             return out.copy_(self.aggregate(payloads).reshape(-1))
@@ -141,7 +142,7 @@ class _ValuesIndices(Codec):
                 out.add_(values.reshape(-1))
             else:
                 out.index_add_(0, idx.long(), values)
-        return out.div_(len(payloads))
+        return out.div_(len(payloads)) if mean else out
 
 
 @register_codec
