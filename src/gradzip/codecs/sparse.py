@@ -119,31 +119,31 @@ class _ValuesIndices(Codec):
         meta = payloads[0].ctx
         if meta.numel == 0:
             return empty_result(meta)
-        out = torch.zeros(meta.numel, dtype=torch.float32, device=meta.device)
-        for p in payloads:  # rank order: the same float sums on every rank
-            values, idx = p.tensors
-            if _is_dense(values, idx, meta.numel):
-                out.add_(values.float())
-            else:
-                out.index_add_(0, idx.long(), values.float())
+        out = _sum_payloads(payloads, torch.empty(meta.numel, dtype=torch.float32, device=meta.device))
         return saturate(out.div_(len(payloads)).reshape(meta.shape), meta.dtype)
 
     def aggregate_into(self, payloads: Sequence[Payload], out: torch.Tensor, mean: bool = True) -> torch.Tensor:
         """:meth:`aggregate` summed straight into the flat fp32 ``out``, for an fp32 gradient:
         the same sums in the same order, no tensor of the group's size made and copied (with
         ``mean`` False the sum, for a caller that scaled the payloads already)."""
-        meta = payloads[0].ctx
-        if meta.dtype != torch.float32:  # (the average rounded to the gradient's dtype first)
+        if payloads[0].ctx.dtype != torch.float32:  # (the average rounded to the gradient's dtype first)
             return out.copy_(self.aggregate(payloads).reshape(-1))
-        out.zero_()
-        for p in payloads:  # rank order, as aggregate's
-            values, idx = p.tensors
-            if _is_dense(values, idx, meta.numel):
-                out.add_(values.reshape(-1))
-            else:
-                out.index_add_(0, idx.long(), values)
+        _sum_payloads(payloads, out)
         return out.div_(len(payloads)) if mean else out
 
+
+def _sum_payloads(payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    """Every rank's values added at their indices (a dense payload whole) into the flat fp32
+    ``out``, zeroed first, in rank order: the same float sums on every rank."""
+    numel = payloads[0].ctx.numel
+    out.zero_()
+    for p in payloads:
+        values, idx = p.tensors
+        if _is_dense(values, idx, numel):
+            out.add_(values.reshape(-1).float())
+        else:
+            out.index_add_(0, idx.long(), values.float())
+    return out
 
 @register_codec
 class TopK(_ValuesIndices):

@@ -190,7 +190,7 @@ class AllGather(Collective):
         call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
         out = call.output()
         if out is not None and out.dtype == torch.float32 and out.is_contiguous():  # summed in its place
-            avg = call.decode(lambda ps, o: call.codec.aggregate_into(ps, o), payloads, out.view(-1))
+            avg = call.decode(call.codec.aggregate_into, payloads, out.view(-1))
         else:
             avg = call.decode(call.codec.aggregate, payloads).reshape(-1)
         return Exchanged(avg, nonfinite, mine.nbytes)
