@@ -37,7 +37,7 @@ class LargestMade(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        given = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)}
+        given = {t.data_ptr() for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)}
         if (isinstance(out, torch.Tensor) and not func.is_view and out.data_ptr() not in given
                 and (self.dtypes is None or out.dtype in self.dtypes)):
             self.numel = max(self.numel, out.numel())

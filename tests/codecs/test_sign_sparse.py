@@ -675,6 +675,35 @@ def test_dgc_memory_takes_a_group_at_once_as_tensor_by_tensor(monkeypatch):
     assert torch.equal(group.velocities["c"], alone.velocities["c"])
 
 
+def test_dgc_memory_settles_in_place_with_no_tensor_of_the_gradients_size_made():
+    """In a fused group's buffer (the CPU's path, tensor by tensor), compensation makes only
+    this step's momentum, which the update masks in place and keeps; the velocity is masked
+    straight into the old one: the same values as :meth:`compensate` and a fresh update."""
+    from tests.tensors import LargestMade
+
+    n, names = 1000, ["w"]
+    fused_mem, plain = memory("dgc", momentum=0.5), memory("dgc", momentum=0.5)
+    for step in range(4):
+        g = _randn((n,), seed=step)
+        out = torch.full((n,), float("nan"))
+        with LargestMade(dtypes=(torch.float32,)) as made:
+            fused_mem.compensate_many_into([g], names, [out])
+        v = plain.compensate(g, "w")
+        assert torch.equal(out, v)
+        if step:  # (the first step's states are new)
+            assert made.nbytes == n * 4, made.nbytes  # this step's u alone
+        decoded = torch.where(v.abs() > 1.0, v, torch.zeros(()))
+        skip = torch.tensor(step == 2)
+        with LargestMade(dtypes=(torch.float32,)) as made:
+            fused_mem.update_many(names, [out], [decoded], skip=skip)
+        plain.update("w", v, decoded, skip=skip)
+        if step:
+            assert made.numel <= 1, made.numel  # (a zero to mask with)
+        for store in ("momentums", "velocities"):
+            assert torch.equal(getattr(fused_mem, store)["w"], getattr(plain, store)["w"]), (step, store)
+    torch.testing.assert_close(plain.velocities["w"], torch.where(decoded != 0, 0.0, v))
+
+
 def test_dgc_memory_clipping():
     m = memory("dgc", clip_norm=1.0)
     big = torch.tensor([3.0, 4.0])  # norm 5: scaled to norm 1

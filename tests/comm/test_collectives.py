@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import List
 
 import pytest
@@ -1137,19 +1138,34 @@ def _variable_into_out(rank: int, world: int) -> dict:
         fresh = collectives.get("allgather")(None).run(codec(name, **options), x, "w", 3, need_own=True)
         c = codec(name, **options)  # (a new one draws DGC's and gradient dropping's samples again)
         c.aggregate = None  # (not called where the average goes into out)
+        encoded, alive = [], []  # the encoded tensors, and how many live on when the sum starts
+        encode, aggregate_into = c.encode, c.aggregate_into
+
+        def recorded(*args, **kwargs):
+            payload = encode(*args, **kwargs)
+            encoded.extend(weakref.ref(t) for t in payload.tensors)
+            return payload
+
+        def summed(payloads, dest, mean=True):
+            alive.append(sum(r() is not None for r in encoded))
+            return aggregate_into(payloads, dest, mean=mean)
+
+        c.encode, c.aggregate_into = recorded, summed
         into = torch.full_like(x, 7.0)
         res = collectives.get("allgather")(None).run(c, x, "w", 3, need_own=True, out=into)
         out[name] = {"avg_same": torch.equal(res.avg, fresh.avg), "own_same": torch.equal(res.own, fresh.own),
-                     "in_out": res.avg.data_ptr() == into.data_ptr(), "avg": res.avg}
+                     "in_out": res.avg.data_ptr() == into.data_ptr(), "freed": bool(encoded) and alive == [0],
+                     "avg": res.avg}
     return out
 
 
 def test_a_data_dependent_payload_is_averaged_into_out():
     """The all-gather of payloads whose size depends on the data sums every rank's straight
     into ``out`` (no average of the input's size made and copied): the same average and own
-    payload as into a fresh tensor, the same on every rank."""
+    payload as into a fresh tensor, the same on every rank; the encoded payload is freed once
+    copied into its row of the gathered messages, before the transfer and the sum."""
     results = run_workers(_variable_into_out, 2)
     for name in results[0]:
-        flags = [(r[name]["avg_same"], r[name]["own_same"], r[name]["in_out"]) for r in results]
+        flags = [(r[name]["avg_same"], r[name]["own_same"], r[name]["in_out"], r[name]["freed"]) for r in results]
         assert all(all(f) for f in flags), (name, flags)
         assert torch.equal(results[0][name]["avg"], results[1][name]["avg"]), name

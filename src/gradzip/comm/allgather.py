@@ -181,12 +181,13 @@ class AllGather(Collective):
         gathered = torch.empty((w, max(row[-1] for row in table)), dtype=torch.uint8, device=call.x.device)
         row = gathered[call.rank]
         mine = sent_as(payload, row, spec)
+        ctx, payload = payload.ctx, None  # the row stands for it: the encoded tensors are freed now, not at return
         call.keep_own(mine)
         to_bytes(mine.tensors, call.flag, out=row[:length])
         if w > 1:
             all_gather_flat(gathered.view(-1), row, self.group)
         nonfinite = any_flag(gathered, specs[0], specs)
-        payloads = [Payload(payload_views(gathered[r], specs[r]), payload.ctx) for r in range(w)]
+        payloads = [Payload(payload_views(gathered[r], specs[r]), ctx) for r in range(w)]
         call.release_input(nonfinite)  # the input is read no more: the average may overwrite it
         out = call.output()
         if out is not None and out.dtype == torch.float32 and out.is_contiguous():  # summed in its place

@@ -363,17 +363,36 @@ class DGCMemory(Memory):
             return None
         return t if t.device == like.device else t.to(like.device)
 
-    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+    def _momentum_of(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """This step's ``u = momentum·u + g`` (``g`` clipped), a new tensor, kept until
+        :meth:`update` decides whether it becomes the state."""
         g = t.float()
         if self.clip_norm is not None:
             norm = torch.linalg.vector_norm(g)
             g = g * (self.clip_norm / (norm + 1e-6)).clamp(max=1.0)
         u_old = self._get(self.momentums, name, g)
         u = g.clone() if u_old is None else torch.add(g, u_old, alpha=self.momentum)
-        v_old = self._get(self.velocities, name, g)
-        v = u.clone() if v_old is None else v_old + u  # new tensors: neither aliases the state nor t
         self._pending[name] = u
-        return v
+        return u
+
+    def compensate(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        u = self._momentum_of(t, name)
+        v_old = self._get(self.velocities, name, u)
+        return u.clone() if v_old is None else v_old + u  # new tensors: neither aliases the state nor t
+
+    def compensate_into(self, t: torch.Tensor, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``v + u`` summed straight into ``out`` (a fused group's slice): the same sum as
+        :meth:`compensate`'s, no tensor of the gradient's size made and copied."""
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != t.numel():
+            return super().compensate_into(t, name, out)
+        u = self._momentum_of(t, name)
+        v_old = self._get(self.velocities, name, u)
+        shaped = out.view(u.shape)
+        if v_old is None:
+            shaped.copy_(u)
+        else:
+            torch.add(v_old, u, out=shaped)
+        return out
 
     def _group_state(self, tensors: Sequence[torch.Tensor], names: Sequence[str]
                      ) -> Optional[Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]]:
@@ -442,20 +461,40 @@ class DGCMemory(Memory):
             self._pending.pop(n, None)
 
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor, skip: Optional[torch.Tensor] = None) -> None:
+        """The masking written into the state where it lies (this step's ``u`` masked in its
+        own tensor; ``v`` masked straight into the old one): no tensor of the gradient's size
+        made beyond the pending ``u``. A flag on the CPU is read (a skipped step touches
+        nothing); one on a device picks old or new there."""
         v = compensated.float()
         u = self._pending.pop(name, None)
         if u is None or u.shape != v.shape:
             u = torch.zeros_like(v)
+        if skip is not None and reads_on_host(skip):
+            if bool(skip):  # the old state stays (zeros for a name seen the first time)
+                for store in (self.momentums, self.velocities):
+                    if self._get(store, name, v) is None:
+                        store[name] = torch.zeros_like(v)
+                return
+            skip = None
         sent = decoded.reshape(v.shape) != 0
-        u_new = u.masked_fill(sent, 0.0)
-        v_new = v.masked_fill(sent, 0.0)
-        if skip is not None:
-            u_old = self._get(self.momentums, name, v)
-            v_old = self._get(self.velocities, name, v)
-            u_new = torch.where(skip, u_old if u_old is not None else torch.zeros_like(v), u_new)
-            v_new = torch.where(skip, v_old if v_old is not None else torch.zeros_like(v), v_new)
-        self.momentums[name] = u_new
-        self.velocities[name] = v_new
+        u.masked_fill_(sent, 0.0)  # (this step's u: no one else holds it)
+        for store, new in ((self.momentums, u), (self.velocities, None)):
+            old = store.get(name)
+            in_place = old is not None and old.shape == v.shape and old.device == v.device and old.dtype == torch.float32
+            if new is None:  # v masked: into the old state where it can go, else a new tensor
+                if in_place and skip is None:
+                    torch.where(sent, torch.zeros((), dtype=v.dtype, device=v.device), v, out=old)
+                    continue
+                new = v.masked_fill(sent, 0.0)
+            if skip is None:
+                if in_place and old._base is not None:
+                    old.copy_(new)  # (a view of a fused group's state stays one)
+                else:
+                    store[name] = new
+            elif in_place:
+                torch.where(skip, old, new, out=old)
+            else:
+                store[name] = torch.where(skip, torch.zeros((), dtype=v.dtype, device=v.device), new)
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         for store, kept in zip((self.momentums, self.velocities), self._flats):
