@@ -1169,3 +1169,52 @@ def test_a_data_dependent_payload_is_averaged_into_out():
         flags = [(r[name]["avg_same"], r[name]["own_same"], r[name]["in_out"], r[name]["freed"]) for r in results]
         assert all(all(f) for f in flags), (name, flags)
         assert torch.equal(results[0][name]["avg"], results[1][name]["avg"]), name
+
+
+def _gathered_rows(rank: int, world: int) -> dict:
+    """all_gather_flat over the world and over a group of ranks 0 and 2, synchronous and
+    asynchronous, in place and not, with empty rows; and the peak resident memory an
+    all-gather of 3 × 4 MB adds (the kernel's high-water mark, reset before it)."""
+    from gradzip.bench.memory import _status_kb
+    from gradzip.comm.base import all_gather_flat
+
+    pair = dist.new_group([0, 2])
+    got = {}
+    for label, group, members in (("world", None, [0, 1, 2]), ("pair", pair, [0, 2])):
+        if rank not in members:
+            continue
+        w, me = len(members), members.index(rank)
+        for n in (0, 5, 4099):
+            out = torch.full((w, n), -1, dtype=torch.int32)
+            inp = torch.arange(n, dtype=torch.int32) + 1000 * rank
+            all_gather_flat(out.view(-1), inp, group)
+            got[label, n, "apart"] = out.tolist()
+            out = torch.full((w, n), -1, dtype=torch.int32)
+            out[me] = inp
+            all_gather_flat(out.view(-1), out[me], group, async_op=True).wait()
+            got[label, n, "in place"] = out.tolist()
+    out = torch.zeros(3, 4 << 20, dtype=torch.uint8)
+    out[rank].fill_(rank + 1)
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kb("VmRSS")
+    all_gather_flat(out.view(-1), out[rank], None)
+    got["added"] = (_status_kb("VmHWM") - before) * 1024 / out.numel()
+    got["bytes"] = out[:, :: 1 << 20].tolist()
+    return got
+
+
+def test_an_all_gather_on_gloo_fills_the_rows_with_no_temporary_of_their_size():
+    """On gloo the rows go by sends and receives straight into the output: every rank holds
+    every rank's row in rank order (of the world or of a group, whose ranks are not the
+    world's), empty rows included, and the all-gather adds no resident memory of the output's
+    size (gloo's own gathers into a temporary of it first)."""
+    results = run_workers(_gathered_rows, 3)
+    for rank, got in enumerate(results):
+        for (label, n, how), rows in ((k, v) for k, v in got.items() if isinstance(k, tuple)):
+            members = [0, 1, 2] if label == "world" else [0, 2]
+            assert rows == [[1000 * r + i for i in range(n)] for r in members], (rank, label, n, how)
+        assert ("pair", 5, "apart") in got or rank == 1
+        assert got["bytes"] == [[r + 1] * 4 for r in range(3)]
+        assert got["added"] < 0.5, got["added"]

@@ -35,8 +35,59 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False):
-    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major); a work handle if async."""
+    """All-gather ``inp`` from every rank into the flat ``out`` (rank-major); a work handle if async.
+
+    On gloo with CPU tensors the rows go by point-to-point sends and receives, straight between
+    the ranks' buffers (:func:`_gather_by_sends`): gloo's own all-gather gathers into a flat
+    temporary the size of ``out`` and then copies it there, a transient of W rows on top of the
+    W rows the caller holds."""
+    if out.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        work = _gather_by_sends(out, inp, group)
+        if async_op:
+            return work
+        work.wait()
+        return None
     return _all_gather_flat(out, inp, group=group, async_op=async_op)
+
+
+class _Works:
+    """Several work handles waited on as one."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+
+_sends_made: Dict[Any, int] = {}  # all-gathers by point-to-point messages so far, per group: their tag
+
+
+def _gather_by_sends(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+    """The all-gather of :func:`all_gather_flat` as W − 1 sends of this rank's row and W − 1
+    receives into the others' rows, all issued at once: the bytes a rank sends and receives
+    are those of a ring all-gather (W − 1 rows each way), with no temporary. Every rank makes
+    the same all-gathers of a group in the same order (as for any collective), so a count of
+    them per group tags each one's messages alike on every rank."""
+    w, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = out.view(w, -1)
+    mine = rows[rank]
+    if inp.data_ptr() != mine.data_ptr() or inp.numel() != mine.numel():
+        mine.copy_(inp.reshape(-1))
+    if not mine.numel():
+        return _Works([])
+    key = getattr(group or dist.group.WORLD, "group_name", id(group))  # (the same on every rank)
+    tag = _sends_made[key] = (_sends_made.get(key, 0) + 1) % (1 << 30)
+    works = []
+    for k in range(1, w):  # (each rank sends to the next first: no peer is everyone's first)
+        to, src = (rank + k) % w, (rank - k) % w
+        if group is not None:
+            to, src = dist.get_global_rank(group, to), dist.get_global_rank(group, src)
+        works.append(dist.isend(mine, to, group=group, tag=tag))
+        works.append(dist.irecv(rows[(rank - k) % w], src, group=group, tag=tag))
+    return _Works(works)
 
 
 def all_gather_bytes(buf: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
