@@ -41,7 +41,7 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.P
     the ranks' buffers (:func:`_gather_by_sends`): gloo's own all-gather gathers into a flat
     temporary the size of ``out`` and then copies it there, a transient of W rows on top of the
     W rows the caller holds."""
-    if out.device.type == "cpu" and dist.get_backend(group) == "gloo":
+    if out.device.type == "cpu" and "gloo" in str(dist.get_backend(group)):  # (gloo, or "cpu:gloo,cuda:nccl")
         work = _gather_by_sends(out, inp, group)
         if async_op:
             return work
