@@ -81,12 +81,13 @@ def _gather_by_sends(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.
     key = getattr(group or dist.group.WORLD, "group_name", id(group))  # (the same on every rank)
     tag = _sends_made[key] = (_sends_made.get(key, 0) + 1) % (1 << 30)
     works = []
+    def global_rank(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
     for k in range(1, w):  # (each rank sends to the next first: no peer is everyone's first)
         to, src = (rank + k) % w, (rank - k) % w
-        if group is not None:
-            to, src = dist.get_global_rank(group, to), dist.get_global_rank(group, src)
-        works.append(dist.isend(mine, to, group=group, tag=tag))
-        works.append(dist.irecv(rows[(rank - k) % w], src, group=group, tag=tag))
+        works.append(dist.isend(mine, global_rank(to), group=group, tag=tag))
+        works.append(dist.irecv(rows[src], global_rank(src), group=group, tag=tag))
     return _Works(works)
 
 

@@ -477,24 +477,38 @@ class DGCMemory(Memory):
                 return
             skip = None
         sent = decoded.reshape(v.shape) != 0
+        zero = torch.zeros((), dtype=v.dtype, device=v.device)
         u.masked_fill_(sent, 0.0)  # (this step's u: no one else holds it)
-        for store, new in ((self.momentums, u), (self.velocities, None)):
-            old = store.get(name)
-            in_place = old is not None and old.shape == v.shape and old.device == v.device and old.dtype == torch.float32
-            if new is None:  # v masked: into the old state where it can go, else a new tensor
-                if in_place and skip is None:
-                    torch.where(sent, torch.zeros((), dtype=v.dtype, device=v.device), v, out=old)
-                    continue
-                new = v.masked_fill(sent, 0.0)
-            if skip is None:
-                if in_place and old._base is not None:
-                    old.copy_(new)  # (a view of a fused group's state stays one)
-                else:
-                    store[name] = new
-            elif in_place:
-                torch.where(skip, old, new, out=old)
+        self._keep(self.momentums, name, u, skip, zero)
+        old = self._in_place(self.velocities, name, v)
+        if old is not None and skip is None:  # v masked straight into the old velocity
+            torch.where(sent, zero, v, out=old)
+        else:
+            self._keep(self.velocities, name, v.masked_fill(sent, 0.0), skip, zero)
+
+    @staticmethod
+    def _in_place(store: Dict[str, torch.Tensor], name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The state of ``name`` where a new value can be written into it (fp32, ``like``'s
+        shape and device), else None."""
+        old = store.get(name)
+        if old is None or old.shape != like.shape or old.device != like.device or old.dtype != torch.float32:
+            return None
+        return old
+
+    def _keep(self, store: Dict[str, torch.Tensor], name: str, new: torch.Tensor, skip: Optional[torch.Tensor],
+              zero: torch.Tensor) -> None:
+        """``new`` as the state of ``name``, or the old state where the device flag ``skip`` is
+        set (zeros where there was none): into the old one where it lies, else in its place."""
+        old = self._in_place(store, name, new)
+        if skip is None:
+            if old is not None and old._base is not None:
+                old.copy_(new)  # (a view of a fused group's state stays one)
             else:
-                store[name] = torch.where(skip, torch.zeros((), dtype=v.dtype, device=v.device), new)
+                store[name] = new
+        elif old is not None:
+            torch.where(skip, old, new, out=old)
+        else:
+            store[name] = torch.where(skip, zero, new)
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         for store, kept in zip((self.momentums, self.velocities), self._flats):
