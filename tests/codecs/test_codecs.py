@@ -547,6 +547,40 @@ def test_values_and_indices_decode_into_out_without_a_temporary_of_the_tensors_s
         assert torch.equal(out, want) and made.numel < 4000, made.numel
 
 
+@pytest.mark.parametrize("name, options", [("threshold", {"threshold": 0.05}), ("threshold", {"threshold": 1.5}),
+                                           ("dgc", {"ratio": 0.05, "seed": 1}), ("graddrop", {"ratio": 0.05, "seed": 1})])
+def test_sparsifiers_select_a_piece_at_a_time_on_the_cpu(monkeypatch, name, options):
+    """On the CPU a tensor's magnitudes are compared a piece at a time: no magnitudes, mask or
+    indices of the tensor's size are made, and where nearly every value passes (the dense form)
+    no indices of them are made at all. The payload is the one of one pass over the tensor,
+    which for the threshold is the specification: every value whose fp32 magnitude reaches it
+    (NaN never) with its index, or the tensor with zeros elsewhere where that is smaller."""
+    from gradzip.kernels import fused
+
+    n = 20000
+    x = _randn((n,), seed=4)
+    x[[3, 5000, 15000]] = torch.tensor([float("nan"), -0.0, float("-inf")])
+    want = gradzip.codec(name, **options).encode(x, name="w", step=3)
+    if name == "threshold":  # the specification
+        idx = torch.nonzero(x.abs() >= options["threshold"]).reshape(-1)
+        if idx.numel() * 8 <= n * 4:
+            spec = [x[idx], idx.to(torch.int32)]
+        else:
+            spec = [torch.zeros_like(x).index_copy_(0, idx, x[idx]), torch.empty(0, dtype=torch.int32)]
+        assert all(torch.equal(a, b) for a, b in zip(want.tensors, spec))
+        assert (spec[1].numel() == 0) == (options["threshold"] < 1)  # both forms are checked
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    with LargestMade((torch.float32, torch.bool, torch.int64)) as made:
+        got = gradzip.codec(name, **options).encode(x, name="w", step=3)
+    assert [t.dtype for t in got.tensors] == [t.dtype for t in want.tensors]
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got.tensors, want.tensors))
+    sent = got.tensors[1].numel()  # (the dense form: the payload is the tensor's size, its only one)
+    assert made.numel <= max(1000, sent if sent else 0) or (not sent and made.numel == n), made.numel
+    with LargestMade((torch.bool, torch.int64)) as made:
+        gradzip.codec(name, **options).encode(x, name="w", step=3)
+    assert made.numel <= max(1000, sent), made.numel
+
+
 # ============================================================================== sign codecs
 def test_signsgd_majority_vote():
     shape = (7, 143)

@@ -542,6 +542,38 @@ def test_adaq_second_step_selects_on_g_plus_dw():
     assert torch.equal(_bins(y2, 10) != 0, expected)
 
 
+@pytest.mark.parametrize("bin_size", [50, 7, 1500])
+def test_adaq_selects_a_piece_of_bins_at_a_time_on_the_cpu(monkeypatch, bin_size):
+    """On the CPU the bins are compared a piece of whole bins at a time (a bin longer than a
+    piece on its own): over three steps under the residual memory, whose residual it reads, the
+    payloads of one pass over the tensor, with no magnitudes, ``H`` or mask of the tensor's size
+    made, and no dense tensor of what was sent (the memory keeps the residual)."""
+    from gradzip.kernels import fused
+
+    n = 20011
+    gs = [_randn((n,), seed=20 + s) for s in range(3)]
+
+    def run():
+        c, m = gradzip.codec("adaq", bin_size=bin_size), memory("residual")
+        c.use_memory(m)
+        payloads, largest = [], 0
+        for step, g in enumerate(gs):
+            inp = m.compensate(g, "w")
+            with LargestMade((torch.float32, torch.bool)) as made:
+                p = c.encode(inp, name="w", step=step)
+            largest = max(largest, made.numel)
+            m.update("w", inp, c.decode(p))
+            payloads.append(p.tensors)
+        return payloads, largest
+
+    want, _ = run()
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    got, largest = run()
+    assert all(torch.equal(a, b) for w, g in zip(want, got) for a, b in zip(w, g))
+    sent = max(int(p[1].numel()) for p in got)
+    assert largest <= max(bin_size, 1000, sent) < n, largest
+
+
 def test_adaq_error_feedback_and_state_dict():
     c, m = gradzip.codec("adaq"), memory("residual")
     g = _randn((3000,), seed=13)

@@ -382,6 +382,36 @@ def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, b
     assert same(out, want) and made.numel <= 2 * 1000 < n, made.numel  # a piece's temporaries, not n
 
 
+@pytest.mark.parametrize("bucket", [None, 7, 1000, 1003, 2500, 3607])
+def test_table_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, bucket):
+    """The table decode (8-bit format, natural compression) in torch works
+    :data:`fused.TORCH_PIECE` values at a time on the CPU, whole buckets or a long bucket's
+    pieces: the values of one pass over the whole tensor, a NaN and an infinite scale included,
+    into ``out`` and added to it, with no temporary of the tensor's size."""
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    n = 3607
+    g = torch.Generator().manual_seed(n if bucket is None else bucket)
+    codes = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    table = torch.randn(256, generator=g)
+    scale = None
+    if bucket is not None:
+        scale = _x(-(-n // bucket), 5).abs()
+        scale[-1] = float("inf")
+        scale[0] = float("nan")
+    size = n if bucket is None else bucket
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731
+    want = ref.table_decode(codes, table, scale, size, n)
+    assert same(fused.table_decode(codes, table, scale, size, n), want)
+    base = _x(n, 6)
+    assert same(fused.table_decode(codes, table, scale, size, n, base.clone(), True), base + want)
+    assert same(fused.table_decode(codes, table, scale, size, n - 5), want[: n - 5])
+
+    out = torch.empty(n)
+    with LargestMade() as made:
+        fused.table_decode(codes, table, scale, size, n, out)
+    assert same(out, want) and made.numel <= 2 * 1000 < n, made.numel  # a piece's temporaries, not n
+
+
 @pytest.mark.parametrize("start", [0, 1, 1000, (1 << 32) - 3])
 def test_counter_uniform_from_an_offset_draws_what_the_longer_stream_draws_there(start):
     """Draws from ``start`` on are the draws of those indices in one long stream, in the torch

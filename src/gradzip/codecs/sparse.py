@@ -376,18 +376,20 @@ def _draw_layout(parts: Tuple[Tuple[str, torch.Size], ...], ratio: float, device
     return first.to(device), size.to(device), (size / counts.double().repeat_interleave(counts)).to(device)
 
 
-def _sampled_threshold(mag: torch.Tensor, ratio: float, sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
-    """0-dim estimate of the ``ratio`` top quantile of ``mag`` (= |x|) from a random sample.
+def _sampled_threshold(x: torch.Tensor, ratio: float, sample_ratio: float, gen: torch.Generator) -> torch.Tensor:
+    """0-dim estimate of the ``ratio`` top quantile of |x| (in fp32) from a random sample.
 
-    ``ceil(numel · sample_ratio)`` magnitudes are drawn uniformly with replacement from this
-    rank's private generator (the whole tensor when that is every element); the threshold is the
+    ``ceil(numel · sample_ratio)`` values are drawn uniformly with replacement from this rank's
+    private generator (the whole tensor when that is every element); the threshold is the
     ``ceil(s · ratio)``-th largest sampled magnitude, so about ``ratio · numel`` values reach it.
+    Only the sample's magnitudes are made, not the tensor's.
     """
-    n = mag.numel()
+    x = x.reshape(-1)
+    n = x.numel()
     s = min(n, math.ceil(n * sample_ratio))
     if s < n:
-        mag = mag[torch.randint(0, n, (s,), generator=gen, device=mag.device)]
-    return torch.topk(mag, _k(s, ratio), sorted=False).values.min()
+        x = x[torch.randint(0, n, (s,), generator=gen, device=x.device)]
+    return torch.topk(_magnitudes(x), _k(s, ratio), sorted=False).values.min()
 
 
 class _SamplePlan:
@@ -463,13 +465,33 @@ def _magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _selected(x: torch.Tensor, threshold: float = 0.0,
-              per_block: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+              per_block: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, most: Optional[int] = None) -> Any:
     """The ascending indices of the values whose magnitude in fp32 reaches ``threshold`` (an
     fp32 value), or with ``per_block`` = (thresholds, valid) their block of :data:`PART_ALIGN`
     values' threshold (fp32) among its first ``valid`` (int32) values, the rest of a fused
     group's block being padding (:func:`fused.select_magnitudes
-    <gradzip.kernels.fused.select_magnitudes>`: one device wait, the size is the data's)."""
-    return fused.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN)
+    <gradzip.kernels.fused.select_magnitudes>`: one device wait, the size is the data's); None
+    where there are more than ``most``."""
+    return fused.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN, most=most)
+
+
+def _sparse_most(x: torch.Tensor) -> int:
+    """The most values :meth:`_ValuesIndices._payload` sends with their indices: beyond, the
+    dense form is smaller."""
+    size = x.element_size()
+    return x.numel() * size // (size + 4)
+
+
+def _kept(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The flat ``x`` with zeros where its magnitude in fp32 is below ``threshold`` (or NaN): the
+    dense payload of :func:`_selected`'s indices, a piece at a time on the CPU."""
+    out = torch.empty_like(x)
+    step = fused.piece_length(x)
+    for a in range(0, x.numel(), step):
+        piece = x[a : a + step]
+        torch.where(_magnitudes(piece) >= threshold, piece, torch.zeros((), dtype=x.dtype, device=x.device),
+                    out=out[a : a + step])
+    return out
 
 
 def _part_thresholds(x: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...], ratio: float,
@@ -562,7 +584,11 @@ class Threshold(_ValuesIndices):
         return 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return self._payload(x, _selected(x, _fp32(self.threshold)))  # CUDA: one device wait
+        # where more values pass than the sparse form can hold (a threshold below the gradients'
+        # scale), the dense one, made without indices of nearly every value
+        x, threshold = x.reshape(-1), _fp32(self.threshold)
+        idx = _selected(x, threshold, most=_sparse_most(x))  # CUDA: one device wait
+        return self._payload(x, idx) if idx is not None else [_kept(x, threshold), x.new_empty(0, dtype=torch.int32)]
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -630,12 +656,13 @@ class DGC(_ValuesIndices):
         if meta.parts is not None:
             idx = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
             return self._payload(x, self._capped(x, idx, meta.parts))
-        mag = x.float().abs()
-        thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
-        idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait, the size is data-dependent
-        k = _k(mag.numel(), self.ratio)
-        if idx.numel() > 2 * k:  # the size is known on the host once nonzero has returned
-            idx = idx[torch.topk(mag[idx], k, sorted=False).indices]
+        # (a piece at a time on the CPU: no magnitudes of the tensor's size; the threshold read
+        # on the host, as the selection reads its count: see _selected)
+        x = x.reshape(-1)
+        idx = _selected(x, float(_sampled_threshold(x, self.ratio, self.sample_ratio, self._generator(x.device))))
+        k = _k(x.numel(), self.ratio)
+        if idx.numel() > 2 * k:  # the size is known on the host once the selection has returned
+            idx = idx[torch.topk(_magnitudes(x.index_select(0, idx)), k, sorted=False).indices]
         return self._payload(x, idx)
 
     def _capped(self, x: torch.Tensor, idx: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
@@ -705,10 +732,8 @@ class GradDrop(_ValuesIndices):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
             return self._payload(x, _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device)))
-        mag = x.float().abs()
-        thr = _sampled_threshold(mag, self.ratio, self.sample_ratio, self._generator(mag.device))
-        idx = torch.nonzero(mag >= thr).reshape(-1)  # CUDA: one device wait
-        return self._payload(x, idx)
+        x = x.reshape(-1)  # (as dgc's: selected a piece at a time on the CPU)
+        return self._payload(x, _selected(x, float(_sampled_threshold(x, self.ratio, self.sample_ratio, self._generator(x.device)))))
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -813,23 +838,15 @@ class AdaComp(Codec):
         return self.bin_size
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        g = x.float()
+        g = x.float().reshape(-1)
         n = g.numel()
         size, nb = self._bins(n)
-        pad = nb * size - n
-        mag = torch.nn.functional.pad(g.abs(), (0, pad)).view(nb, size)  # zero padding is never sent
         prev = self._residual(meta.name) if meta.parts is None else self._group_residual(meta.parts, g)
         if prev is not None and prev.numel() == n:
-            h = (2 * g - prev.reshape(g.shape).to(g.device)).abs()  # |G + dW| with dW = G - residual
-        elif self.self_adjust:
-            h = 2 * mag  # no residual yet: dW = G
+            prev = prev.reshape(-1).to(g.device)
         else:
-            h = mag
-        if h.dim() == 1:
-            h = torch.nn.functional.pad(h, (0, pad)).view(nb, size)
-        gmax = mag.amax(dim=1, keepdim=True)
-        sel = (h >= gmax) & (mag > 0)  # the zero padding of the last bin is never selected
-        idx = torch.nonzero(sel.view(-1)).reshape(-1)  # ascending, so bin-major; CUDA: one wait
+            prev = None
+        idx, counts = self._selection(g, prev, size, nb)  # ascending, so bin-major; CUDA: one wait
         m = idx.numel()
         local = torch.remainder(idx, size)
         values = g.index_select(0, idx)
@@ -847,7 +864,7 @@ class AdaComp(Codec):
         nonneg = values >= 0
         width = element_size(self._index_dtype)
         dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, x.dtype)
-        if self.self_adjust or dense:
+        if dense or (self.self_adjust and self._memory is None):  # (the memory's residual is its own)
             sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * each)
         if self.self_adjust and self._memory is None:
             old = prev if prev is not None and prev.numel() == n else torch.zeros_like(g)
@@ -861,8 +878,31 @@ class AdaComp(Codec):
             empty = idx.new_empty(0, dtype=self._index_dtype)
             raw = saturate(sent, x.dtype).view(torch.uint8)
             return [empty, empty.clone(), raw, scale.new_empty(0)]
-        counts = sel.sum(dim=1).to(self._index_dtype)
-        return [counts, local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
+        return [counts.to(self._index_dtype), local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
+
+    def _selection(self, g: torch.Tensor, prev: Optional[torch.Tensor], size: int, nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ascending indices of the values of the flat fp32 ``g`` that are sent (``|H| ≥``
+        their bin's ``max |G|``, never a zero) and each bin's count of them; ``prev`` the
+        residual kept last step (flat), if any. On the CPU a piece of whole bins at a time, so
+        the magnitudes, ``H`` and the mask are a piece long, not the tensor's."""
+        n = g.numel()
+        rows = max(1, fused.piece_length(g) // size)
+        found, counts = [], []
+        for r in range(0, nb, rows):
+            a, b = r * size, min((r + rows) * size, n)
+            bins = -(-(b - a) // size)
+            pad = bins * size - (b - a)
+            mag = torch.nn.functional.pad(g[a:b].abs(), (0, pad)).view(bins, size)  # zero padding is never sent
+            if prev is not None:  # |G + dW| with dW = G - residual
+                h = torch.nn.functional.pad((2 * g[a:b] - prev[a:b]).abs(), (0, pad)).view(bins, size)
+            else:
+                h = 2 * mag if self.self_adjust else mag  # no residual yet: dW = G
+            sel = (h >= mag.amax(dim=1, keepdim=True)) & (mag > 0)  # the padding is never selected
+            found.append(torch.nonzero(sel.view(-1)).reshape(-1).add_(a))
+            counts.append(sel.sum(dim=1))
+        if len(found) == 1:
+            return found[0], counts[0]
+        return torch.cat(found), torch.cat(counts)
 
     def _group_residual(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> Optional[torch.Tensor]:
         """The residuals of a fused group's members where they lie in the group (zeros for a

@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -274,27 +274,36 @@ TORCH_PIECE = 1 << 18
 
 def select_magnitudes(
     x: torch.Tensor, threshold: float = 0.0, thresholds: Optional[torch.Tensor] = None,
-    valid: Optional[torch.Tensor] = None, span: int = 256,
-) -> torch.Tensor:
+    valid: Optional[torch.Tensor] = None, span: int = 256, most: Optional[int] = None,
+) -> Optional[torch.Tensor]:
     """:func:`reference.select_magnitudes`: on CUDA two Triton passes; on the CPU a piece of
     :data:`TORCH_PIECE` values (whole blocks) at a time, so the magnitudes and the mask are a
-    piece long, not a fused group's. One device wait (the size is the data's)."""
+    piece long, not a fused group's. One device wait (the size is the data's). None where more
+    than ``most`` values are selected (a caller that then sends them densely): on the CPU the
+    pieces stop there, so no indices of nearly every value are made."""
     kernels = triton_for(x)
     if kernels is not None:
-        return kernels.select_magnitudes(x, threshold, thresholds, valid, span)
+        return _at_most(kernels.select_magnitudes(x, threshold, thresholds, valid, span), most)
     x = x.reshape(-1)
     n, step = x.numel(), piece_length(x)
     if step >= n:
-        return reference.select_magnitudes(x, threshold, thresholds, valid, span)
+        return _at_most(reference.select_magnitudes(x, threshold, thresholds, valid, span), most)
     if thresholds is not None:
         step = max(span, step - step % span)
-    found = []
+    found, count = [], 0
     for a in range(0, n, step):
         b = min(a + step, n)
         blocks = slice(a // span, -(-b // span))
         per_block = (thresholds[blocks], valid[blocks]) if thresholds is not None else (None, None)
         found.append(reference.select_magnitudes(x[a:b], threshold, *per_block, span=span).add_(a))
+        count += found[-1].numel()
+        if most is not None and count > most:
+            return None
     return torch.cat(found)
+
+
+def _at_most(idx: torch.Tensor, most: Optional[int]) -> Optional[torch.Tensor]:
+    return None if most is not None and idx.numel() > most else idx
 
 
 def _inceptionn_piece(numel: int, device: torch.device) -> int:
@@ -445,8 +454,28 @@ def u8bit_codes(
 
 
 def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
+    """``table[code]`` times its bucket's ``scale`` if given (``reference.table_decode``); the
+    torch version a piece at a time on the CPU, so its int32 codes and values are a few MB,
+    not the size of the group."""
     impl = _gpu_or_reference(codes)
+    if impl is reference and codes.device.type == "cpu" and numel > TORCH_PIECE:
+        return _decode_via(impl, out, accumulate, lambda o, a: _table_pieces(codes, table, scale, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.table_decode(codes, table, scale, bucket, numel, o, a))
+
+
+def _table_pieces(codes: torch.Tensor, table: torch.Tensor, scale: Optional[torch.Tensor], bucket: int, numel: int,
+                  out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
+    """``reference.table_decode`` a piece at a time: the same lookup and product for each
+    value, so the same bits."""
+    if out is None:
+        out, accumulate = torch.empty(numel, dtype=torch.float32, device=codes.device), False
+    flat, flat_codes = out.view(-1), codes.reshape(-1)
+    for a, b, k, rows in _bucket_pieces(numel, bucket):
+        values = torch.index_select(table, 0, flat_codes[a:b].to(torch.int32))
+        if scale is not None:
+            values = values * scale[k] if rows is None else _by_rows(values, rows, bucket, lambda v: v * scale[k : k + rows, None])
+        reference.store(values, flat[a:b], accumulate)
+    return out
 
 
 def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
@@ -466,25 +495,38 @@ def _onebit_pieces(packed: torch.Tensor, means: torch.Tensor, bucket: int, numel
     if out is None:
         out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
     flat, m = out.view(-1), means.view(-1, 2)
+    for a, b, k, rows in _bucket_pieces(numel, bucket):
+        lo, skip = divmod(a, 8)
+        bit = unpack_bits(packed.reshape(-1)[lo : -(-b // 8)], 1, skip + b - a)[skip:].float()
+        if rows is None:  # inside bucket k
+            values = bit * m[k, 1] + (1 - bit) * m[k, 0]
+        else:  # whole buckets from k on
+            mm = m[k : k + rows]
+            values = _by_rows(bit, rows, bucket, lambda v: v * mm[:, 1:2] + (1 - v) * mm[:, 0:1])
+        reference.store(values, flat[a:b], accumulate)
+    return out
+
+
+def _bucket_pieces(numel: int, bucket: int) -> Iterator[Tuple[int, int, int, Optional[int]]]:
+    """``(a, b, k, rows)``: values ``a`` to ``b`` in pieces of about :data:`TORCH_PIECE`, each
+    either ``rows`` whole buckets from bucket ``k`` on (the last one may be short) or, where a
+    bucket is longer than a piece, a part of bucket ``k`` (``rows`` None)."""
     long_buckets = bucket > TORCH_PIECE
     step = TORCH_PIECE if long_buckets else bucket * (TORCH_PIECE // bucket)
     a = 0
     while a < numel:
         k = a // bucket
         b = min(a + step, numel, (k + 1) * bucket) if long_buckets else min(a + step, numel)
-        lo, skip = divmod(a, 8)
-        bit = unpack_bits(packed.reshape(-1)[lo : -(-b // 8)], 1, skip + b - a)[skip:].float()
-        if long_buckets:  # inside bucket k
-            values = bit * m[k, 1] + (1 - bit) * m[k, 0]
-        else:  # whole buckets from k on (the last one may be short)
-            rows = -(-(b - a) // bucket)
-            pad = rows * bucket - (b - a)
-            bit = (torch.nn.functional.pad(bit, (0, pad)) if pad else bit).view(rows, bucket)
-            mm = m[k : k + rows]
-            values = (bit * mm[:, 1:2] + (1 - bit) * mm[:, 0:1]).reshape(-1)[: b - a]
-        reference.store(values, flat[a:b], accumulate)
+        yield a, b, k, None if long_buckets else -(-(b - a) // bucket)
         a = b
-    return out
+
+
+def _by_rows(values: torch.Tensor, rows: int, bucket: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` of ``values`` laid out as ``rows`` buckets (the last one padded with zeros), flat
+    again without the padding."""
+    n = values.numel()
+    pad = rows * bucket - n
+    return fn((torch.nn.functional.pad(values, (0, pad)) if pad else values).view(rows, bucket)).reshape(-1)[:n]
 
 
 def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
