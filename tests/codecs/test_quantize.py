@@ -208,6 +208,32 @@ def test_u8bit_deterministic_and_constant_buckets():
     assert torch.equal(_round_trip(gradzip.codec("u8bit"), -x), x * lowest)
 
 
+@pytest.mark.parametrize("bucket", [0, 80, 1000, 2500])
+def test_u8bit_encodes_into_the_given_buffers_a_piece_at_a_time(monkeypatch, bucket):
+    """Given a collective's buffers (``payload_spec``), the codes and scales are written there:
+    the payload of ``encode`` alone, bit for bit, a NaN's bucket included; on the CPU no
+    magnitudes or codes of the tensor's size are made on the way (for a whole number of
+    buckets, as a fused group has: a tail bucket is padded first)."""
+    from gradzip.kernels import fused
+
+    from ..tensors import LargestMade
+
+    n = 20000
+    x = _randn((n,), seed=8) ** 3
+    x[11] = float("nan")
+    c = gradzip.codec("u8bit", bucket_size=bucket)
+    want = c.encode(x)
+    spec = c.payload_spec(n, torch.float32)
+    assert spec == [(t.dtype, t.numel()) for t in want.tensors]
+    out = [torch.empty(k, dtype=d) for d, k in spec]
+    monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+    with LargestMade() as made:
+        got = c.encode(x, out=out)
+    assert all(g is o or g.data_ptr() == o.data_ptr() for g, o in zip(got.tensors, out))
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got.tensors, want.tensors))
+    assert made.numel <= 1000 < n, made.numel
+
+
 # ============================================================================== INCEPTIONN
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bound", [2.0**-10, 2.0**-6, 1e-3, 0.3, 1e-6])

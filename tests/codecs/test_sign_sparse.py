@@ -228,6 +228,28 @@ def test_signum_nonfinite_gradient_keeps_momentum():
     assert torch.equal(c._momentum["w"], before)
 
 
+def test_signum_updates_its_momentum_in_place_on_the_cpu():
+    """On the CPU the momentum is updated where it lies once the step's gradient is known to be
+    finite (read on the host), with the bits of ``β·m + (1 − β)·g``: no tensor of the
+    gradient's size made; a step with a NaN keeps it (and sends the sign of the would-be one)."""
+    beta = 0.9
+    c = gradzip.codec("signum", momentum=beta)
+    m = torch.zeros(3000)
+    for step in range(4):
+        g = _randn((3000,), seed=40 + step)
+        if step == 2:
+            g[5] = float("nan")
+        with LargestMade((torch.float32,)) as made:
+            p = c.encode(g, name="w", step=step)
+        new = torch.add(m * beta, g, alpha=1 - beta)
+        assert torch.equal(p.tensors[0], gradzip.codec("signsgd").encode(new.nan_to_num(-1.0)).tensors[0])
+        if step != 2:
+            m = new
+            if step:
+                assert made.numel <= 1, made.numel
+        assert torch.equal(c._momentum["w"], m), step
+
+
 # ================================================================================ threshold
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tau", [0.0, 0.01, 0.5, 2.0, 100.0])

@@ -112,6 +112,40 @@ def test_sketchml_quantised_piece_by_piece_gives_the_bytes_of_one_pass(monkeypat
     assert made.numel <= _CELLS < x.numel(), made.numel
 
 
+@pytest.mark.parametrize("buckets", [8, 32, 100, 256])
+def test_sketchml_decoded_piece_by_piece_into_out_gives_the_values_of_one_pass(monkeypatch, buckets):
+    """On the CPU the codes are looked up :data:`fused.TORCH_PIECE` values at a time (3, 5, 7
+    and 8 bits a code), straight into ``out`` or added to it: decode()'s values, with no
+    codes widened for the lookup or values of the tensor's size made; a fused group's members
+    likewise, each into its place."""
+    from gradzip.kernels import fused
+
+    from ..tensors import LargestMade
+
+    n = 20003
+    x = _randn((n,), seed=buckets) * 10
+    x[5] = float("nan")
+    codec = gradzip.codec("sketchml", buckets=buckets)
+    shapes = [(4000,), (3, 2001), (10000,)]
+    align = codec.fused_alignment()  # (members on whole bytes of codes)
+    group = _randn((sum(-(-math.prod(s) // align) * align for s in shapes),), seed=3)
+    parts = [(f"p{i}", s) for i, s in enumerate(shapes)]
+    for t, kw in ((x, {}), (group, {"parts": parts})):
+        payload = codec.encode(t, "w", 0, **kw)
+        want = codec.decode(payload).reshape(-1).float()
+        monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
+        out = torch.full((t.numel(),), 7.0)
+        with LargestMade({torch.float32, torch.int32}) as made:
+            assert codec.decode_into(payload, out) is out
+        assert torch.equal(out.nan_to_num(9.0), want.nan_to_num(9.0)) and made.numel <= 1000, made.numel
+        base = _randn((t.numel(),), seed=4)
+        got = codec.decode_into(payload, base.clone(), accumulate=True)
+        assert torch.equal(got.nan_to_num(9.0), (base + want).nan_to_num(9.0))
+        part = torch.empty(t.numel() - 5)  # the first values only
+        assert torch.equal(codec.decode_into(payload, part).nan_to_num(9.0), want[:-5].nan_to_num(9.0))
+        monkeypatch.undo()
+
+
 def test_sketchml_buckets_hold_equal_counts():
     """The quantile sketch gives buckets of about n / (buckets - 1) values (plus the zero split)."""
     n = 200_000

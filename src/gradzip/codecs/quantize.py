@@ -521,14 +521,22 @@ class U8bit(Codec):
     TABLE = _U8_TABLE64.float()  # the 256 values, index = wire code
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, numel), (torch.float32, _num_buckets(self.bucket_size, numel))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         n = x.numel()
         _, mids, lut = _u8_tables(x.device)
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
-        scale = buckets.abs().amax(dim=1)
+        scale = fused.row_maxima(buckets)  # (a piece at a time on the CPU)
+        if out is not None:
+            scale = out[1].copy_(scale)
         # a subnormal scale has no fp32 reciprocal: the largest fp32 keeps 0 · inv at 0, not NaN
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=_FLT_MAX)
         # then one pass (a Triton kernel on CUDA): scaled value, table lookups, index
-        return [fused.u8bit_codes(buckets, inv, mids, lut, n), scale]
+        return [fused.u8bit_codes(buckets, inv, mids, lut, n, None if out is None else out[0]), scale]
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,

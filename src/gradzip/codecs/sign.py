@@ -358,18 +358,20 @@ class Signum(SignSGD):
     def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         g = x.float()
         if meta.parts is not None:  # the group's momentum in one buffer: the same operations on each value
-            old = self._group_momentum(meta.parts, g)
-            m = torch.mul(old, self.momentum).add_(g, alpha=1.0 - self.momentum)  # (one temporary of the group's size)
-            torch.where(all_finite(g), m, old, out=old)  # (each member's momentum a view of it)
-            return [fused.sign_encode(m, None if out is None else out[0])]
-        old = self._momentum.get(meta.name)
-        if old is None or old.shape != g.shape:
-            old = torch.zeros_like(g)
-        elif old.device != g.device:
-            old = old.to(g.device)
-        m = torch.add(old * self.momentum, g, alpha=1.0 - self.momentum)
+            old = self._group_momentum(meta.parts, g)  # (each member's momentum a view of it)
+        else:
+            old = self._momentum.get(meta.name)
+            if old is None or old.shape != g.shape:
+                old = torch.zeros_like(g)
+            elif old.device != g.device:
+                old = old.to(g.device)
+            self._momentum[meta.name] = old
         finite = all_finite(g)  # 0-dim, on device: a NaN/Inf step keeps the old momentum
-        self._momentum[meta.name] = torch.where(finite, m, old)
+        if not fused.groups_at_once(g.device) and bool(finite):  # (the CPU's path: read on the host, free) in place
+            m = old.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+        else:  # one temporary of the tensor's size, picked into the momentum on the device
+            m = torch.mul(old, self.momentum).add_(g, alpha=1.0 - self.momentum)
+            torch.where(finite, m, old, out=old)
         return [fused.sign_encode(m, None if out is None else out[0])]
 
     def _group_momentum(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,26 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     return [packed, means]
 
 
-def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int) -> torch.Tensor:
-    nb = means.numel()
-    codes = unpack_bits(packed, _index_bits(nb), count)
-    return means.index_select(0, codes.to(torch.int32))
+def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int, out: Optional[torch.Tensor] = None,
+                accumulate: bool = False) -> torch.Tensor:
+    """The first ``count`` values: each code's bucket mean; into the flat ``out`` (added to it
+    with ``accumulate``) if given, a piece of :data:`fused.TORCH_PIECE <gradzip.kernels.fused.TORCH_PIECE>`
+    values at a time on the CPU (whole bytes of codes), so the codes widened for the lookup and
+    the values are a few MB, not the tensor's size."""
+    bits = _index_bits(means.numel())
+    step = fused.piece_length(packed)  # (a multiple of 8 values: whole bytes of codes)
+    if out is None:
+        if count <= step:
+            return means.index_select(0, unpack_bits(packed, bits, count).to(torch.int32))
+        out, accumulate = torch.empty(count, dtype=means.dtype, device=means.device), False
+    packed = packed.reshape(-1)
+    for a in range(0, count, step):
+        b = min(a + step, count)
+        start = packed_bytes(a, bits)  # (a: whole groups of 8 values)
+        codes = unpack_bits(packed[start : start + packed_bytes(b - a, bits)], bits, b - a)
+        values = means.index_select(0, codes.to(torch.int32))
+        store_into(values, out[a:b], accumulate)
+    return out
 
 
 _GAP_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -438,10 +454,11 @@ class SketchML(Codec):
             m = min(n, numel - a)
             if m <= 0:
                 continue
-            if values is None:
+            if values is None:  # (straight into its place)
                 o, (t, nb) = grp.coded[j][2], grp.tables[j]
-                values = _dequantize(codes[o : o + packed_bytes(n, bits)], means[t : t + nb], n)
-            store_into(values[:m], out[a : a + m], accumulate)
+                _dequantize(codes[o : o + packed_bytes(n, bits)], means[t : t + nb], m, out[a : a + m], accumulate)
+            else:
+                store_into(values[:m], out[a : a + m], accumulate)
         if not accumulate:
             for a, n in grp.spans:
                 out[a + n : min(a + n + (-n % grp.align), numel)].zero_()
@@ -485,12 +502,16 @@ class SketchML(Codec):
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_copy_(0, idx, values)
 
     def _decode_into(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
-        if meta.parts is not None and out.is_contiguous() and out.dtype == torch.float32:
-            if self.ratio < 1.0:
-                self._decode_sparse_group(tensors, meta, out.view(-1), accumulate)
-            else:
-                self._decode_group(tensors, meta, out.view(-1), accumulate)
-            return out
+        if out.is_contiguous() and out.dtype == torch.float32:
+            if meta.parts is not None:
+                if self.ratio < 1.0:
+                    self._decode_sparse_group(tensors, meta, out.view(-1), accumulate)
+                else:
+                    self._decode_group(tensors, meta, out.view(-1), accumulate)
+                return out
+            if not self._sparse(meta.numel):  # every value coded: straight into ``out``
+                _dequantize(tensors[0], tensors[1], out.numel(), out.view(-1), accumulate)
+                return out
         return super()._decode_into(tensors, meta, out, accumulate)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:

@@ -435,21 +435,22 @@ def _per_value(top: torch.Tensor, bucket: int, a: int, b: int) -> torch.Tensor:
 
 def u8bit_codes(
     buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """8-bit codes of the first ``numel`` values of ``buckets`` (rows scaled by ``inv``); the
-    torch version a piece of whole rows at a time (about :data:`TORCH_PIECE` values)."""
+    """8-bit codes of the first ``numel`` values of ``buckets`` (rows scaled by ``inv``), into
+    ``out`` (contiguous bytes) if given; the torch version a piece of about
+    :data:`TORCH_PIECE` values at a time (whole rows, or a long row's pieces)."""
     impl = _gpu_or_reference(buckets)
     if impl is not reference:
-        return impl.u8bit_codes(buckets, inv, mids, lut, numel)
-    rows, width = buckets.shape
-    step = max(1, piece_length(buckets) // max(width, 1))
-    out = torch.empty(numel, dtype=torch.uint8, device=buckets.device)
-    for r in range(0, rows, step):
-        a = r * width
-        if a >= numel:
-            break
-        b = min((r + step) * width, numel)
-        out[a:b] = reference.u8bit_codes(buckets[r : r + step], inv[r : r + step], mids, lut, b - a)
+        return impl.u8bit_codes(buckets, inv, mids, lut, numel, out)
+    width = buckets.shape[1]
+    out = torch.empty(numel, dtype=torch.uint8, device=buckets.device) if out is None else out.view(-1)
+    flat = buckets.reshape(-1)
+    for a, b, k, rows in _bucket_pieces(numel, max(width, 1)):
+        if rows is None:  # a piece of row k
+            out[a:b] = reference.u8bit_codes(flat[a:b].view(1, -1), inv[k : k + 1], mids, lut, b - a)
+        else:
+            out[a:b] = reference.u8bit_codes(buckets[k : k + rows], inv[k : k + rows], mids, lut, b - a)
     return out
 
 

@@ -1371,12 +1371,14 @@ def _shift_of(top: torch.Tensor, bucket: int) -> int:
 
 def u8bit_codes(
     buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """8-bit codes in one pass (see ``reference.u8bit_codes``)."""
+    """8-bit codes in one pass (see ``reference.u8bit_codes``), into ``out`` (contiguous
+    bytes) if given."""
     _require()
     bucket = buckets.shape[1]
     x = buckets.reshape(-1).contiguous()
-    out = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    out = torch.empty(numel, dtype=torch.uint8, device=x.device) if out is None else out
     if numel:
         _launch(
             _u8bit_codes_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, inv.contiguous(), mids.contiguous(),
