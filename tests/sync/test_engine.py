@@ -1177,3 +1177,38 @@ def test_codecs_by_parts_average_a_bucket_where_it_lies(memory, dtype):
         assert here["kept"] == carried and not fused["kept"] or memory == "none", label
         if memory != "none":
             assert here["residuals"] == sorted(n for n, c in zip(names, compress) if c), label
+
+
+def test_dgc_compensates_a_gradient_alone_into_its_own_memory_when_the_average_goes_there():
+    """A gradient exchanged alone whose average overwrites it (DDP's path, ``out`` = the
+    gradient) is compensated where it lies under DGC's memory, which sums ``v + u`` again when
+    it updates (``remakes_input``): over four steps, one of them with a NaN, the averages and
+    both states are those of the same steps with the average in a tensor of its own, bit for
+    bit, and each step makes one tensor of the gradient's size fewer (the compensated copy)."""
+    from ..tensors import LargestMade
+
+    n = 50_000
+    comms = [gradzip.Communicator("dgc", ratio=0.01) for _ in range(2)]
+    made_in_place, made_apart = [], []
+    for step in range(4):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(step))
+        if step == 2:
+            g[3] = float("nan")
+        own = g.clone()
+        with LargestMade((torch.float32,)) as made:
+            comms[0].reduce_now(own, "w", out=own)  # into the gradient
+        made_in_place.append(made.nbytes)
+        with LargestMade((torch.float32,)) as made:
+            apart = comms[1].reduce_now(g.clone(), "w")  # into a tensor of its own
+        made_apart.append(made.nbytes)
+        assert torch.equal(own.nan_to_num(7.0), apart.nan_to_num(7.0)), step
+        assert torch.isnan(own).all() == (step == 2)
+        for store in ("momentums", "velocities"):
+            assert torch.equal(getattr(comms[0].memory, store)["w"], getattr(comms[1].memory, store)["w"]), (step, store)
+    # (apart: the compensated copy and the average's tensor beyond what both make)
+    # into the gradient: no tensor of its size but this step's u and its own payload decoded
+    # (the sent values' mask) once u exists, where the average apart makes five
+    assert all(b < 2.1 * 4 * n for b in made_in_place[1:]), made_in_place
+    assert all(a > 4.9 * 4 * n for a in made_apart), made_apart
+    for c in comms:
+        c.close()

@@ -677,14 +677,21 @@ class Communicator:
             codec, coll, mem = self._plain_codec, self.plain_collective(t), self._plain_memory
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
-        inp = self._compensated(mem, t, name, step, compress)
+        inp = self._compensated(mem, t, name, step, compress, into=out)
         avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
         return _delivered(t, out, avg, dest), record
 
-    def _compensated(self, mem: Any, t: torch.Tensor, name: str, step: int, compress: bool) -> torch.Tensor:
+    def _compensated(self, mem: Any, t: torch.Tensor, name: str, step: int, compress: bool,
+                     into: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The codec's input for one gradient: ``mem``'s compensation, in the gradient's shape
-        (low-rank codecs need it); observed for adaptive levels on their sampled steps."""
-        inp = mem.compensate(t.contiguous(), name)
+        (low-rank codecs need it); observed for adaptive levels on their sampled steps. Where
+        the average goes into the gradient itself (``into`` is ``t``) and the memory makes the
+        input again when it updates (:attr:`~gradzip.sync.memory.Memory.remakes_input`: DGC's),
+        it is compensated there: no tensor of the gradient's size is held through the exchange."""
+        if into is t and mem.remakes_input and t.is_contiguous() and t.dtype == mem.input_dtype(t.dtype):
+            inp = mem.compensate_into(t, name, t)
+        else:
+            inp = mem.compensate(t.contiguous(), name)
         if compress:
             self._observe([name], [inp], step)
         return inp
@@ -1690,7 +1697,7 @@ def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[
     """Where a collective may write ``inp``'s average: ``out`` flat, when it is contiguous and of
     the input's dtype, and not while the memory still has to read an input that aliases it."""
     dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-    if dest is not None and mem.stateful and overlaps(dest, inp):
+    if dest is not None and mem.stateful and not mem.remakes_input and overlaps(dest, inp):
         return None
     return dest
 

@@ -126,6 +126,11 @@ class Memory(Configurable):
     def stateful(self) -> bool:
         return False
 
+    #: whether :meth:`update` makes the compensated input again from its own state rather than
+    #: reading it: the input may then be compensated into the gradient's own memory, which the
+    #: average overwrites (see :meth:`Communicator._reduce <gradzip.sync.engine.Communicator._reduce>`)
+    remakes_input = False
+
     def release(self, name: str) -> Optional[torch.Tensor]:
         """Remove and return what parameter ``name`` still owes the other ranks (its unsent
         remainder, fp32, in the gradient's shape), or None: the parameter is sent uncompressed
@@ -331,6 +336,7 @@ class DGCMemory(Memory):
     """
 
     name = "dgc"
+    remakes_input = True  # v + u, summed again where v lies
     options = {
         "momentum": Option(0.9, float_in(0.0, 1.0, hi_open=True), "a float in [0, 1)", "momentum factor"),
         "clip_norm": Option(
@@ -464,27 +470,41 @@ class DGCMemory(Memory):
         """The masking written into the state where it lies (this step's ``u`` masked in its
         own tensor; ``v`` masked straight into the old one): no tensor of the gradient's size
         made beyond the pending ``u``. A flag on the CPU is read (a skipped step touches
-        nothing); one on a device picks old or new there."""
-        v = compensated.float()
+        nothing); one on a device picks old or new there.
+
+        The compensated ``v + u`` is summed again from the state (the same sum, the same bits),
+        not read from ``compensated``: the engine may have compensated into the gradient's own
+        memory, which holds the average by now (:attr:`remakes_input`). Only without this
+        step's ``u`` (no :meth:`compensate` before) is ``compensated`` read."""
+        shape = compensated.shape
+        like = torch.empty((), dtype=torch.float32, device=compensated.device).expand(shape)
         u = self._pending.pop(name, None)
-        if u is None or u.shape != v.shape:
-            u = torch.zeros_like(v)
+        if u is not None and u.shape != shape:
+            u = None
         if skip is not None and reads_on_host(skip):
             if bool(skip):  # the old state stays (zeros for a name seen the first time)
                 for store in (self.momentums, self.velocities):
-                    if self._get(store, name, v) is None:
-                        store[name] = torch.zeros_like(v)
+                    if self._get(store, name, like) is None:
+                        store[name] = torch.zeros(shape, dtype=torch.float32, device=like.device)
                 return
             skip = None
-        sent = decoded.reshape(v.shape) != 0
-        zero = torch.zeros((), dtype=v.dtype, device=v.device)
+        sent = decoded.reshape(shape) != 0
+        zero = torch.zeros((), dtype=torch.float32, device=like.device)
+        v_new = None
+        if u is None:  # (the input as given)
+            v_new = compensated.float().masked_fill(sent, 0.0)
+            u = torch.zeros_like(v_new)
+        else:
+            old = self._in_place(self.velocities, name, like)
+            if old is not None and skip is None:  # v + u summed and masked where v lies
+                old.add_(u).masked_fill_(sent, 0.0)
+            else:
+                v_old = self._get(self.velocities, name, u)
+                v_new = (u.clone() if v_old is None else v_old + u).masked_fill_(sent, 0.0)
         u.masked_fill_(sent, 0.0)  # (this step's u: no one else holds it)
         self._keep(self.momentums, name, u, skip, zero)
-        old = self._in_place(self.velocities, name, v)
-        if old is not None and skip is None:  # v masked straight into the old velocity
-            torch.where(sent, zero, v, out=old)
-        else:
-            self._keep(self.velocities, name, v.masked_fill(sent, 0.0), skip, zero)
+        if v_new is not None:
+            self._keep(self.velocities, name, v_new, skip, zero)
 
     @staticmethod
     def _in_place(store: Dict[str, torch.Tensor], name: str, like: torch.Tensor) -> Optional[torch.Tensor]:
