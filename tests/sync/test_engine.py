@@ -415,7 +415,7 @@ def test_a_gradient_alone_with_error_feedback_is_averaged_in_its_own_memory(devi
         assert bool(lean["avgs"][1][0].isnan().all()) and torch.equal(lean["residual"], pooled["residual"])
 
 
-def _groups_of_a_job(rank: int, world: int, codec: str, collective: str, late: bool) -> dict:
+def _groups_of_a_job(rank: int, world: int, codec: str, collective: str, late: bool, remakes: bool = True) -> dict:
     g = torch.Generator().manual_seed(rank)
     names = [f"layer{i}.weight" for i in range(6)]
     steps = [[torch.randn(64, 96, generator=g) for _ in names] for _ in range(3)]
@@ -424,13 +424,17 @@ def _groups_of_a_job(rank: int, world: int, codec: str, collective: str, late: b
     comm = gradzip.Communicator(codec, collective=collective)
     if not late:  # the collective as if it could not say when it has read its input
         comm.collective.reads_input_first = False
+    if not remakes:  # the memory as if its update read the input
+        comm.memory.remakes_input = False
     avgs = []
     for step, grads in enumerate(steps):
         grads = [t.clone() for t in grads]
         res = drive(comm.reduce_many_stages(grads, names, [True] * 6, inplace=True,
                                             groups=[[0, 1], [2, 3], [4, 5]], step=step))
         avgs.append([t.clone() for t in res])
-    out = {"avgs": avgs, "pooled": comm._flat_pools[torch.float32].nbytes}
+    out = {"avgs": avgs, "pooled": comm._flat_pools[torch.float32].nbytes,
+           "states": [{k: v.clone() for k, v in store.items()} for store in vars(comm.memory).values()
+                      if isinstance(store, dict) and all(isinstance(v, torch.Tensor) for v in store.values())]}
     comm.close()
     return out
 
@@ -450,6 +454,24 @@ def test_without_error_feedback_the_groups_of_a_job_share_one_input_buffer(codec
         for a, b in zip(late["avgs"], early["avgs"]):
             assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
         assert all(bool(t.isnan().all()) for t in late["avgs"][1][4:])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dgc_groups_hold_one_buffer_of_their_size_as_its_memory_makes_the_input_again(world):
+    """DGC's memory sums ``v + u`` again when it updates (``remakes_input``), so a fused group's
+    input buffer goes back to the pool once encoded and takes the average: one buffer of a
+    group's size where, with the input kept for the update, the average took a second; the
+    same averages, momenta and velocities, bit for bit, a step with Inf included."""
+    group_bytes = 2 * 64 * 96 * 4
+    for lean, kept in zip(run_workers(_groups_of_a_job, world, "dgc", "allgather", True, True),
+                          run_workers(_groups_of_a_job, world, "dgc", "allgather", True, False)):
+        assert lean["pooled"] < 1.25 * group_bytes and kept["pooled"] >= 2 * group_bytes, (lean["pooled"], kept["pooled"])
+        for a, b in zip(lean["avgs"], kept["avgs"]):
+            assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+        assert all(bool(t.isnan().all()) for t in lean["avgs"][1][4:])
+        assert len(lean["states"]) == 3  # momenta, velocities, the pending momenta (none once settled)
+        for a, b in zip(lean["states"], kept["states"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _averages_of_jobs(jobs: list, pipelined: bool = True) -> List[torch.Tensor]:

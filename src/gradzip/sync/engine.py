@@ -999,7 +999,7 @@ class Communicator:
         # releases it (a residual settled then): where the collective says when that is, its
         # buffer serves other groups until this one's average is written (then lent again), so
         # the groups in flight do not each hold one
-        early = coll.reads_input_first and coll.releases_input and (settles or not mem.stateful)
+        early = coll.reads_input_first and coll.releases_input and (settles or not mem.stateful or mem.remakes_input)
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
@@ -1053,7 +1053,7 @@ class Communicator:
             self._observe(layout.names, inputs, step)
             if late is not None:
                 out = None
-            elif coll.releases_input and (settle is not None or not mem.stateful):
+            elif coll.releases_input and (settle is not None or not mem.stateful or mem.remakes_input):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
                 out = pool.lend((total,), flat.device, lent)

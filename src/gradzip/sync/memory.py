@@ -454,8 +454,7 @@ class DGCMemory(Memory):
         sent = torch.empty_like(base)
         torch._foreach_copy_(list(_unflatten_dense_tensors(sent, us)), [d.view(u.shape) for d, u in zip(decoded, us)])
         mask = sent != 0
-        v_new = sent  # (the decoded values are read: their buffer takes v)
-        torch._foreach_copy_(list(_unflatten_dense_tensors(v_new, us)), [c.view(u.shape) for c, u in zip(compensated, us)])
+        v_new = torch.add(v_flat, base, out=sent)  # v + u again (remakes_input); the decoded values' buffer takes it
         u_new = base.masked_fill_(mask, 0.0)
         v_new.masked_fill_(mask, 0.0)
         for flat, new in ((u_flat, u_new), (v_flat, v_new)):
