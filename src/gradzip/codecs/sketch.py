@@ -97,7 +97,7 @@ def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int, out: Opti
     values at a time on the CPU (whole bytes of codes), so the codes widened for the lookup and
     the values are a few MB, not the tensor's size."""
     bits = _index_bits(means.numel())
-    step = fused.piece_length(packed)  # (a multiple of 8 values: whole bytes of codes)
+    step = fused.piece_length(packed, count)  # (on the CPU a multiple of 8 values: whole bytes of codes)
     if out is None:
         if count <= step:
             return means.index_select(0, unpack_bits(packed, bits, count).to(torch.int32))

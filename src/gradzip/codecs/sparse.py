@@ -886,7 +886,7 @@ class AdaComp(Codec):
         residual kept last step (flat), if any. On the CPU a piece of whole bins at a time, so
         the magnitudes, ``H`` and the mask are a piece long, not the tensor's."""
         n = g.numel()
-        rows = max(1, fused.piece_length(g) // size)
+        rows = -(-fused.piece_length(g) // size)  # (every bin at once off the CPU: one selection, one wait)
         found, counts = [], []
         for r in range(0, nb, rows):
             a, b = r * size, min((r + rows) * size, n)

@@ -357,11 +357,12 @@ def groups_at_once(device: torch.device) -> bool:
     return torch.device(device).type != "cpu"
 
 
-def piece_length(x: torch.Tensor) -> int:
+def piece_length(x: torch.Tensor, numel: Optional[int] = None) -> int:
     """Values a torch version of an element-wise kernel works on at once: on the CPU
     :data:`TORCH_PIECE` (a multiple of 8: whole bytes of packed bits), elsewhere all of them (a
-    GPU pays a launch an operation, not the temporaries' cache misses)."""
-    return TORCH_PIECE if x.device.type == "cpu" else max(x.numel(), 1)
+    GPU pays a launch an operation, not the temporaries' cache misses): ``x``'s, or ``numel``
+    where ``x`` holds them packed."""
+    return TORCH_PIECE if x.device.type == "cpu" else max(x.numel() if numel is None else numel, 1)
 
 
 def rows_reduced(xb: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor],
@@ -446,7 +447,7 @@ def u8bit_codes(
     width = buckets.shape[1]
     out = torch.empty(numel, dtype=torch.uint8, device=buckets.device) if out is None else out.view(-1)
     flat = buckets.reshape(-1)
-    for a, b, k, rows in _bucket_pieces(numel, max(width, 1)):
+    for a, b, k, rows in _bucket_pieces(numel, max(width, 1), piece_length(buckets)):
         if rows is None:  # a piece of row k
             out[a:b] = reference.u8bit_codes(flat[a:b].view(1, -1), inv[k : k + 1], mids, lut, b - a)
         else:
@@ -471,7 +472,7 @@ def _table_pieces(codes: torch.Tensor, table: torch.Tensor, scale: Optional[torc
     if out is None:
         out, accumulate = torch.empty(numel, dtype=torch.float32, device=codes.device), False
     flat, flat_codes = out.view(-1), codes.reshape(-1)
-    for a, b, k, rows in _bucket_pieces(numel, bucket):
+    for a, b, k, rows in _bucket_pieces(numel, bucket, piece_length(codes)):
         values = torch.index_select(table, 0, flat_codes[a:b].to(torch.int32))
         if scale is not None:
             values = values * scale[k] if rows is None else _by_rows(values, rows, bucket, lambda v: v * scale[k : k + rows, None])
@@ -496,7 +497,7 @@ def _onebit_pieces(packed: torch.Tensor, means: torch.Tensor, bucket: int, numel
     if out is None:
         out, accumulate = torch.empty(numel, dtype=torch.float32, device=packed.device), False
     flat, m = out.view(-1), means.view(-1, 2)
-    for a, b, k, rows in _bucket_pieces(numel, bucket):
+    for a, b, k, rows in _bucket_pieces(numel, bucket, piece_length(packed, numel)):
         lo, skip = divmod(a, 8)
         bit = unpack_bits(packed.reshape(-1)[lo : -(-b // 8)], 1, skip + b - a)[skip:].float()
         if rows is None:  # inside bucket k
@@ -508,12 +509,14 @@ def _onebit_pieces(packed: torch.Tensor, means: torch.Tensor, bucket: int, numel
     return out
 
 
-def _bucket_pieces(numel: int, bucket: int) -> Iterator[Tuple[int, int, int, Optional[int]]]:
-    """``(a, b, k, rows)``: values ``a`` to ``b`` in pieces of about :data:`TORCH_PIECE`, each
-    either ``rows`` whole buckets from bucket ``k`` on (the last one may be short) or, where a
-    bucket is longer than a piece, a part of bucket ``k`` (``rows`` None)."""
-    long_buckets = bucket > TORCH_PIECE
-    step = TORCH_PIECE if long_buckets else bucket * (TORCH_PIECE // bucket)
+def _bucket_pieces(numel: int, bucket: int, piece: int) -> Iterator[Tuple[int, int, int, Optional[int]]]:
+    """``(a, b, k, rows)``: values ``a`` to ``b`` in pieces of about ``piece`` values
+    (:func:`piece_length`), each either ``rows`` whole buckets from bucket ``k`` on (the last one
+    may be short) or, where a bucket is longer than a piece, a part of bucket ``k`` (``rows``
+    None)."""
+    long_buckets = bucket > piece
+    # (whole buckets of at most a piece; all of them where a piece holds the values: one step)
+    step = piece if long_buckets else bucket * (piece // bucket if piece < numel else -(-numel // bucket))
     a = 0
     while a < numel:
         k = a // bucket
