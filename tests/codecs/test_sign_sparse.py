@@ -758,6 +758,32 @@ def test_dgc_memory_settles_in_place_with_no_tensor_of_the_gradients_size_made()
     torch.testing.assert_close(plain.velocities["w"], torch.where(decoded != 0, 0.0, v))
 
 
+def test_dgc_memory_sums_and_masks_the_velocity_a_piece_at_a_time(monkeypatch):
+    """On the CPU the update's ``v ← 0 where sent, else v + u`` goes a piece of
+    :data:`fused.TORCH_PIECE` values at a time (one pass; the sum's temporary a piece long):
+    both states are those of the formula over the whole tensor, bit for bit, a skipped step
+    included."""
+    from gradzip.kernels import fused
+    from tests.tensors import LargestMade
+
+    monkeypatch.setattr(fused, "TORCH_PIECE", 300)
+    n, m = 1000, memory("dgc", momentum=0.5)
+    u_want = v_want = torch.zeros(n)
+    for step in range(4):
+        g = _randn((n,), seed=10 + step)
+        v = m.compensate(g, "w")
+        decoded = torch.where(v.abs() > 1.0, v, torch.zeros(()))
+        with LargestMade(dtypes=(torch.float32,)) as made:
+            m.update("w", v, decoded, skip=torch.tensor(step == 2))
+        if step:  # (the first step's velocity is new)
+            assert made.numel <= 300, made.numel
+        if step != 2:
+            u = torch.add(g, u_want, alpha=0.5)
+            sent = decoded != 0
+            u_want, v_want = u.masked_fill(sent, 0.0), (v_want + u).masked_fill(sent, 0.0)
+        assert torch.equal(m.momentums["w"], u_want) and torch.equal(m.velocities["w"], v_want), step
+
+
 def test_dgc_memory_clipping():
     m = memory("dgc", clip_norm=1.0)
     big = torch.tensor([3.0, 4.0])  # norm 5: scaled to norm 1

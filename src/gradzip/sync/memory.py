@@ -315,6 +315,20 @@ class PowerSGDMemory(ResidualMemory):
     options: Dict[str, Option] = {}
 
 
+def _masked_sum_into(v: torch.Tensor, u: torch.Tensor, sent: torch.Tensor, zero: torch.Tensor) -> None:
+    """``v ← 0 where sent, else v + u`` in one pass over ``v``: a piece of
+    :data:`fused.TORCH_PIECE <gradzip.kernels.fused.TORCH_PIECE>` values at a time on the CPU
+    (the sum's temporary a piece long), the sum then the mask elsewhere."""
+    step = fused.piece_length(v)
+    if step >= v.numel() or not (v.is_contiguous() and u.is_contiguous() and sent.is_contiguous()):
+        v.add_(u).masked_fill_(sent, 0.0)
+        return
+    fv, fu, fs = v.view(-1), u.reshape(-1), sent.reshape(-1)
+    for a in range(0, fv.numel(), step):
+        piece = fv[a : a + step]
+        torch.where(fs[a : a + step], zero, piece + fu[a : a + step], out=piece)
+
+
 class DGCMemory(Memory):
     """Deep Gradient Compression's memory (Lin et al., ICLR'18): momentum correction, momentum
     factor masking and local gradient clipping, per tensor name, in fp32.
@@ -496,7 +510,7 @@ class DGCMemory(Memory):
         else:
             old = self._in_place(self.velocities, name, like)
             if old is not None and skip is None:  # v + u summed and masked where v lies
-                old.add_(u).masked_fill_(sent, 0.0)
+                _masked_sum_into(old, u, sent, zero)
             else:
                 v_old = self._get(self.velocities, name, u)
                 v_new = (u.clone() if v_old is None else v_old + u).masked_fill_(sent, 0.0)
