@@ -547,8 +547,10 @@ def test_values_and_indices_decode_into_out_without_a_temporary_of_the_tensors_s
         assert torch.equal(out, want) and made.numel < 4000, made.numel
 
 
-@pytest.mark.parametrize("name, options", [("threshold", {"threshold": 0.05}), ("threshold", {"threshold": 1.5}),
-                                           ("dgc", {"ratio": 0.05, "seed": 1}), ("graddrop", {"ratio": 0.05, "seed": 1})])
+@pytest.mark.parametrize("name, options", [
+    ("threshold", {"threshold": 0.05}), ("threshold", {"threshold": 1.5}),
+    ("dgc", {"ratio": 0.05, "seed": 1}), ("graddrop", {"ratio": 0.05, "seed": 1}),
+])
 def test_sparsifiers_select_a_piece_at_a_time_on_the_cpu(monkeypatch, name, options):
     """On the CPU a tensor's magnitudes are compared a piece at a time: no magnitudes, mask or
     indices of the tensor's size are made, and where nearly every value passes (the dense form)

@@ -343,7 +343,8 @@ def test_torch_kernels_work_in_pieces_on_the_cpu_alone():
     assert fused.piece_length(torch.empty(5 << 20, device="meta")) == 5 << 20
     assert fused.piece_length(torch.empty(0, device="meta")) == 1
     packed = torch.empty(5 << 19, dtype=torch.uint8, device="meta")  # (packed codes: the values they stand for)
-    assert fused.piece_length(packed, 5 << 20) == 5 << 20 and fused.piece_length(torch.empty(1, dtype=torch.uint8), 5 << 20) == fused.TORCH_PIECE
+    assert fused.piece_length(packed, 5 << 20) == 5 << 20
+    assert fused.piece_length(torch.empty(1, dtype=torch.uint8), 5 << 20) == fused.TORCH_PIECE
     for bucket in (7, 1000, 5 << 20, 6 << 20):  # elsewhere whole buckets or not, one piece
         whole = fused.piece_length(torch.empty(5 << 20, device="meta"))
         assert [(a, b) for a, b, _, _ in fused._bucket_pieces(5 << 20, bucket, whole)] == [(0, 5 << 20)], bucket

@@ -733,7 +733,8 @@ class GradDrop(_ValuesIndices):
         if meta.parts is not None:
             return self._payload(x, _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device)))
         x = x.reshape(-1)  # (as dgc's: selected a piece at a time on the CPU)
-        return self._payload(x, _selected(x, float(_sampled_threshold(x, self.ratio, self.sample_ratio, self._generator(x.device)))))
+        threshold = _sampled_threshold(x, self.ratio, self.sample_ratio, self._generator(x.device))
+        return self._payload(x, _selected(x, float(threshold)))
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -880,7 +881,8 @@ class AdaComp(Codec):
             return [empty, empty.clone(), raw, scale.new_empty(0)]
         return [counts.to(self._index_dtype), local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
 
-    def _selection(self, g: torch.Tensor, prev: Optional[torch.Tensor], size: int, nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _selection(self, g: torch.Tensor, prev: Optional[torch.Tensor], size: int,
+                   nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The ascending indices of the values of the flat fp32 ``g`` that are sent (``|H| ≥``
         their bin's ``max |G|``, never a zero) and each bin's count of them; ``prev`` the
         residual kept last step (flat), if any. On the CPU a piece of whole bins at a time, so

@@ -474,8 +474,10 @@ def _table_pieces(codes: torch.Tensor, table: torch.Tensor, scale: Optional[torc
     flat, flat_codes = out.view(-1), codes.reshape(-1)
     for a, b, k, rows in _bucket_pieces(numel, bucket, piece_length(codes)):
         values = torch.index_select(table, 0, flat_codes[a:b].to(torch.int32))
-        if scale is not None:
-            values = values * scale[k] if rows is None else _by_rows(values, rows, bucket, lambda v: v * scale[k : k + rows, None])
+        if scale is not None and rows is None:  # inside bucket k
+            values = values * scale[k]
+        elif scale is not None:  # whole buckets from k on
+            values = _by_rows(values, rows, bucket, lambda v: v * scale[k : k + rows, None])
         reference.store(values, flat[a:b], accumulate)
     return out
 
