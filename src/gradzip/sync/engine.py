@@ -999,7 +999,7 @@ class Communicator:
         # releases it (a residual settled then): where the collective says when that is, its
         # buffer serves other groups until this one's average is written (then lent again), so
         # the groups in flight do not each hold one
-        early = coll.reads_input_first and coll.releases_input and (settles or not mem.stateful or mem.remakes_input)
+        early = coll.reads_input_first and coll.releases_input and (settles or not mem.reads_input)
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
@@ -1053,7 +1053,7 @@ class Communicator:
             self._observe(layout.names, inputs, step)
             if late is not None:
                 out = None
-            elif coll.releases_input and (settle is not None or not mem.stateful or mem.remakes_input):
+            elif coll.releases_input and (settle is not None or not mem.reads_input):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
                 out = pool.lend((total,), flat.device, lent)
@@ -1697,7 +1697,7 @@ def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[
     """Where a collective may write ``inp``'s average: ``out`` flat, when it is contiguous and of
     the input's dtype, and not while the memory still has to read an input that aliases it."""
     dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-    if dest is not None and mem.stateful and not mem.remakes_input and overlaps(dest, inp):
+    if dest is not None and mem.reads_input and overlaps(dest, inp):
         return None
     return dest
 

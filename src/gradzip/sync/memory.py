@@ -131,6 +131,12 @@ class Memory(Configurable):
     #: average overwrites (see :meth:`Communicator._reduce <gradzip.sync.engine.Communicator._reduce>`)
     remakes_input = False
 
+    @property
+    def reads_input(self) -> bool:
+        """Whether :meth:`update` reads the compensated input after the exchange: the engine
+        then keeps it intact until then (no average written over it, its buffer not lent on)."""
+        return self.stateful and not self.remakes_input
+
     def release(self, name: str) -> Optional[torch.Tensor]:
         """Remove and return what parameter ``name`` still owes the other ranks (its unsent
         remainder, fp32, in the gradient's shape), or None: the parameter is sent uncompressed
@@ -489,26 +495,25 @@ class DGCMemory(Memory):
         not read from ``compensated``: the engine may have compensated into the gradient's own
         memory, which holds the average by now (:attr:`remakes_input`). Only without this
         step's ``u`` (no :meth:`compensate` before) is ``compensated`` read."""
-        shape = compensated.shape
-        like = torch.empty((), dtype=torch.float32, device=compensated.device).expand(shape)
+        shape = compensated.shape  # (its shape and device, whatever it holds now)
         u = self._pending.pop(name, None)
         if u is not None and u.shape != shape:
             u = None
         if skip is not None and reads_on_host(skip):
             if bool(skip):  # the old state stays (zeros for a name seen the first time)
                 for store in (self.momentums, self.velocities):
-                    if self._get(store, name, like) is None:
-                        store[name] = torch.zeros(shape, dtype=torch.float32, device=like.device)
+                    if self._get(store, name, compensated) is None:
+                        store[name] = torch.zeros(shape, dtype=torch.float32, device=compensated.device)
                 return
             skip = None
         sent = decoded.reshape(shape) != 0
-        zero = torch.zeros((), dtype=torch.float32, device=like.device)
+        zero = torch.zeros((), dtype=torch.float32, device=compensated.device)
         v_new = None
         if u is None:  # (the input as given)
             v_new = compensated.float().masked_fill(sent, 0.0)
             u = torch.zeros_like(v_new)
         else:
-            old = self._in_place(self.velocities, name, like)
+            old = self._in_place(self.velocities, name, compensated)
             if old is not None and skip is None:  # v + u summed and masked where v lies
                 _masked_sum_into(old, u, sent, zero)
             else:
