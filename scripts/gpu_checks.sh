@@ -44,7 +44,7 @@ if [ $targets = 1 ]; then
     two=fp32,maxmin:bits=4,maxmin4,maxmin:bits=4:in_place=true
     # (the steps' limits add up to more than ten minutes: the ones a short lease needs most come first)
     step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
-    step cuda-frontends 60 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
+    step cuda-frontends 90 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
     step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
     overhead() {  # run number
         step "overhead-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$1.json"

@@ -486,6 +486,11 @@ def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=torch.finfo(torch.float32).max)
     codes = gpu.u8bit_codes(buckets, inv, mids, lut, n)
     assert torch.equal(codes, reference.u8bit_codes(buckets, inv, mids, lut, n))
+    # into a slice of a larger message, as the codec writes them: the same bytes, none around touched
+    message = torch.full((n + 8,), 0xA5, dtype=torch.uint8, device=DEVICE)
+    into = gpu.u8bit_codes(buckets, inv, mids, lut, n, out=message[3 : 3 + n])
+    assert into.data_ptr() == message[3:].data_ptr() and torch.equal(message[3 : 3 + n], codes)
+    assert bool((message[:3] == 0xA5).all()) and bool((message[3 + n :] == 0xA5).all())
     exact = dict(rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(gpu.table_decode(codes, table, scale, bucket, n),
                                reference.table_decode(codes, table, scale, bucket, n), **exact)
