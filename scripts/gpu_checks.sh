@@ -43,8 +43,8 @@ if [ $targets = 1 ]; then
     one=fp32,torch-fp16,torch-powersgd,maxmin4,maxmin:bits=4,maxmin:bits=4:in_place=true,powersgd,powersgd:in_place=true
     two=fp32,maxmin:bits=4,maxmin4,maxmin:bits=4:in_place=true
     # (the steps' limits add up to more than ten minutes: the ones a short lease needs most come first)
-    step tests 100 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
-    step cuda-frontends 90 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
+    step tests 150 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
+    step cuda-frontends 120 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
     step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
     overhead() {  # run number
         step "overhead-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$1.json"
