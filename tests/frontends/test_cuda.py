@@ -18,6 +18,16 @@ from .test_ddp import Net, _batches, _flat_params
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+def _gathered(model: nn.Module, world: int) -> tuple:
+    """The model's parameters (flat, on the CPU) once the device is done, and whether every rank
+    holds the same ones (gathered over the default gloo group)."""
+    torch.cuda.synchronize()
+    flat = _flat_params(model).cpu()
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return flat, all(torch.equal(gathered[0], g) for g in gathered)
+
+
 def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, codec: str = "maxmin",
               options: dict | None = None) -> dict:
     device = torch.device("cuda", 0)
@@ -41,10 +51,7 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, 
             skipped += 1
             continue
         opt.step()
-    torch.cuda.synchronize()
-    flat = _flat_params(model).cpu()
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)  # over the default (gloo) group, on the CPU
+    flat, identical = _gathered(model, world)
     stats = state.stats()
     kernels = fused.name(model.fc1.weight.detach(), 4, 1024)
     pipelines, group_mb = state.comm.pipelines(device), state.group_mb()
@@ -54,7 +61,7 @@ def _cuda_job(rank: int, world: int, backend: str, memory: str, in_place: bool, 
         dist.destroy_process_group(group)
     return {
         "pipelines": pipelines, "group_mb": group_mb,
-        "identical": all(torch.equal(gathered[0], g) for g in gathered), "finite": bool(torch.isfinite(flat).all()),
+        "identical": identical, "finite": bool(torch.isfinite(flat).all()),
         "skipped": skipped, "compressed": stats["params_compressed"] > 0, "kernels": kernels,
         "residuals_finite": residuals_finite,
     }
@@ -172,14 +179,11 @@ def _every_codec_on_cuda(rank: int, world: int) -> dict:
                 opt.zero_grad()
                 nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
                 opt.step()
-            torch.cuda.synchronize()
-            flat = _flat_params(model).cpu()
-            gathered = [torch.empty_like(flat) for _ in range(world)]
-            dist.all_gather(gathered, flat)  # over the default (gloo) group, on the CPU
+            flat, identical = _gathered(model, world)
             stats = state.stats()
             state.close()
             out[f"{name}-{'fused' if fusion else 'alone'}"] = {
-                "identical": all(torch.equal(gathered[0], g) for g in gathered), "finite": bool(torch.isfinite(flat).all()),
+                "identical": identical, "finite": bool(torch.isfinite(flat).all()),
                 "moved": not torch.equal(start, flat), "compressed": stats["tensors_compressed"],
             }
     return out
