@@ -729,6 +729,24 @@ def test_dgc_memory_takes_a_group_at_once_as_tensor_by_tensor(monkeypatch):
     assert torch.equal(group.velocities["c"], alone.velocities["c"])
 
 
+def test_dgc_memory_keeps_a_loaded_state_through_a_step_skipped_by_a_device_flag(monkeypatch):
+    """A state loaded from a checkpoint may lie elsewhere than the gradient (on the CPU, the
+    gradient on a GPU): a skipped step whose flag stays on the device keeps it, as the host's
+    reading of the flag does. (fp64 states stand in for another device: both make the state one
+    the update cannot write into where it lies.)"""
+    from gradzip.sync import memory as memories
+
+    saved = {"momentums": {"w": torch.full((4,), 2.0, dtype=torch.float64)},
+             "velocities": {"w": torch.full((4,), 3.0, dtype=torch.float64)}}
+    for on_host in (True, False):
+        monkeypatch.setattr(memories, "reads_on_host", lambda flag, on_host=on_host: on_host)
+        mem = memory("dgc")
+        mem.load_state_dict(saved)
+        inp = mem.compensate(torch.ones(4), "w")
+        mem.update("w", inp, torch.zeros(4), skip=torch.tensor(True))
+        assert mem.momentums["w"].tolist() == [2.0] * 4 and mem.velocities["w"].tolist() == [3.0] * 4, on_host
+
+
 def test_dgc_memory_settles_in_place_with_no_tensor_of_the_gradients_size_made():
     """In a fused group's buffer (the CPU's path, tensor by tensor), compensation makes only
     this step's momentum, which the update masks in place and keeps; the velocity is masked

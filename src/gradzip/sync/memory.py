@@ -536,7 +536,8 @@ class DGCMemory(Memory):
     def _keep(self, store: Dict[str, torch.Tensor], name: str, new: torch.Tensor, skip: Optional[torch.Tensor],
               zero: torch.Tensor) -> None:
         """``new`` as the state of ``name``, or the old state where the device flag ``skip`` is
-        set (zeros where there was none): into the old one where it lies, else in its place."""
+        set (zeros where there was none): into the old one where it lies, else in its place (the
+        old one moved to ``new``'s device and dtype)."""
         old = self._in_place(store, name, new)
         if skip is None:
             if old is not None and old._base is not None:
@@ -545,8 +546,9 @@ class DGCMemory(Memory):
                 store[name] = new
         elif old is not None:
             torch.where(skip, old, new, out=old)
-        else:
-            store[name] = torch.where(skip, zero, new)
+        else:  # (a state elsewhere, one loaded from a checkpoint on the CPU, is kept too)
+            kept = self._get(store, name, new)
+            store[name] = torch.where(skip, zero if kept is None else kept.to(new.dtype), new)
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         for store, kept in zip((self.momentums, self.velocities), self._flats):
