@@ -465,7 +465,8 @@ def test_dgc_groups_hold_one_buffer_of_their_size_as_its_memory_makes_the_input_
     group_bytes = 2 * 64 * 96 * 4
     for lean, kept in zip(run_workers(_groups_of_a_job, world, "dgc", "allgather", True, True),
                           run_workers(_groups_of_a_job, world, "dgc", "allgather", True, False)):
-        assert lean["pooled"] < 1.25 * group_bytes <= kept["pooled"] / 1.6, (lean["pooled"], kept["pooled"])
+        assert lean["pooled"] < 1.25 * group_bytes, lean["pooled"]
+        assert kept["pooled"] >= 2 * group_bytes, kept["pooled"]
         for a, b in zip(lean["avgs"], kept["avgs"]):
             assert all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
         assert all(bool(t.isnan().all()) for t in lean["avgs"][1][4:])
@@ -1226,8 +1227,8 @@ def test_dgc_compensates_a_gradient_alone_into_its_own_memory_when_the_average_g
         assert torch.equal(own.nan_to_num(7.0), apart.nan_to_num(7.0)), step
         assert torch.isnan(own).all() == (step == 2)
         for store in ("momentums", "velocities"):
-            into, apart = (getattr(c.memory, store)["w"] for c in comms)
-            assert torch.equal(into, apart), (step, store)
+            state_into, state_apart = (getattr(c.memory, store)["w"] for c in comms)
+            assert torch.equal(state_into, state_apart), (step, store)
     # (apart: the compensated copy and the average's tensor beyond what both make)
     # into the gradient: no tensor of its size but this step's u and its own payload decoded
     # (the sent values' mask) once u exists, where the average apart makes five
