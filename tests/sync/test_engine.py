@@ -475,6 +475,51 @@ def test_dgc_groups_hold_one_buffer_of_their_size_as_its_memory_makes_the_input_
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _dgc_across_nodes(rank: int, world: int, inplace: bool) -> dict:
+    """Top-k with DGC's memory on two nodes of two ranks, three steps, an Inf at one rank in the
+    second: a gradient alone and a fused group, the averages written over the gradients
+    (``inplace``) or apart; the averages, momenta and velocities."""
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for fused in (False, True):
+        comm = gradzip.Communicator("topk", ratio=0.1, memory="dgc", collective="allgather")
+        assert comm.collective.own_reads_input  # hierarchical: its own share is the input less its loss
+        names = ["w0", "w1", "b"]
+        avgs = []
+        for step in range(3):
+            grads = [torch.randn(*shape, generator=g) for shape in ((64, 96), (32, 48), (10,))]
+            if step == 1 and rank == 3:
+                grads[1][2, 3] = float("inf")
+            if fused:
+                res = comm.reduce_many_now(grads, names, [True] * 3, inplace=inplace, step=step)
+            else:
+                res = [comm.reduce_now(t, n, out=t if inplace else None, step=step) for t, n in zip(grads, names)]
+            avgs.append([t.clone() for t in res])
+        states = {f"{kind}:{k}": v.clone() for kind, store in (("u", comm.memory.momentums), ("v", comm.memory.velocities))
+                  for k, v in store.items()}
+        out["fused" if fused else "alone"] = {"avgs": avgs, "states": states}
+        comm.close()
+    return out
+
+
+def test_dgc_on_several_nodes_keeps_the_input_its_own_share_is_read_from():
+    """A hierarchical exchange gives this rank's share of the average as its input less what its
+    encoding lost (:attr:`Collective.own_reads_input`), read after the exchange. DGC's memory
+    masks what was sent by that share, so the average must not overwrite the input first, even
+    though the memory makes its input again: written over the gradients or apart, the same
+    averages and the same momenta and velocities, bit for bit, on every rank."""
+    for here, apart in zip(run_workers(_dgc_across_nodes, 4, True, ranks_per_node=2),
+                           run_workers(_dgc_across_nodes, 4, False, ranks_per_node=2)):
+        for path in ("alone", "fused"):
+            a, b = here[path], apart[path]
+            for x, y in zip(a["avgs"], b["avgs"]):
+                assert all(torch.equal(s.nan_to_num(7.0), t.nan_to_num(7.0)) for s, t in zip(x, y)), path
+            assert bool(a["avgs"][1][1].isnan().all()), path  # the Inf's: all-NaN (the agreed outcome)
+            assert a["states"].keys() == b["states"].keys() and len(a["states"]) == 6, path
+            assert all(torch.equal(a["states"][k], b["states"][k]) for k in a["states"]), (path, [
+                k for k in a["states"] if not torch.equal(a["states"][k], b["states"][k])])
+
+
 def _averages_of_jobs(jobs: list, pipelined: bool = True) -> List[torch.Tensor]:
     """Jobs (a bucket's stages each) through one pipeline as DDP's hook hands them over, the
     last draining it, or each driven alone; every job's averages in order, cloned."""

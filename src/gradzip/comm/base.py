@@ -629,6 +629,12 @@ class Collective(Configurable):
     # decode alone: see LateOut); a subclass that overrides exchange() says it anew
     reads_input_first = False
 
+    # whether this rank's share of the average (Result.own, decoded after the exchange) is
+    # computed from the input (a hierarchical exchange's: the input less what it lost), so the
+    # caller keeps the input intact until then, even for a memory that makes its input again
+    # (Memory.remakes_input)
+    own_reads_input = False
+
     # whether exchange() hands a fused input's parts to the codec (Call.parts): a collective
     # that encodes the whole input in one piece; one that cuts it into chunks does not
     carries_parts = False

@@ -64,6 +64,7 @@ class Hierarchical(Collective):
 
     name = "hierarchical"
     releases_input = True
+    own_reads_input = True  # this rank's share is the input less its loss (Call.loss_into)
 
     def __init__(
         self, inner: Collective, node_group: Optional[dist.ProcessGroup], topology: Topology,

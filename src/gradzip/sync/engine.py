@@ -677,18 +677,20 @@ class Communicator:
             codec, coll, mem = self._plain_codec, self.plain_collective(t), self._plain_memory
         if t.numel() == 0:
             return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
-        inp = self._compensated(mem, t, name, step, compress, into=out)
+        inp = self._compensated(mem, coll, t, name, step, compress, into=out)
         avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
         return _delivered(t, out, avg, dest), record
 
-    def _compensated(self, mem: Any, t: torch.Tensor, name: str, step: int, compress: bool,
+    def _compensated(self, mem: Any, coll: Collective, t: torch.Tensor, name: str, step: int, compress: bool,
                      into: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The codec's input for one gradient: ``mem``'s compensation, in the gradient's shape
         (low-rank codecs need it); observed for adaptive levels on their sampled steps. Where
         the average goes into the gradient itself (``into`` is ``t``) and the memory makes the
         input again when it updates (:attr:`~gradzip.sync.memory.Memory.remakes_input`: DGC's),
-        it is compensated there: no tensor of the gradient's size is held through the exchange."""
-        if into is t and mem.remakes_input and t.is_contiguous() and t.dtype == mem.input_dtype(t.dtype):
+        it is compensated there: no tensor of the gradient's size is held through the exchange,
+        unless the collective ``coll`` reads the input after the exchange (:func:`_reads_input`)."""
+        in_place = into is t and mem.stateful and not _reads_input(mem, coll)
+        if in_place and t.is_contiguous() and t.dtype == mem.input_dtype(t.dtype):
             inp = mem.compensate_into(t, name, t)
         else:
             inp = mem.compensate(t.contiguous(), name)
@@ -709,7 +711,7 @@ class Communicator:
         """``inp`` (compensated by ``mem``) through ``coll``, error feedback settled: returns
         (the result, all-NaN where some rank's input was not; where it went: ``out`` flat when
         the collective could write there, else None; the metrics of the call)."""
-        dest = _dest(out, inp, mem)
+        dest = _dest(out, inp, mem, coll)
         res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
         avg, record = self._settled(coll, codec, mem, inp, name, res, compress)
         return avg, dest, record
@@ -753,7 +755,7 @@ class Communicator:
         else:
             inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
             self._observe(names, inputs, step)
-            dests = [_dest(t if inplace else None, x, mem) for t, x in zip(tensors, inputs)]
+            dests = [_dest(t if inplace else None, x, mem, coll) for t, x in zip(tensors, inputs)]
             results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
             settled = not mem.stateful
         one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
@@ -999,7 +1001,7 @@ class Communicator:
         # releases it (a residual settled then): where the collective says when that is, its
         # buffer serves other groups until this one's average is written (then lent again), so
         # the groups in flight do not each hold one
-        early = coll.reads_input_first and coll.releases_input and (settles or not mem.reads_input)
+        early = coll.reads_input_first and coll.releases_input and (settles or not _reads_input(mem, coll))
         if alone:
             flat = tensors[0].view(-1)
         elif flat is None:
@@ -1053,7 +1055,7 @@ class Communicator:
             self._observe(layout.names, inputs, step)
             if late is not None:
                 out = None
-            elif coll.releases_input and (settle is not None or not mem.reads_input):
+            elif coll.releases_input and (settle is not None or not _reads_input(mem, coll)):
                 out = flat
             else:  # the input is still read after the exchange: the average needs a buffer of its own
                 out = pool.lend((total,), flat.device, lent)
@@ -1693,11 +1695,18 @@ def _delivered(t: torch.Tensor, out: Optional[torch.Tensor], avg: torch.Tensor, 
     return out
 
 
-def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any) -> Optional[torch.Tensor]:
-    """Where a collective may write ``inp``'s average: ``out`` flat, when it is contiguous and of
-    the input's dtype, and not while the memory still has to read an input that aliases it."""
+def _reads_input(mem: Any, coll: Collective) -> bool:
+    """Whether the compensated input is read after the exchange: by the memory's update
+    (:attr:`~gradzip.sync.memory.Memory.reads_input`), or, with error feedback, by the collective
+    ``coll`` to give this rank's share (:attr:`~gradzip.comm.base.Collective.own_reads_input`)."""
+    return mem.reads_input or (mem.stateful and coll.own_reads_input)
+
+
+def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any, coll: Collective) -> Optional[torch.Tensor]:
+    """Where ``coll`` may write ``inp``'s average: ``out`` flat, when it is contiguous and of
+    the input's dtype, and not while the input that aliases it is still to be read (:func:`_reads_input`)."""
     dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-    if dest is not None and mem.reads_input and overlaps(dest, inp):
+    if dest is not None and _reads_input(mem, coll) and overlaps(dest, inp):
         return None
     return dest
 
