@@ -13,6 +13,9 @@ from gradzip.comm.launch import spawn_local
 
 REASON = cluster.available()
 PREFIX = "gztest"
+# a cluster clears every namespace of its prefix when it starts: these tests, which share one,
+# run one after another in one worker when the suite runs in several (pytest-xdist's loadgroup)
+pytestmark = pytest.mark.xdist_group("emulated-cluster")
 
 
 def _leftovers():
