@@ -1,6 +1,7 @@
 """The emulated cluster: namespaces, shaped links, clean-up, and the loopback fallback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -12,15 +13,14 @@ from gradzip.bench import cluster, micro
 from gradzip.comm.launch import spawn_local
 
 REASON = cluster.available()
-PREFIX = "gztest"
-# a cluster clears every namespace of its prefix when it starts: these tests, which share one,
-# run one after another in one worker when the suite runs in several (pytest-xdist's loadgroup)
-pytestmark = pytest.mark.xdist_group("emulated-cluster")
+# one prefix a test: a cluster clears every namespace of its prefix when it starts, and the suite
+# may run these tests at once in several workers
+LINKS, ON_ERROR, KILLED, NODES = "gzt1", "gzt2", "gzt3", "gzt4"
 
 
-def _leftovers():
+def _leftovers(prefix: str):
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
 def test_parse_rate():
@@ -47,10 +47,10 @@ def _timed_allreduce(rank: int, world: int, numel: int) -> dict:
 @pytest.mark.timeout(300)
 def test_links_are_shaped_to_the_rate_and_everything_is_removed():
     numel = 2**20 // 4 * 2  # 2 MiB of fp32
-    with cluster.EmulatedCluster(2, "50mbit", prefix=PREFIX) as c:
-        assert sorted(_leftovers()) == sorted(c.namespaces + [c.switch])
+    with cluster.EmulatedCluster(2, "50mbit", prefix=LINKS) as c:
+        assert sorted(_leftovers(LINKS)) == sorted(c.namespaces + [c.switch])
         results = spawn_local(_timed_allreduce, 2, numel, all_ranks=True, cluster=c)
-    assert _leftovers() == []
+    assert _leftovers(LINKS) == []
     # a ring all-reduce on 2 ranks sends 2(W-1)/W = 1 × the tensor per rank: 2 MiB at 50 Mbit/s
     limit = 2 * 2**20 * 8 / 50e6
     for r in results:
@@ -62,18 +62,38 @@ def test_links_are_shaped_to_the_rate_and_everything_is_removed():
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_cleanup_on_error_inside_the_block():
     with pytest.raises(RuntimeError, match="boom"):
-        with cluster.EmulatedCluster(2, "1gbit", prefix=PREFIX):
-            assert len(_leftovers()) == 3
+        with cluster.EmulatedCluster(2, "1gbit", prefix=ON_ERROR):
+            assert len(_leftovers(ON_ERROR)) == 3
             raise RuntimeError("boom")
-    assert _leftovers() == []
+    assert _leftovers(ON_ERROR) == []
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_leftovers_of_a_killed_run_are_removed_first():
-    subprocess.run(["ip", "netns", "add", f"{PREFIX}7"], check=True)
-    with cluster.EmulatedCluster(1, "1gbit", prefix=PREFIX):
-        assert f"{PREFIX}7" not in _leftovers()
-    assert _leftovers() == []
+    subprocess.run(["ip", "netns", "add", f"{KILLED}7"], check=True)
+    with cluster.EmulatedCluster(1, "1gbit", prefix=KILLED):
+        assert f"{KILLED}7" not in _leftovers(KILLED)
+    assert _leftovers(KILLED) == []
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+def test_own_prefix_removes_the_namespaces_of_runs_no_longer_alive():
+    """A run's own prefix holds its process id; the namespaces of a process that is gone are
+    removed when the next run takes its prefix, those of a live one are left alone."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "30"])
+    try:
+        dead, live = f"gzq{gone.pid}x0", f"gzq{alive.pid}x0"
+        for ns in (dead, live):
+            subprocess.run(["ip", "netns", "add", ns], check=True)
+        assert cluster.own_prefix("q") == f"gzq{os.getpid()}x"
+        assert _leftovers("gzq") == [live]
+    finally:
+        alive.kill()
+        alive.wait()
+        cluster.EmulatedCluster.cleanup("gzq")
+    assert _leftovers("gzq") == []
 
 
 def test_benchmark_falls_back_to_loopback_and_says_why(monkeypatch):
@@ -95,7 +115,7 @@ def test_demo_trains_on_the_emulated_cluster_with_pytorchs_hook_as_baseline():
     assert rows["torch-fp16"]["method"] == "PyTorch fp16_compress_hook"
     assert all(r["identical"] and r["test_accuracy"] > 50 for r in rows.values())
     assert rows["maxmin4"]["wire_bytes"] < rows["torch-fp16"]["wire_bytes"]
-    assert cluster.EmulatedCluster.cleanup(cluster.PREFIX) == []  # nothing left behind
+    assert cluster.EmulatedCluster.cleanup(cluster.own_prefix("d")) == []  # nothing left behind
 
 
 def _node_and_cross(rank: int, world: int, numel: int) -> dict:
@@ -129,11 +149,11 @@ def _node_and_cross(rank: int, world: int, numel: int) -> dict:
 @pytest.mark.timeout(300)
 def test_ranks_of_a_node_share_its_namespace_and_only_traffic_between_nodes_is_shaped():
     numel = 2**20 // 4 * 2  # 2 MiB of fp32
-    with cluster.EmulatedCluster(2, "50mbit", prefix=PREFIX, ranks_per_node=2) as c:
+    with cluster.EmulatedCluster(2, "50mbit", prefix=NODES, ranks_per_node=2) as c:
         assert len(c.namespaces) == 2 and [c.namespace_of(r) for r in range(4)] == [c.namespaces[0]] * 2 + [c.namespaces[1]] * 2
         assert "2 nodes x 2 ranks" in c.describe()
         results = spawn_local(_node_and_cross, 4, numel, all_ranks=True, cluster=c)
-    assert _leftovers() == []
+    assert _leftovers(NODES) == []
     limit = 2 * 2**20 * 8 / 50e6  # 2 ranks: one tensor per rank over the link
     for rank, r in enumerate(results):
         assert r["torchrun"] and r["env"] == (str(rank // 2), str(rank % 2), "2")  # one torchrun per node

@@ -41,7 +41,6 @@ import contextlib
 import inspect
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -655,22 +654,6 @@ def _loadavg() -> Optional[float]:
         return None
 
 
-def _own_prefix() -> str:
-    """Namespace names of this process's own cluster (another run's are never taken down), after
-    removing those of runs no longer alive."""
-    from . import cluster
-
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    for pid in {int(m.group(1)) for m in re.finditer(r"^gza(\d+)x", listed, re.MULTILINE)}:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            cluster.EmulatedCluster.cleanup(f"gza{pid}x")
-        except PermissionError:
-            pass
-    return f"gza{os.getpid()}x"
-
-
 def _sanitize(obj: Any) -> Any:
     """JSON has no NaN or infinity: they become None."""
     if isinstance(obj, float) and not math.isfinite(obj):
@@ -734,7 +717,7 @@ def run_accuracy(
             reason = cluster.available()
             if reason is None:
                 try:
-                    emu = stack.enter_context(cluster.EmulatedCluster(workers, rate, prefix=_own_prefix()))
+                    emu = stack.enter_context(cluster.EmulatedCluster(workers, rate, prefix=cluster.own_prefix("a")))
                 except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                     reason = f"building it failed: {str(getattr(exc, 'stderr', None) or exc).strip()}"
             if emu is None:

@@ -8,7 +8,7 @@ of that speed, as between machines on a 100 Mbit/s–10 Gbit/s network.
 
 Addresses come from a private /24 that exists only inside these namespaces. Everything made is
 removed on exit, on error and on SIGINT/SIGTERM; namespaces left over by a killed run (same
-prefix) are removed before a new one starts. It needs root and iproute2 (``ip``, ``tc``): without
+prefix, or a prefix of :func:`own_prefix` whose process is gone) are removed before a new one starts. It needs root and iproute2 (``ip``, ``tc``): without
 them :func:`available` says why, and callers fall back to plain loopback.
 """
 from __future__ import annotations
@@ -52,6 +52,24 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def _namespaces(prefix: str) -> List[str]:
     out = _run("ip", "netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0].startswith(prefix)]
+
+
+def own_prefix(tag: str) -> str:
+    """The namespace prefix of this process's own clusters of kind ``tag`` (one letter), after
+    removing those of processes no longer alive (left over from a killed run).
+
+    Namespace names are global, and a cluster clears every namespace of its prefix when it
+    starts, so each run takes a prefix with its process id: runs at once (two demos, a test
+    suite in several workers) never take down each other's."""
+    listed = _run("ip", "netns", "list", check=False).stdout
+    for pid in {int(m.group(1)) for m in re.finditer(rf"^gz{tag}(\d+)x", listed, re.MULTILINE)}:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:  # its run is gone
+            EmulatedCluster.cleanup(f"gz{tag}{pid}x")
+        except PermissionError:
+            pass
+    return f"gz{tag}{os.getpid()}x"
 
 
 class EmulatedCluster:

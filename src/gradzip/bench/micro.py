@@ -250,7 +250,7 @@ def run_allreduce(
     }
     reason = cluster.available() if rate else None
     if rate and reason is None:
-        with cluster.EmulatedCluster(workers, rate) as emu:
+        with cluster.EmulatedCluster(workers, rate, prefix=cluster.own_prefix("m")) as emu:
             report["network"] = emu.describe()
             rows = spawn_local(bench_worker, workers, sizes, repeats, specs, cluster=emu)
     else:

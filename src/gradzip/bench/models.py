@@ -342,8 +342,6 @@ DEFAULT_MODELS = ["resnet50", "bert-base", "gpt2", "vit-b16"]
 BASELINES = ["fp32", "torch-fp16", "maxmin4"]
 # PyTorch's PowerSGD hook issues all-reduces from Future callbacks; with several buckets on gloo
 # the ranks then disagree on the order and hang or fail (see the demo), so it is not offered.
-# namespaces of its own: another emulated-cluster job on the machine clears leftovers of its own prefix
-CLUSTER_PREFIX = "gzbm"
 UNSUPPORTED = {"torch-powersgd": "PyTorch's PowerSGD hook hangs with several DDP buckets on gloo; use gradzip's powersgd"}
 
 
@@ -659,7 +657,7 @@ def run_models(
             if reason is None:
                 try:
                     emu = stack.enter_context(
-                        cluster.EmulatedCluster(nodes, rate, prefix=CLUSTER_PREFIX, ranks_per_node=ranks_per_node)
+                        cluster.EmulatedCluster(nodes, rate, prefix=cluster.own_prefix("b"), ranks_per_node=ranks_per_node)
                     )
                 except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
                     detail = getattr(exc, "stderr", None) or exc

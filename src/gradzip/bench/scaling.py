@@ -96,7 +96,7 @@ def link_efficiency(rate: str, values: int = 1 << 22) -> Optional[float]:
 
     if cluster.available() is not None:
         return None
-    with cluster.EmulatedCluster(2, rate, prefix="gzscale") as c:
+    with cluster.EmulatedCluster(2, rate, prefix=cluster.own_prefix("s")) as c:
         seconds = spawn_local(_timed_allreduce, 2, values, cluster=c)
     return (2 * 4 * values / 2) * 8 / cluster.parse_rate(rate) / seconds
 

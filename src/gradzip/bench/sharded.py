@@ -136,7 +136,7 @@ def run_fsdp(model: str = "resnet50", configs: Sequence[str] = DEFAULT_CONFIGS, 
             reason = cluster.available()
             if reason is None:
                 emu = stack.enter_context(
-                    cluster.EmulatedCluster(workers // ranks_per_node, rate, prefix="gzfsdp", ranks_per_node=ranks_per_node)
+                    cluster.EmulatedCluster(workers // ranks_per_node, rate, prefix=cluster.own_prefix("f"), ranks_per_node=ranks_per_node)
                 )
                 report["network"] = emu.describe()
             else:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
-import subprocess
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -242,23 +240,6 @@ def link_seconds(wire_bytes: float, collective: str, workers: int, rate: str) ->
     return factor * wire_bytes * 8 / cluster.parse_rate(rate)
 
 
-def _own_prefix() -> str:
-    """Namespace names of this process's own cluster, after removing those of demos no longer running.
-
-    Namespace names are global, and a cluster clears every namespace of its prefix when it starts,
-    so each demo takes a prefix with its process id: two runs at once never take down each other's.
-    """
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    for pid in {int(m.group(1)) for m in re.finditer(r"^gzd(\d+)x", listed, re.MULTILINE)}:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:  # its demo is gone: left over from a killed run
-            cluster.EmulatedCluster.cleanup(f"gzd{pid}x")
-        except PermissionError:
-            pass
-    return f"gzd{os.getpid()}x"
-
-
 def _cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -352,7 +333,7 @@ def run_demo(
     }
     per_node = opts["ranks_per_node"]
     emu = cluster.EmulatedCluster(
-        opts["workers"] // per_node, opts["rate"], prefix=_own_prefix(), ranks_per_node=per_node,
+        opts["workers"] // per_node, opts["rate"], prefix=cluster.own_prefix("d"), ranks_per_node=per_node,
     ) if report["emulated"] else None
     if emu is not None:
         report["network"] = emu.describe()
