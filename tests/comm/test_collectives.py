@@ -1046,14 +1046,14 @@ def _sra_send_buffers(rank: int, world: int) -> dict:
     """Two SRA calls advanced in turn, as the pipeline does: the first to its all-gather, then
     the second's scatter. What the collective's pool holds after both, by how the first kept
     its own payloads: none kept, kept and settled on release, kept for the end."""
-    from gradzip.sync.engine import _settle_residual
+    from gradzip.sync.settle import settle_residual
 
     held = {}
     for mode in ("none", "settled", "kept"):
         coll = collectives.get("sra")(None)
         c = codec("maxmin", bits=4)
         xs = [torch.randn(4096, generator=torch.Generator().manual_seed(rank * 10 + i)) for i in range(2)]
-        release = _settle_residual(torch.zeros(4096)) if mode == "settled" else None
+        release = settle_residual(torch.zeros(4096)) if mode == "settled" else None
         first = coll.stages(c, xs[0], "a", 0, need_own=mode != "none", on_release=release)
         second = coll.stages(c, xs[1], "b", 0, need_own=False)
         next(first)  # scattered
@@ -1076,7 +1076,7 @@ def test_the_sra_gives_its_send_buffer_back_once_its_chunks_arrived():
 def _sra_settled_in_place(rank: int, world: int) -> dict:
     """An SRA exchange with error feedback settled on release, in one segment and in several,
     averaged over its own input (as a DDP bucket is) and into a result of its own."""
-    from gradzip.sync.engine import _settle_residual
+    from gradzip.sync.settle import settle_residual
 
     out = {}
     for segment in (None, 1200):  # (chunks of whole values: 6000 = 3 x 2000 = 5 x 3 x 400)
@@ -1088,7 +1088,7 @@ def _sra_settled_in_place(rank: int, world: int) -> dict:
             x = torch.randn(6000, generator=torch.Generator().manual_seed(rank))
             residual = torch.zeros(6000)
             res = drive(coll.stages(codec("maxmin", bits=4), x, "a", 0, need_own=True, out=x if in_place else None,
-                                    on_release=_settle_residual(residual)))
+                                    on_release=settle_residual(residual)))
             out[(segment, in_place)] = {"avg": res.avg.clone(), "residual": residual, "spares": spares}
     return out
 

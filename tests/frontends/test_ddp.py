@@ -384,16 +384,16 @@ def test_ddp_features_keep_replicas_identical():
 
 def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False, codec: str = "maxmin",
               warmup: int = 0) -> dict:
-    from gradzip.sync import engine
+    from gradzip.sync import device
 
-    reads, multi = engine._reads_flag_on_host, engine._multi_tensor
+    reads, multi = device.reads_flag_on_host, device.multi_tensor
     if device_flag:  # as on a GPU: the agreed flag stays on the device and picks the residual there,
-        engine._reads_flag_on_host = lambda device: False  # and groups are filled by multi-tensor copies
-        engine._multi_tensor = lambda device: True
+        device.reads_flag_on_host = lambda device: False  # and groups are filled by multi-tensor copies
+        device.multi_tensor = lambda device: True
     try:
         return _nan_steps(rank, world, in_place, codec, warmup)
     finally:
-        engine._reads_flag_on_host, engine._multi_tensor = reads, multi
+        device.reads_flag_on_host, device.multi_tensor = reads, multi
 
 
 def _nan_steps(rank: int, world: int, in_place: bool, codec: str = "maxmin", warmup: int = 0) -> dict:

@@ -80,12 +80,12 @@ def _bucket(count: int, total: int = 1 << 14):
 
 
 def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place: bool = True) -> dict:
-    from gradzip.sync import engine
+    from gradzip.sync import device
 
-    reads, multi = engine._reads_flag_on_host, engine._multi_tensor
-    engine._multi_tensor = lambda device: True  # the accelerator's way of filling a group, on the CPU
+    reads, multi = device.reads_flag_on_host, device.multi_tensor
+    device.multi_tensor = lambda device: True  # the accelerator's way of filling a group, on the CPU
     if device_flag:  # the accelerator's way on the CPU: the flag stays a tensor, the residual is picked by it
-        engine._reads_flag_on_host = lambda device: False
+        device.reads_flag_on_host = lambda device: False
     try:
         out = {}
         for collective, count in [(c, n) for c in ("sra", "allgather") for n in (8, 64)]:
@@ -120,7 +120,7 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
             comm.close()
         return out
     finally:
-        engine._reads_flag_on_host, engine._multi_tensor = reads, multi
+        device.reads_flag_on_host, device.multi_tensor = reads, multi
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "fused"])
@@ -157,10 +157,10 @@ def test_a_bucket_costs_the_same_operations_for_8_or_64_gradients(memory, device
 
 def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
     from gradzip.kernels import fused
-    from gradzip.sync import engine, memory
+    from gradzip.sync import device, memory
 
-    engine._multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
-    engine._reads_flag_on_host = lambda device: False
+    device.multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
+    device.reads_flag_on_host = lambda device: False
     fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
     out = {}
@@ -243,11 +243,11 @@ def test_every_fused_codec_costs_the_same_operations_for_4_or_32_members():
 
 
 def _fused_views(rank: int, world: int, memory: str) -> dict:
-    from gradzip.sync import engine
+    from gradzip.sync import device
 
-    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
-    engine._multi_tensor = lambda device: True  # the accelerator's ways: one fill of a group,
-    engine._reads_flag_on_host = lambda device: False  # the residual picked on the device (a scratch buffer)
+    multi, reads = device.multi_tensor, device.reads_flag_on_host
+    device.multi_tensor = lambda device: True  # the accelerator's ways: one fill of a group,
+    device.reads_flag_on_host = lambda device: False  # the residual picked on the device (a scratch buffer)
     try:
         out = {}
         for count in (8, 64):
@@ -262,7 +262,7 @@ def _fused_views(rank: int, world: int, memory: str) -> dict:
             comm.close()
         return out
     finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+        device.multi_tensor, device.reads_flag_on_host = multi, reads
 
 
 @pytest.mark.parametrize("memory", ["none", "residual"])
@@ -304,11 +304,11 @@ LEAN_CODECS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 4}, "fp8": {}, "mxfp4": {
 
 
 def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
-    from gradzip.sync import engine
+    from gradzip.sync import device
 
-    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
-    engine._multi_tensor = lambda device: True  # the accelerator's ways, on the CPU
-    engine._reads_flag_on_host = lambda device: False
+    multi, reads = device.multi_tensor, device.reads_flag_on_host
+    device.multi_tensor = lambda device: True  # the accelerator's ways, on the CPU
+    device.reads_flag_on_host = lambda device: False
     try:
         out = {}
         for name, options in LEAN_CODECS.items():
@@ -336,7 +336,7 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
                 comm.close()
         return out
     finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+        device.multi_tensor, device.reads_flag_on_host = multi, reads
 
 
 @pytest.mark.parametrize("in_place, world", [(True, 2), (False, 2), (False, 3)], ids=["in-place", "fused", "fused-3"])
@@ -363,15 +363,15 @@ def test_a_step_makes_no_tensor_of_the_gradients_size_once_the_pools_hold_the_bu
 def _device_choices(device_flag: bool):
     """The engine's accelerator choices (multi-tensor operations, the flag left on the device)
     where ``device_flag``, else the CPU's, on CPU tensors."""
-    from gradzip.sync import engine
+    from gradzip.sync import device
 
-    multi, reads = engine._multi_tensor, engine._reads_flag_on_host
-    engine._multi_tensor = lambda device: device_flag
-    engine._reads_flag_on_host = lambda device: not device_flag
+    multi, reads = device.multi_tensor, device.reads_flag_on_host
+    device.multi_tensor = lambda device: device_flag
+    device.reads_flag_on_host = lambda device: not device_flag
     try:
         yield
     finally:
-        engine._multi_tensor, engine._reads_flag_on_host = multi, reads
+        device.multi_tensor, device.reads_flag_on_host = multi, reads
 
 
 def _alone_in_its_memory(rank: int, world: int, device_flag: bool) -> dict:
@@ -870,7 +870,7 @@ def _batch_shapes():
 
 
 def _batched_memory(rank: int, world: int) -> dict:
-    from gradzip.sync import engine, memory
+    from gradzip.sync import device, memory
 
     g = torch.Generator().manual_seed(20 + rank)
     shapes = _batch_shapes()
@@ -878,11 +878,11 @@ def _batched_memory(rank: int, world: int) -> dict:
     steps[2][1].view(-1)[7] = float("nan") if rank == 1 else 0.0  # a non-finite step: residuals kept
     names = [f"layer{i}.weight" for i in range(len(shapes))]
     out = {}
-    reads, host = engine._reads_flag_on_host, memory.reads_on_host
+    reads, host = device.reads_flag_on_host, memory.reads_on_host
     try:
         for device_flag in (False, True):
             if device_flag:  # an accelerator's way, on the CPU: the flag is used on the device, not read
-                engine._reads_flag_on_host = lambda device: False
+                device.reads_flag_on_host = lambda device: False
                 memory.reads_on_host = lambda flag: False
             for fusion in (True, False):
                 comm = gradzip.Communicator("powersgd", rank=2, fusion=fusion)
@@ -896,7 +896,7 @@ def _batched_memory(rank: int, world: int) -> dict:
                 out[(device_flag, fusion)] = {"avgs": avgs, "residuals": residuals, "ops": ops_of_step}
                 comm.close()
     finally:
-        engine._reads_flag_on_host, memory.reads_on_host = reads, host
+        device.reads_flag_on_host, memory.reads_on_host = reads, host
     return out
 
 

@@ -20,7 +20,8 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from ..policy.adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check as adaptive_check
-from ..sync.engine import Batch, Communicator, group_key
+from ..sync.engine import Batch, Communicator
+from ..sync.groups import group_key
 from ..config import AUTO, Config
 from ..errors import SettingsMismatchError
 from ..codecs import codec as codec_named, names as codec_names

@@ -9,35 +9,30 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors
 
 from .. import comm as _collectives
 from ..comm import consistency
 from . import memory as _memory
 from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec, hold_layouts, release_layouts
-from ..comm import base as _collective_base
-from ..comm.pool import BufferPool, size_class
+from ..comm.pool import BufferPool
 from ..comm.allgather import default_collective
-from ..comm.base import Call, Collective, LateOut, overlaps, parse_route, world
+from ..comm.base import Collective, overlaps, parse_route, world
 from ..comm.hierarchy import NODE_DTYPES, Hierarchical, plain_goes_hierarchical
 from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
 from ..errors import CheckpointError, CommunicationError
-from ..kernels.rng import stable_hash
 from ..version import __version__
-from .metrics import Metrics
+from . import device as _device
+from .fused import FusedGroups
+from .metrics import Metrics, record_of
 from .pipeline import Pipeline, Stages, drive, lockstep, staged
-from .groups import FusedLayout
+from .groups import FusedLayout, group_key
 from .places import Places
+from .settle import PLAIN_RESIDUALS, input_read_after, poison_if, scratch_for, settle_into, settle_residual
 from .worker import OrderedWorker
-
-# the memories whose state is a plain fp32 residual, input − this rank's share (ResidualMemory's
-# update; EF-signSGD's and PowerSGD's are it with beta = gamma = 1): settled in place
-PLAIN_RESIDUALS = ("residual", "efsign", "powersgd")
-# error feedbacks the in-place bucket path implements (input = gamma * grad + beta * residual)
-IN_PLACE_MEMORIES = ("none", *PLAIN_RESIDUALS)
 
 STATE_FORMAT = 2  # 2: one step counter ("step"); 1 had per-name counters and the hook's "hook_step"
 
@@ -115,7 +110,7 @@ class Batch:
     on_done: Optional[Callable[[float], None]] = None
 
 
-class Communicator:
+class Communicator(FusedGroups):
     """Compressed, averaged all-reduce of named tensors.
 
     ``Communicator("topk", ratio=0.01, memory="residual")``: codec options go as keywords;
@@ -511,7 +506,7 @@ class Communicator:
         which queues them on the device's stream instead of blocking the thread that waits."""
         queued = self._queued_on_stream.get(device.type)
         if queued is None:
-            queued = self._queued_on_stream[device.type] = _collectives_queue_on_stream(self.group, device)
+            queued = self._queued_on_stream[device.type] = _device.collectives_queue_on_stream(self.group, device)
         return queued
 
     def submit_batch(
@@ -676,7 +671,7 @@ class Communicator:
         else:
             codec, coll, mem = self._plain_codec, self.plain_collective(t), self._plain_memory
         if t.numel() == 0:
-            return (t.clone() if out is None else out), _metrics_of(None, 0, 0.0, compress, codec)
+            return (t.clone() if out is None else out), record_of(None, 0, 0.0, compress, codec)
         inp = self._compensated(mem, coll, t, name, step, compress, into=out)
         avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
         return _delivered(t, out, avg, dest), record
@@ -688,8 +683,8 @@ class Communicator:
         the average goes into the gradient itself (``into`` is ``t``) and the memory makes the
         input again when it updates (:attr:`~gradzip.sync.memory.Memory.remakes_input`: DGC's),
         it is compensated there: no tensor of the gradient's size is held through the exchange,
-        unless the collective ``coll`` reads the input after the exchange (:func:`_reads_input`)."""
-        in_place = into is t and mem.stateful and not _reads_input(mem, coll)
+        unless the collective ``coll`` reads the input after the exchange (:func:`input_read_after`)."""
+        in_place = into is t and mem.stateful and not input_read_after(mem, coll)
         if in_place and t.is_contiguous() and t.dtype == mem.input_dtype(t.dtype):
             inp = mem.compensate_into(t, name, t)
         else:
@@ -725,11 +720,11 @@ class Communicator:
         if mem.stateful and update:
             mem.update(name, inp, res.own.view(inp.shape), skip=res.nonfinite)
         # a fresh tensor, or dest; an unflagged (plain) sum's flag is always False: no pass for it
-        avg = _poison_if(res.avg, res) if coll.flagged else res.avg
+        avg = poison_if(res.avg, res) if coll.flagged else res.avg
         wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes  # one encoding (metrics.py)
         if sent_per_byte is None:
             sent_per_byte = coll.sent_per_byte(self.world_size)
-        return avg, _metrics_of(res, wire, sent_per_byte, compress, codec)
+        return avg, record_of(res, wire, sent_per_byte, compress, codec)
 
     def _batchable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
         """Whether these gradients, which cannot share one encoding, can share one collective
@@ -792,7 +787,7 @@ class Communicator:
         No compensated copy of the batch, and no buffer of this rank's decoded payloads kept from
         step to step per tensor (what :meth:`Memory.update_many` needs): the same values. On an
         accelerator the new residuals go to one scratch buffer and the agreed flag picks old or
-        new in one operation, as for a fused group (:func:`_settle_residual`)."""
+        new in one operation, as for a fused group (:func:`settle_residual`)."""
         mem = self.memory
         residuals, had = mem.residuals_for(names, tensors)
         if mem.gamma != 1.0:
@@ -804,13 +799,13 @@ class Communicator:
         flat = scratch = None
         lent: List[torch.Tensor] = []
         try:
-            if _reads_flag_on_host(tensors[0].device):
-                settles = [_settle_residual(r.view(-1)) for r in residuals]
+            if _device.reads_flag_on_host(tensors[0].device):
+                settles = [settle_residual(r.view(-1)) for r in residuals]
             else:
                 flat = mem.flat_residuals(names, residuals)
-                scratch = self._scratch(flat, self._pool(torch.float32, step), lent)  # lent until the pick
+                scratch = scratch_for(flat, self._pool(torch.float32, step), lent)  # lent until the pick
                 parts = _unflatten_dense_tensors(scratch, residuals)
-                settles = [_settle_into(part) for part in parts]
+                settles = [settle_into(part) for part in parts]
             results = yield from coll.stages_many(codec, list(tensors), names, step, True,
                                                   [t.view(-1) for t in tensors], on_release=settles)
             if flat is not None:
@@ -885,454 +880,6 @@ class Communicator:
             else:
                 out[owner] = result
         return out
-
-    def _reduce_plain(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
-        """One plain all-reduce of uncompressed gradients of one dtype: in place where they lie
-        back to back in one buffer (a whole DDP bucket left plain), else concatenated."""
-        span = _contiguous_span(tensors) if inplace else None
-        numel = sum(t.numel() for t in tensors)
-        if inplace and numel and not self.plain_goes_hierarchical(numel, tensors[0].element_size()):
-            return (yield from self._plain_sum(tensors, names, step, span))
-        if span is not None:  # the hierarchical all-reduce, in place
-            avg, record = yield from self._reduce(span, f"uncompressed:{names[0]}", False, span, step)
-            self.metrics.record_group([(n, t.numel() * span.element_size()) for n, t in zip(names, tensors)], **record)
-            return list(tensors)
-        if len(tensors) > 1:  # one concatenation, its loop in C++
-            flat = _flatten_dense_tensors(tensors)
-        else:  # (of one tensor that would be a view, not a copy)
-            flat = torch.cat([tensors[0].reshape(-1)])
-        avg, record = yield from self._reduce(flat, f"uncompressed:{names[0]}", False, None, step)
-        self.metrics.record_group([(n, t.numel() * flat.element_size()) for n, t in zip(names, tensors)], **record)
-        out = _unflatten_dense_tensors(avg, tensors)  # views of the average shaped as the gradients
-        if inplace:  # one multi-tensor copy into the gradients
-            _copy_all(tensors, out)
-            return list(tensors)
-        return list(out)
-
-    def _plain_sum(self, tensors: Sequence[torch.Tensor], names: Sequence[str], step: int,
-                   span: Optional[torch.Tensor] = None) -> Stages:
-        """The flat plain sum of gradients of one dtype, averaged into them, as DDP's own hook
-        makes it: divided by the world size and all-reduced in place, where they lie back to
-        back (``span``: the memory they fill), else in a buffer of the pool they are copied
-        into and back out of; the values of the plain collective's path (the same division,
-        the same sum), without its codec, payload and call objects, which cost the worker's
-        host time a job, and with nothing allocated from step to step."""
-        w = self.world_size
-        pool, lent = self._pool(tensors[0].dtype, step), []
-        views = sources = None
-        if span is None:  # the gradients' places in the buffer: kept from step to step, as a fused group's
-            layout = self._fused_layout(tensors, names, 1, step)
-            flat = pool.lend((layout.total,), tensors[0].device, lent)
-            views, sources = layout.views(flat, "plain"), [tensors[i] for i in layout.order]
-        else:
-            flat = span
-        try:
-            if views is not None:  # one multi-tensor copy in, one out
-                _copy_all(views, sources)
-            if w > 1:
-                work = dist.all_reduce(flat.div_(w), group=self.group, async_op=True)
-                yield  # the sum is on the wire
-                work.wait()
-            if views is not None:
-                _copy_all(sources, views)
-        finally:
-            pool.give_back(lent)
-        nbytes = flat.numel() * flat.element_size()
-        self.metrics.record_group(
-            [(n, t.numel() * t.element_size()) for n, t in zip(names, tensors)], wire=nbytes, encode_s=0.0,
-            decode_s=0.0, compressed=False, sent=self._plain.sent_per_byte(w) * nbytes, codec=self._plain_codec.name,
-        )
-        return list(tensors)
-
-    def _fusable(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> bool:
-        """Whether these gradients go through the codec as one fused buffer (see :meth:`_reduce_fused`):
-        a codec with independent blocks, or one that encodes a buffer by its parts
-        (:attr:`Codec.parts_format`, PowerSGD) where the collective hands them over."""
-        align = self.codec.fused_alignment()
-        if not self.fusion or not tensors or align <= 0:
-            return False
-        codec = self.codec_for(names[0])  # (a group holds one level: the plan's)
-        if codec.parts_format and (len(tensors) < 2 or not any(t.numel() for t in tensors) or not all(
-            self.codec_for(n) is codec and self.collective_for(n).carries_parts for n in names
-        )):
-            return False  # (one alone joins the others of its job in one batch: :meth:`_reduce_batched`)
-        first = tensors[0]
-        if len(tensors) == 1 and not (
-            self.memory.stateful and self._residual_settles(self.memory, torch.float32)
-            and first.numel() % align == 0
-        ):
-            return False  # alone, without error feedback or not a whole number of blocks: exchanged where it lies
-        return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
-
-    def _reduce_fused(self, tensors: Sequence[torch.Tensor], names: Sequence[str], inplace: bool, step: int) -> Stages:
-        """One encode, one exchange and one decode for several gradients (CGX's fused buffers).
-
-        Each error-compensated gradient is copied into a flat buffer at an offset that is a
-        multiple of the codec's block (:meth:`Codec.fusion_block`), the gap after it zeroed, and
-        the collective cuts its chunks on block boundaries too: every block holds values of one
-        gradient only, so the bytes are those of the gradients encoded one by one, less the
-        per-call overhead. The layout is canonical (gradients sorted by name), so it does not
-        depend on the order in which DDP put them into its bucket, and neither does the
-        randomness keyed by the group's name. Residuals stay per parameter name (slices of the
-        buffer), so checkpoints and DDP's bucket rebuild are unaffected. One non-finite flag
-        covers the group: a NaN in one gradient makes every gradient of the group NaN.
-        """
-        codec, coll, mem = self.codec_for(names[0]), self.collective_for(names[0]), self.memory
-        started = time.perf_counter()
-        block = codec.fused_alignment()
-        # (a gradient alone keeps its length: it may be averaged where it lies, see below)
-        layout = self._fused_layout(tensors, names, block, step, coll if len(tensors) > 1 else None)
-        order, spans, total, key = layout.order, layout.spans, layout.total, layout.key
-        # the codec's input dtype: the memory's (fp32 residuals) or the gradients'
-        dtype = mem.input_dtype(tensors[order[0]].dtype)
-        pool = self._pool(dtype, step)
-        lent: List[torch.Tensor] = []  # the group's buffers, the pool's again once the averages are out
-        lent_input: List[torch.Tensor] = []  # the input's buffer where it goes back once read (see _late_out)
-        # the collective's own staging memory where it has some (the node's shared memory of a
-        # hierarchical exchange), else a buffer of the pool
-        flat = coll.input_buffer(key, total, dtype, tensors[0].device, step, align=block)
-        # a gradient alone whose input is its own memory compensated in place (the average
-        # overwrites it anyway): no copy in or out, no buffer of its size from the pool
-        alone = flat is None and inplace and self._averaged_where_it_lies(tensors, total, dtype, coll)
-        # error feedback that is a residual settled when the collective releases the input
-        settles = mem.stateful and coll.releases_input and self._residual_settles(mem, dtype)
-        late = None
-        # nothing reads the input once it is encoded (no error feedback) or once the exchange
-        # releases it (a residual settled then): where the collective says when that is, its
-        # buffer serves other groups until this one's average is written (then lent again), so
-        # the groups in flight do not each hold one
-        early = coll.reads_input_first and coll.releases_input and (settles or not _reads_input(mem, coll))
-        if alone:
-            flat = tensors[0].view(-1)
-        elif flat is None:
-            flat = pool.lend((total,), tensors[0].device, lent_input if early else lent)
-            if early:
-                # with error feedback the input is made again when the residual settles (the
-                # gradients and the old residual are intact until then), so the groups in
-                # flight hold no input buffer while their payloads are on the wire
-                late = _late_out(pool, lent_input, lent, flat, remade=settles)
-        residual = None
-
-        def compensate(buf: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
-            """The codec's input written into ``buf`` (``views``: the gradients' places in it):
-            on an accelerator a few operations for the whole group, whatever its size, where the
-            memory is none or the group's residual; else the memory's own, gradient by gradient
-            (on the CPU one pass each, where a call costs next to nothing). The padding is zeroed."""
-            if _multi_tensor(buf.device) and (residual is not None or not mem.stateful):
-                if not alone:
-                    _copy_all(views, [tensors[i] for i in order])
-                if residual is not None:
-                    if mem.gamma != 1.0:
-                        buf.mul_(mem.gamma)
-                    buf.add_(residual, alpha=mem.beta)
-            else:  # (a memory may take the group in a few multi-tensor operations: DGC's on an accelerator)
-                mem.compensate_many_into([tensors[i] for i in order], [names[i] for i in order], views)
-            self._places_of(buf.device, layout.gaps).fill_(buf, 0)
-
-        def remake(held: List[torch.Tensor]) -> torch.Tensor:
-            """The input again, the same operations on the same values (the same bits), in a
-            buffer of the pool lent into ``held``; the input itself where the collective read
-            it until it released it (PowerSGD's rounds), so it is still lent and intact."""
-            if lent_input:
-                return flat
-            buf = pool.lend((total,), flat.device, held)
-            compensate(buf, layout.views(buf, "input"))
-            return buf
-
-        try:
-            inputs = layout.views(flat, "input", keep=not alone)  # in the order of the layout (no view of DDP's memory kept)
-            # the average overwrites the input buffer when the collective has read it by then and
-            # error feedback, if any, is a residual settled at that moment (see _settle_residual)
-            settle = None
-            if settles:
-                members = [(names[i], (start, n), tensors[i].shape) for i, (start, n) in zip(order, spans)]
-                residual = self._group_residual(key, flat, members)
-                if late is not None:
-                    settle = _settle_remade(residual, remake, pool)
-                else:
-                    settle = _settle_residual(residual, self._scratch(flat, pool, lent))
-            compensate(flat, inputs)
-            self._observe(layout.names, inputs, step)
-            if late is not None:
-                out = None
-            elif coll.releases_input and (settle is not None or not _reads_input(mem, coll)):
-                out = flat
-            else:  # the input is still read after the exchange: the average needs a buffer of its own
-                out = pool.lend((total,), flat.device, lent)
-            res = yield from staged(coll.stages(
-                codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
-                parts=layout.parts if codec.parts_format else None, late=late,
-            ))
-            if mem.stateful and settle is None:  # one flag covers the group
-                own = layout.views(res.own, "own", keep=False)
-                mem.update_many(layout.names, inputs, own, skip=res.nonfinite)
-            avg = _poison_if(res.avg, res)
-            if not inplace:  # the caller's own copy (the buffer goes back to the pool), in its dtype
-                avg = avg.to(tensors[0].dtype, copy=True)
-            if inplace:  # one multi-tensor copy into DDP's views
-                # (the average's views are kept where it lies in the group's own buffer: a
-                # result lent late is one of the group's pool)
-                own_buffer = late is not None or (avg.data_ptr() == out.data_ptr() and avg.numel() == out.numel())
-                if not (alone and own_buffer):  # (alone, it is there already)
-                    _copy_all([tensors[i] for i in order], layout.views(avg, "average", keep=own_buffer))
-                results = list(tensors)
-            else:  # views of the caller's copy, in the gradients' own order
-                results = [None] * len(tensors)  # type: ignore[list-item]
-                for i, view in zip(order, layout.views(avg, "average", keep=False)):
-                    results[i] = view
-            wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
-            record = _metrics_of(res, wire, coll.sent_per_byte(self.world_size), True, codec)
-            self.metrics.record_group(layout.members(tensors[0].element_size()), **record)
-            self.metrics.record_group_time(key, time.perf_counter() - started)
-            return results
-        finally:
-            pool.give_back(lent_input)
-            pool.give_back(lent)
-
-    def _averaged_where_it_lies(self, tensors: Sequence[torch.Tensor], total: int, dtype: torch.dtype,
-                                coll: Collective) -> bool:
-        """Whether a group of one gradient can be its own buffer: contiguous, of the codec's input
-        dtype and a whole number of blocks (no padding), with a collective that releases its input
-        before writing the average and a residual settled at that moment (error feedback is why a
-        gradient alone is fused at all: see :meth:`_fusable`)."""
-        t, mem = tensors[0], self.memory
-        return (len(tensors) == 1 and t.is_contiguous() and t.dtype == dtype and t.numel() == total
-                and mem.stateful and coll.releases_input and self._residual_settles(mem, dtype))
-
-    def _fused_layout(self, tensors: Sequence[torch.Tensor], names: Sequence[str], block: int, step: int,
-                      coll: Optional[Collective] = None) -> FusedLayout:
-        """The layout of a fused group in its flat buffer (:class:`FusedLayout`), made once per
-        group (its members' names and shapes, the codec's block, and the collective ``coll``
-        that sets its length: :meth:`~gradzip.comm.base.Collective.fused_length`); marked used
-        at ``step`` (see :meth:`_prune_layouts`)."""
-        shapes = tuple(t.shape for t in tensors)
-        ident = (tuple(names), shapes, block, None if coll is None else id(coll))
-        layout = self._fused_layouts.get(ident)
-        if layout is None:
-            device = tensors[0].device
-
-            def length(n: int) -> int:
-                # the collective's length, unless it takes a larger size class of the pools
-                # (ResNet-50's 2^21-value groups at three ranks): a buffer 19% larger, held,
-                # costs more than the copy of a chunk that the collective pads
-                padded = coll.fused_length(n, block, device)
-                return padded if size_class(padded) == size_class(n) else n
-
-            layout = self._fused_layouts[ident] = FusedLayout(
-                shapes, names, block, group_key(sorted(names)), None if coll is None else length,
-            )
-        layout.used = max(layout.used, step)
-        return layout
-
-    def _prune_layouts(self, step: int) -> None:
-        """Drop the fused layouts no step used in ``step`` or the one before (a group the plan no
-        longer makes, buckets now averaged in place), when the pools drop their buffers
-        (:meth:`_pool`) and at every in-place bucket: a layout keeps views of a group's buffers,
-        which would otherwise outlive the pool's hold on them."""
-        if step > self._layouts_step:
-            self._layouts_step = step
-            self._fused_layouts = {k: v for k, v in self._fused_layouts.items() if v.used >= step - 1}
-
-    def averages_in_place(self) -> bool:
-        """Whether some bucket may be averaged in its own memory (:meth:`in_place`'s conditions
-        that do not depend on the bucket, for the configured codec and collective)."""
-        return self._in_place_capable(self.codec, self.collective)
-
-    def _in_place_capable(self, codec: Codec, coll: Collective) -> bool:
-        """Fusion on, no adaptive levels, a codec whose blocks are independent or a summed codec
-        that takes a group by its parts laid back to back (PowerSGD, random-k: alignment 1, as
-        DDP lays out a bucket) from a collective that carries them, a collective that releases
-        its input before writing the average, and no error feedback or a plain residual.
-
-        (A summed codec's group holds its input through the exchange on the default path, a
-        copy this path does without: ResNet-50 at 2 ranks, PowerSGD +1.10 of the gradient's
-        size over fp32 DDP where the default path adds +1.48. A gathered one by parts, top-k
-        or SketchML, gives its copy back once encoded there already, and a bucket in flight as
-        one group held more, +1.26 against +1.14 for top-k: they stay on the default path.)"""
-        layout = codec.fusion_block() > 0 or (
-            codec.parts_format and codec.summable and codec.fused_alignment() == 1 and coll.carries_parts)
-        return (self.fusion and self.levels is None and layout and coll.releases_input
-                and self.memory.name in IN_PLACE_MEMORIES)
-
-    def in_place(self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str],
-                 compress: Sequence[bool]) -> bool:
-        """Whether :meth:`bucket_stages` can average this bucket in its own memory.
-
-        It needs the gradients to be the bucket (DDP's views, back to back), one codec and one
-        collective for every compressed gradient, a codec whose blocks are independent
-        (``fusion_block() > 0``) or a summed one that takes the bucket by its parts (see
-        :meth:`_in_place_capable`), a collective that releases its input before writing the
-        average, and an error feedback that is a plain residual kept in fp32, as the bucket.
-        """
-        comp = [names[i] for i, c in enumerate(compress) if c]
-        if not comp or not buffer.is_contiguous() or buffer.dtype not in FLOAT_DTYPES:
-            return False
-        codec, coll, mem = self.codec_for(comp[0]), self.collective_for(comp[0]), self.memory
-        if not self._in_place_capable(codec, coll):
-            return False
-        if any(self.codec_for(n) is not codec or self.collective_for(n) is not coll for n in comp):
-            return False
-        if mem.stateful and buffer.dtype != torch.float32:
-            return False
-        span = _contiguous_span(tensors)
-        return span is not None and span.data_ptr() == buffer.data_ptr() and span.numel() == buffer.numel()
-
-    def bucket_stages(
-        self, buffer: torch.Tensor, tensors: Sequence[torch.Tensor], names: Sequence[str], compress: Sequence[bool],
-        step: int,
-    ) -> Stages:
-        """Average a DDP bucket in its own memory (:meth:`in_place` says when): the lean path.
-
-        Per step and bucket, over the compressed gradients' memory: the error-feedback residual
-        is added in place (1 pass); the codec encodes the bucket as it lies (2; its own min/max
-        or norm carries the non-finite flag); once every rank's flag is known, this rank's own
-        payloads are decoded into the residual, which then becomes input minus decoded (3, and
-        a subtraction); the average is decoded straight into the bucket (4). The uncompressed
-        gradients of the bucket (small or 1-D ones) are copied out first, summed exactly in
-        one plain all-reduce beside the compressed exchange and written back at the end; their
-        places in the bucket are encoded as zeros. Blocks of the codec run across gradient
-        boundaries, as in CGX's fused buffers; no copy of the bucket is kept from step to step,
-        only the residual (with error feedback) and the collective's payload buffers. The number
-        of operations does not grow with the number of gradients (:mod:`gradzip.sync.places`),
-        and on an accelerator nothing waits for the device (:func:`_settle_residual`).
-
-        A codec that takes a group by its parts (PowerSGD) gets the bucket's members in DDP's
-        order, each by its shape; a gradient not to be compressed is a 1-D part of its own,
-        which PowerSGD sends as it is with its factors (no exchange of its own, no copy out),
-        and other codecs get its place zeroed, as above. Carried so, they share the bucket's
-        non-finite flag: a NaN or ±inf in any gradient of the bucket makes its whole average
-        NaN on every rank (residuals kept), where a separate sum spreads one through the
-        uncompressed gradients alone. Warm starts and residuals stay keyed by name, as on the
-        default path.
-        """
-        started = time.perf_counter()
-        self._prune_layouts(step)  # (it may lend nothing from the pools)
-        comp = [i for i, c in enumerate(compress) if c]
-        plain = [i for i, c in enumerate(compress) if not c]
-        codec, coll, mem = self.codec_for(names[comp[0]]), self.collective_for(names[comp[0]]), self.memory
-        span = buffer.view(-1)
-        base = span.storage_offset()
-        where = [(t.storage_offset() - base, t.numel()) for t in tensors]
-        key = group_key(sorted(names[i] for i in comp))
-        by_parts = codec.parts_format
-        # the codec's parts: every gradient by its shape, an uncompressed one flat
-        shapes = tuple((names[i], tensors[i].shape if compress[i] else torch.Size([tensors[i].numel()]))
-                       for i in range(len(tensors))) if by_parts else None
-        # the uncompressed ones go with the payload (not where error feedback scales the bucket
-        # by its decay first: they are copied out then, as for other codecs)
-        carried = by_parts and codec.flat_parts_as_they_are and (not mem.stateful or mem.gamma == 1.0)
-        parts = []
-        lent: List[torch.Tensor] = []
-        try:
-            places = None
-            if plain and not carried:  # copied out before the bucket is touched: they are summed exactly
-                places = self._places_of(span.device, [where[i] for i in plain])
-                pool = self._pool(span.dtype, step)
-                flat_plain = places.gather(span, pool.lend((places.numel,), span.device, lent))
-                parts.append(self._reduce(flat_plain, f"uncompressed:{names[plain[0]]}", False, flat_plain, step))
-            settle = None
-            if mem.stateful:
-                # the layout is part of the key: a bucket with the same members in another order
-                # (DDP's rebuild) gets a buffer of its own, filled from the old one
-                layout = stable_hash(*(f"{names[i]}:{where[i][0]}" for i in comp))
-                members = [(names[i], where[i], tensors[i].shape) for i in comp]
-                residual = self._group_residual(f"{key}@{layout:08x}", span, members)
-                if mem.gamma != 1.0:
-                    span.mul_(mem.gamma)
-                span.add_(residual, alpha=mem.beta)
-                settle = _settle_residual(residual, self._scratch(span, self._pool(torch.float32, step), lent))
-            if places is not None:
-                places.fill_(span, 0)
-
-            parts.append(coll.stages(codec, span, key, step, need_own=settle is not None, out=span, on_release=settle,
-                                     parts=shapes))
-            results = yield from lockstep(parts)
-            res = results[-1]
-            _poison_if(span, res)
-            if places is not None:
-                avg_plain, plain_record = results[0]
-                places.scatter_(span, avg_plain)
-                self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain], **plain_record)
-        finally:
-            for buf in lent:  # each to the pool of its dtype
-                self._flat_pools[buf.dtype].give_back([buf])
-        # one encoding of the bucket (its uncompressed places included): independent of how
-        # the collective cuts it, so the ratio does not move with the world size; a codec
-        # by parts has its size from the shapes: what the collective measured
-        if by_parts:
-            wire = res.wire_bytes if res.payload_bytes is None else res.payload_bytes
-        else:
-            wire = codec.wire_bytes(span.numel(), span.dtype)
-        factor = coll.sent_per_byte(self.world_size)
-        if carried and plain:  # sent as they are inside the payload: counted as uncompressed, as on the default path
-            raw = [(names[i], tensors[i].numel() * tensors[i].element_size()) for i in plain]
-            plain_bytes = sum(n for _, n in raw)
-            wire -= plain_bytes
-            self.metrics.record_group(raw, wire=plain_bytes, encode_s=0.0, decode_s=0.0, compressed=False,
-                                      sent=factor * plain_bytes, codec=self._plain_codec.name)
-        record = _metrics_of(res, wire, factor, True, codec)
-        self.metrics.record_group([(names[i], tensors[i].numel() * tensors[i].element_size()) for i in comp], **record)
-        self.metrics.record_group_time(key, time.perf_counter() - started)
-        return list(tensors)
-
-    @staticmethod
-    def _residual_settles(mem: Any, dtype: torch.dtype) -> bool:
-        """Whether ``mem``'s state is a plain fp32 residual that :func:`_settle_residual` can
-        update from the agreed flag."""
-        return mem.name in IN_PLACE_MEMORIES and dtype == torch.float32
-
-    def _pool(self, dtype: torch.dtype, step: int) -> BufferPool:
-        """The buffers of ``dtype`` lent to this step's exchanges (kept from step to step); the
-        fused layouts no longer used go with the buffers no longer lent."""
-        pool = self._flat_pools.setdefault(dtype, BufferPool(dtype))
-        pool.new_step(step)
-        self._prune_layouts(step)
-        return pool
-
-    @staticmethod
-    def _scratch(flat: torch.Tensor, pool: BufferPool, lent: List[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Where :func:`_settle_residual` computes the new residual before the agreed flag picks
-        it: on an accelerator, a pool buffer as long as ``flat`` (reading the flag on the host
-        would stall the device's queue); None on the CPU, which reads the flag for free."""
-        return None if _reads_flag_on_host(flat.device) else pool.lend((flat.numel(),), flat.device, lent)
-
-    def _places_of(self, device: torch.device, where: Sequence[Tuple[int, int]]) -> Places:
-        """The :class:`Places` ``where`` in a flat buffer on ``device`` (a bucket's uncompressed
-        gradients, a group's padding), made once per layout."""
-        key = (str(device), tuple(where))
-        places = self._places.get(key)
-        if places is None:
-            if len(self._places) >= 256:  # layouts of buckets DDP no longer uses
-                self._places.clear()
-            places = self._places[key] = Places(where, device)
-        return places
-
-    def _group_residual(self, key: str, span: torch.Tensor, members) -> torch.Tensor:
-        """One fp32 residual as long as the group's buffer, ``members``' parts (name, (start,
-        numel), shape) registered as the memory's per-name residuals (views), so checkpoints
-        stay keyed by name. A name whose residual lies elsewhere (a checkpoint, an earlier
-        layout) is copied in; one without a residual starts at zero. A buffer no name points
-        into any more is dropped."""
-        mem = self.memory
-        buf = self._group_residuals.get(key)
-        if buf is None or buf.numel() != span.numel() or buf.device != span.device:
-            buf = self._group_residuals[key] = torch.zeros(span.numel(), dtype=torch.float32, device=span.device)
-        base, size = buf.data_ptr(), buf.element_size()
-        for name, (start, n), shape in members:
-            cur = mem.residuals.get(name)
-            if cur is not None and cur.data_ptr() == base + start * size and cur.shape == shape:
-                continue  # registered at an earlier step (checked without making a view: no work per gradient)
-            view = buf[start : start + n].view(shape)
-            if cur is None or cur.numel() != n:
-                view.zero_()
-            else:
-                view.copy_(cur.reshape(shape))
-            mem.residuals[name] = view
-            old = self._residual_key.get(name)
-            self._residual_key[name] = key
-            if old is not None and old != key and old not in self._residual_key.values():
-                self._group_residuals.pop(old, None)
-        return buf
 
     def codec_for(self, name: str) -> Codec:
         """The codec that compresses parameter ``name``: the one of the ramp's present level, of
@@ -1532,157 +1079,12 @@ def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
     return f"{choice}:{'native' if ok and choice in ('auto', 'native') else 'torch'}"
 
 
-def _metrics_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec) -> Dict[str, Any]:
-    """The keyword arguments of :meth:`Metrics.record` for one call (``res``: its Result, or None)."""
-    if res is None:
-        return dict(wire=0, encode_s=0.0, decode_s=0.0, compressed=compress, sent=0.0, codec=codec.name)
-    measured = _collective_base._measure_cpu or res.encode_cpu_s or res.decode_cpu_s
-    return dict(
-        wire=wire, encode_s=res.encode_s, decode_s=res.decode_s, compressed=compress,
-        encode_cpu_s=res.encode_cpu_s if measured else None, decode_cpu_s=res.decode_cpu_s if measured else None,
-        sent=factor * wire, codec=codec.name,
-    )
-
-
-def group_key(names: Sequence[str]) -> str:
-    """The name a fused group is encoded under: the same for the same members, on every rank."""
-    return f"fused:{len(names)}:{stable_hash(*names):08x}"
-
-
 def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
     if out is not None and (out.shape != t.shape or out.dtype != t.dtype or out.device != t.device):
         raise ValueError(
             f"out must match the input: shape {tuple(t.shape)}, {t.dtype} on {t.device}; "
             f"got shape {tuple(out.shape)}, {out.dtype} on {out.device}"
         )
-
-
-def _contiguous_span(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat view over ``tensors`` when they lie back to back, in order, in one storage (the
-    gradients of a DDP bucket are views of its buffer); None otherwise."""
-    first = tensors[0]
-    storage, offset = first.untyped_storage(), first.storage_offset()
-    for t in tensors:
-        if not (t.is_contiguous() and t.dtype == first.dtype and t.device == first.device):
-            return None
-        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
-            return None
-        offset += t.numel()
-    n = offset - first.storage_offset()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (n,))
-
-
-def _late_out(pool: BufferPool, lent_input: List[torch.Tensor], lent: List[torch.Tensor],
-              flat: torch.Tensor, remade: bool = False) -> LateOut:
-    """A group's :class:`LateOut`: its input buffer ``flat`` (lent into ``lent_input``) goes back
-    to ``pool`` once the collective has read it for the last time (encoded it, or released it;
-    encoded it where error feedback makes it again: ``remade``, see :func:`_settle_remade`), and
-    the average gets a buffer of the pool (into ``lent``) when it is written, or ``flat`` itself
-    if it never went back. On a GPU the next borrower's work is queued behind the encode on the
-    same stream."""
-    def input_read() -> None:
-        pool.give_back(lent_input)
-
-    def lend() -> torch.Tensor:
-        return flat if lent_input else pool.lend((flat.numel(),), flat.device, lent)
-
-    return LateOut(lend, input_read, remade)
-
-
-def _settle_residual(residual: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Callable[[Call, torch.Tensor], None]:
-    """The ``on_release`` of an exchange whose average overwrites its input: there and then,
-    residual = input − this rank's share as counted (:func:`_settle`)."""
-
-    def settle(call: Call, nonfinite: torch.Tensor) -> None:
-        _settle(residual, scratch, call, nonfinite)
-
-    return settle
-
-
-def _settle(residual: torch.Tensor, scratch: Optional[torch.Tensor], call: Call, nonfinite: torch.Tensor,
-            x: Optional[torch.Tensor] = None) -> None:
-    """residual = the input (``x`` where it was made again, :func:`_settle_remade`) − this rank's
-    share as counted (its own payloads decoded into the residual, then one subtraction;
-    :meth:`Call.residual_into`); kept as it was on a non-finite step (every rank alike, from the
-    agreed flag). With a ``scratch`` buffer (accelerators) the new residual is computed there
-    and the flag, left on the device, picks old or new: one pass more, no wait for the device."""
-    if scratch is not None:
-        call.residual_into(scratch, x)
-        torch.where(nonfinite, residual, scratch, out=residual)
-        return
-    if bool(nonfinite):
-        return
-    call.residual_into(residual, x)
-
-
-def _settle_remade(residual: torch.Tensor, remake: Callable[[List[torch.Tensor]], torch.Tensor],
-                   pool: BufferPool) -> Callable[[Call, torch.Tensor], None]:
-    """The ``on_release`` of an exchange whose input went back to ``pool`` once encoded
-    (:attr:`LateOut.remade`): the input is made again by ``remake`` (the compensation run anew
-    on the gradients and the residual, both untouched until then: the same bits) and the
-    residual settled from it (:func:`_settle`), the buffers given back at once. A group in
-    flight thus holds its payloads alone, not its input, for one pass more over the gradients
-    at release; on the CPU a non-finite step, which keeps the residual, makes nothing."""
-
-    def settle(call: Call, nonfinite: torch.Tensor) -> None:
-        if _reads_flag_on_host(residual.device) and bool(nonfinite):
-            return
-        held: List[torch.Tensor] = []
-        try:
-            x = remake(held)
-            _settle(residual, Communicator._scratch(x, pool, held), call, nonfinite, x)
-        finally:
-            pool.give_back(held)
-
-    return settle
-
-
-def _settle_into(scratch: torch.Tensor) -> Callable[[Call, torch.Tensor], None]:
-    """The ``on_release`` that writes the input less this rank's share into ``scratch``
-    whatever the flag (the caller then picks old or new residuals by the agreed flag)."""
-
-    def settle(call: Call, nonfinite: torch.Tensor) -> None:
-        call.residual_into(scratch.view(-1))
-
-    return settle
-
-
-def _copy_all(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair, where ``dsts`` hold one dtype and ``srcs`` one dtype
-    (views of one buffer, the gradients of one group or one plain sum): one multi-tensor copy
-    where the two dtypes are the same, else a copy each (the CUDA fast path of
-    ``torch._foreach_copy_`` takes its kernel from the first destination's dtype, and before
-    PyTorch 2.11 did not check that the sources match). Only the first of each is read: a
-    check of every tensor costs the worker more host time than the copy on an accelerator."""
-    if not dsts:
-        return
-    if dsts[0].dtype == srcs[0].dtype:
-        torch._foreach_copy_(list(dsts), list(srcs))
-        return
-    for dst, src in zip(dsts, srcs):
-        dst.copy_(src)
-
-
-def _collectives_queue_on_stream(group: Optional[dist.ProcessGroup], device: torch.device) -> bool:
-    """Whether ``group``'s collectives on ``device``'s tensors run on NCCL, which queues them
-    on the device's stream instead of blocking the thread that waits for them."""
-    if device.type != "cuda" or not (dist.is_available() and dist.is_initialized()):
-        return False
-    backend = str(dist.get_backend(group))
-    return backend == "nccl" or "cuda:nccl" in backend
-
-
-def _multi_tensor(device: torch.device) -> bool:
-    """Whether a fused group's gradients are gathered with multi-tensor operations (one launch
-    for many gradients, then the residual added in one more pass) rather than one fused pass
-    per gradient: on accelerators, where a launch costs more than a pass over a small gradient."""
-    return device.type != "cpu"
-
-
-def _reads_flag_on_host(device: torch.device) -> bool:
-    """Whether the agreed non-finite flag of an exchange on ``device`` is read on the host: free
-    on the CPU; on an accelerator it would wait until the device's queue has run dry."""
-    return device.type == "cpu"
 
 
 def _delivered(t: torch.Tensor, out: Optional[torch.Tensor], avg: torch.Tensor, dest: Optional[torch.Tensor]) -> torch.Tensor:
@@ -1695,32 +1097,13 @@ def _delivered(t: torch.Tensor, out: Optional[torch.Tensor], avg: torch.Tensor, 
     return out
 
 
-def _reads_input(mem: Any, coll: Collective) -> bool:
-    """Whether the compensated input is read after the exchange: by the memory's update
-    (:attr:`~gradzip.sync.memory.Memory.reads_input`), or, with error feedback, by the collective
-    ``coll`` to give this rank's share (:attr:`~gradzip.comm.base.Collective.own_reads_input`)."""
-    return mem.reads_input or (mem.stateful and coll.own_reads_input)
-
-
 def _dest(out: Optional[torch.Tensor], inp: torch.Tensor, mem: Any, coll: Collective) -> Optional[torch.Tensor]:
     """Where ``coll`` may write ``inp``'s average: ``out`` flat, when it is contiguous and of
-    the input's dtype, and not while the input that aliases it is still to be read (:func:`_reads_input`)."""
+    the input's dtype, and not while the input that aliases it is still to be read (:func:`input_read_after`)."""
     dest = out.view(-1) if out is not None and out.is_contiguous() and out.dtype == inp.dtype else None
-    if dest is not None and _reads_input(mem, coll) and overlaps(dest, inp):
+    if dest is not None and input_read_after(mem, coll) and overlaps(dest, inp):
         return None
     return dest
-
-
-def _poison_if(avg: torch.Tensor, res: Any) -> torch.Tensor:
-    """All-NaN ``avg`` where some rank's input was not finite (the agreed outcome), from the
-    collective's :class:`~gradzip.comm.base.Result` ``res``: nothing to do where the collective
-    poisoned the average itself (``res.poisoned``)."""
-    nonfinite = res.nonfinite
-    if res.poisoned:
-        return avg
-    if _reads_flag_on_host(avg.device):  # free here; skip a pass over the result
-        return avg.fill_(float("nan")) if bool(nonfinite) else avg
-    return avg.masked_fill_(nonfinite, float("nan"))  # no host sync on accelerators
 
 
 def _saved_step(state: Mapping[str, Any]) -> int:

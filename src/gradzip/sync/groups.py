@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..codecs.base import part_spans
+from ..kernels.rng import stable_hash
 
 MAX_PADDING = 1 / 8  # the most padding, relative to its size, a gradient may take on to join a group
 
@@ -217,3 +218,8 @@ class GroupCollector:
 
     def _drop_held(self) -> None:
         self._held, self._held_futures, self._held_step, self._held_total = [], [], None, 0
+
+
+def group_key(names: Sequence[str]) -> str:
+    """The name a fused group is encoded under: the same for the same members, on every rank."""
+    return f"fused:{len(names)}:{stable_hash(*names):08x}"

@@ -37,6 +37,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ..codecs.base import Codec
+from ..comm import base as _collective_base
+
 
 @dataclass
 class TensorStats:
@@ -325,3 +328,15 @@ class CSVLogger:
             if new:
                 w.writerow(self.columns)
             w.writerow([step if c == "step" else values.get(c, "") for c in self.columns])  # type: ignore[union-attr]
+
+
+def record_of(res: Any, wire: int, factor: float, compress: bool, codec: Codec) -> Dict[str, Any]:
+    """The keyword arguments of :meth:`Metrics.record` for one call (``res``: its Result, or None)."""
+    if res is None:
+        return dict(wire=0, encode_s=0.0, decode_s=0.0, compressed=compress, sent=0.0, codec=codec.name)
+    measured = _collective_base._measure_cpu or res.encode_cpu_s or res.decode_cpu_s
+    return dict(
+        wire=wire, encode_s=res.encode_s, decode_s=res.decode_s, compressed=compress,
+        encode_cpu_s=res.encode_cpu_s if measured else None, decode_cpu_s=res.decode_cpu_s if measured else None,
+        sent=factor * wire, codec=codec.name,
+    )
