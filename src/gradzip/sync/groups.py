@@ -84,7 +84,7 @@ class FusedLayout:
     """Where the gradients of a fused group lie in its flat buffer, made once per group.
 
     ``order``: indices into the group's gradients in name order (the canonical layout, see
-    :meth:`~gradzip.sync.engine.Communicator._reduce_fused`); ``spans[k] = (start, numel)`` of
+    :meth:`~gradzip.sync.fused.FusedGroups._reduce_fused`); ``spans[k] = (start, numel)`` of
     the k-th of them, each starting on a block boundary; ``gaps``: the padding after each, as
     ``(start, length)``, the last one to ``length(total)`` where given (the collective's
     :meth:`~gradzip.comm.base.Collective.fused_length`); ``total`` values; ``key``: the group's
