@@ -27,7 +27,7 @@ import gradzip  # noqa: E402
 from gradzip.bench.micro import parse_spec  # noqa: E402
 from gradzip.comm import sra  # noqa: E402
 from gradzip.kernels import fused, gpu  # noqa: E402
-from gradzip.sync import engine, memory, worker  # noqa: E402
+from gradzip.sync import device, memory, worker  # noqa: E402
 
 VIEWS = {"view", "permute", "slice", "expand", "transpose", "_unsafe_view", "_reshape_alias", "as_strided",
          "alias", "select", "unsqueeze", "squeeze", "t", "detach", "set_"}
@@ -36,8 +36,8 @@ VIEWS = {"view", "permute", "slice", "expand", "transpose", "_unsafe_view", "_re
 def accelerator_choices() -> None:
     """The branches a CUDA tensor takes, for CPU tensors."""
     assert gpu.available() is None, gpu.available()
-    engine._multi_tensor = lambda device: True
-    engine._reads_flag_on_host = lambda device: False
+    device.multi_tensor = lambda where: True
+    device.reads_flag_on_host = lambda where: False
     sra.segment_values = lambda segment, numel, device: segment if segment is not None else max(numel, 1)
     fused.backend = lambda x, bits=8, bucket=8: gpu if gpu.supports(x, bits, bucket) else fused.reference
     fused._gpu_or_reference = lambda x: gpu

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import gradzip  # noqa: E402
-from gradzip.sync import engine, worker  # noqa: E402
+from gradzip.sync import device, worker  # noqa: E402
 
 
 class Block(nn.Module):
@@ -42,8 +42,8 @@ class Block(nn.Module):
 
 
 def main() -> None:
-    engine._multi_tensor = lambda device: True  # the branches a CUDA tensor takes
-    engine._reads_flag_on_host = lambda device: False
+    device.multi_tensor = lambda where: True  # the branches a CUDA tensor takes
+    device.reads_flag_on_host = lambda where: False
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29583")
     dist.init_process_group("gloo", rank=0, world_size=1)
