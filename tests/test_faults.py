@@ -322,7 +322,7 @@ def _node_dies(rank: int, world: int, fault: str, marks: str) -> dict:
 @pytest.mark.parametrize("fault", ["dead", "stall"])
 def test_a_node_that_dies_or_stalls_ends_the_step_on_every_other_node_within_the_timeout(fault, tmp_path):
     timeout = 3.0
-    with _cluster("gzfault") as c:
+    with _cluster(f"gzfault{fault}") as c:
         results = spawn_local(
             _node_dies, 4, fault, str(tmp_path), cluster=c, all_ranks=True, timeout_s=timeout, missing_ok=True, deadline_s=120,
         )

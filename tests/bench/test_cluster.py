@@ -13,9 +13,12 @@ from gradzip.bench import cluster, micro
 from gradzip.comm.launch import spawn_local
 
 REASON = cluster.available()
-# one prefix a test: a cluster clears every namespace of its prefix when it starts, and the suite
-# may run these tests at once in several workers
-LINKS, ON_ERROR, KILLED, NODES = "gzt1", "gzt2", "gzt3", "gzt4"
+
+
+def _prefix(test: str) -> str:
+    """A prefix of this test's own: a cluster clears every namespace of its prefix when it
+    starts, and these tests may run at once in several workers, or several suites at once."""
+    return f"{cluster.own_prefix('t')}{test}"
 
 
 def _leftovers(prefix: str):
@@ -46,11 +49,12 @@ def _timed_allreduce(rank: int, world: int, numel: int) -> dict:
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 @pytest.mark.timeout(300)
 def test_links_are_shaped_to_the_rate_and_everything_is_removed():
+    prefix = _prefix("links")
     numel = 2**20 // 4 * 2  # 2 MiB of fp32
-    with cluster.EmulatedCluster(2, "50mbit", prefix=LINKS) as c:
-        assert sorted(_leftovers(LINKS)) == sorted(c.namespaces + [c.switch])
+    with cluster.EmulatedCluster(2, "50mbit", prefix=prefix) as c:
+        assert sorted(_leftovers(prefix)) == sorted(c.namespaces + [c.switch])
         results = spawn_local(_timed_allreduce, 2, numel, all_ranks=True, cluster=c)
-    assert _leftovers(LINKS) == []
+    assert _leftovers(prefix) == []
     # a ring all-reduce on 2 ranks sends 2(W-1)/W = 1 × the tensor per rank: 2 MiB at 50 Mbit/s
     limit = 2 * 2**20 * 8 / 50e6
     for r in results:
@@ -61,19 +65,21 @@ def test_links_are_shaped_to_the_rate_and_everything_is_removed():
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_cleanup_on_error_inside_the_block():
+    prefix = _prefix("error")
     with pytest.raises(RuntimeError, match="boom"):
-        with cluster.EmulatedCluster(2, "1gbit", prefix=ON_ERROR):
-            assert len(_leftovers(ON_ERROR)) == 3
+        with cluster.EmulatedCluster(2, "1gbit", prefix=prefix):
+            assert len(_leftovers(prefix)) == 3
             raise RuntimeError("boom")
-    assert _leftovers(ON_ERROR) == []
+    assert _leftovers(prefix) == []
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_leftovers_of_a_killed_run_are_removed_first():
-    subprocess.run(["ip", "netns", "add", f"{KILLED}7"], check=True)
-    with cluster.EmulatedCluster(1, "1gbit", prefix=KILLED):
-        assert f"{KILLED}7" not in _leftovers(KILLED)
-    assert _leftovers(KILLED) == []
+    prefix = _prefix("killed")
+    subprocess.run(["ip", "netns", "add", f"{prefix}7"], check=True)
+    with cluster.EmulatedCluster(1, "1gbit", prefix=prefix):
+        assert f"{prefix}7" not in _leftovers(prefix)
+    assert _leftovers(prefix) == []
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
@@ -148,12 +154,13 @@ def _node_and_cross(rank: int, world: int, numel: int) -> dict:
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 @pytest.mark.timeout(300)
 def test_ranks_of_a_node_share_its_namespace_and_only_traffic_between_nodes_is_shaped():
+    prefix = _prefix("nodes")
     numel = 2**20 // 4 * 2  # 2 MiB of fp32
-    with cluster.EmulatedCluster(2, "50mbit", prefix=NODES, ranks_per_node=2) as c:
+    with cluster.EmulatedCluster(2, "50mbit", prefix=prefix, ranks_per_node=2) as c:
         assert len(c.namespaces) == 2 and [c.namespace_of(r) for r in range(4)] == [c.namespaces[0]] * 2 + [c.namespaces[1]] * 2
         assert "2 nodes x 2 ranks" in c.describe()
         results = spawn_local(_node_and_cross, 4, numel, all_ranks=True, cluster=c)
-    assert _leftovers(NODES) == []
+    assert _leftovers(prefix) == []
     limit = 2 * 2**20 * 8 / 50e6  # 2 ranks: one tensor per rank over the link
     for rank, r in enumerate(results):
         assert r["torchrun"] and r["env"] == (str(rank // 2), str(rank % 2), "2")  # one torchrun per node

@@ -475,29 +475,39 @@ def test_dgc_groups_hold_one_buffer_of_their_size_as_its_memory_makes_the_input_
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _dgc_across_nodes(rank: int, world: int, inplace: bool) -> dict:
-    """Top-k with DGC's memory on two nodes of two ranks, three steps, an Inf at one rank in the
-    second: a gradient alone and a fused group, the averages written over the gradients
-    (``inplace``) or apart; the averages, momenta and velocities."""
+def _dgc_across_nodes(rank: int, world: int, remakes: bool) -> dict:
+    """DGC's memory on two nodes of two ranks, three steps, an Inf at one rank in the second,
+    the averages written over the gradients: top-k on each gradient alone, threshold
+    sparsification on a fused group (a codec the hierarchical exchange takes whole). With
+    ``remakes`` False the memory is taken to read its input, so the engine keeps the input
+    intact everywhere (the reference). The averages, momenta and velocities; the fused calls."""
     g = torch.Generator().manual_seed(rank)
     out = {}
-    for fused in (False, True):
-        comm = gradzip.Communicator("topk", ratio=0.1, memory="dgc", collective="allgather")
+    for path, codec, opts in (("alone", "topk", {"ratio": 0.1}), ("fused", "threshold", {"threshold": 0.8})):
+        comm = gradzip.Communicator(codec, memory="dgc", collective="allgather", **opts)
         assert comm.collective.own_reads_input  # hierarchical: its own share is the input less its loss
+        comm.memory.remakes_input = remakes
+        fused, calls = comm._reduce_fused, []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return (yield from fused(*args, **kwargs))
+
+        comm._reduce_fused = counted
         names = ["w0", "w1", "b"]
         avgs = []
         for step in range(3):
             grads = [torch.randn(*shape, generator=g) for shape in ((64, 96), (32, 48), (10,))]
             if step == 1 and rank == 3:
                 grads[1][2, 3] = float("inf")
-            if fused:
-                res = comm.reduce_many_now(grads, names, [True] * 3, inplace=inplace, step=step)
+            if path == "fused":
+                res = comm.reduce_many_now(grads, names, [True] * 3, inplace=True, step=step)
             else:
-                res = [comm.reduce_now(t, n, out=t if inplace else None, step=step) for t, n in zip(grads, names)]
+                res = [comm.reduce_now(t, n, out=t, step=step) for t, n in zip(grads, names)]
             avgs.append([t.clone() for t in res])
         states = {f"{kind}:{k}": v.clone() for kind, store in (("u", comm.memory.momentums), ("v", comm.memory.velocities))
                   for k, v in store.items()}
-        out["fused" if fused else "alone"] = {"avgs": avgs, "states": states}
+        out[path] = {"avgs": avgs, "states": states, "fused_calls": len(calls)}
         comm.close()
     return out
 
@@ -506,12 +516,14 @@ def test_dgc_on_several_nodes_keeps_the_input_its_own_share_is_read_from():
     """A hierarchical exchange gives this rank's share of the average as its input less what its
     encoding lost (:attr:`Collective.own_reads_input`), read after the exchange. DGC's memory
     masks what was sent by that share, so the average must not overwrite the input first, even
-    though the memory makes its input again: written over the gradients or apart, the same
-    averages and the same momenta and velocities, bit for bit, on every rank."""
-    for here, apart in zip(run_workers(_dgc_across_nodes, 4, True, ranks_per_node=2),
-                           run_workers(_dgc_across_nodes, 4, False, ranks_per_node=2)):
+    though the memory makes its input again: a gradient alone and a fused group, their averages
+    written over the gradients, give the same averages, momenta and velocities, bit for bit, on
+    every rank, as with the input kept intact throughout."""
+    for lean, kept in zip(run_workers(_dgc_across_nodes, 4, True, ranks_per_node=2),
+                          run_workers(_dgc_across_nodes, 4, False, ranks_per_node=2)):
+        assert lean["fused"]["fused_calls"] == 3 and lean["alone"]["fused_calls"] == 0
         for path in ("alone", "fused"):
-            a, b = here[path], apart[path]
+            a, b = lean[path], kept[path]
             for x, y in zip(a["avgs"], b["avgs"]):
                 assert all(torch.equal(s.nan_to_num(7.0), t.nan_to_num(7.0)) for s, t in zip(x, y)), path
             assert bool(a["avgs"][1][1].isnan().all()), path  # the Inf's: all-NaN (the agreed outcome)
