@@ -8,8 +8,9 @@ of that speed, as between machines on a 100 Mbit/s–10 Gbit/s network.
 
 Addresses come from a private /24 that exists only inside these namespaces. Everything made is
 removed on exit, on error and on SIGINT/SIGTERM; namespaces left over by a killed run (same
-prefix, or a prefix of :func:`own_prefix` whose process is gone) are removed before a new one starts. It needs root and iproute2 (``ip``, ``tc``): without
-them :func:`available` says why, and callers fall back to plain loopback.
+prefix, or a prefix of :func:`own_prefix` whose process is gone) are removed before a new one
+starts. It needs root and iproute2 (``ip``, ``tc``): without them :func:`available` says why,
+and callers fall back to plain loopback.
 """
 from __future__ import annotations
 
