@@ -1,4 +1,9 @@
-"""The Communicator: codec + memory + collective on one process group, in one ordered worker."""
+"""The Communicator: codec + memory + collective on one process group, in one ordered worker.
+
+Its fused paths (a group as one flat buffer, a job's plain sum, a DDP bucket in place) are in
+:mod:`gradzip.sync.fused`, the residual settled as a collective releases its input in
+:mod:`gradzip.sync.settle`, and the choices an accelerator changes in :mod:`gradzip.sync.device`.
+"""
 from __future__ import annotations
 
 import time
