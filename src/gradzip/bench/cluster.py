@@ -62,8 +62,8 @@ def own_prefix(tag: str) -> str:
     Namespace names are global, and a cluster clears every namespace of its prefix when it
     starts, so each run takes a prefix with its process id: runs at once (two demos, a test
     suite in several workers) never take down each other's."""
-    listed = _run("ip", "netns", "list", check=False).stdout
-    for pid in {int(m.group(1)) for m in re.finditer(rf"^gz{tag}(\d+)x", listed, re.MULTILINE)}:
+    runs = (re.match(rf"gz{tag}(\d+)x", name) for name in _namespaces(f"gz{tag}"))
+    for pid in {int(m.group(1)) for m in runs if m}:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:  # its run is gone
