@@ -388,8 +388,8 @@ def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool =
 
     reads, multi = device.reads_flag_on_host, device.multi_tensor
     if device_flag:  # as on a GPU: the agreed flag stays on the device and picks the residual there,
-        device.reads_flag_on_host = lambda device: False  # and groups are filled by multi-tensor copies
-        device.multi_tensor = lambda device: True
+        device.reads_flag_on_host = lambda where: False  # and groups are filled by multi-tensor copies
+        device.multi_tensor = lambda where: True
     try:
         return _nan_steps(rank, world, in_place, codec, warmup)
     finally:

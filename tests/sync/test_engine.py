@@ -83,9 +83,9 @@ def _bucket_ops(rank: int, world: int, memory: str, device_flag: bool, in_place:
     from gradzip.sync import device
 
     reads, multi = device.reads_flag_on_host, device.multi_tensor
-    device.multi_tensor = lambda device: True  # the accelerator's way of filling a group, on the CPU
+    device.multi_tensor = lambda where: True  # the accelerator's way of filling a group, on the CPU
     if device_flag:  # the accelerator's way on the CPU: the flag stays a tensor, the residual is picked by it
-        device.reads_flag_on_host = lambda device: False
+        device.reads_flag_on_host = lambda where: False
     try:
         out = {}
         for collective, count in [(c, n) for c in ("sra", "allgather") for n in (8, 64)]:
@@ -159,8 +159,8 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
     from gradzip.kernels import fused
     from gradzip.sync import device, memory
 
-    device.multi_tensor = lambda device: True  # the accelerator's choices, on the CPU
-    device.reads_flag_on_host = lambda device: False
+    device.multi_tensor = lambda where: True  # the accelerator's choices, on the CPU
+    device.reads_flag_on_host = lambda where: False
     fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
     out = {}
@@ -246,8 +246,8 @@ def _fused_views(rank: int, world: int, memory: str) -> dict:
     from gradzip.sync import device
 
     multi, reads = device.multi_tensor, device.reads_flag_on_host
-    device.multi_tensor = lambda device: True  # the accelerator's ways: one fill of a group,
-    device.reads_flag_on_host = lambda device: False  # the residual picked on the device (a scratch buffer)
+    device.multi_tensor = lambda where: True  # the accelerator's ways: one fill of a group,
+    device.reads_flag_on_host = lambda where: False  # the residual picked on the device (a scratch buffer)
     try:
         out = {}
         for count in (8, 64):
@@ -307,8 +307,8 @@ def _made_per_step(rank: int, world: int, memory: str, in_place: bool) -> dict:
     from gradzip.sync import device
 
     multi, reads = device.multi_tensor, device.reads_flag_on_host
-    device.multi_tensor = lambda device: True  # the accelerator's ways, on the CPU
-    device.reads_flag_on_host = lambda device: False
+    device.multi_tensor = lambda where: True  # the accelerator's ways, on the CPU
+    device.reads_flag_on_host = lambda where: False
     try:
         out = {}
         for name, options in LEAN_CODECS.items():
@@ -366,8 +366,8 @@ def _device_choices(device_flag: bool):
     from gradzip.sync import device
 
     multi, reads = device.multi_tensor, device.reads_flag_on_host
-    device.multi_tensor = lambda device: device_flag
-    device.reads_flag_on_host = lambda device: not device_flag
+    device.multi_tensor = lambda where: device_flag
+    device.reads_flag_on_host = lambda where: not device_flag
     try:
         yield
     finally:
@@ -894,7 +894,7 @@ def _batched_memory(rank: int, world: int) -> dict:
     try:
         for device_flag in (False, True):
             if device_flag:  # an accelerator's way, on the CPU: the flag is used on the device, not read
-                device.reads_flag_on_host = lambda device: False
+                device.reads_flag_on_host = lambda where: False
                 memory.reads_on_host = lambda flag: False
             for fusion in (True, False):
                 comm = gradzip.Communicator("powersgd", rank=2, fusion=fusion)
