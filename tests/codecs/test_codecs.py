@@ -1084,3 +1084,76 @@ def test_every_codec_measured_under_30_percent_of_a_copy_on_cuda_says_why():
     assert {"onebit", "powersgd", "cl_onebit"} <= set(slow), slow  # the runs are there
     missing = [name for name in slow if "of a device copy" not in " ".join((type(gradzip.codec(name)).__doc__ or "").split())]
     assert not missing, missing
+
+
+# ------------------------------------------------------------ encoding into a collective's message
+# fixed-size formats that a collective's message can be made for before encoding (every other
+# codec's payload is encoded first, then copied into its row of the message)
+HAS_FORM = {"none", "fp16", "bf16", "maxmin", "qsgd", "fp8", "mxfp8", "mxfp4", "u8bit", "natural", "terngrad", "tbq",
+            "signsgd", "signum", "efsignsgd", "onebit"}
+# and a fused group's too, by its parts (a header, a scale or a bucket's means a member)
+PARTS_FORM = {"natural", "terngrad", "signum", "efsignsgd", "onebit"}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) if a.is_floating_point() else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name,opts", CONFIGS + [("onebit", {"bucket_size": 96}), ("terngrad", {"bucket_size": 96})],
+                         ids=CONFIG_IDS + ["onebit-bucket_size96", "terngrad-bucket_size96"])
+def test_a_fixed_form_is_encoded_into_given_tensors_as_it_is_encoded_alone(name, opts):
+    """Where a codec gives its payload's form before encoding (``payload_spec``: a collective
+    then writes the payload straight into its message), the payload written into tensors of
+    that form (dirty: every byte must be written) is the one it encodes alone, bit for bit, a
+    NaN included, and the tensors given are the payload's."""
+    for n, dtype in [(999, torch.float16), (4096, torch.float32), (5000, torch.bfloat16)]:
+        a, b = gradzip.codec(name, **opts), gradzip.codec(name, **opts)  # (a step's draws and state: a twin's)
+        spec = b.payload_spec(n, dtype)
+        as_is = b.family == "cast" and b.sends_as_is(dtype)  # the input itself is sent: nothing to write
+        assert (spec is not None) == (name in HAS_FORM and not b._raw(n, dtype) and not as_is), (name, n, spec)
+        if spec is None:
+            continue
+        x = _randn((n,), seed=n).to(dtype)
+        x[n // 3] = float("nan")
+        want = a.encode(x, "w", 0)
+        assert [(t.dtype, t.numel()) for t in want.tensors] == spec
+        out = [torch.full((k,), 7, dtype=d) for d, k in spec]
+        got = b.encode(x, "w", 0, out=out)
+        assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got.tensors, out))
+        assert all(_same_bits(g, w) for g, w in zip(got.tensors, want.tensors)), (name, n)
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["member-by-member", "at-once"])
+@pytest.mark.parametrize("name,opts", [(n, {}) for n in NAMES if gradzip.codec(n).parts_format]
+                         + [("onebit", {"bucket_size": 512})], ids=lambda v: v if isinstance(v, str) else "".join(f"{k}{x}" for k, x in v.items()))
+def test_a_fused_group_by_its_parts_is_encoded_into_given_tensors_as_without_them(monkeypatch, name, opts, at_once):
+    """A fused group (its parts, each member with its own header, scale, means or momentum) of
+    a codec with a fixed form has one too: encoded into tensors of that form, its payload is
+    the one encoded without them, bit for bit, a NaN member included (then its flag), the
+    CPU's way (member by member) and the accelerator's (by blocks) on CPU tensors. A codec
+    without such a form (a data-dependent payload, a factorisation) gives none."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    c, twin = gradzip.codec(name, **opts), gradzip.codec(name, **opts)  # (a step's draws and state: a twin's)
+    block = c.fused_alignment()
+    parts = [("a", (7, 9)), ("b", (0,)), ("c", (block + 5,)), ("d", (3,))]
+    lengths = [63, 0, block + 5, 3]
+    x = []
+    for n in lengths:
+        member = _randn((n,), seed=n) * (1e3 if n > 63 else 1.0)
+        x += [member, torch.zeros(-(-n // block) * block - n)]
+    x = torch.cat(x)
+    x[block + 2] = float("nan")
+    spec = c.payload_spec(x.numel(), x.dtype, parts)
+    assert (spec is not None) == (name in PARTS_FORM), (name, spec)
+    if spec is None:
+        return
+    want = twin.encode(x, name="g", step=0, parts=parts)
+    assert [(t.dtype, t.numel()) for t in want.tensors] == spec
+    out = [torch.full((k,), 7, dtype=d) for d, k in spec]
+    got = c.encode(x, name="g", step=0, parts=parts, out=out)
+    assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got.tensors, out))
+    assert all(_same_bits(g, w) for g, w in zip(got.tensors, want.tensors))
+    flag = c.nonfinite(got)
+    assert flag is None or bool(flag)

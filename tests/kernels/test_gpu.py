@@ -128,6 +128,15 @@ def test_encoders_write_into_given_tensors():
         got = encode(out)
         assert got[0] is out[0] and got[1] is out[1]
         assert torch.equal(got[0], want[0]) and _same_bits(got[1], want[1])
+    # the codes alone (their headers and scales made apart): natural compression, TernGrad, TBQ
+    top = torch.tensor([127 + 3], dtype=torch.int32, device=DEVICE)
+    codes = [(lambda o: gpu.natural_codes(x.view(torch.int32), 7, top, 0, o), 5000),
+             (lambda o: gpu.terngrad_encode(x.view(50, 100), 7, 5000, None, o)[0], 1250),
+             (lambda o: gpu.tbq_encode(x, 0.5, o), 1250)]
+    for encode, n_bytes in codes:
+        want = encode(None)
+        out = torch.full((n_bytes,), 7, dtype=torch.uint8, device=DEVICE)
+        assert encode(out) is out and torch.equal(out, want)
 
 
 def test_encoders_refuse_an_out_they_would_write_past_or_misread():
@@ -143,6 +152,10 @@ def test_encoders_refuse_an_out_they_would_write_past_or_misread():
         (lambda o: gpu.fp8_encode(x, "e4m3", 128, o), [u8(1000), f32(8)], [[u8(999), f32(8)]]),
         (lambda o: gpu.mx_encode(x, "e2m1", 32, o), [u8(500), u8(32)], [[u8(1000), u8(32)], [u8(500), f32(32)]]),
         (lambda o: gpu.sign_encode(x, o[0]), [u8(125)], [[u8(124)], [u8(250)[::2]]]),
+        (lambda o: gpu.natural_codes(x.view(torch.int32), 7, torch.tensor([130]), 0, o[0]), [u8(1000)],
+         [[u8(999)], [u8(2000)[::2]], [torch.zeros(1000, dtype=torch.int8, device=DEVICE)]]),
+        (lambda o: gpu.terngrad_encode(x.view(10, 100), 7, 1000, None, o[0]), [u8(250)], [[u8(249)], [u8(500)[::2]]]),
+        (lambda o: gpu.tbq_encode(x, 0.5, o[0]), [u8(250)], [[u8(251)], [f32(250)]]),
         (lambda o: gpu.saturate(x, torch.float16, o[0]), [torch.zeros(1000, dtype=torch.float16, device=DEVICE)],
          [[torch.zeros(999, dtype=torch.float16, device=DEVICE)], [torch.zeros(1000, dtype=torch.bfloat16, device=DEVICE)]]),
     ]

@@ -336,13 +336,17 @@ class Codec(Configurable):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({opts})"
 
-    def payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
-        """``(dtype, numel)`` of each tensor of the payload of ``numel`` values of ``dtype``, for
-        codecs that can encode straight into given tensors (:meth:`encode`'s ``out``: a
-        collective's send buffer, so the payload is not copied there); None otherwise (then the
-        payload's form is known only once encoded)."""
+    def payload_spec(self, numel: int, dtype: torch.dtype,
+                     parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """``(dtype, numel)`` of each tensor of the payload of ``numel`` values of ``dtype`` (a
+        fused buffer of ``parts``, as :meth:`encode` takes them, where given), for codecs that
+        can encode straight into given tensors (:meth:`encode`'s ``out``: a collective's send
+        buffer, so the payload is not copied there); None otherwise (then the payload's form is
+        known only once encoded)."""
         if numel == 0 or self._raw(numel, dtype):
             return None
+        if parts is not None and self.parts_format:
+            return self._parts_payload_spec(numel, dtype, parts)
         return self._payload_spec(numel, dtype)
 
     def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None,
@@ -365,7 +369,7 @@ class Codec(Configurable):
         if self._raw(t.numel(), t.dtype):
             return Payload([t.reshape(-1)], meta)
         if out is not None:
-            _check_payload_out(out, self.payload_spec(t.numel(), t.dtype), t.device)
+            _check_payload_out(out, self.payload_spec(t.numel(), t.dtype, parts), t.device)
             return Payload(self._encode_into(t.reshape(-1), meta, list(out)), meta)
         return Payload(self._encode(t.reshape(-1), meta), meta)
 
@@ -550,8 +554,15 @@ class Codec(Configurable):
         """:meth:`payload_spec` of a tensor that is encoded (not empty, not raw); None by default."""
         return None
 
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence[Tuple[str, Sequence[int]]],
+                            ) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """:meth:`payload_spec` of a fused buffer of ``parts`` (``(name, shape)`` each), for a
+        codec whose format is per part (:attr:`parts_format`); None by default."""
+        return None
+
     def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:
-        """:meth:`_encode` writing into ``out``; codecs with a :meth:`_payload_spec` override it."""
+        """:meth:`_encode` writing into ``out``; codecs with a :meth:`_payload_spec` (or a
+        :meth:`_parts_payload_spec`) override it."""
         raise NotImplementedError(f"codec {self.name!r} has no payload_spec: it cannot encode into given tensors")
 
     def _raw(self, numel: int, dtype: torch.dtype) -> bool:

@@ -2,7 +2,7 @@
 compression, 8-bit dynamic tree (u8bit), INCEPTIONN and threshold binary quantization (TBQ)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -276,19 +276,31 @@ class TernGrad(Codec):
         return self.bucket_size or PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 2)), (torch.float32, _num_buckets(self.bucket_size, numel))]
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 2)), (torch.float32, len(parts))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         n = x.numel()
+        codes_out, scale_out = (None, None) if out is None else out
         if meta.parts is not None and self.parts_format:
             # each member's scale, the maximum of its blocks' maxima (exact: the scale it has
             # alone), then the codes of the whole group in one pass, each block with its member's
             units = part_units(meta.parts, 0, x.device)
             blocks = x.float().view(-1, PART_ALIGN)
             scale = units.maxima(fused.row_maxima(blocks))
-            packed, _ = fused.terngrad_encode(blocks, self._key(), n, scale.index_select(0, units.of_block))
+            scale = scale if scale_out is None else scale_out.copy_(scale)
+            packed, _ = fused.terngrad_encode(blocks, self._key(), n, scale.index_select(0, units.of_block), codes_out)
             return [packed, scale]
         buckets = bucket_view(x.float(), _whole_or(self.bucket_size, n))
         # the scales are a reduction, then one pass (a Triton kernel on CUDA, which makes the
         # counter draws itself, as its CompLL twin's) turns values and draws into codes
-        return list(fused.terngrad_encode(buckets, self._key(), n))
+        scale = None if scale_out is None else scale_out.copy_(fused.row_maxima(buckets))
+        return list(fused.terngrad_encode(buckets, self._key(), n, scale, codes_out))
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # a scale (a maximum of magnitudes) is NaN or infinite exactly where its values held NaN or Inf
@@ -383,17 +395,30 @@ class Natural(Codec):
         return PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, numel), (torch.int32, 1)]
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, numel), (torch.int32, len(parts))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         xf = x.float().contiguous()
+        codes_out, top_out = (None, None) if out is None else out
         if meta.parts is not None:  # each member's header from its blocks' maxima (exact), one pass of codes
             units = part_units(meta.parts, 0, x.device)
             top = _header_of(units.maxima(fused.row_maxima(xf.view(-1, PART_ALIGN))))
-            codes = fused.natural_codes(xf.view(torch.int32), self._key(), top.index_select(0, units.of_block), PART_ALIGN)
+            top = top if top_out is None else top_out.copy_(top)
+            codes = fused.natural_codes(xf.view(torch.int32), self._key(), top.index_select(0, units.of_block),
+                                        PART_ALIGN, codes_out)
             return [codes, top]
         lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
         top = _header_of(torch.maximum(-lo, hi).reshape(1))
+        top = top if top_out is None else top_out.copy_(top)
         # then one pass (a Triton kernel on CUDA, which makes the counter draws itself) from
         # bits, draws and header to the codes
-        return [fused.natural_codes(xf.view(torch.int32), self._key(), top), top]
+        return [fused.natural_codes(xf.view(torch.int32), self._key(), top, 0, codes_out), top]
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # a header is 256 exactly where its values held NaN or ±inf
@@ -731,7 +756,13 @@ class TBQ(Codec):
         self._taus: Dict[torch.device, torch.Tensor] = {}
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [fused.tbq_encode(x.reshape(-1), self._tau)]
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 2))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
+        return [fused.tbq_encode(x.reshape(-1), self._tau, None if out is None else out[0])]
 
     def _decode_to(
         self, tensors: List[torch.Tensor], meta: Meta, numel: int, out: Optional[torch.Tensor], accumulate: bool,

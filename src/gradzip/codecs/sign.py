@@ -4,6 +4,7 @@ One bit per element on the wire (plus a few fp32 scales for EF-signSGD and 1-bit
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -110,6 +111,15 @@ class EFSignSGD(Codec):
         return PART_ALIGN
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 1)), (torch.float32, 1)]
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 1)), (torch.float32, len(parts))]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         if meta.parts is None:
             scale = _mean_magnitude(x).reshape(1)
         elif not fused.groups_at_once(x.device):
@@ -120,7 +130,9 @@ class EFSignSGD(Codec):
             # (the padding after each member is zeros: its blocks' sums are the member's alone)
             sums = torch.linalg.vector_norm(x.view(-1, PART_ALIGN), 1, dim=1, dtype=torch.float64)
             scale = (units.sums(sums) / units.numels).float()
-        return [fused.sign_encode(x), scale]
+        if out is None:
+            return [fused.sign_encode(x), scale]
+        return [fused.sign_encode(x, out[0]), out[1].copy_(scale)]
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # a scale is NaN where its values held a NaN and infinite where they held an Inf (the
@@ -239,19 +251,36 @@ class OneBit(Codec):
         return size, -(-numel // size) if numel else 1
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
+        return self._encode_into(x, meta, None)
+
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> List[Tuple[torch.dtype, int]]:
+        return [(torch.uint8, packed_bytes(numel, 1)), (torch.float32, 2 * self._buckets(numel)[1])]
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence) -> List[Tuple[torch.dtype, int]]:
+        means = sum(2 * self._buckets(math.prod(shape))[1] for _, shape in parts)  # each member's buckets as alone
+        return [(torch.uint8, packed_bytes(numel, 1)), (torch.float32, means)]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
+        bits_out, means_out = (None, None) if out is None else out
         xf = x.float()
-        bits = fused.sign_encode(xf)  # set where x >= 0 (one pass, C or Triton)
+        means = self._encode_means(xf, meta)
+        # set where x >= 0 (one pass, C or Triton)
+        return [fused.sign_encode(xf, bits_out), means if means_out is None else means_out.copy_(means)]
+
+    def _encode_means(self, xf: torch.Tensor, meta: Meta) -> torch.Tensor:
+        """Each bucket's ``[mean_neg, mean_nonneg]``, flat: of the tensor, or of each member of
+        a fused group (as alone, or by blocks off the CPU)."""
         if meta.parts is None:
-            return [bits, self._means(xf)]
-        if not self._by_blocks(x.device):  # each member's means as alone
-            return [bits, torch.cat([self._means(xf[a : a + n]) for a, n in part_spans(meta.parts, PART_ALIGN)])]
-        units = part_units(meta.parts, self.bucket_size, x.device)
+            return self._means(xf)
+        if not self._by_blocks(xf.device):  # each member's means as alone
+            return torch.cat([self._means(xf[a : a + n]) for a, n in part_spans(meta.parts, PART_ALIGN)])
+        units = part_units(meta.parts, self.bucket_size, xf.device)
         xb = xf.view(-1, PART_ALIGN)  # (each block of one unit; the padding zeros count as non-negative)
         count_pos = units.sums(_nonnegative_counts(xb)) - units.pads
         count_neg = units.reals - count_pos
         mean_neg = (units.sums(_side_sums(xb, max=0)) / count_neg.clamp_min(1)).float()
         mean_pos = (units.sums(_side_sums(xb, min=0)) / count_pos.clamp_min(1)).float()
-        return [bits, torch.stack([mean_neg, mean_pos], 1).reshape(-1)]
+        return torch.stack([mean_neg, mean_pos], 1).reshape(-1)
 
     def _means(self, xf: torch.Tensor) -> torch.Tensor:
         """``[mean_neg, mean_nonneg]`` of each bucket of the fp32 ``xf`` alone, flat (an empty
@@ -351,6 +380,9 @@ class Signum(SignSGD):
 
     def fusion_block(self) -> int:
         return 0  # the momentum is kept per parameter name: a fused group by its parts
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence) -> List[Tuple[torch.dtype, int]]:
+        return self._payload_spec(numel, dtype)  # the group's sign bits (its members start on whole bytes)
 
     def fused_alignment(self) -> int:
         return 8  # whole bytes of sign bits

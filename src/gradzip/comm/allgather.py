@@ -114,14 +114,14 @@ class AllGather(Collective):
         its message and issue the all-gather of the messages of every rank."""
         w = call.world_size
         parts = call.parts if x is call.x else None  # (a fused group's parts: sent whole)
-        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype) if parts is None else None
+        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype, parts)
         buf = gathered = None
         if fmt is not None:  # encoded straight into the message (only its flag slot written apart):
             # at several ranks this rank's row of the gathered messages, so the all-gather works
             # in place (no send buffer beside the W rows; the row is left as sent)
             gathered = self._lend(call, (w, spec_bytes(fmt)), x.device)
             buf = gathered[call.rank]
-            payload = call.encode(x, name, out=payload_views(buf, fmt))
+            payload = call.encode(x, name, out=payload_views(buf, fmt), parts=parts)
         else:  # encoded first, then copied into this rank's row (a raw tensor, a codec's own form),
             # which stands for it from then on: the encoded tensors are not kept while in flight
             payload = call.encode(x, name, parts=parts)

@@ -191,20 +191,22 @@ def uniform(numel: int, key: int, device: torch.device, start: int = 0) -> torch
 
 
 def terngrad_encode(buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+                    out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's codes and scales (each bucket's ``max |x|``, or the given ``scale``), value
-    ``i`` kept with draw ``counter_uniform(i, key)``."""
+    ``i`` kept with draw ``counter_uniform(i, key)``; the codes into ``out`` (contiguous bytes)
+    if given."""
     impl = _gpu_or_reference(buckets)
     if impl is not reference:
-        return impl.terngrad_encode(buckets, key, numel, scale)
+        return impl.terngrad_encode(buckets, key, numel, scale, out)
     if buckets.device.type == "cpu" and numel > TORCH_PIECE:
-        return _terngrad_pieces(buckets, key, numel, scale)
-    return reference.terngrad_encode(
+        return _terngrad_pieces(buckets, key, numel, scale, out)
+    packed, scale = reference.terngrad_encode(
         buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel, scale)
+    return (packed if out is None else out.copy_(packed)), scale
 
 
 def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+                     packed: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """``reference.terngrad_encode`` a piece at a time (:data:`TORCH_PIECE` values, a multiple of
     8: whole bytes of 2-bit codes), each piece with its own draws: its temporaries (about six of
     a piece's size) stay a few MB where they were several times the tensor (one bucket of the
@@ -215,7 +217,8 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optiona
     step = TORCH_PIECE
     if scale is None:
         scale = row_maxima(buckets)
-    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=buckets.device)
+    if packed is None:
+        packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=buckets.device)
     for a in range(0, numel, step):
         b = min(a + step, numel)
         x = flat[a:b]
@@ -227,8 +230,13 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optiona
     return packed, scale
 
 
-def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
-    return _gpu_or_reference(x).tbq_encode(x, tau)
+def tbq_encode(x: torch.Tensor, tau: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """TBQ's packed codes (``reference.tbq_encode``), into ``out`` (contiguous bytes) if given."""
+    impl = _gpu_or_reference(x)
+    if impl is not reference:
+        return impl.tbq_encode(x, tau, out)
+    packed = reference.tbq_encode(x, tau)
+    return packed if out is None else out.copy_(packed)
 
 
 def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:
@@ -393,15 +401,17 @@ def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 
-def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Natural compression's codes, value ``i`` rounded with the 23-bit draw of
     ``counter_uniform(i, key)`` (``reference.natural_draws``) under header ``top``: one, or one
-    for each ``bucket`` values; the torch version piece by piece (:data:`TORCH_PIECE` values)."""
+    for each ``bucket`` values, into ``out`` (contiguous bytes) if given; the torch version
+    piece by piece (:data:`TORCH_PIECE` values)."""
     impl = _gpu_or_reference(bits)
     if impl is not reference:
-        return impl.natural_codes(bits, key, top, bucket)
+        return impl.natural_codes(bits, key, top, bucket, out)
     n = bits.numel()
-    out = torch.empty(n, dtype=torch.uint8, device=bits.device)
+    out = torch.empty(n, dtype=torch.uint8, device=bits.device) if out is None else out
     step = piece_length(bits)
     for a in range(0, n, step):  # (each piece's draws on their own: no tensor of every draw)
         b = min(a + step, n)

@@ -1257,11 +1257,12 @@ def counter_uniform(numel: int, key: int, device: torch.device, start: int = 0) 
 
 
 def terngrad_encode(
-    buckets: torch.Tensor, key: int, numel: int, scale: torch.Tensor | None = None,
+    buckets: torch.Tensor, key: int, numel: int, scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TernGrad's packed 2-bit codes and per-bucket scales (see ``reference.terngrad_encode``):
     ``buckets`` fp32 ``(B, bucket)``, the draws ``counter_uniform(·, key)`` made in the kernel.
-    The scales are torch's maxima (a reduction) unless given (fp32, one a bucket), the codes one pass."""
+    The scales are torch's maxima (a reduction) unless given (fp32, one a bucket), the codes one
+    pass, into ``out`` (contiguous bytes) if given."""
     _require()
     bucket = buckets.shape[1]
     if scale is None:
@@ -1270,7 +1271,7 @@ def terngrad_encode(
         raise ValueError(f"scale: {buckets.shape[0]} fp32 values on {buckets.device}, one a bucket")
     scale = scale.contiguous()
     x = buckets.reshape(-1).contiguous()
-    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
+    (packed,) = _into(None if out is None else (out,), x.device, (packed_bytes(numel, 2), torch.uint8))
     if numel:
         _launch(
             _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, scale, packed, numel, bucket, 0.0,
@@ -1279,12 +1280,13 @@ def terngrad_encode(
     return packed, scale
 
 
-def tbq_encode(x: torch.Tensor, tau: float) -> torch.Tensor:
-    """TBQ's packed 2-bit codes in one pass (see ``reference.tbq_encode``); ``tau`` an fp32 value."""
+def tbq_encode(x: torch.Tensor, tau: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """TBQ's packed 2-bit codes in one pass (see ``reference.tbq_encode``), into ``out``
+    (contiguous bytes) if given; ``tau`` an fp32 value."""
     _require()
     x = x.reshape(-1).contiguous()
     numel = x.numel()
-    packed = torch.empty(packed_bytes(numel, 2), dtype=torch.uint8, device=x.device)
+    (packed,) = _into(None if out is None else (out,), x.device, (packed_bytes(numel, 2), torch.uint8))
     if numel:
         _launch(
             _ternary_encode_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, x, packed, numel, 1, tau, 0,
@@ -1318,15 +1320,16 @@ def _bucket_decode(
     return out
 
 
-def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0) -> torch.Tensor:
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Natural compression's codes in one pass, the draws made in the kernel (see
     ``reference.natural_codes`` and ``reference.natural_draws``), under header ``top``: one, or
-    one for each ``bucket`` values."""
+    one for each ``bucket`` values, into ``out`` (contiguous bytes) if given."""
     _require()
     bits = bits.reshape(-1).contiguous()
     numel = bits.numel()
     top = _headers(top, bucket, numel, bits.device)
-    out = torch.empty(numel, dtype=torch.uint8, device=bits.device)
+    (out,) = _into(None if out is None else (out,), bits.device, (numel, torch.uint8))
     if numel:
         _launch(
             _natural_codes_kernel, (-(-numel // _SIGN_BLOCK),), bits.device, bits, top, out, numel, _key32(key),
@@ -1378,7 +1381,7 @@ def u8bit_codes(
     _require()
     bucket = buckets.shape[1]
     x = buckets.reshape(-1).contiguous()
-    out = torch.empty(numel, dtype=torch.uint8, device=x.device) if out is None else out
+    (out,) = _into(None if out is None else (out,), x.device, (numel, torch.uint8))
     if numel:
         _launch(
             _u8bit_codes_kernel, (-(-numel // _SIGN_BLOCK),), x.device, x, inv.contiguous(), mids.contiguous(),
