@@ -691,3 +691,74 @@ def test_groups_in_several_sra_segments_keep_replicas_identical(memory):
     completed, and then twice, made them drift: this caught it.)"""
     for res in run_workers(_segments, 2, memory):
         assert res["identical"]
+
+
+class _Sometimes(nn.Module):
+    """A branch used on every rank at steps 0, 3, ...; on rank 0 alone at steps 1, 4, ...; on
+    none at steps 2, 5, ... (``find_unused_parameters``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 64)
+        self.some = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 10)
+        self.step, self.rank = 0, 0
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.step % 3 == 0 or (self.step % 3 == 1 and self.rank == 0):
+            h = h + self.some(h)
+        return self.b(h)
+
+
+def _residual_of(state, name: str) -> dict:
+    mem = state.comm.memory
+    return {key: store[name].detach().clone().reshape(-1) for key, store in
+            (("residual", getattr(mem, "residuals", {})), ("momentum", getattr(mem, "momentums", {})),
+             ("velocity", getattr(mem, "velocities", {}))) if name in store}
+
+
+def _unused_sometimes(rank: int, world: int, spec: dict) -> dict:
+    torch.manual_seed(0)
+    net = _Sometimes()
+    net.rank = rank
+    ddp = DDP(net, find_unused_parameters=True)
+    state = gradzip.register(ddp, **spec)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    steps = []
+    for step, (x, y) in enumerate(_batches(rank, 6)):
+        net.step = step
+        before = _residual_of(state, "some.weight")
+        w = net.some.weight.detach().clone()
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        steps.append({"before": before, "after": _residual_of(state, "some.weight"), "moved": not torch.equal(w, net.some.weight),
+                      "identical": _identical(ddp, world)})
+    state.close()
+    return {"steps": steps}
+
+
+@pytest.mark.parametrize("spec", [{"codec": "topk", "ratio": 0.05}, {"codec": "dgc"},
+                                  {"codec": "topk", "ratio": 0.05, "fusion": False},
+                                  {"codec": "maxmin", "bits": 2, "memory": "residual", "in_place": True},
+                                  {"codec": "powersgd"}],
+                         ids=["topk", "dgc", "topk-alone", "maxmin-in-place", "powersgd"])
+def test_the_memory_of_a_parameter_without_a_gradient_waits_for_a_step_that_uses_it(spec):
+    """With ``find_unused_parameters``, a parameter that got no gradient on a rank in a step
+    keeps that rank's error-feedback state (a residual; DGC's momentum and velocity) as it
+    was, bit for bit, on the fused, alone and in-place paths: none of it is sent that step, so none is lost where DDP applies no
+    average (no rank used it: the parameter does not move) and it is sent with a later step
+    that uses it. Used on this rank, the state changes as usual; replicas stay identical."""
+    results = run_workers(_unused_sometimes, 2, spec)
+    for rank, res in enumerate(results):
+        for step, s in enumerate(res["steps"]):
+            used_here = step % 3 == 0 or (step % 3 == 1 and rank == 0)
+            assert s["identical"], (rank, step)
+            assert s["moved"] == (step % 3 != 2), (rank, step)  # DDP moves it where some rank used it
+            if step == 0:
+                continue
+            assert s["before"], (rank, step)  # the state exists from the first compressed step on
+            same = all(torch.equal(s["before"][k], s["after"][k]) for k in s["before"])
+            assert same != used_here, (rank, step, {k: float((s["after"][k] - s["before"][k]).abs().max())
+                                                    for k in s["before"]})

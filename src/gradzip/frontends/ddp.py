@@ -82,6 +82,13 @@ class GradzipState:
         self._check_queued = False
         self._csv: Dict[str, CSVLogger] = {}
         self._csv_writers: Dict[int, List[str]] = {}
+        # with DDP's find_unused_parameters and error feedback: the parameters that got a
+        # gradient on this rank since the last exchange (ids), and the state set aside for
+        # those that did not until this step's exchanges are done (see Memory.set_aside)
+        self.used: Optional[set] = None
+        self._use_hooks: List[Any] = []
+        self._aside: Dict[str, List[Optional[torch.Tensor]]] = {}
+        self._aside_due = False
 
     @property
     def step(self) -> int:
@@ -293,7 +300,34 @@ class GradzipState:
             self.regroup()  # the groups of the loaded levels
 
     def close(self) -> None:
+        for handle in self._use_hooks:
+            handle.remove()
+        self._use_hooks = []
         self.comm.close()
+
+    def watch_use(self, params: Sequence[torch.Tensor]) -> None:
+        """Note which parameters get a gradient on this rank in a step, so that the memory's
+        state of the others is set aside for it (see :meth:`Memory.set_aside`): one Python call
+        a parameter a backward pass, taken only with DDP's ``find_unused_parameters`` and a
+        stateful memory."""
+        self.used = set()
+        used = self.used
+        self._use_hooks = [p.register_post_accumulate_grad_hook(lambda p: used.add(id(p)))
+                           for p in params if p.requires_grad]
+
+    def _set_aside(self, names: List[str]) -> None:
+        """On the ordered worker, before the jobs of these parameters' groups."""
+        memory = self.comm.memory
+        for name in names:
+            held = memory.set_aside(name)
+            if held is not None:
+                self._aside[name] = held
+
+    def _put_back(self) -> None:
+        """On the ordered worker, after this step's exchanges."""
+        aside, self._aside = self._aside, {}
+        for name, held in aside.items():
+            self.comm.memory.put_back(name, held)
 
     def __repr__(self) -> str:
         return f"GradzipState({self.comm!r}, min_numel={self.config.min_numel}, compress_1d={self.config.compress_1d})"
@@ -417,6 +451,17 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum
         _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
     compress = [i not in plain for i in range(len(grads))]
+    aside: List[torch.futures.Future] = []
+    if state.used is not None and not dense:  # parameters without a gradient here: their memory waits
+        idle = [names[i] for i, p in enumerate(params) if compress[i] and id(p) not in state.used]
+        if idle:
+            aside = [state.comm.submit(lambda: state._set_aside(idle), buffer.device, what=f"{what}: unused parameters")]
+            state._aside_due = True
+    if last and state.used is not None:
+        state.used.clear()
+        if state._aside_due:
+            after.append(("unused parameters' memory", state._put_back))
+            state._aside_due = False
     if dense or not state.fusion_plan.groups:  # nothing compressed in this step
         if not dense and state.comm.plain_goes_hierarchical(buffer.numel(), buffer.element_size()):
             # on several nodes, the planner's exact hierarchical all-reduce; each job drains at
@@ -433,6 +478,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         waits = _bucket_job(state, buffer, names, grads, plain, last, step, what, one_each=provisional)
     if last:
         state.in_place_buckets, state._step_buckets = state._step_buckets, {}
+    waits = aside + waits
     for label, fn in after:
         waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
     return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
@@ -795,6 +841,8 @@ def register(
     else:
         state.apply(planner.decide(plan.groups, state.params, comm.codec, None), None)
     state.ddp = weakref.ref(model)
+    if getattr(model, "find_unused_parameters", False) and comm.memory.stateful:
+        state.watch_use([p for _, p in named])
     model.register_comm_hook(state, gradzip_hook)
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))

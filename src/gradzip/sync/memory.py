@@ -143,6 +143,38 @@ class Memory(Configurable):
         from now on, and adding this to its next gradient loses nothing."""
         return None
 
+    def _stores(self) -> Tuple[Dict[str, torch.Tensor], ...]:
+        """The state this memory keeps per parameter, by name (none here)."""
+        return ()
+
+    def set_aside(self, name: str) -> Optional[List[Optional[torch.Tensor]]]:
+        """Take parameter ``name``'s state out of this step: a copy of it is returned and it is
+        zeroed where it lies (a view of a group's buffer stays one), so this step compensates
+        nothing into the parameter and sends none of what it owes. For a parameter that had no
+        gradient on this rank in this step (DDP's ``find_unused_parameters``): DDP does not
+        apply an average to a parameter that no rank used, so its remainder would be lost, and
+        where other ranks used it, this rank's remainder waits for a step that uses it here.
+        None where there is nothing to hold."""
+        held = []
+        for store in self._stores():
+            kept = store.get(name)
+            held.append(None if kept is None else kept.clone())
+            if kept is not None:
+                kept.zero_()
+        return held if any(h is not None for h in held) else None
+
+    def put_back(self, name: str, held: List[Optional[torch.Tensor]]) -> None:
+        """Add what :meth:`set_aside` took to parameter ``name``'s state once the step has
+        updated it (from zero: what this step's own encoding of it lost)."""
+        for store, kept in zip(self._stores(), held):
+            if kept is None:
+                continue
+            now = store.get(name)
+            if now is None:
+                store[name] = kept
+            else:
+                now.add_(kept.to(now.dtype).view(now.shape))
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
@@ -286,6 +318,9 @@ class ResidualMemory(Memory):
         self.residuals[name] = torch.where(skip, old if old is not None else torch.zeros_like(new), new)
         if self._flats:  # ``old`` may have been a view of a flat buffer
             self._detach([name])
+
+    def _stores(self) -> Tuple[Dict[str, torch.Tensor], ...]:
+        return (self.residuals,)
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         res = self.residuals.pop(name, None)
@@ -549,6 +584,9 @@ class DGCMemory(Memory):
         else:  # (a state elsewhere, one loaded from a checkpoint on the CPU, is kept too)
             kept = self._get(store, name, new)
             store[name] = torch.where(skip, zero if kept is None else kept.to(new.dtype), new)
+
+    def _stores(self) -> Tuple[Dict[str, torch.Tensor], ...]:
+        return (self.momentums, self.velocities)
 
     def release(self, name: str) -> Optional[torch.Tensor]:
         for store, kept in zip((self.momentums, self.velocities), self._flats):
