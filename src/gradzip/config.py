@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 FIELDS = (
     "codec", "memory", "collective", "min_numel", "compress_1d", "fusion", "fusion_mb", "pipeline", "in_place", "plan",
@@ -134,6 +134,8 @@ class Config:
             raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {self.hierarchy!r}")
         if self.node_dtype not in NODE_DTYPES:
             raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {self.node_dtype!r}")
+        if isinstance(self.plan, bool):  # GRADZIP_PLAN=off reads as False
+            self.plan = "auto" if self.plan else "off"
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (
@@ -152,11 +154,18 @@ class Config:
             return replace(
                 self, adaptive=self.adaptive or "off",
                 ramp=self.ramp if self.ramp is not None else DEFAULT_RAMP.get(self.codec, 0),
+                given=self._filled(("adaptive", "ramp"), "default"),
             )
         return replace(
             self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual", plan=AUTO,
             adaptive=self.adaptive if self.adaptive is not None else "bytes", ramp=self.ramp or 0,
+            given=self._filled(("memory", "plan", "adaptive", "ramp"), "codec 'auto'"),
         )
+
+    def _filled(self, keys: Sequence[str], by: str) -> Dict[str, str]:
+        """:attr:`given` with ``by`` as the origin of those ``keys`` nobody set (their value
+        is then :meth:`resolved`'s, not a :class:`Config`'s of the user)."""
+        return {**{k: by for k in keys if self.origin(k) == "default"}, **self.given}
 
     def with_env(self, environ: Optional[Mapping[str, str]] = None) -> "Config":
         """This config with every ``GRADZIP_*`` variable of ``environ`` applied on top."""
@@ -200,7 +209,13 @@ class Config:
         if switched and "collective" not in updates:
             updates["collective"] = None  # nor does its collective: the new codec's default is used
         options.update(env_options)
-        return replace(self, options=options, collective_options=collective_options, sources=sources, **updates)
+        try:
+            return replace(self, options=options, collective_options=collective_options, sources=sources, **updates)
+        except ValueError as exc:  # a field's check: name the variables it may have come from
+            given = sorted({sources[name] for name in updates if name in sources})
+            if not given:
+                raise
+            raise type(exc)(f"{exc} (set in the environment: {', '.join(given)})") from exc
 
     def origin(self, key: str) -> str:
         """Where setting ``key`` (``"codec"``, ``"codec.bits"``, ``"min_numel"``, ...) came from:

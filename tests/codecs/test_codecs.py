@@ -1015,6 +1015,36 @@ def test_config_with_env_bad_min_numel(value):
         Config().with_env({"GRADZIP_MIN_NUMEL": value})
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"GRADZIP_TIMEOUT": "abc"}, "timeout must be None or a positive number of seconds, got 'abc' "
+                                 "(set in the environment: GRADZIP_TIMEOUT=abc)"),
+    ({"GRADZIP_WARMUP": "-1"}, "(set in the environment: GRADZIP_WARMUP=-1)"),
+    ({"GRADZIP_COMPRESS_1D": "maybe"}, "(set in the environment: GRADZIP_COMPRESS_1D=maybe)"),
+])
+def test_config_with_env_names_the_variable_of_a_bad_setting(env, message):
+    with pytest.raises(ValueError) as err:
+        Config().with_env(env)
+    assert message in str(err.value)
+
+
+def test_config_with_env_takes_off_and_auto_for_the_plan():
+    assert Config().with_env({"GRADZIP_PLAN": "off"}).plan == "off"
+    assert Config().with_env({"GRADZIP_PLAN": "auto"}).plan == "auto"
+    with pytest.raises(ValueError, match="plan must be one of off, auto"):
+        Config().with_env({"GRADZIP_PLAN": "sometimes"})
+
+
+def test_what_resolved_fills_in_is_not_taken_for_a_users_config():
+    """The settings log names where each value came from: a value ``resolved`` fills in (the
+    codec's ramp, adaptive levels off; ``"auto"``'s planner) is not a ``Config``'s."""
+    plain = Config(codec="maxmin").resolved()
+    assert plain.ramp == 0 and plain.origin("ramp") == "default" and plain.origin("adaptive") == "default"
+    auto = Config(codec="auto").resolved()
+    assert auto.plan == "auto" and auto.origin("plan") == "codec 'auto'" and auto.origin("adaptive") == "codec 'auto'"
+    mine = Config(codec="maxmin", ramp=5, adaptive="bytes").resolved()
+    assert mine.origin("ramp") == "config" and mine.origin("adaptive") == "config"
+
+
 def test_config_with_env_reads_os_environ(monkeypatch):
     monkeypatch.setenv("GRADZIP_CODEC", "topk")
     monkeypatch.setenv("GRADZIP_RATIO", "0.25")

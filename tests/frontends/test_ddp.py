@@ -515,6 +515,37 @@ def test_register_rejects_bad_input_at_construction():
         gradzip.register(nn.Linear(2, 2), "maxmin")
 
 
+def _registered_twice(rank: int, world: int) -> dict:
+    ddp = DDP(Net())
+    state = gradzip.register(ddp, "maxmin")
+    out = {}
+    try:
+        gradzip.register(ddp, "topk")
+    except ValueError as exc:
+        out["twice"] = str(exc)
+    os.environ["GRADZIP_KERNELS"] = "fastest"
+    try:
+        gradzip.register(DDP(Net()), "maxmin").close()
+    except ValueError as exc:
+        out["kernels"] = str(exc)
+    finally:
+        del os.environ["GRADZIP_KERNELS"]
+    _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank, 2)  # the first registration still runs
+    out["identical"] = _identical(ddp, world)
+    state.close()
+    return out
+
+
+def test_register_twice_or_with_a_bad_kernel_setting_fails_at_registration():
+    """A second hook on a DDP model, or an unknown ``GRADZIP_KERNELS``, is a ValueError from
+    ``register`` itself (before any collective), not an error of PyTorch's or of the first
+    backward pass; the first registration trains on."""
+    for res in run_workers(_registered_twice, 2):
+        assert "already has a communication hook" in res["twice"]
+        assert "GRADZIP_KERNELS='fastest': expected one of auto, native, triton, torch" in res["kernels"]
+        assert res["identical"]
+
+
 def _ps_training(rank: int, world: int) -> dict:
     out = {}
     for name in ("maxmin", "onebit", "signum"):

@@ -108,8 +108,10 @@ def _bad(rank: int, world: int) -> dict:
     for name, call in (
         ("powersgd", lambda: gradzip.register(_shard(_model()), "powersgd")),
         ("plan", lambda: gradzip.register(_shard(_model()), "maxmin", plan="auto")),
+        ("config", lambda: gradzip.register(_shard(_model()), config=gradzip.Config(codec="maxmin", warmup=3))),
         ("module", lambda: gradzip.register(_model(), "maxmin")),
         ("bits", lambda: gradzip.register(_shard(_model()), "maxmin", weight_bits=12)),
+        ("float bits", lambda: gradzip.register(_shard(_model()), "maxmin", weight_bits=4.0)),
         ("ddp", lambda: gradzip.register(nn.parallel.DistributedDataParallel(_model()), "maxmin", weight_bits=8)),
     ):
         try:
@@ -124,8 +126,10 @@ def test_bad_input_is_named_at_register():
     for res in run_workers(_bad, WORLD):
         assert "cannot compress a sharded reduce-scatter" in res["powersgd"] and "maxmin" in res["powersgd"]
         assert "plan is not supported on an FSDP2 model" in res["plan"]
+        assert "warmup is not supported on an FSDP2 model (set by config)" in res["config"]
         assert "DistributedDataParallel model or an FSDP2 module" in res["module"]
         assert "weight_bits must be an integer in 2..8" in res["bits"]
+        assert "weight_bits must be an integer in 2..8, got 4.0" in res["float bits"]
         assert "a DDP model has none" in res["ddp"]
 
 

@@ -760,7 +760,8 @@ def register(
     sharded = fsdp.is_fsdp2(model)
     if weight_bits is not None and not sharded:
         raise ValueError("register(): weight_bits compresses FSDP2's weight all-gather; a DDP model has none")
-    if weight_bits is not None and (isinstance(weight_bits, bool) or weight_bits not in range(2, 9)):
+    if weight_bits is not None and (not isinstance(weight_bits, int) or isinstance(weight_bits, bool)
+                                    or weight_bits not in range(2, 9)):
         raise ValueError(f"register(): weight_bits must be an integer in 2..8, got {weight_bits!r}")
     if not isinstance(model, DistributedDataParallel) and not sharded:
         raise ValueError(
@@ -795,9 +796,13 @@ def register(
     given.update({f"codec.{k}": "argument" for k in codec_options})
     given.update({f"collective.{k}": "argument" for k in collective_options or {}})
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
-    cfg = replace(cfg, given=given).with_env().resolved()
-    if sharded:
+    cfg = replace(cfg, given=given).with_env()
+    if sharded:  # (its settings checked before "auto" fills in the DDP hook's own)
         return _register_fsdp(model, cfg, group, memory_options, weight_bits)
+    cfg = cfg.resolved()
+    if getattr(model, "_comm_hooks", None):  # (DDP takes one; checked before any collective)
+        raise ValueError("register(): this DDP model already has a communication hook (gradzip's, or another); "
+                         "DDP takes one a model: wrap the module in a new DDP to register again")
     try:
         adaptive_check(cfg.codec, cfg.adaptive, cfg.ramp)
         comm = Communicator(
@@ -870,13 +875,14 @@ def _register_fsdp(
     from ..comm.reducescatter import CompressedReduceScatter
     from . import fsdp
 
-    odd = [k for k in fsdp.DDP_ONLY if cfg.origin(k) not in ("default", "config")]  # given, or from the environment
+    odd = [k for k in fsdp.DDP_ONLY if cfg.origin(k) != "default"]  # given, in a Config, or from the environment
     if odd:
         raise ValueError(
             f"register(): {', '.join(odd)} {'is' if len(odd) == 1 else 'are'} not supported on an FSDP2 model "
             f"(set by {', '.join(sorted({cfg.origin(k) for k in odd}))}); there gradzip takes the codec and its "
             "options, memory, min_numel, hierarchy, weight_bits, timeout and group"
         )
+    cfg = cfg.resolved()  # "auto": 4-bit max-min with error feedback (its planner and levels are the DDP hook's)
     units = fsdp.units_of(model)
     if group is None and units:
         group = units[0][2]

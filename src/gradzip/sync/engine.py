@@ -29,6 +29,7 @@ from ..comm.shm import NodeSharedMemory
 from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
 from ..errors import CheckpointError, CommunicationError
+from ..kernels.fused import setting as kernels_setting
 from ..version import __version__
 from . import device as _device
 from .fused import FusedGroups
@@ -168,6 +169,7 @@ class Communicator(FusedGroups):
                 raise ValueError(f"hierarchy must be one of {', '.join(HIERARCHY)}, got {hierarchy!r}")
             if node_dtype not in NODE_DTYPES:
                 raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {node_dtype!r}")
+            kernels_setting()  # GRADZIP_KERNELS, read at the first encode: checked here
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
