@@ -257,6 +257,37 @@ def test_sra_and_allgather_average_large_finite_values_without_overflow_or_a_div
         assert torch.equal(results[0][key]["avg"], results[1][key]["avg"])
 
 
+def _cast_beyond_range(rank: int, world: int) -> dict:
+    out = {}
+    # (bf16 beyond its range is near fp32's largest, where the all-gather's fp32 sum of decoded
+    # payloads overflows first: the all-reduce alone there)
+    for name, big, colls in (("fp16", 70000.0, ("allreduce", "allgather")), ("bf16", 3.4e38, ("allreduce",))):
+        for collective in colls:
+            comm = gradzip.Communicator(name, collective=collective)
+            x = torch.tensor([big, -big, 1.0, big / 4])  # finite; fp16 cannot hold the first two
+            out[name, collective, "alone"] = comm.allreduce(x, name="w")
+            # two tensors side by side, each alone in its group: one batch (summed packed)
+            pair = [x.clone(), x[:3].clone()]
+            drive(comm.reduce_many_stages(pair, ["a", "b"], [True, True], inplace=True, groups=[[0], [1]], step=0))
+            out[name, collective, "batch"] = pair[0]
+            comm.close()
+    return out
+
+
+def test_a_cast_averages_values_beyond_its_range_to_its_largest_not_to_inf():
+    """fp16's and bf16's payloads are each rank's share, saturated, yet the sum of the shares
+    can pass the type's range where the average does: through the all-reduce (alone and in a
+    batch), as through the all-gather, such an average comes back as the type's largest value
+    of its sign, not as ±inf, the same on every rank."""
+    results = run_workers(_cast_beyond_range, 2)
+    for key, avg in results[0].items():
+        name = key[0]
+        top = torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).max
+        assert bool(avg.isfinite().all()), (key, avg)
+        assert avg[0] == top and avg[1] == -top, (key, avg)
+        assert torch.equal(avg, results[1][key])
+
+
 def test_one_or_two_ranks_take_the_all_gather_where_the_codec_would_take_the_sra():
     """At two ranks the SRA's two rounds move what one all-gather moves, and at one the SRA
     would quantise twice: a codec whose own collective is the SRA gets the all-gather when none
