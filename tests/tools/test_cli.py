@@ -326,6 +326,12 @@ def test_bench_overhead_rejects_unknown_models_and_methods(capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert ("choose from" in err or "one of" in err) and argv[1] in err
+    # a memory or collective that does not exist, or that the codec cannot use: refused before any rank starts
+    for spec, said in (("maxmin:memory=bogus", "unknown memory 'bogus'"), ("maxmin:collective=bogus", "unknown collective"),
+                       ("topk:collective=sra", "valid collectives for it: allgather")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "models", "--configs", spec])
+        assert exc.value.code == 2 and said in capsys.readouterr().err, spec
     with pytest.raises(SystemExit, match="hangs with several DDP buckets on gloo"):  # refused before it starts
         cli.main(["bench", "overhead", "--device", "cpu", "--configs", "torch-powersgd"])
 

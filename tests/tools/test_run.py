@@ -103,7 +103,10 @@ def test_a_script_with_its_own_hook_keeps_it_and_gradzip_variables_configure_the
 def test_bad_settings_fail_in_the_launcher_before_any_rank_starts(tmp_path, capsys):
     from gradzip.tools import cli
 
-    for flags, said in ((["--codec", "nosuchcodec"], "nosuchcodec"), (["--no-python"], "--no-python")):
+    for flags, said in ((["--codec", "nosuchcodec"], "a codec that the script registers"),
+                        (["--no-python"], "--no-python"),
+                        (["--memory", "bogus"], "unknown memory 'bogus'; valid memories: dgc"),
+                        (["--codec", "topk", "--collective", "sra"], "valid collectives for it: allgather")):
         with pytest.raises(SystemExit) as exc:
             cli.main(["run", "--nproc-per-node", "2", *flags, SCRIPT, str(tmp_path)])
         assert exc.value.code == 2 and said in capsys.readouterr().err

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import gradzip
 from gradzip.comm.base import measure_cpu_time
 from gradzip.config import parse_value
+from gradzip.sync.engine import check_settings
 
 from ..comm.launch import spawn_local
 from . import cluster, write_json
@@ -85,8 +86,10 @@ def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
     codec_opts = collective_options(opts)
     codec_opts.pop("collective_options", None)
     options = {**resolved.options, **{k: v for k, v in codec_opts.items() if k not in NOT_CODEC_OPTIONS}}
-    gradzip.codec(resolved.codec, **options)
-    gradzip.Config(codec=name, **{k: v for k, v in codec_opts.items() if k in NOT_CODEC_OPTIONS})  # register's settings
+    settings = {k: v for k, v in codec_opts.items() if k in NOT_CODEC_OPTIONS}
+    gradzip.Config(codec=name, **settings)  # register's settings
+    check_settings(resolved.codec, options, settings.get("memory", resolved.memory), settings.get("collective"),
+                   collective_options(opts).get("collective_options"))
     return name, opts
 
 

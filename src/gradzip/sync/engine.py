@@ -266,13 +266,7 @@ class Communicator(FusedGroups):
         hold_layouts()  # (the codecs' layout plans kept until the last communicator closes)
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
-        coll = _collectives.get(name)(group, **options)  # ValueError for an unknown option or a bad value
-        if not coll.supports(codec):
-            valid = [n for n in _collectives.names() if _collectives.get(n)(None).supports(codec)]
-            raise ValueError(
-                f"codec {codec.name!r} cannot use collective {name!r}; valid collectives for it: {', '.join(valid)}"
-            )
-        return coll
+        return make_collective(name, codec, options, group)
 
     def collective_for(self, name: str) -> Collective:
         """The collective that exchanges parameter ``name``: its planned route, else the configured one."""
@@ -1043,6 +1037,29 @@ class Communicator(FusedGroups):
         if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
+    """Collective ``name`` with ``options`` on ``group`` for ``codec``: ``ValueError`` for an
+    unknown collective, option or value, or one the codec cannot use (naming those it can)."""
+    coll = _collectives.get(name)(group, **options)
+    if not coll.supports(codec):
+        valid = [n for n in _collectives.names() if _collectives.get(n)(None).supports(codec)]
+        raise ValueError(
+            f"codec {codec.name!r} cannot use collective {name!r}; valid collectives for it: {', '.join(valid)}"
+        )
+    return coll
+
+
+def check_settings(codec: str, options: Mapping[str, Any], memory: Optional[str] = None,
+                   collective: Optional[str] = None, collective_options: Optional[Mapping[str, Any]] = None) -> None:
+    """Build what a :class:`Communicator` builds from these settings (its codec, memory and
+    collective), without a process group, so that a bad one is a ``ValueError`` before any
+    rank starts (the launcher, the benchmarks' command line)."""
+    made = _registry.codec(codec, **options)
+    _memory.memory(memory if memory is not None else made.default_memory)
+    if collective is not None or collective_options:
+        make_collective(collective or made.collective, made, dict(collective_options or {}), None)
 
 
 def _report_failed_construction(

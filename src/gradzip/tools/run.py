@@ -72,12 +72,18 @@ def worker_environment(args: argparse.Namespace, environ: Optional[Dict[str, str
 
 
 def check_settings(env: Dict[str, str]) -> None:
-    """Build the codec the workers will build, so a typo fails here and not on every rank."""
-    from ..codecs import codec
+    """Build the codec, memory and collective the workers will build, so a typo fails here
+    and not on every rank."""
     from ..config import Config
+    from ..sync.engine import check_settings as check
+
+    from ..codecs import names
 
     cfg = Config().with_env(env).resolved()
-    codec(cfg.codec, **cfg.options)
+    if cfg.codec not in names():
+        raise ValueError(f"unknown codec {cfg.codec!r}; valid codecs: {', '.join(names())} (a codec that the script "
+                         "registers itself is not known here: name it in the script's register() call instead)")
+    check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
 
 
 def worker_command(args: argparse.Namespace) -> List[str]:
