@@ -103,9 +103,20 @@ def test_four_bit_max_min_with_error_feedback_trains_like_fsdp():
         assert z["stats"]["wire_bytes"] > 0 and z["state"]["parameter_residuals"]
 
 
+def _twice():
+    model = _shard(_model())
+    state = gradzip.register(model, "maxmin")
+    try:
+        return gradzip.register(model, "maxmin")
+    finally:
+        state.close()
+        gradzip.register(model, "maxmin").close()  # once closed, it may be registered anew
+
+
 def _bad(rank: int, world: int) -> dict:
     out = {}
     for name, call in (
+        ("twice", _twice),
         ("powersgd", lambda: gradzip.register(_shard(_model()), "powersgd")),
         ("plan", lambda: gradzip.register(_shard(_model()), "maxmin", plan="auto")),
         ("config", lambda: gradzip.register(_shard(_model()), config=gradzip.Config(codec="maxmin", warmup=3))),
@@ -131,6 +142,7 @@ def test_bad_input_is_named_at_register():
         assert "weight_bits must be an integer in 2..8" in res["bits"]
         assert "weight_bits must be an integer in 2..8, got 4.0" in res["float bits"]
         assert "a DDP model has none" in res["ddp"]
+        assert "registered on this FSDP2 model already" in res["twice"]
 
 
 def _weights(rank: int, world: int, bits: int) -> dict:

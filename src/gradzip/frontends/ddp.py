@@ -884,6 +884,8 @@ def _register_fsdp(
         )
     cfg = cfg.resolved()  # "auto": 4-bit max-min with error feedback (its planner and levels are the DDP hook's)
     units = fsdp.units_of(model)
+    if fsdp.registered(units):  # (checked before any collective)
+        raise ValueError("register(): gradzip is registered on this FSDP2 model already; close() that state first")
     if group is None and units:
         group = units[0][2]
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -316,6 +317,16 @@ def units_of(model: Any) -> List[Tuple[str, Any, dist.ProcessGroup]]:
     return out
 
 
+def registered(units: List[Tuple[str, Any, dist.ProcessGroup]]) -> bool:
+    """Whether gradzip's reduce-scatter of a state not yet closed is installed on one of these units."""
+    for _, unit, _ in units:
+        ref = getattr(unit, "_gradzip_state", None)
+        state = ref() if ref is not None else None
+        if state is not None and not state.comm._closed:
+            return True
+    return False
+
+
 def install(
     units: List[Tuple[str, Any, dist.ProcessGroup]], comm: Communicator, min_numel: int, weight_bits: Optional[int] = None,
 ) -> FSDPState:
@@ -323,6 +334,7 @@ def install(
     quantised weight all-gather."""
     state = FSDPState(comm, min_numel, units[0][2] if units else None)
     for name, unit, _ in units:
+        unit._gradzip_state = weakref.ref(state)  # (see registered)
         groups = unit._get_fsdp_state()._fsdp_param_groups
         handler = GradzipReduceScatter(state, name, groups[0] if groups else None)
         unit.set_custom_reduce_scatter(handler)
