@@ -753,7 +753,8 @@ def _unused_sometimes(rank: int, world: int, spec: dict) -> dict:
     torch.manual_seed(0)
     net = _Sometimes()
     net.rank = rank
-    ddp = DDP(net, find_unused_parameters=True)
+    spec = dict(spec)
+    ddp = DDP(net, find_unused_parameters=True, **spec.pop("ddp", {}))
     state = gradzip.register(ddp, **spec)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     steps = []
@@ -772,9 +773,10 @@ def _unused_sometimes(rank: int, world: int, spec: dict) -> dict:
 
 @pytest.mark.parametrize("spec", [{"codec": "topk", "ratio": 0.05}, {"codec": "dgc"},
                                   {"codec": "topk", "ratio": 0.05, "fusion": False},
-                                  {"codec": "maxmin", "bits": 2, "memory": "residual", "in_place": True},
+                                  {"codec": "maxmin", "bits": 2, "memory": "residual", "in_place": True,
+                                   "ddp": {"gradient_as_bucket_view": True}},
                                   {"codec": "powersgd"}],
-                         ids=["topk", "dgc", "topk-alone", "maxmin-in-place", "powersgd"])
+                         ids=["topk", "dgc", "topk-alone", "maxmin-in-place-bucket-view", "powersgd"])
 def test_the_memory_of_a_parameter_without_a_gradient_waits_for_a_step_that_uses_it(spec):
     """With ``find_unused_parameters``, a parameter that got no gradient on a rank in a step
     keeps that rank's error-feedback state (a residual; DGC's momentum and velocity) as it
