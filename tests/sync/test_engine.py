@@ -1131,6 +1131,30 @@ def test_the_layout_of_a_group_no_longer_exchanged_is_dropped_with_its_views():
         assert res["closed"] == 0, res
 
 
+def _groups_after_close(rank: int, world: int) -> dict:
+    import weakref
+
+    out = {}
+    for name, options in (("maxmin", {"bits": 4, "memory": "residual"}), ("topk", {"ratio": 0.1}),
+                          ("fp16", {"collective": "allreduce"})):
+        comm = gradzip.Communicator(name, **options)
+        buffer, tensors, names, compress = _bucket(8)
+        for step in range(2):
+            drive(comm.reduce_many_stages(tensors, names, compress, inplace=True, step=step))
+        dedicated = weakref.ref(comm.group)
+        comm.close()
+        out[name] = dedicated() is None
+    return out
+
+
+def test_closing_frees_the_dedicated_process_group_at_once():
+    """The communicator's own process group is freed when it closes, not when the interpreter
+    finalises (a gloo thread still dropping its last collective's tensors then needs the GIL,
+    and ending it aborts the process): nothing it made keeps a reference to the group."""
+    for res in run_workers(_groups_after_close, 2):
+        assert all(res.values()), res
+
+
 def _adacomp_residuals(rank: int, world: int) -> dict:
     out = {}
     for reads_memory in (True, False):

@@ -572,8 +572,10 @@ class Collective(Configurable):
         pass
 
     def release(self) -> None:
-        """Drop buffers kept from call to call (the communicator is closing)."""
+        """Drop buffers kept from call to call, and the process group (the communicator is
+        closing: see :meth:`Communicator.close <gradzip.sync.engine.Communicator.close>`)."""
         self._pool.clear()
+        self.group = None
 
     def _lend(self, call: "Call", shape: Tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A byte buffer of ``shape`` for ``call`` alone (send, receive, gathered payloads), from

@@ -118,6 +118,7 @@ class Hierarchical(Collective):
     def release(self) -> None:
         super().release()
         self.inner.release()
+        self.node_group = None
 
     spreads = True  # stage 3: the averaged shares all-gathered inside the node
 

@@ -1022,11 +1022,15 @@ class Communicator(FusedGroups):
         self._places.clear()
         self._fused_layouts.clear()
         release_layouts()  # (the last to close: the codecs' plans a fused layout each, and their device tensors)
-        self.collective.release()
-        for coll in self._route_collectives.values():
-            coll.release()
-        if self._plain_hierarchical is not None:
-            self._plain_hierarchical.release()
+        # the collectives let go of their buffers and of the process groups, so that a group
+        # destroyed below is freed now, its gloo threads joined, not when the interpreter
+        # finalises: a thread of it that still drops its last collective's tensors then needs
+        # the GIL, and the interpreter ends such a thread by unwinding C++ frames, which aborts
+        # the process ("terminate called without an active exception")
+        for coll in [self.collective, self._plain, self._reduce_scatter, self._plain_hierarchical,
+                     *self._route_collectives.values()]:
+            if coll is not None:
+                coll.release()
         if self._node_memory is not None and self._owns_node_groups:
             self._node_memory.release()
         self._node_memory = None
