@@ -1155,6 +1155,31 @@ def test_closing_frees_the_dedicated_process_group_at_once():
         assert all(res.values()), res
 
 
+def test_a_communicator_left_open_is_closed_before_the_interpreter_finalises(tmp_path):
+    """A script that never calls ``close()``: gradzip's exit handler closes the communicator
+    (its dedicated process group freed then, not during finalisation) before handlers that the
+    script registered earlier run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "left_open.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit
+        state = {{}}
+        atexit.register(lambda: print("closed at exit:", state["comm"]._closed, state["comm"].group is None))
+        import torch
+        import torch.distributed as dist
+        import gradzip
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rendezvous", rank=0, world_size=1)
+        state["comm"] = gradzip.Communicator("maxmin", bits=4, memory="residual")
+        state["comm"].allreduce(torch.randn(4096), name="w")
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "closed at exit: True True" in run.stdout, (run.stdout, run.stderr[-2000:])
+
+
 def _adacomp_residuals(rank: int, world: int) -> dict:
     out = {}
     for reads_memory in (True, False):

@@ -6,8 +6,10 @@ Its fused paths (a group as one flat buffer, a job's plain sum, a DDP bucket in 
 """
 from __future__ import annotations
 
+import atexit
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -233,6 +235,7 @@ class Communicator(FusedGroups):
         self._named: set = set()  # names exchanged at this step without an explicit step
         self._worker: Optional[OrderedWorker] = None
         self._closed = False
+        _OPEN.add(self)  # (closed at exit if the script does not: see _close_open)
         self._failure: Optional[CommunicationError] = None
         self._extra = dict(settings_extra or {})
         self._sources = dict(settings_sources or {})
@@ -1004,18 +1007,19 @@ class Communicator(FusedGroups):
 
         return problems, same_rank, same
 
-    def close(self) -> None:
-        """Stop the worker thread and release the dedicated process group."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker thread and release the dedicated process group. ``wait=False`` (at
+        exit): the queued exchanges are not waited for, and one stuck in a collective gets 10 s."""
         if self._closed:
             return
-        if self._worker is not None and self._failure is None:
+        if wait and self._worker is not None and self._failure is None:
             try:
                 self.flush()
             except CommunicationError:
                 pass  # already raised to the caller of the failed job
         self._closed = True
         if self._worker is not None:
-            self._worker.close()
+            self._worker.close(timeout=60.0 if wait else 10.0)
         # buffers several times the gradients' size: free them now, not when the state is collected
         self._group_residuals.clear()
         self._flat_pools.clear()
@@ -1041,6 +1045,21 @@ class Communicator(FusedGroups):
         if self._owns_group and dist.is_initialized():  # a group it was lent stays its owner's
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+_OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    """Close the communicators a script left open before the interpreter finalises, so their
+    process groups go now (see :meth:`Communicator.close`). Registered after the worker
+    module's handler, so it runs first."""
+    for comm in list(_OPEN):
+        try:
+            comm.close(wait=False)
+        except Exception:  # at exit there is no one to raise to
+            pass
 
 
 def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
