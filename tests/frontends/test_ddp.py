@@ -795,3 +795,27 @@ def test_the_memory_of_a_parameter_without_a_gradient_waits_for_a_step_that_uses
             same = all(torch.equal(s["before"][k], s["after"][k]) for k in s["before"])
             assert same != used_here, (rank, step, {k: float((s["after"][k] - s["before"][k]).abs().max())
                                                     for k in s["before"]})
+
+
+def test_what_a_step_set_aside_and_never_put_back_is_kept():
+    """A step that ended before putting back what it set aside for unused parameters (a failed
+    exchange, a backward interrupted): the next set-aside of the name returns it first, and the
+    state dict puts back what is still held, so no remainder is lost."""
+    from gradzip.frontends.ddp import GradzipState
+
+    comm = gradzip.Communicator("topk", ratio=0.1, memory="residual", dedicated_group=False)
+    try:
+        state = GradzipState(comm, {}, gradzip.Config())
+        mem = comm.memory
+        flat = torch.arange(8, dtype=torch.float32)
+        mem.residuals["w"] = flat[:4]  # a view of a group's buffer, as the fused path keeps it
+        state._set_aside(["w"])
+        assert torch.equal(mem.residuals["w"], torch.zeros(4)) and mem.residuals["w"].data_ptr() == flat.data_ptr()
+        mem.residuals["w"].add_(0.5)  # what the step's own encoding of the zeros lost
+        state._set_aside(["w"])  # the next step, the first hold never put back
+        assert torch.equal(mem.residuals["w"], torch.zeros(4))
+        saved = state.state_dict()
+        assert torch.equal(saved["memory"]["residuals"]["w"], torch.arange(4, dtype=torch.float32) + 0.5), saved
+        assert not state._aside
+    finally:
+        comm.close()

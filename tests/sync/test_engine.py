@@ -1155,6 +1155,15 @@ def test_closing_frees_the_dedicated_process_group_at_once():
         assert all(res.values()), res
 
 
+def test_a_closed_communicator_refuses_a_reduce_scatter():
+    """Closed, its collectives hold no process group (None would mean the default one): FSDP2's
+    reduce-scatter, which runs on the caller's thread, is refused rather than sent there."""
+    comm = gradzip.Communicator("maxmin", bits=4, dedicated_group=False)
+    comm.close()
+    with pytest.raises(RuntimeError, match="has been closed"):
+        comm.reduce_scatter(torch.zeros(8), torch.zeros(8), "w")
+
+
 def test_a_communicator_left_open_is_closed_before_the_interpreter_finalises(tmp_path):
     """A script that never calls ``close()``: gradzip's exit handler closes the communicator
     (its dedicated process group freed then, not during finalisation) before handlers that the

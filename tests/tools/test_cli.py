@@ -332,6 +332,13 @@ def test_bench_overhead_rejects_unknown_models_and_methods(capsys):
         with pytest.raises(SystemExit) as exc:
             cli.main(["bench", "models", "--configs", spec])
         assert exc.value.code == 2 and said in capsys.readouterr().err, spec
+    # FSDP2's: a codec that cannot compress a sharded reduce-scatter, weight bits out of range
+    for spec, said in (("powersgd", "cannot compress a sharded reduce-scatter; codecs that can: bf16"),
+                       ("maxmin:weight_bits=9", "weight_bits must be an integer in 2..8, got 9"),
+                       ("maxmin:memory=bogus", "unknown memory 'bogus'")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "fsdp", "--configs", spec])
+        assert exc.value.code == 2 and said in capsys.readouterr().err, spec
     with pytest.raises(SystemExit, match="hangs with several DDP buckets on gloo"):  # refused before it starts
         cli.main(["bench", "overhead", "--device", "cpu", "--configs", "torch-powersgd"])
 

@@ -213,10 +213,12 @@ def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
 def _saturate(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor]) -> None:
     """A cast's payloads are saturated, each a share of the average, yet their sum can pass
     the 16-bit type's range where the average itself does (fp16: above 65504): clamped in
-    place (one pass over the 2-byte sums), so a finite average comes back as the type's
-    largest value, as the all-gather's decode gives it, not as ±inf. A NaN or ±inf of an input
-    is flagged before the sum, and that step is poisoned whatever its sums hold (unflagged, as
-    gradzip's plain sum is, an overflow stays ±inf, as in DDP's own all-reduce)."""
+    place (one pass over the 2-byte sums), so such an average comes back as the type's
+    largest value, as the all-gather's decode gives it, not as ±inf. (Where only a partial sum
+    of the ring overflowed, large shares of both signs, the value is ±max where it was ±inf:
+    wrong either way, as in PyTorch's fp16 hook.) A NaN or ±inf of an input is flagged before
+    the sum, and that step is poisoned whatever its sums hold (unflagged, as gradzip's plain
+    sum is, an overflow stays ±inf, as in DDP's own all-reduce)."""
     if not flagged or codec.family != "cast":
         return
     for t in sums:

@@ -290,6 +290,8 @@ class GradzipState:
     def state_dict(self) -> Dict[str, Any]:
         """Per-rank state (error-feedback residuals, codec state, step counters), marked with
         this rank, the world size and the settings' fingerprint."""
+        if self._aside:  # what a step that failed set aside for unused parameters: theirs again
+            self._put_back()
         return self.comm.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
@@ -319,12 +321,15 @@ class GradzipState:
         """On the ordered worker, before the jobs of these parameters' groups."""
         memory = self.comm.memory
         for name in names:
+            if name in self._aside:  # held by a step that ended before putting it back: first returned
+                memory.put_back(name, self._aside.pop(name))
             held = memory.set_aside(name)
             if held is not None:
                 self._aside[name] = held
 
     def _put_back(self) -> None:
-        """On the ordered worker, after this step's exchanges."""
+        """On the ordered worker, after this step's exchanges (or by :meth:`state_dict`, where a
+        failed step never got there)."""
         aside, self._aside = self._aside, {}
         for name, held in aside.items():
             self.comm.memory.put_back(name, held)

@@ -618,6 +618,8 @@ class Communicator(FusedGroups):
         thread; all-NaN where any rank's input was not finite. Returns ``out``. ``in_place``:
         ``x`` is the caller's to overwrite (FSDP2's reduce-scatter input, which it drops after):
         the residual is added to it where it stands, with no new tensor of its size."""
+        if self._closed:  # (its collective has let go of the group: see close)
+            raise RuntimeError("this Communicator has been closed")
         w = self.world_size
         if x.numel() != w * out.numel():
             raise ValueError(f"reduce_scatter: input has {x.numel()} values, needs {w} x {out.numel()}")
@@ -1009,7 +1011,8 @@ class Communicator(FusedGroups):
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker thread and release the dedicated process group. ``wait=False`` (at
-        exit): the queued exchanges are not waited for, and one stuck in a collective gets 10 s."""
+        exit): no flush; the worker runs what is queued and stops, and a job stuck in a
+        collective gets 10 s before the group is released under it."""
         if self._closed:
             return
         if wait and self._worker is not None and self._failure is None:

@@ -173,7 +173,7 @@ class Memory(Configurable):
             if now is None:
                 store[name] = kept
             else:
-                now.add_(kept.to(now.dtype).view(now.shape))
+                now.add_(kept.to(device=now.device, dtype=now.dtype).view(now.shape))  # (a loaded state sits on the CPU)
 
     def state_dict(self) -> Dict[str, Any]:
         return {}
