@@ -905,3 +905,30 @@ def test_a_sparse_average_is_summed_into_out_with_the_bits_of_aggregate(name, op
         assert made.numel == 0, made.numel
         total = codec.aggregate_into(payloads, torch.empty(n), mean=False)  # the sum, unscaled
         assert torch.equal(total.div_(3).nan_to_num(9.0), want.nan_to_num(9.0))
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name,opts", [("topk", {"ratio": 0.01}), ("topk", {"ratio": 0.6}),
+                                       ("threshold", {"threshold": 0.0}), ("dgc", {}), ("graddrop", {"ratio": 0.5})],
+                         ids=["topk", "topk-dense", "threshold-dense", "dgc", "graddrop"])
+def test_a_16_bit_gradients_fp32_compensation_sends_its_values_in_16_bits(name, opts, wire):
+    """An fp32 input that compensates a 16-bit gradient (``wire``: error feedback's fp32
+    residual added) sends its selected values, and its dense form, in the gradient's width: no
+    more bytes than the raw 16-bit gradient; a value beyond fp16's range goes as its largest,
+    a NaN as NaN (the flag); decoded, each value is its 16-bit rounding."""
+    x = _randn((4096,), seed=3) * 100
+    x[7], x[8] = 1e6, float("nan")
+    c = gradzip.codec(name, **opts)
+    p = c.encode(x, "w", 0, wire=wire)
+    values, idx = p.tensors
+    assert values.dtype == wire
+    assert sum(t.numel() * t.element_size() for t in p.tensors) <= x.numel() * wire.itemsize
+    if name == "topk" and wire == torch.float16:  # the largest magnitudes: the huge value and the NaN among them
+        sent = values if idx.numel() == 0 else torch.zeros(x.numel(), dtype=wire).index_copy_(0, idx.long(), values)
+        assert sent[7] == torch.finfo(torch.float16).max and sent[8].isnan()
+    flag = c.nonfinite(p)  # (None: the engine reads the input for it)
+    assert flag is None or bool(flag)
+    got = c.decode(p)
+    assert got.dtype == torch.float32
+    kept = got.nan_to_num(7.0) != 0
+    assert torch.equal(got.nan_to_num(7.0)[kept], gradzip.codecs.base.saturate(x, wire).float().nan_to_num(7.0)[kept])

@@ -819,3 +819,28 @@ def test_what_a_step_set_aside_and_never_put_back_is_kept():
         assert not state._aside
     finally:
         comm.close()
+
+
+def _fp16_with_feedback(rank: int, world: int) -> dict:
+    out = {}
+    for label, spec in (("topk-0.6", {"codec": "topk", "ratio": 0.6}), ("topk-0.01", {"codec": "topk", "ratio": 0.01}),
+                        ("dgc", {"codec": "dgc"}), ("topk-alone", {"codec": "topk", "ratio": 0.6, "fusion": False})):
+        torch.manual_seed(0)
+        model = Net().to(torch.float16)
+        ddp = DDP(model)
+        state = gradzip.register(ddp, **spec)
+        _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank, 3, dtype=torch.float16)
+        out[label] = {"ratio": state.stats()["ratio"], "identical": _identical(ddp, world),
+                      "finite": bool(_flat_params(model).isfinite().all())}
+        state.close()
+    return out
+
+
+def test_16_bit_gradients_with_error_feedback_send_no_more_than_their_raw_bytes():
+    """fp16 gradients compensated by an fp32 residual: the sparse codecs send their values (and
+    their dense form) in fp16, so no step sends more than the raw gradients (ratio at least 1;
+    it was 0.5 with the values in fp32); replicas stay identical."""
+    for res in run_workers(_fp16_with_feedback, 2):
+        for label, r in res.items():
+            assert r["identical"] and r["finite"], (label, r)
+            assert r["ratio"] >= 1.0, (label, r)

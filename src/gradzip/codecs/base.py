@@ -39,6 +39,10 @@ class Meta:
     # of the codec's :meth:`Codec.fused_alignment` and followed by zeros up to the next (see
     # :attr:`Codec.parts_format` and :func:`part_spans`); None: one tensor, ``name`` of ``shape``
     parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
+    # the dtype the values a codec sends as they are go in (top-k's selected values, a dense
+    # form): the gradient's own where the input is a wider compensation of it (error feedback
+    # in fp32 for a 16-bit gradient); None: the input's
+    wire: Optional[torch.dtype] = None
 
     @property
     def numel(self) -> int:
@@ -351,18 +355,23 @@ class Codec(Configurable):
 
     def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None,
                out: Optional[Sequence[torch.Tensor]] = None,
-               parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None) -> Payload:
+               parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
+               wire: Optional[torch.dtype] = None) -> Payload:
         """Encode ``t``; ``step`` keys shared randomness (defaults to a per-name call counter).
         ``out``: flat tensors as :meth:`payload_spec` gives them (only where it is not None),
         which become the payload's tensors. ``parts``: ``t`` is a fused buffer holding these
         tensors back to back, ``(name, shape)`` each (their sizes add up to ``t``'s); a codec
-        whose format is per tensor (:attr:`parts_format`) encodes each by its shape."""
+        whose format is per tensor (:attr:`parts_format`) encodes each by its shape. ``wire``:
+        a floating-point dtype narrower than ``t``'s (the gradient's, ``t`` its fp32
+        compensation), which values sent as they are take (:attr:`Meta.wire`)."""
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"codec {self.name!r} encodes floating-point tensors, got {t.dtype}")
         if step is None:
             step = self._calls.get(name, 0)
             self._calls[name] = step + 1
-        meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel(), self.fused_alignment()))
+        narrower = wire is not None and wire.is_floating_point and wire.itemsize < t.dtype.itemsize
+        meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel(), self.fused_alignment()),
+                    wire=wire if narrower else None)
         self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)

@@ -22,7 +22,10 @@ value's own; top-k, random-k, DGC, gradient dropping and AdaComp take the group 
 
 No payload is larger than the raw tensor: where values and indices would be (a dense selection,
 a tiny tensor), the same two tensors carry the selected values densely instead — every value in
-the input dtype, zeros where none was selected, and no indices. The decoder tells the formats
+the input dtype, zeros where none was selected, and no indices. Values (either form) go in
+:attr:`Meta.wire <gradzip.codecs.base.Meta.wire>` where the engine gives one: a 16-bit gradient's
+own width where the input is its fp32 compensation, so error feedback does not double the bytes
+of a 16-bit gradient. The decoder tells the formats
 apart by the lengths alone (``len(indices) == 0`` and ``len(values) == numel``), so each rank may
 pick its own, and the all-gather keeps the tensor count and dtypes it expects.
 """
@@ -77,13 +80,20 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int, out: Optional[
     return out.index_copy_(0, idx.long(), values.to(out.dtype))
 
 
+def _as_wire(t: torch.Tensor, wire: Optional[torch.dtype]) -> torch.Tensor:
+    """``t`` in the wire dtype (:attr:`Meta.wire`) where given: a saturating cast, so a finite
+    value stays finite and NaN/±inf stay as they are (the flag reads them); error feedback keeps
+    what the cast lost, as it keeps what the selection left."""
+    return t if wire is None or t.dtype == wire else saturate(t, wire)
+
+
 def _is_dense(values: torch.Tensor, idx: torch.Tensor, numel: int) -> bool:
     """Whether a ``[values, indices]`` payload holds every value densely (no indices)."""
     return idx.numel() == 0 and values.numel() == numel
 
 
 class _ValuesIndices(Codec):
-    """Payload ``[values (input dtype), int32 indices]``, or the dense form of the same selection
+    """Payload ``[values (input dtype, or Meta.wire), int32 indices]``, or the dense form of the same selection
     where that is smaller; decodes by scattering, aggregates by a scatter-add of every rank's
     payload in rank order (the same float sums on every rank)."""
 
@@ -91,13 +101,15 @@ class _ValuesIndices(Codec):
     raw_fallback = False  # the dense form of the selection instead (see the module docstring)
 
     @staticmethod
-    def _payload(x: torch.Tensor, idx: torch.Tensor) -> List[torch.Tensor]:
-        """``[x[idx], int32 idx]``, or ``[x with zeros off idx, no indices]`` where that is smaller."""
-        n, m, size = x.numel(), idx.numel(), x.element_size()
+    def _payload(x: torch.Tensor, idx: torch.Tensor, wire: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+        """``[x[idx], int32 idx]``, or ``[x with zeros off idx, no indices]`` where that is
+        smaller, the values in ``wire`` (:attr:`Meta.wire`) where given."""
+        n, m = x.numel(), idx.numel()
+        size = (wire or x.dtype).itemsize
         if m * (size + 4) <= n * size:
-            return [x[idx], idx.to(torch.int32)]
+            return [_as_wire(x[idx], wire), idx.to(torch.int32)]
         dense = x if m == n else torch.zeros_like(x).index_copy_(0, idx, x[idx])
-        return [dense, idx.new_empty(0, dtype=torch.int32)]
+        return [_as_wire(dense, wire), idx.new_empty(0, dtype=torch.int32)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values, idx = tensors
@@ -187,9 +199,9 @@ class TopK(_ValuesIndices):
                 picks = [fused.topk(x[a : a + n], _k(n, self.ratio))[1].add_(a)
                          for a, n in part_spans(meta.parts, self.fused_alignment()) if n]
                 idx = torch.cat(picks) if picks else torch.empty(0, dtype=torch.int64, device=x.device)
-            return self._payload(x, idx)
+            return self._payload(x, idx, meta.wire)
         _, idx = fused.topk(x, _k(x.numel(), self.ratio))
-        return self._payload(x, idx)
+        return self._payload(x, idx, meta.wire)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return min(_k(numel, self.ratio) * (element_size(dtype) + 4), raw_bytes(numel, dtype))
@@ -588,7 +600,9 @@ class Threshold(_ValuesIndices):
         # scale), the dense one, made without indices of nearly every value
         x, threshold = x.reshape(-1), _fp32(self.threshold)
         idx = _selected(x, threshold, most=_sparse_most(x))  # CUDA: one device wait
-        return self._payload(x, idx) if idx is not None else [_kept(x, threshold), x.new_empty(0, dtype=torch.int32)]
+        if idx is None:
+            return [_as_wire(_kept(x, threshold), meta.wire), x.new_empty(0, dtype=torch.int32)]
+        return self._payload(x, idx, meta.wire)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)
@@ -655,7 +669,7 @@ class DGC(_ValuesIndices):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
             idx = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
-            return self._payload(x, self._capped(x, idx, meta.parts))
+            return self._payload(x, self._capped(x, idx, meta.parts), meta.wire)
         # (a piece at a time on the CPU: no magnitudes of the tensor's size; the threshold read
         # on the host, as the selection reads its count: see _selected)
         x = x.reshape(-1)
@@ -663,7 +677,7 @@ class DGC(_ValuesIndices):
         k = _k(x.numel(), self.ratio)
         if idx.numel() > 2 * k:  # the size is known on the host once the selection has returned
             idx = idx[torch.topk(_magnitudes(x.index_select(0, idx)), k, sorted=False).indices]
-        return self._payload(x, idx)
+        return self._payload(x, idx, meta.wire)
 
     def _capped(self, x: torch.Tensor, idx: torch.Tensor, parts: Tuple[Tuple[str, torch.Size], ...]) -> torch.Tensor:
         """A group's selection with each member that let through more than ``2k`` of its values
@@ -731,10 +745,11 @@ class GradDrop(_ValuesIndices):
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         if meta.parts is not None:
-            return self._payload(x, _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device)))
+            idx = _part_selection(x, meta.parts, self.ratio, self.sample_ratio, self._generator(x.device))
+            return self._payload(x, idx, meta.wire)
         x = x.reshape(-1)  # (as dgc's: selected a piece at a time on the CPU)
         threshold = _sampled_threshold(x, self.ratio, self.sample_ratio, self._generator(x.device))
-        return self._payload(x, _selected(x, float(threshold)))
+        return self._payload(x, _selected(x, float(threshold)), meta.wire)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         return _upper_bound(numel, dtype)

@@ -371,6 +371,9 @@ class Call:
     # the input is a fused buffer of these tensors, ``(name, shape)`` each (see
     # :attr:`Codec.parts_format`): only a collective that ``carries_parts`` gets it
     parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None
+    # the gradient's dtype where the input is a wider compensation of it: the dtype values the
+    # codec sends as they are go in (:attr:`Meta.wire <gradzip.codecs.base.Meta.wire>`)
+    wire: Optional[torch.dtype] = None
     # where ``out`` is None: the caller's result buffer, lent when first asked for (:meth:`output`)
     late: Optional[LateOut] = None
 
@@ -397,7 +400,8 @@ class Call:
         tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance.
         ``parts``: ``x`` is the whole input, a fused buffer of these tensors (:attr:`parts`)."""
         codec = codec or self.codec
-        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out, parts)
+        payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out, parts,
+                                    self.wire if flag else None)
         if flag:
             self._cover(codec, payload, x)
         return payload
@@ -419,7 +423,7 @@ class Call:
         where = outs if outs is not None else [None] * len(calls)
 
         def encode_all() -> List[Payload]:
-            return [codec.encode(x, call.name, call.step, out, parts=call.parts)
+            return [codec.encode(x, call.name, call.step, out, parts=call.parts, wire=call.wire if flag else None)
                     for call, x, out in zip(calls, xs, where)]
 
         payloads = shared_section([c.timer for c in calls], "encode", encode_all)
@@ -645,6 +649,7 @@ class Collective(Configurable):
         self, codec: Codec, x: torch.Tensor, name: str, step: int, need_own: bool, out: Optional[torch.Tensor] = None,
         align: int = 1, on_release: Optional[Callable[[Call, torch.Tensor], None]] = None,
         parts: Optional[Tuple[Tuple[str, torch.Size], ...]] = None, late: Optional[LateOut] = None,
+        wire: Optional[torch.dtype] = None,
     ) -> Stages:
         """:meth:`run` cut into stages: a generator that yields each time it has issued
         asynchronous collectives and would next wait for them, and returns the :class:`Result`.
@@ -656,6 +661,7 @@ class Collective(Configurable):
         tensor (:attr:`Codec.parts_format`; only where :attr:`carries_parts`). ``late``: in place
         of ``out``, a result buffer lent when the average is written and the input's buffer
         given back once read (:class:`LateOut`; only where :attr:`reads_input_first`).
+        ``wire``: the gradient's dtype where ``x`` is a wider compensation of it (:attr:`Call.wire`).
         ``Result.own`` lies in a buffer of the collective's pool: read it as the stages return,
         before the next exchange of this collective borrows the buffer.
         """
@@ -664,7 +670,7 @@ class Collective(Configurable):
         if late is not None and (out is not None or not self.reads_input_first):
             raise ValueError(f"collective {self.name!r} cannot lend its result late here")
         (call,) = self._calls(codec, [x], [name], step, need_own, [out], align, on_release)
-        call.parts, call.late = parts, late
+        call.parts, call.late, call.wire = parts, late, wire
         try:
             got = yield from staged(self.exchange(call))
             return self._result(call, got)
@@ -675,14 +681,17 @@ class Collective(Configurable):
         self, codec: Codec, xs: Sequence[torch.Tensor], names: Sequence[str], step: int, need_own: bool,
         outs: Sequence[Optional[torch.Tensor]],
         on_release: Optional[Sequence[Callable[[Call, torch.Tensor], None]]] = None,
+        wires: Optional[Sequence[Optional[torch.dtype]]] = None,
     ) -> Stages:
         """:meth:`stages` of several tensors at once: one :class:`Result` each. A collective
         whose :meth:`exchange_many` batches them (the all-reduce: one sum per round for all)
-        saves a collective per tensor; the others exchange them side by side. ``on_release``:
-        each call's (see :meth:`stages`)."""
+        saves a collective per tensor; the others exchange them side by side. ``on_release``,
+        ``wires``: each call's (see :meth:`stages`)."""
         calls = self._calls(codec, xs, names, step, need_own, outs, 1, None)
         for call, release in zip(calls, on_release or ()):
             call.on_release = release
+        for call, wire in zip(calls, wires or ()):
+            call.wire = wire
         try:
             gots = yield from self.exchange_many(calls)
             return self._results(calls, gots)

@@ -244,7 +244,7 @@ class Hierarchical(Collective):
         dest = self._lend_values(call, out.numel(), out) if apart else out
         res = yield from staged(self.inner.stages(
             call.codec, share, f"{call.name}@{self.topology.local_rank}/{local}", call.step, need_own=call.need_own,
-            out=dest, align=align, on_release=keep_loss if call.need_own else None,
+            out=dest, align=align, on_release=keep_loss if call.need_own else None, wire=call.wire,
         ))
         if apart:
             out.copy_(dest)

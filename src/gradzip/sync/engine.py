@@ -21,6 +21,7 @@ from torch._utils import _unflatten_dense_tensors
 from .. import comm as _collectives
 from ..comm import consistency
 from . import memory as _memory
+from .memory import wire_of
 from ..codecs import registry as _registry
 from ..codecs.base import FLOAT_DTYPES, Codec, hold_layouts, release_layouts
 from ..comm.pool import BufferPool
@@ -634,7 +635,7 @@ class Communicator(FusedGroups):
                 inp = mem.compensate_into(flat, name, flat)
             else:
                 inp = mem.compensate(flat.contiguous(), name)
-            avg, dest, record = drive(self._exchange(coll, codec, mem, inp, name, step, out, True))
+            avg, dest, record = drive(self._exchange(coll, codec, mem, inp, name, step, out, True, wire_of(flat, inp)))
             if dest is None:
                 out.copy_(avg.view(out.shape))
             self.metrics.record(name, x.numel() * x.element_size(), **record)
@@ -679,7 +680,7 @@ class Communicator(FusedGroups):
         if t.numel() == 0:
             return (t.clone() if out is None else out), record_of(None, 0, 0.0, compress, codec)
         inp = self._compensated(mem, coll, t, name, step, compress, into=out)
-        avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress)
+        avg, dest, record = yield from self._exchange(coll, codec, mem, inp, name, step, out, compress, wire_of(t, inp))
         return _delivered(t, out, avg, dest), record
 
     def _compensated(self, mem: Any, coll: Collective, t: torch.Tensor, name: str, step: int, compress: bool,
@@ -707,13 +708,14 @@ class Communicator(FusedGroups):
 
     def _exchange(
         self, coll: Collective, codec: Codec, mem: Any, inp: torch.Tensor, name: str, step: int,
-        out: Optional[torch.Tensor], compress: bool,
+        out: Optional[torch.Tensor], compress: bool, wire: Optional[torch.dtype] = None,
     ) -> Stages:
         """``inp`` (compensated by ``mem``) through ``coll``, error feedback settled: returns
         (the result, all-NaN where some rank's input was not; where it went: ``out`` flat when
-        the collective could write there, else None; the metrics of the call)."""
+        the collective could write there, else None; the metrics of the call). ``wire``: the
+        gradient's dtype where ``inp`` is a wider compensation of it (:func:`wire_of`)."""
         dest = _dest(out, inp, mem, coll)
-        res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest))
+        res = yield from staged(coll.stages(codec, inp, name, step, need_own=mem.stateful, out=dest, wire=wire))
         avg, record = self._settled(coll, codec, mem, inp, name, res, compress)
         return avg, dest, record
 
@@ -757,7 +759,8 @@ class Communicator(FusedGroups):
             inputs = mem.compensate_many([t.contiguous() for t in tensors], names)  # a few multi-tensor operations
             self._observe(names, inputs, step)
             dests = [_dest(t if inplace else None, x, mem, coll) for t, x in zip(tensors, inputs)]
-            results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests)
+            results = yield from coll.stages_many(codec, inputs, names, step, mem.stateful, dests,
+                                                  wires=[wire_of(t, x) for t, x in zip(tensors, inputs)])
             settled = not mem.stateful
         one_flag = all(res.nonfinite is results[0].nonfinite for res in results)
         if not settled and one_flag:  # one flag covers the batch: the residuals updated together

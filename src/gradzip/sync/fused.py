@@ -23,6 +23,7 @@ from ..comm.pool import BufferPool, size_class
 from ..kernels.rng import stable_hash
 from . import device as _device
 from .groups import FusedLayout, group_key
+from .memory import wire_of
 from .metrics import record_of
 from .pipeline import Stages, lockstep, staged
 from .places import Places
@@ -211,6 +212,7 @@ class FusedGroups:
             res = yield from staged(coll.stages(
                 codec, flat, key, step, need_own=mem.stateful, out=out, align=block, on_release=settle,
                 parts=layout.parts if codec.parts_format else None, late=late,
+                wire=wire_of(tensors[order[0]], flat),
             ))
             if mem.stateful and settle is None:  # one flag covers the group
                 own = layout.views(res.own, "own", keep=False)

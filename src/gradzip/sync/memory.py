@@ -81,6 +81,13 @@ def detach_views(store: Dict[str, torch.Tensor], flats: Flats, names: Sequence[s
                 store[n] = v.clone()
 
 
+def wire_of(grad: torch.Tensor, inp: torch.Tensor) -> Optional[torch.dtype]:
+    """The gradient's dtype where the codec's input is a wider compensation of it (a 16-bit
+    gradient with its fp32 residual), else None: values that a codec sends as they are go in
+    the gradient's own width, not the residual's (:attr:`~gradzip.codecs.base.Meta.wire`)."""
+    return grad.dtype if grad.dtype != inp.dtype and grad.dtype.is_floating_point else None
+
+
 class Memory(Configurable):
     """No error feedback: the codec sees the raw gradient."""
 
