@@ -1155,6 +1155,27 @@ def test_closing_frees_the_dedicated_process_group_at_once():
         assert all(res.values()), res
 
 
+def _beyond_fp16(rank: int, world: int) -> dict:
+    out = {}
+    for codec, opts in (("randomk", {"ratio": 1.0}), ("topk", {"ratio": 1.0}), ("adaq", {})):
+        comm = gradzip.Communicator(codec, memory="residual", **opts)
+        comm.memory.residuals["s"] = torch.full((8,), 40000.0)  # what earlier steps left unsent
+        out[codec] = comm.reduce_now(torch.full((8,), 40000.0, dtype=torch.float16), "s")
+        comm.close()
+    return out
+
+
+def test_an_fp32_compensation_beyond_an_fp16_gradients_range_is_delivered_as_its_largest_value():
+    """fp16 gradients with error feedback: the codec's input is their fp32 compensation, which
+    can pass fp16's range (40000 + 40000); the average goes back into the fp16 gradient by a
+    saturating cast (65504), not as inf, whichever the codec (top-k sends fp16 values, random-k
+    and AdaComp fp32 ones)."""
+    for res in run_workers(_beyond_fp16, 2):
+        for codec, avg in res.items():
+            assert avg.dtype == torch.float16 and bool(avg.isfinite().all()), (codec, avg)
+            assert float(avg.max()) == 65504.0, (codec, avg)
+
+
 def test_a_closed_communicator_refuses_a_reduce_scatter():
     """Closed, its collectives hold no process group (None would mean the default one): FSDP2's
     reduce-scatter, which runs on the caller's thread, is refused rather than sent there."""

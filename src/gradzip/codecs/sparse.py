@@ -654,7 +654,7 @@ class DGC(_ValuesIndices):
     collectives = ("allgather",)
     default_memory = "dgc"
     fixed_size = False
-    stochastic = True  # the sample differs per rank and step (selection only; values are exact)
+    stochastic = True  # the sample differs per rank and step (selection only; values as they are, or in Meta.wire)
     options = {
         "ratio": Option(0.001, float_in(0.0, 1.0, lo_open=True), "a float in (0, 1]", "fraction of values sent"),
         "sample_ratio": SAMPLE_RATIO,
@@ -735,7 +735,7 @@ class GradDrop(_ValuesIndices):
     collectives = ("allgather",)
     default_memory = "residual"
     fixed_size = False
-    stochastic = True  # the sample differs per rank and step (selection only; values are exact)
+    stochastic = True  # the sample differs per rank and step (selection only; values as they are, or in Meta.wire)
     options = {"ratio": RATIO, "sample_ratio": SAMPLE_RATIO, "seed": SEED}
 
     parts_format = True  # a fused group: one payload, each member's threshold its own

@@ -87,7 +87,7 @@ class AllReduce(Collective):
         linear = w > 1 and codec.payload_linear
         xs = [c.x for c in calls] if linear else _scaled_many(calls)
         first_packed, outs = _packed_for(calls)
-        payloads = Call.encode_many(calls, xs, flag=not from_payloads, outs=outs)
+        payloads = Call.encode_many(calls, xs, flag=not from_payloads, outs=outs, own=True)
         nonfinite = None if from_payloads else torch.stack([call.flag for call in calls]).any()
         flag_work = None
         wire = [0] * len(calls)

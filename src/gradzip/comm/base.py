@@ -390,7 +390,7 @@ class Call:
 
     def encode(self, x: torch.Tensor, name: Optional[str] = None, codec: Optional[Codec] = None,
                flag: bool = True, out: Optional[Sequence[torch.Tensor]] = None,
-               parts: Optional[Sequence[Tuple[str, torch.Size]]] = None) -> Payload:
+               parts: Optional[Sequence[Tuple[str, torch.Size]]] = None, own: Optional[bool] = None) -> Payload:
         """``codec`` (default the call's) encodes ``x`` as tensor ``name`` (default the call's) at
         the call's step, timed as encoding; :attr:`flag` then covers ``x`` too, read from the
         payload's statistics where the codec can (:meth:`Codec.nonfinite`), else from ``x``.
@@ -398,10 +398,12 @@ class Call:
         ``flag=False``: ``x`` is not this rank's input (an aggregate of received payloads, whose
         own flags the exchange carries on), so it is not looked at. ``out``: where the payload's
         tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance.
-        ``parts``: ``x`` is the whole input, a fused buffer of these tensors (:attr:`parts`)."""
+        ``parts``: ``x`` is the whole input, a fused buffer of these tensors (:attr:`parts`).
+        ``own``: ``x`` is this rank's input, whose values take :attr:`wire` (default: ``flag``;
+        an input encoded again, or one whose flag the payload carries, is still its own)."""
         codec = codec or self.codec
         payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out, parts,
-                                    self.wire if flag else None)
+                                    self.wire if (flag if own is None else own) else None)
         if flag:
             self._cover(codec, payload, x)
         return payload
@@ -415,7 +417,7 @@ class Call:
 
     @staticmethod
     def encode_many(calls: Sequence["Call"], xs: Sequence[torch.Tensor], flag: bool = True,
-                    outs: Optional[Sequence[Sequence[torch.Tensor]]] = None) -> List[Payload]:
+                    outs: Optional[Sequence[Sequence[torch.Tensor]]] = None, own: Optional[bool] = None) -> List[Payload]:
         """:meth:`encode` of several calls of one codec, each of its ``x`` (into its ``outs``
         where given), timed as one section (its time shared out among the calls: two clock reads
         for a batch, not two a tensor)."""
@@ -423,7 +425,8 @@ class Call:
         where = outs if outs is not None else [None] * len(calls)
 
         def encode_all() -> List[Payload]:
-            return [codec.encode(x, call.name, call.step, out, parts=call.parts, wire=call.wire if flag else None)
+            mine = flag if own is None else own
+            return [codec.encode(x, call.name, call.step, out, parts=call.parts, wire=call.wire if mine else None)
                     for call, x, out in zip(calls, xs, where)]
 
         payloads = shared_section([c.timer for c in calls], "encode", encode_all)
@@ -484,7 +487,7 @@ class Call:
             if payload is None:  # (keep_own_again) the input divided by W, encoded once more
                 dst = out[start : n if end is None else end]
                 src = (self.flat if x is None else x.reshape(-1))[start : start + dst.numel()]
-                payload = self.encode(torch.div(src, self.world_size, out=dst), flag=False)
+                payload = self.encode(torch.div(src, self.world_size, out=dst), flag=False, own=True)
             else:
                 dst = out[start : min(start + payload.ctx.numel, n if end is None else end)]
             self.decode(self.codec.decode_into, payload, dst)

@@ -23,7 +23,7 @@ from ..comm import consistency
 from . import memory as _memory
 from .memory import wire_of
 from ..codecs import registry as _registry
-from ..codecs.base import FLOAT_DTYPES, Codec, hold_layouts, release_layouts
+from ..codecs.base import FLOAT_DTYPES, Codec, hold_layouts, release_layouts, saturate
 from ..comm.pool import BufferPool
 from ..comm.allgather import default_collective
 from ..comm.base import Collective, overlaps, parse_route, world
@@ -1143,10 +1143,17 @@ def _check_out(t: torch.Tensor, out: Optional[torch.Tensor]) -> None:
 def _delivered(t: torch.Tensor, out: Optional[torch.Tensor], avg: torch.Tensor, dest: Optional[torch.Tensor]) -> torch.Tensor:
     """The average of ``t`` as the caller gets it: in ``out`` (copied there unless the collective
     wrote it there, ``dest``), else a tensor of ``t``'s shape and dtype."""
+    # (a narrower dtype by a saturating cast: an average beyond a 16-bit gradient's range, from
+    # an fp32 compensation, is its largest value, not ±inf; NaN and ±inf stay as they are)
     if out is None:
-        return avg.view(t.shape).to(t.dtype)
+        return avg.view(t.shape) if avg.dtype == t.dtype else saturate(avg.view(t.shape), t.dtype)
     if dest is None:
-        out.copy_(avg.view(t.shape))
+        if out.dtype == avg.dtype:
+            out.copy_(avg.view(t.shape))
+        elif out.is_contiguous():
+            saturate(avg.reshape(-1), out.dtype, out=out.view(-1))
+        else:
+            out.copy_(saturate(avg.view(t.shape), out.dtype))
     return out
 
 
