@@ -80,17 +80,23 @@ def collective_options(opts: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
-    """:func:`parse_spec`, then build the codec: ``ValueError`` for an unknown codec or option."""
+    """:func:`parse_spec`, then :func:`check_options`."""
     name, opts = parse_spec(spec)
+    check_options(name, opts)
+    return name, opts
+
+
+def check_options(name: str, opts: Dict[str, Any]) -> None:
+    """Build what ``register`` would of codec ``name`` with a spec's ``opts`` (its codec, memory
+    and collective): ``ValueError`` for an unknown codec, option or setting."""
     resolved = gradzip.Config(codec=name).resolved()  # "auto" is maxmin under the planner
     codec_opts = collective_options(opts)
-    codec_opts.pop("collective_options", None)
+    coll_opts = codec_opts.pop("collective_options", None)
     options = {**resolved.options, **{k: v for k, v in codec_opts.items() if k not in NOT_CODEC_OPTIONS}}
     settings = {k: v for k, v in codec_opts.items() if k in NOT_CODEC_OPTIONS}
     gradzip.Config(codec=name, **settings)  # register's settings
     check_settings(resolved.codec, options, settings.get("memory", resolved.memory), settings.get("collective"),
-                   collective_options(opts).get("collective_options"))
-    return name, opts
+                   coll_opts)
 
 
 def numel_of(size_mb: float) -> int:

@@ -409,16 +409,15 @@ class Natural(Codec):
         if meta.parts is not None:  # each member's header from its blocks' maxima (exact), one pass of codes
             units = part_units(meta.parts, 0, x.device)
             top = _header_of(units.maxima(fused.row_maxima(xf.view(-1, PART_ALIGN))))
-            top = top if top_out is None else top_out.copy_(top)
-            codes = fused.natural_codes(xf.view(torch.int32), self._key(), top.index_select(0, units.of_block),
-                                        PART_ALIGN, codes_out)
-            return [codes, top]
-        lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
-        top = _header_of(torch.maximum(-lo, hi).reshape(1))
+            per_block, bucket = top.index_select(0, units.of_block), PART_ALIGN
+        else:
+            lo, hi = torch.aminmax(xf)  # one reading pass; a NaN comes out of both
+            top = per_block = _header_of(torch.maximum(-lo, hi).reshape(1))
+            bucket = 0
         top = top if top_out is None else top_out.copy_(top)
         # then one pass (a Triton kernel on CUDA, which makes the counter draws itself) from
         # bits, draws and header to the codes
-        return [fused.natural_codes(xf.view(torch.int32), self._key(), top, 0, codes_out), top]
+        return [fused.natural_codes(xf.view(torch.int32), self._key(), per_block, bucket, codes_out), top]
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         # a header is 256 exactly where its values held NaN or ±inf

@@ -15,6 +15,8 @@ engine runs it through :meth:`gradzip.sync.engine.Communicator.reduce_scatter`.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .base import Call, Exchanged, Stages
@@ -54,3 +56,10 @@ class CompressedReduceScatter(ScatterReduceAllGather):
     def traffic_factor(cls, world_size: int) -> float:
         w = max(int(world_size), 1)
         return (w - 1) / w
+
+
+def sharded_codecs() -> List[str]:
+    """The codecs the compressed reduce-scatter takes (FSDP2's gradients), by name."""
+    from ..codecs import codec, names
+
+    return [n for n in names() if CompressedReduceScatter(None).supports(codec(n))]

@@ -24,7 +24,6 @@ from ..sync.engine import Batch, Communicator
 from ..sync.groups import group_key
 from ..config import AUTO, Config
 from ..errors import SettingsMismatchError
-from ..codecs import codec as codec_named, names as codec_names
 from ..comm.base import traffic_factor
 from ..sync.metrics import CSVLogger, format_table, scalars, summary_table
 from ..policy import planner
@@ -765,9 +764,9 @@ def register(
     sharded = fsdp.is_fsdp2(model)
     if weight_bits is not None and not sharded:
         raise ValueError("register(): weight_bits compresses FSDP2's weight all-gather; a DDP model has none")
-    if weight_bits is not None and (not isinstance(weight_bits, int) or isinstance(weight_bits, bool)
-                                    or weight_bits not in range(2, 9)):
-        raise ValueError(f"register(): weight_bits must be an integer in 2..8, got {weight_bits!r}")
+    problem = fsdp.weight_bits_problem(weight_bits)
+    if problem:
+        raise ValueError(f"register(): {problem}")
     if not isinstance(model, DistributedDataParallel) and not sharded:
         raise ValueError(
             f"register() needs a DistributedDataParallel model or an FSDP2 module (fully_shard), got {type(model).__name__}"
@@ -877,7 +876,7 @@ def _register_fsdp(
     model: Any, cfg: Config, group: Optional[dist.ProcessGroup], memory_options, weight_bits: Optional[int],
 ) -> Any:
     """:func:`register` for an FSDP2 model: the engine on the units' group, their reduce-scatters."""
-    from ..comm.reducescatter import CompressedReduceScatter
+    from ..comm.reducescatter import CompressedReduceScatter, sharded_codecs
     from . import fsdp
 
     odd = [k for k in fsdp.DDP_ONLY if cfg.origin(k) != "default"]  # given, in a Config, or from the environment
@@ -906,11 +905,10 @@ def _register_fsdp(
         raise type(exc)(f"{exc}{note}") from exc
     if not CompressedReduceScatter(None).supports(comm.codec):
         comm.close()
-        able = [n for n in codec_names() if CompressedReduceScatter(None).supports(codec_named(n))]
         raise ValueError(
             f"register(): codec {comm.codec.name!r} cannot compress a sharded reduce-scatter (its payload size "
             f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
-            f"that can: {', '.join(able)}"
+            f"that can: {', '.join(sharded_codecs())}"
         )
     state = fsdp.install(units, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:

@@ -317,6 +317,13 @@ def units_of(model: Any) -> List[Tuple[str, Any, dist.ProcessGroup]]:
     return out
 
 
+def weight_bits_problem(bits: Any) -> Optional[str]:
+    """What is wrong with ``weight_bits`` (the weights' all-gather: 2..8 bits), or None."""
+    if bits is None or (isinstance(bits, int) and not isinstance(bits, bool) and bits in range(2, 9)):
+        return None
+    return f"weight_bits must be an integer in 2..8, got {bits!r}"
+
+
 def registered(units: List[Tuple[str, Any, dist.ProcessGroup]]) -> bool:
     """Whether gradzip's reduce-scatter of a state not yet closed is installed on one of these units."""
     for _, unit, _ in units:

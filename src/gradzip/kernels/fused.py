@@ -202,7 +202,7 @@ def terngrad_encode(buckets: torch.Tensor, key: int, numel: int, scale: Optional
         return _terngrad_pieces(buckets, key, numel, scale, out)
     packed, scale = reference.terngrad_encode(
         buckets, uniform(buckets.numel(), key, buckets.device).view(buckets.shape), numel, scale)
-    return (packed if out is None else out.copy_(packed)), scale
+    return _into(None if out is None else (out,), (packed,))[0], scale
 
 
 def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
@@ -235,8 +235,7 @@ def tbq_encode(x: torch.Tensor, tau: float, out: Optional[torch.Tensor] = None) 
     impl = _gpu_or_reference(x)
     if impl is not reference:
         return impl.tbq_encode(x, tau, out)
-    packed = reference.tbq_encode(x, tau)
-    return packed if out is None else out.copy_(packed)
+    return _into(None if out is None else (out,), (reference.tbq_encode(x, tau),))[0]
 
 
 def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate: bool = False) -> torch.Tensor:

@@ -135,10 +135,10 @@ def _method_list(text: str) -> List[str]:
 def _fsdp_methods(text: str) -> List[str]:
     """``fp32``, ``bf16-reduce`` or codec specs, separated by commas; a codec must exist and
     compress a sharded reduce-scatter, and ``weight_bits`` be 2..8 (checked before any rank starts)."""
-    from ..bench.micro import check_spec, parse_spec
-    from ..codecs import codec as codec_named
+    from ..bench.micro import check_options, parse_spec
     from ..codecs import names
-    from ..comm.reducescatter import CompressedReduceScatter
+    from ..comm.reducescatter import sharded_codecs
+    from ..frontends.fsdp import weight_bits_problem
 
     out = [t.strip() for t in text.split(",") if t.strip()]
     for spec in out:
@@ -151,14 +151,14 @@ def _fsdp_methods(text: str) -> List[str]:
                 raise argparse.ArgumentTypeError(
                     f"unknown method {spec!r}: fp32, bf16-reduce, or a codec spec ({', '.join(names())})"
                 )
-            bits = opts.pop("weight_bits", None)
-            if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in range(2, 9)):
-                raise argparse.ArgumentTypeError(f"{spec!r}: weight_bits must be an integer in 2..8, got {bits!r}")
+            problem = weight_bits_problem(opts.pop("weight_bits", None))
+            if problem:
+                raise argparse.ArgumentTypeError(f"{spec!r}: {problem}")
             try:
-                check_spec(":".join([codec] + [f"{k}={v}" for k, v in opts.items()]))
+                check_options(codec, opts)
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from None
-            able = [n for n in names() if CompressedReduceScatter(None).supports(codec_named(n))]
+            able = sharded_codecs()
             if codec not in able:
                 raise argparse.ArgumentTypeError(
                     f"{spec!r}: {codec} cannot compress a sharded reduce-scatter; codecs that can: {', '.join(able)}"

@@ -74,16 +74,18 @@ def worker_environment(args: argparse.Namespace, environ: Optional[Dict[str, str
 def check_settings(env: Dict[str, str]) -> None:
     """Build the codec, memory and collective the workers will build, so a typo fails here
     and not on every rank."""
+    from ..codecs import names
     from ..config import Config
     from ..sync.engine import check_settings as check
 
-    from ..codecs import names
-
     cfg = Config().with_env(env).resolved()
-    if cfg.codec not in names():
-        raise ValueError(f"unknown codec {cfg.codec!r}; valid codecs: {', '.join(names())} (a codec that the script "
-                         "registers itself is not known here: name it in the script's register() call instead)")
-    check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
+    try:
+        check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
+    except ValueError as exc:
+        if cfg.codec in names():
+            raise
+        raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
+                         "script's register() call instead)") from exc
 
 
 def worker_command(args: argparse.Namespace) -> List[str]:
