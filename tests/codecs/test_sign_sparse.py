@@ -932,3 +932,61 @@ def test_a_16_bit_gradients_fp32_compensation_sends_its_values_in_16_bits(name, 
     assert got.dtype == torch.float32
     kept = got.nan_to_num(7.0) != 0
     assert torch.equal(got.nan_to_num(7.0)[kept], gradzip.codecs.base.saturate(x, wire).float().nan_to_num(7.0)[kept])
+
+
+def _group_of(lengths, block, seed=5):
+    """A fused group's buffer and parts: members of ``lengths`` values, each on a block."""
+    parts, x = [], []
+    for i, n in enumerate(lengths):
+        parts.append((f"m{i}", (n,)))
+        x += [_randn((n,), seed=seed + i), torch.zeros(-(-n // block) * block - n)]
+    return torch.cat(x), parts
+
+
+# (codec, options, values, a fused group's member lengths or None): each case sends values as
+# they are in some form (a drawn sample, a dense form, a raw tensor or member) that it would send
+# as fp32 values without the wire dtype
+AS_THEY_ARE = {
+    "randomk": ("randomk", {"ratio": 0.6}, 4096, None),
+    "randomk-group": ("randomk", {"ratio": 0.6}, 0, [4000, 10, 300]),
+    "adacomp-dense": ("adaq", {"bin_size": 1}, 4096, None),
+    "sketchml-dense": ("sketchml", {"ratio": 0.99}, 4096, None),
+    "sketchml-raw-member": ("sketchml", {}, 0, [4000, 10]),
+    "sketchml-sparse-raw": ("sketchml", {"ratio": 0.99}, 0, [4000, 4000]),
+    "inceptionn-dense": ("inceptionn", {"error_bound": 1e-30}, 4096, None),
+    "none": ("none", {}, 4096, None),
+    "maxmin-raw": ("maxmin", {"bits": 8}, 3, None),
+}
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", list(AS_THEY_ARE))
+def test_every_form_that_sends_values_as_they_are_takes_a_16_bit_gradients_width(case, wire):
+    """Values a codec sends as they are (random-k's sample, AdaComp's, SketchML's and
+    INCEPTIONN's dense forms, SketchML's members sent raw, a tensor too small for its format)
+    go in a 16-bit gradient's width where its fp32 compensation is encoded: no more bytes than
+    the raw 16-bit gradient, fewer than without the wire dtype, and each decoded value is the
+    one without it, its 16-bit rounding, or the input's where the narrower width makes a form
+    as it is the smaller (a value beyond fp16's range as its largest, a NaN as NaN)."""
+    name, opts, n, lengths = AS_THEY_ARE[case]
+    plain, narrow = gradzip.codec(name, **opts), gradzip.codec(name, **opts)  # (each its own draws and state)
+    parts = None
+    if lengths is None:
+        x = _randn((n,), seed=3) * 100
+    else:
+        x, parts = _group_of(lengths, plain.fused_alignment())
+        n = sum(lengths)
+    x[1] = 1e6
+    if name not in ("inceptionn", "adaq"):  # (those two: NaN is their dense form's trigger too; see test_fuzz)
+        x[2] = float("nan")
+    before = plain.encode(x, "w", 0, parts=parts)
+    after = narrow.encode(x, "w", 0, parts=parts, wire=wire)
+    assert after.nbytes <= n * wire.itemsize + (x.numel() - n) * wire.itemsize, (after.nbytes, n)
+    assert after.nbytes < before.nbytes, (after.nbytes, before.nbytes)
+    was, got = plain.decode(before), narrow.decode(after)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    rounded = gradzip.codecs.base.saturate(was, wire).float()
+    dense = gradzip.codecs.base.saturate(x, wire).float()  # (a form as it is that 16 bits make the smaller)
+    same = (got == was) | (got == rounded) | (got == dense) | (got.isnan() & (was.isnan() | x.isnan()))
+    assert bool(same.all()), (got[~same][:5], was[~same][:5])
+    assert bool(((got == rounded) | (got == dense)).any() & (got != was).any())  # (some value went in 16 bits)

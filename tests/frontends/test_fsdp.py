@@ -1,6 +1,8 @@
 """gradzip.register on FSDP2 (fully_shard) models, on real gloo ranks."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,9 +71,22 @@ def test_a_lossless_codec_gives_fsdps_own_gradients_whatever_the_divide_factor(f
         assert res["stats"]["compressed_calls"] >= 2 and res["stats"]["units"] == 3
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _train(rank: int, world: int, codec: str, opts: dict, steps: int) -> dict:
     model = _shard(_model())
+    log, logger = _Lines(), logging.getLogger("gradzip")
+    logger.addHandler(log)
+    logger.setLevel(logging.INFO)
     state = gradzip.register(model, codec, min_numel=64, **opts) if codec else None
+    logger.removeHandler(log)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
@@ -84,7 +99,7 @@ def _train(rank: int, world: int, codec: str, opts: dict, steps: int) -> dict:
     full = _full(model)
     everyone = [torch.empty_like(full) for _ in range(world)]
     dist.all_gather(everyone, full)
-    out = {"losses": losses, "identical": all(torch.equal(full, e) for e in everyone)}
+    out = {"losses": losses, "identical": all(torch.equal(full, e) for e in everyone), "log": log.lines}
     if state is not None:
         out["stats"] = state.stats()
         out["state"] = state.state_dict()
@@ -101,6 +116,12 @@ def test_four_bit_max_min_with_error_feedback_trains_like_fsdp():
         assert z["losses"][-1] < z["losses"][0] - 0.1 and b["losses"][-1] < b["losses"][0] - 0.1
         assert abs(z["losses"][-1] - b["losses"][-1]) < 0.1 * b["losses"][-1] + 0.05
         assert z["stats"]["wire_bytes"] > 0 and z["state"]["parameter_residuals"]
+    # the settings logged name the collective FSDP2 runs, as stats() does, not the engine's default
+    report = next(m for m in zipped[0]["log"] if "effective settings" in m)
+    rows = {line.split()[0]: line.split()[1:] for line in report.splitlines()[1:] if line.strip()}
+    assert rows["collective"] == ["'reducescatter'", "front", "end"], report
+    assert zipped[0]["stats"]["collective"] == "reducescatter"
+    assert not any(key.startswith("collective.") for key in rows), report
 
 
 def _twice():

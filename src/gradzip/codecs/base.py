@@ -75,6 +75,18 @@ def raw_bytes(numel: int, dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
+def _narrower(wire: Optional[torch.dtype], dtype: torch.dtype) -> Optional[torch.dtype]:
+    """``wire`` where it is a floating-point dtype narrower than ``dtype`` (:attr:`Meta.wire`), else None."""
+    return wire if wire is not None and wire.is_floating_point and wire.itemsize < dtype.itemsize else None
+
+
+def as_wire(t: torch.Tensor, wire: Optional[torch.dtype]) -> torch.Tensor:
+    """``t`` in the wire dtype (:attr:`Meta.wire`) where given: a saturating cast, so a finite
+    value stays finite and NaN/±inf stay as they are (the flag reads them); error feedback keeps
+    what the cast lost, as it keeps what a selection left."""
+    return t if wire is None or t.dtype == wire else saturate(t, wire)
+
+
 def nonfinite_poison(x: torch.Tensor) -> torch.Tensor:
     """0-dim, on ``x``'s device (of its dtype for floating ``x``): 0 where every value of ``x``
     is finite, NaN where some value is NaN or ±inf (no host sync); adding it to a result
@@ -341,13 +353,14 @@ class Codec(Configurable):
         return f"{type(self).__name__}({opts})"
 
     def payload_spec(self, numel: int, dtype: torch.dtype,
-                     parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None) -> Optional[List[Tuple[torch.dtype, int]]]:
+                     parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
+                     wire: Optional[torch.dtype] = None) -> Optional[List[Tuple[torch.dtype, int]]]:
         """``(dtype, numel)`` of each tensor of the payload of ``numel`` values of ``dtype`` (a
-        fused buffer of ``parts``, as :meth:`encode` takes them, where given), for codecs that
-        can encode straight into given tensors (:meth:`encode`'s ``out``: a collective's send
-        buffer, so the payload is not copied there); None otherwise (then the payload's form is
-        known only once encoded)."""
-        if numel == 0 or self._raw(numel, dtype):
+        fused buffer of ``parts``, and ``wire``, as :meth:`encode` takes them, where given), for
+        codecs that can encode straight into given tensors (:meth:`encode`'s ``out``: a
+        collective's send buffer, so the payload is not copied there); None otherwise (then the
+        payload's form is known only once encoded)."""
+        if numel == 0 or self._raw(numel, _narrower(wire, dtype) or dtype):
             return None
         if parts is not None and self.parts_format:
             return self._parts_payload_spec(numel, dtype, parts)
@@ -369,16 +382,15 @@ class Codec(Configurable):
         if step is None:
             step = self._calls.get(name, 0)
             self._calls[name] = step + 1
-        narrower = wire is not None and wire.is_floating_point and wire.itemsize < t.dtype.itemsize
         meta = Meta(t.shape, t.dtype, t.device, name, step, parts=_parts_of(parts, t.numel(), self.fused_alignment()),
-                    wire=wire if narrower else None)
+                    wire=_narrower(wire, t.dtype))
         self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)
-        if self._raw(t.numel(), t.dtype):
-            return Payload([t.reshape(-1)], meta)
+        if self._raw(t.numel(), meta.wire or t.dtype):  # (in the wire dtype where given: see as_wire)
+            return Payload([as_wire(t.reshape(-1), meta.wire)], meta)
         if out is not None:
-            _check_payload_out(out, self.payload_spec(t.numel(), t.dtype, parts), t.device)
+            _check_payload_out(out, self.payload_spec(t.numel(), t.dtype, parts, meta.wire), t.device)
             return Payload(self._encode_into(t.reshape(-1), meta, list(out)), meta)
         return Payload(self._encode(t.reshape(-1), meta), meta)
 
@@ -391,8 +403,8 @@ class Codec(Configurable):
         meta = payload.ctx
         if meta.numel == 0:
             return empty_result(meta)
-        if self._raw(meta.numel, meta.dtype):
-            return payload.tensors[0].reshape(meta.shape)
+        if self._raw(meta.numel, meta.wire or meta.dtype):
+            return payload.tensors[0].reshape(meta.shape).to(meta.dtype)
         return saturate(self._decode(payload.tensors, meta).reshape(meta.shape), meta.dtype)
 
     def decode_into(self, payload: Payload, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
@@ -407,7 +419,7 @@ class Codec(Configurable):
         if out.numel() == 0:
             return out
         meta = payload.ctx
-        if self._raw(meta.numel, meta.dtype):
+        if self._raw(meta.numel, meta.wire or meta.dtype):
             return store_into(payload.tensors[0][: out.numel()], out, accumulate)
         if out.dtype.is_floating_point and torch.finfo(out.dtype).max < torch.finfo(torch.float32).max:
             # a 16-bit destination: decode in fp32, then saturate as decode() does
@@ -497,7 +509,8 @@ class Codec(Configurable):
         """
         return 0
 
-    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None,
+                   wire: Optional[torch.dtype] = None) -> int:
         """Bytes one rank puts on the wire for a tensor of ``numel`` elements (before encoding).
 
         ``shape`` matters only to codecs that factor matrices (PowerSGD). For codecs whose
@@ -505,10 +518,13 @@ class Codec(Configurable):
         gradzip exceeds the raw size ``numel * element_size(dtype)``: a fixed-size format that
         would is replaced by the raw tensor (``raw_fallback``), and the data-dependent ones fall
         back to a dense format of their own (their ``_wire_bytes`` is at most the raw size).
+        ``wire``: as :meth:`encode` takes it (a 16-bit gradient whose fp32 compensation is
+        encoded): values sent as they are count in its width, and the bound is its raw size.
         """
         if numel == 0:
             return 0
-        return raw_bytes(numel, dtype) if self._raw(numel, dtype) else self._wire_bytes(numel, dtype)
+        sent = _narrower(wire, dtype) or dtype  # (what _wire_bytes takes: the values' dtype)
+        return raw_bytes(numel, sent) if self._raw(numel, sent) else self._wire_bytes(numel, sent)
 
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to continue bit-exactly: call counters and per-tensor state.

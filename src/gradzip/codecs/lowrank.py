@@ -460,8 +460,11 @@ class PowerSGD(Codec):
             lay.write_raw(qt[lay.q_numel :] if len(tensors) == 1 else tensors[1], out)
         return out
 
-    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None) -> int:
-        """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D)."""
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None,
+                   wire: Optional[torch.dtype] = None) -> int:
+        """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D). Its
+        factors and the values it sends as they are are summed in the input's dtype (``wire``
+        is not taken)."""
         if numel == 0:
             return 0
         dims = self._matrix(tuple(shape) if shape is not None else (numel,), dtype)

@@ -38,7 +38,9 @@ class _Cast(Codec):
         return self._wdtype(dtype) == dtype
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [saturate(x, self._wdtype(x.dtype))]
+        # (a cast to the input's own type sends a 16-bit gradient's fp32 compensation in the
+        # gradient's width: Meta.wire)
+        return [saturate(x, self.wire_dtype or meta.wire or x.dtype)]
 
     def _payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
         # a cast to the input's own dtype sends the input itself: nothing to write
@@ -613,8 +615,9 @@ class Inceptionn(Codec):
     bytes of an int32 word in native byte order, little-endian on every supported platform).
     Where that would exceed the raw values (mostly raw tags, or 16-bit input whose 2-bit tags
     cost more than the bytes they save), the payload is the dense form instead: an empty tag
-    tensor and the stream holding every raw value (exact), which the decoder recognises by the
-    empty tags. ``wire_bytes`` is the upper bound ``4n`` (``2n`` for 16-bit input); on 1 M
+    tensor and the stream holding every raw value (exact; in a 16-bit gradient's width where its
+    fp32 compensation is encoded, :attr:`~gradzip.codecs.base.Meta.wire`), which the decoder
+    recognises by the empty tags. ``wire_bytes`` is the upper bound ``4n`` (``2n`` for 16-bit input); on 1 M
     ``randn`` values (80 % in tag 2) a payload is about 16.4 bits/element, on gradient-sized
     values (``|x| ≲ b``) a few bits. Sizing the stream is the encoder's one implicit device →
     host wait (``nonzero``), inherent to a data-dependent size; decoding has none.
@@ -662,11 +665,12 @@ class Inceptionn(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         # (on CUDA the Triton kernels; on the CPU the torch version a piece at a time: the same bytes)
         x = x.reshape(-1)
-        n, width = x.numel(), self._raw_bytes(x.dtype)
+        n, width = x.numel(), self._raw_bytes(meta.wire or x.dtype)
         packed, stream = fused.inceptionn_encode(x, self._b, self._step)
         if packed.numel() + stream.numel() > n * width:
-            # the dense form: no tags, every raw value (exact; recognised by the empty tags)
-            dense = x if x.dtype in SHORT_FLOATS else x.float()
+            # the dense form: no tags, every raw value (exact; recognised by the empty tags), in
+            # the gradient's width where the input is its wider compensation (Meta.wire)
+            dense = saturate(x, meta.wire) if meta.wire is not None else x if x.dtype in SHORT_FLOATS else x.float()
             return [packed.new_empty(0), dense.contiguous().view(torch.uint8)]
         return [packed, stream]
 
@@ -688,7 +692,8 @@ class Inceptionn(Codec):
         its tag and its bytes (:func:`fused.inceptionn_decode <gradzip.kernels.fused.inceptionn_decode>`)."""
         packed, stream = tensors
         if packed.numel() == 0:  # the dense form
-            values = stream.view(meta.dtype if meta.dtype in SHORT_FLOATS else torch.float32).float()
+            dense = meta.wire or meta.dtype
+            values = stream.view(dense if dense in SHORT_FLOATS else torch.float32).float()
             return out.add_(values) if accumulate else out.copy_(values)
         return fused.inceptionn_decode(packed, stream, meta.dtype, meta.numel, self._step, out, accumulate)
 

@@ -7,7 +7,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
-from .base import Codec, Meta, Option, Payload, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite
+from .base import (
+    Codec, Meta, Option, Payload, as_wire, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite,
+)
 from .registry import register_codec
 from .sparse import _group_topk, _k
 
@@ -216,6 +218,8 @@ class SketchML(Codec):
     size alone, the same on every rank); in sparse mode a payload that would is replaced by
     its dense form, the same four tensors with the first three empty and the decoded values
     (input dtype) as the bytes of the fourth, which the decoder recognises by the empty index.
+    Values sent as they are, in either mode, go in a 16-bit gradient's own width where its fp32
+    compensation is encoded (:attr:`~gradzip.codecs.base.Meta.wire`).
 
     A fused group in dense mode (:attr:`~gradzip.codecs.base.Codec.parts_format`) is one payload
     ``[codes, means, raw values]``: each member's codes and quantile table exactly as alone,
@@ -284,16 +288,18 @@ class SketchML(Codec):
 
     def _group(self, meta: Meta) -> Any:
         """The layout of a fused group (made once per layout): a :class:`_Group` in dense mode,
-        a :class:`_SparseGroup` in sparse mode."""
-        key = (meta.parts, meta.dtype)
+        a :class:`_SparseGroup` in sparse mode; which members go as they are is decided in the
+        width their values take (:attr:`Meta.wire` where given)."""
+        dtype = meta.wire or meta.dtype
+        key = (meta.parts, dtype)
         grp = self._groups.get(key)
         if grp is None:
             if len(self._groups) > 256:
                 self._groups.clear()
             if self.ratio < 1.0:
-                grp = _SparseGroup(meta.parts, meta.dtype, self.buckets, self.ratio)
+                grp = _SparseGroup(meta.parts, dtype, self.buckets, self.ratio)
             else:
-                grp = _Group(meta.parts, meta.dtype, self.buckets, self._raw, self.fused_alignment())
+                grp = _Group(meta.parts, dtype, self.buckets, self._raw, self.fused_alignment())
             self._groups[key] = grp
         return grp
 
@@ -320,10 +326,11 @@ class SketchML(Codec):
         out = [pack_bits(levels, _index_bits(_num_buckets(k, self.buckets))), means]
         gaps = idx.diff() - 1
         out += [idx[:1].to(torch.int32), _encode_gaps(gaps)]
-        if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, x.dtype):
+        as_is = meta.wire or x.dtype  # values sent as they are: in the gradient's width (Meta.wire)
+        if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, as_is):
             # the dense form: the decoded values as the bytes of the last tensor, the rest empty
-            values = torch.zeros(n, dtype=x.dtype, device=x.device)
-            values.index_copy_(0, idx, saturate(_dequantize(out[0], out[1], k), x.dtype))
+            values = torch.zeros(n, dtype=as_is, device=x.device)
+            values.index_copy_(0, idx, saturate(_dequantize(out[0], out[1], k), as_is))
             return [t.new_empty(0) for t in out[:3]] + [values.view(torch.uint8)]
         return out
 
@@ -340,7 +347,7 @@ class SketchML(Codec):
             for (a, n, o), (t, nb) in zip(grp.coded, grp.tables):
                 packed, means[t : t + nb] = _quantize(x[a : a + n], nb)
                 codes[o : o + packed.numel()] = packed
-        return [codes, means, grp.gather_raw(x)]
+        return [codes, means, as_wire(grp.gather_raw(x), meta.wire)]
 
     @staticmethod
     def _sketch_at_once(x: torch.Tensor, grp: _Group) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -382,12 +389,12 @@ class SketchML(Codec):
         gap_bytes = sum(w * (k - 1) for w, (_, _, k) in zip(widths, lay.coded))
         codes = pack_bits(levels, lay.bits)
         size = codes.numel() + 4 * means.numel() + 8 * len(lay.coded) + gap_bytes + lay.raw_bytes
-        if size > raw_bytes(lay.numel, x.dtype):  # every value as it is (a choice by the data, told by empty heads)
+        if size > raw_bytes(lay.numel, meta.wire or x.dtype):  # every value as it is (a choice by the data, told by empty heads)
             none = x.new_empty(0, dtype=torch.uint8)
-            return [none, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.int32), none, x]
+            return [none, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.int32), none, as_wire(x, meta.wire)]
         width = torch.tensor(widths, dtype=torch.int64, device=dev)
         heads = torch.cat([sel.index_select(0, g["firsts"]).sub_(g["starts"]), width]).to(torch.int32)
-        raw = x.new_empty(0) if g["raw_index"] is None else x.index_select(0, g["raw_index"])
+        raw = x.new_empty(0) if g["raw_index"] is None else as_wire(x.index_select(0, g["raw_index"]), meta.wire)
         gaps = _gap_bytes(gaps, width, g["gap_counts"], gap_bytes, lay.one_width(widths))
         return [codes, means, heads, gaps, raw]
 
@@ -494,7 +501,7 @@ class SketchML(Codec):
             return _dequantize(tensors[0], tensors[1], n)
         packed, means, first, raw = tensors
         if first.numel() == 0:  # the dense form
-            return raw.view(meta.dtype)
+            return raw.view(meta.wire or meta.dtype)
         k = _k(n, self.ratio)
         values = _dequantize(packed, means, k)
         steps = _decode_gaps(raw, k - 1).add_(1)

@@ -45,6 +45,7 @@ from .base import (
     Option,
     Payload,
     all_finite,
+    as_wire,
     element_size,
     empty_result,
     float_in,
@@ -80,13 +81,6 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, numel: int, out: Optional[
     return out.index_copy_(0, idx.long(), values.to(out.dtype))
 
 
-def _as_wire(t: torch.Tensor, wire: Optional[torch.dtype]) -> torch.Tensor:
-    """``t`` in the wire dtype (:attr:`Meta.wire`) where given: a saturating cast, so a finite
-    value stays finite and NaN/±inf stay as they are (the flag reads them); error feedback keeps
-    what the cast lost, as it keeps what the selection left."""
-    return t if wire is None or t.dtype == wire else saturate(t, wire)
-
-
 def _is_dense(values: torch.Tensor, idx: torch.Tensor, numel: int) -> bool:
     """Whether a ``[values, indices]`` payload holds every value densely (no indices)."""
     return idx.numel() == 0 and values.numel() == numel
@@ -107,9 +101,9 @@ class _ValuesIndices(Codec):
         n, m = x.numel(), idx.numel()
         size = (wire or x.dtype).itemsize
         if m * (size + 4) <= n * size:
-            return [_as_wire(x[idx], wire), idx.to(torch.int32)]
+            return [as_wire(x[idx], wire), idx.to(torch.int32)]
         dense = x if m == n else torch.zeros_like(x).index_copy_(0, idx, x[idx])
-        return [_as_wire(dense, wire), idx.new_empty(0, dtype=torch.int32)]
+        return [as_wire(dense, wire), idx.new_empty(0, dtype=torch.int32)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values, idx = tensors
@@ -350,7 +344,7 @@ class RandomK(Codec):
         return None if meta.parts is None else _draw_layout(meta.parts, self.ratio, meta.device)[2]
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return [x[self._indices(meta)]]
+        return [as_wire(x[self._indices(meta)], meta.wire)]
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
         values = tensors[0]
@@ -487,10 +481,10 @@ def _selected(x: torch.Tensor, threshold: float = 0.0,
     return fused.select_magnitudes(x, threshold, *(per_block or (None, None)), span=PART_ALIGN, most=most)
 
 
-def _sparse_most(x: torch.Tensor) -> int:
-    """The most values :meth:`_ValuesIndices._payload` sends with their indices: beyond, the
-    dense form is smaller."""
-    size = x.element_size()
+def _sparse_most(x: torch.Tensor, wire: Optional[torch.dtype] = None) -> int:
+    """The most values :meth:`_ValuesIndices._payload` sends with their indices (in ``wire``
+    where given, :attr:`Meta.wire`): beyond, the dense form is smaller."""
+    size = (wire or x.dtype).itemsize
     return x.numel() * size // (size + 4)
 
 
@@ -599,9 +593,9 @@ class Threshold(_ValuesIndices):
         # where more values pass than the sparse form can hold (a threshold below the gradients'
         # scale), the dense one, made without indices of nearly every value
         x, threshold = x.reshape(-1), _fp32(self.threshold)
-        idx = _selected(x, threshold, most=_sparse_most(x))  # CUDA: one device wait
+        idx = _selected(x, threshold, most=_sparse_most(x, meta.wire))  # CUDA: one device wait
         if idx is None:
-            return [_as_wire(_kept(x, threshold), meta.wire), x.new_empty(0, dtype=torch.int32)]
+            return [as_wire(_kept(x, threshold), meta.wire), x.new_empty(0, dtype=torch.int32)]
         return self._payload(x, idx, meta.wire)
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
@@ -784,8 +778,9 @@ class AdaComp(Codec):
     sent, ``1.15 bytes`` per element for ``bin_size = 50`` (below the raw size of fp32 and fp16).
     Where this format would take more bytes than the raw tensor (tiny tensors, small bins on
     16-bit input), the same four tensors carry the decoded values densely instead: no counts,
-    no indices, no scale, and the values (input dtype) as the bytes of the third tensor; the
-    decoder recognises it by the empty counts (a sparse payload has one count per bin).
+    no indices, no scale, and the values (input dtype, or :attr:`Meta.wire`) as the bytes of the
+    third tensor; the decoder recognises it by the empty counts (a sparse payload has one count
+    per bin).
     Note: GRACE's ``adaq`` is a different method (Dryden et al., MLHPC'16); the name is kept.
 
     Options: ``bin_size`` (default 50, the paper's L_T for convolutions; 500 for fully connected
@@ -879,7 +874,8 @@ class AdaComp(Codec):
             each = scale.index_select(0, member)
         nonneg = values >= 0
         width = element_size(self._index_dtype)
-        dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, x.dtype)
+        as_is = meta.wire or x.dtype  # the dense form's values: in the gradient's width (Meta.wire)
+        dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, as_is)
         if dense or (self.self_adjust and self._memory is None):  # (the memory's residual is its own)
             sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * each)
         if self.self_adjust and self._memory is None:
@@ -890,9 +886,9 @@ class AdaComp(Codec):
             else:  # by name, views of the group's (checkpoints hold them as the members alone)
                 for (name, shape), (a, count) in zip(meta.parts, part_spans(meta.parts, self.bin_size)):
                     self._residuals[name] = kept[a : a + count].view(shape)
-        if dense:  # the same values, densely in the input dtype, as bytes: see _decode
+        if dense:  # the same values, densely in the input dtype (or Meta.wire), as bytes: see _decode
             empty = idx.new_empty(0, dtype=self._index_dtype)
-            raw = saturate(sent, x.dtype).view(torch.uint8)
+            raw = saturate(sent, as_is).view(torch.uint8)
             return [empty, empty.clone(), raw, scale.new_empty(0)]
         return [counts.to(self._index_dtype), local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
 
@@ -946,7 +942,7 @@ class AdaComp(Codec):
         counts, local, signs, scale = tensors
         n = meta.numel
         if counts.numel() == 0:  # the dense form: no bin counts, the values' bytes in place of signs
-            return signs.view(meta.dtype).float()
+            return signs.view(meta.wire or meta.dtype).float()
         size, nb = self._bins(n)
         m = local.numel()
         bins = torch.repeat_interleave(torch.arange(nb, device=local.device), counts.long(), output_size=m)

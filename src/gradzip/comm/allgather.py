@@ -114,7 +114,7 @@ class AllGather(Collective):
         its message and issue the all-gather of the messages of every rank."""
         w = call.world_size
         parts = call.parts if x is call.x else None  # (a fused group's parts: sent whole)
-        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype, parts)
+        fmt = spec = call.codec.payload_spec(x.numel(), x.dtype, parts, call.wire)
         buf = gathered = None
         if fmt is not None:  # encoded straight into the message (only its flag slot written apart):
             # at several ranks this rank's row of the gathered messages, so the all-gather works

@@ -179,7 +179,7 @@ def _packed_for(calls: Sequence[Call]) -> Tuple[Optional[Dict[torch.dtype, torch
     codec = calls[0].codec
     if type(codec).next_round is not Codec.next_round or any(call.need_own for call in calls):
         return None, None
-    specs = [codec.payload_spec(call.x.numel(), call.x.dtype) for call in calls]
+    specs = [codec.payload_spec(call.x.numel(), call.x.dtype, wire=call.wire) for call in calls]
     if any(spec is None for spec in specs):
         return None, None
     sizes: Dict[torch.dtype, int] = {}

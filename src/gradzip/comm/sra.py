@@ -133,7 +133,7 @@ class ScatterReduceAllGather(Collective):
         # fused_length, and only a segment that ends the input may have one: whole_segment)
         chunks = [x[j * chunk : (j + 1) * chunk] for j in range(w)]
         chunks = [c if c.numel() == chunk else torch.cat([c, x.new_zeros(chunk - c.numel())]) for c in chunks]
-        spec = call.codec.payload_spec(chunk, x.dtype)
+        spec = call.codec.payload_spec(chunk, x.dtype, wire=call.wire)
         if spec is not None:  # each chunk encoded straight into its row of the send buffer
             send = self._lend(call, (w, spec_bytes(spec)), x.device)
             encoded = [call.encode(chunks[j], f"{name}#{j}", out=payload_views(send[j], spec)) for j in range(w)]

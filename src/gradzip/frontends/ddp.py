@@ -389,11 +389,17 @@ def _log_line(step: int, v: Dict[str, float]) -> str:
     )
 
 
-def settings_report(comm: Communicator, cfg: Config) -> str:
-    """The effective settings and where each came from (argument, config, environment, default)."""
+def settings_report(comm: Communicator, cfg: Config, collective: Optional[str] = None) -> str:
+    """The effective settings and where each came from (argument, config, environment, default).
+    ``collective``: the one a front end runs in place of the communicator's own (FSDP2's
+    reduce-scatter), shown without the options of the one it replaces."""
     settings = dict(comm.settings())
     version = settings.pop("gradzip", "")
-    rows = [[key, repr(value), cfg.origin(key)] for key, value in settings.items()]
+    if collective is not None:
+        settings = {key: value for key, value in settings.items() if not key.startswith("collective.")}
+        settings["collective"] = collective
+    rows = [[key, repr(value), "front end" if key == "collective" and collective else cfg.origin(key)]
+            for key, value in settings.items()]
     if comm.timeout is not None:
         origin = cfg.origin("timeout") if cfg.timeout is not None else "the process group's"
         rows.append(["timeout", f"{comm.timeout.total_seconds():g} s", origin])
@@ -912,5 +918,5 @@ def _register_fsdp(
         )
     state = fsdp.install(units, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:
-        logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg), len(state.units))
+        logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg, collective="reducescatter"), len(state.units))
     return state
