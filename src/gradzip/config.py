@@ -10,6 +10,7 @@ its value read as an int, a float, a bool (true/false) or else a string.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field, replace
@@ -116,8 +117,9 @@ class Config:
         for name in ("compress_1d", "fusion", "pipeline", "in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float)) or not self.fusion_mb > 0:
-            raise ValueError(f"fusion_mb must be a positive number of MiB, got {self.fusion_mb!r}")
+        if (isinstance(self.fusion_mb, bool) or not isinstance(self.fusion_mb, (int, float))
+                or not 0 < self.fusion_mb < math.inf):
+            raise ValueError(f"fusion_mb must be a positive, finite number of MiB, got {self.fusion_mb!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative number of steps, got {self.warmup!r}")
         if self.ramp is not None and (isinstance(self.ramp, bool) or not isinstance(self.ramp, int) or self.ramp < 0):
@@ -139,14 +141,14 @@ class Config:
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (
-            isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0
+            isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < math.inf
         ):
-            raise ValueError(f"timeout must be None or a positive number of seconds, got {self.timeout!r}")
+            raise ValueError(f"timeout must be None or a positive, finite number of seconds, got {self.timeout!r}")
 
     def resolved(self) -> "Config":
         """This config with ``codec="auto"`` spelled out: 4-bit ``maxmin`` (options given beside
-        it still apply), residual error feedback unless a memory is named, ``plan="auto"`` and
-        adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset ``adaptive`` is ``"off"``
+        it still apply), residual error feedback unless a memory is named, ``plan="auto"`` unless
+        ``plan`` is set, and adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset ``adaptive`` is ``"off"``
         for every other codec, and an unset ``ramp`` the codec's :data:`DEFAULT_RAMP`."""
         if self.codec != AUTO:
             if self.adaptive is not None and self.ramp is not None:
@@ -157,9 +159,10 @@ class Config:
                 given=self._filled(("adaptive", "ramp"), "default"),
             )
         return replace(
-            self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual", plan=AUTO,
+            self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual",
+            plan=AUTO if self.origin("plan") == "default" else self.plan,
             adaptive=self.adaptive if self.adaptive is not None else "bytes", ramp=self.ramp or 0,
-            given=self._filled(("memory", "plan", "adaptive", "ramp"), "codec 'auto'"),
+            given=self._filled(("codec.bits", "memory", "plan", "adaptive", "ramp"), "codec 'auto'"),
         )
 
     def _filled(self, keys: Sequence[str], by: str) -> Dict[str, str]:

@@ -1016,9 +1016,11 @@ def test_config_with_env_bad_min_numel(value):
 
 
 @pytest.mark.parametrize("env,message", [
-    ({"GRADZIP_TIMEOUT": "abc"}, "timeout must be None or a positive number of seconds, got 'abc' "
+    ({"GRADZIP_TIMEOUT": "abc"}, "timeout must be None or a positive, finite number of seconds, got 'abc' "
                                  "(set in the environment: GRADZIP_TIMEOUT=abc)"),
     ({"GRADZIP_WARMUP": "-1"}, "(set in the environment: GRADZIP_WARMUP=-1)"),
+    ({"GRADZIP_FUSION_MB": "inf"}, "finite number of MiB, got inf (set in the environment: GRADZIP_FUSION_MB=inf)"),
+    ({"GRADZIP_TIMEOUT": "inf"}, "finite number of seconds, got inf (set in the environment: GRADZIP_TIMEOUT=inf)"),
     ({"GRADZIP_COMPRESS_1D": "maybe"}, "(set in the environment: GRADZIP_COMPRESS_1D=maybe)"),
 ])
 def test_config_with_env_names_the_variable_of_a_bad_setting(env, message):
@@ -1043,6 +1045,19 @@ def test_what_resolved_fills_in_is_not_taken_for_a_users_config():
     assert auto.plan == "auto" and auto.origin("plan") == "codec 'auto'" and auto.origin("adaptive") == "codec 'auto'"
     mine = Config(codec="maxmin", ramp=5, adaptive="bytes").resolved()
     assert mine.origin("ramp") == "config" and mine.origin("adaptive") == "config"
+    assert auto.options["bits"] == 4 and auto.origin("codec.bits") == "codec 'auto'"
+    two = Config(codec="auto", options={"bits": 2}).resolved()
+    assert two.options["bits"] == 2 and two.origin("codec.bits") == "config"
+
+
+def test_auto_keeps_a_plan_that_was_set():
+    """``"auto"`` plans unless told not to: ``plan="off"`` from the environment or an argument
+    is kept (it was replaced by ``"auto"``, while the log named the variable as its origin)."""
+    env = Config(codec="auto").with_env({"GRADZIP_PLAN": "off"}).resolved()
+    assert env.plan == "off" and env.origin("plan") == "environment GRADZIP_PLAN=off"
+    arg = Config(codec="auto", given={"plan": "argument"}).resolved()
+    assert arg.plan == "off" and arg.origin("plan") == "argument"
+    assert Config(codec="auto").resolved().plan == "auto"
 
 
 def test_config_with_env_reads_os_environ(monkeypatch):

@@ -55,6 +55,12 @@ def test_config_records_where_settings_came_from_and_warns_when_a_codec_switch_d
         assert Config(codec="maxmin").with_env({"GRADZIP_BITS": "2"}).options == {"bits": 2}
     with pytest.raises(ValueError, match="timeout"):
         Config(timeout=-1)
+    from gradzip.sync.engine import _as_timedelta  # (a Communicator's own timeout)
+
+    for bad in (float("inf"), float("nan"), 0, -1.0, True):
+        with pytest.raises(ValueError, match="finite number of seconds"):
+            _as_timedelta(bad)
+    assert _as_timedelta(2.5).total_seconds() == 2.5
 
 
 def _stale_variable(rank: int, world: int) -> str:

@@ -848,3 +848,41 @@ def test_16_bit_gradients_with_error_feedback_send_no_more_than_their_raw_bytes(
         for label, r in res.items():
             assert r["identical"] and r["finite"], (label, r)
             assert r["ratio"] >= 1.0, (label, r)
+
+
+class _Empty(nn.Module):
+    """Two empty parameters and nothing else: their bucket, and its one group, hold no values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nothing = nn.Parameter(torch.zeros(0))
+        self.none_either = nn.Parameter(torch.zeros(4, 0))
+
+    def forward(self, x):
+        return x.sum() * (self.nothing.sum() + self.none_either.sum())
+
+
+def _empty_group(rank: int, world: int) -> dict:
+    out = {}
+    for label, spec in (("maxmin-sra", {"codec": "maxmin", "collective": "sra"}),
+                        ("signsgd", {"codec": "signsgd"}), ("topk", {"codec": "topk"}),
+                        ("maxmin-alone", {"codec": "maxmin", "fusion": False})):
+        ddp = DDP(_Empty())
+        state = gradzip.register(ddp, **spec, min_numel=0, compress_1d=True)
+        try:
+            for _ in range(2):
+                ddp(torch.randn(4, 8)).backward()
+            out[label] = [tuple(p.grad.shape) for p in ddp.parameters()]
+        except Exception as exc:  # (the step's error, as the user sees it)
+            out[label] = repr(exc)
+        state.close()
+    return out
+
+
+def test_a_group_of_empty_gradients_alone_is_exchanged():
+    """Two empty parameters that may be compressed (``min_numel=0``) and nothing else: their
+    group is exchanged as empty gradients, not as a fused buffer of no values (which the
+    scatter-reduce and the sign codecs' vote failed on)."""
+    for res in run_workers(_empty_group, 2):
+        for label, r in res.items():
+            assert r == [(0,), (4, 0)], (label, r)

@@ -430,3 +430,55 @@ def test_times_that_drift_from_the_model_make_every_rank_calibrate_again_at_the_
         assert r["drift"]["recalibrations"] == 1 and r["drift"]["last_ratio"] > 100 * r["baseline"]
         assert r["recalibrated"] and r["identical"] and r["step"] == 7
     assert first["decisions"] == second["decisions"] and first["drift"] == second["drift"]
+
+
+def _resumed_plan(rank: int, world: int) -> dict:
+    compress_all = planner.Costs(planner.Line(1.0, 0.0), planner.Line(0.0, 0.0), world_size=world)
+    send_plain = planner.Costs(planner.Line(0.0, 0.0), planner.Line(1.0, 0.0), world_size=world)
+
+    def start():
+        model = Linear()
+        ddp = DDP(model, bucket_cap_mb=0.5)
+        state = gradzip.register(ddp, "maxmin", bits=2, memory="residual", collective="allgather", min_numel=1024,
+                                 plan="auto")
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=1.0)
+
+    model, ddp, state, opt = start()
+    state.replan(compress_all)
+    _train_linear(ddp, opt, rank, 3, seed=1)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "gz": state.state_dict()}
+    _train_linear(ddp, opt, rank, 2, seed=2)
+    through = _flat(model)
+    state.close()
+    out = {"saved_costs": "plan_costs" in saved["gz"]}
+    # resumed where this process's own calibration would send everything plain: the saved plan
+    # is taken again, and the run goes on bit for bit
+    model, ddp, state, opt = start()
+    state.replan(send_plain)
+    model.load_state_dict(saved["model"])
+    state.load_state_dict(saved["gz"])
+    out["plan"] = [g["compress"] for g in state.plan()["groups"]]
+    _train_linear(ddp, opt, rank, 2, seed=2)
+    out["resumed"] = torch.equal(_flat(model), through)
+    state.close()
+    # a checkpoint without the plan's costs (one saved by hand, or before they were kept): the
+    # residuals of parameters this plan sends plain go with their next plain sum
+    model, ddp, state, opt = start()
+    state.replan(send_plain)
+    model.load_state_dict(saved["model"])
+    state.load_state_dict({k: v for k, v in saved["gz"].items() if k != "plan_costs"})
+    out["flush"] = sorted(state._flush)
+    _train_linear(ddp, opt, rank, 1, seed=2)
+    out["left"] = sorted(state.comm.memory.residuals)
+    state.close()
+    return out
+
+
+def test_a_resumed_run_takes_its_saved_plan_and_else_pays_what_it_owed():
+    """Exact resume under the planner: the checkpoint holds the calibrated costs, so the resumed
+    run plans as the saved one did (not as its own calibration would) and goes on bit for bit;
+    a checkpoint without them loads residuals that this plan sends plain, paid with the next
+    plain sum (they were never sent before)."""
+    for r in run_workers(_resumed_plan, 2):
+        assert r["saved_costs"] and r["plan"] == [True] and r["resumed"], r
+        assert r["flush"] == ["fc1", "fc2", "fc3"] and r["left"] == [], r

@@ -291,12 +291,27 @@ class GradzipState:
         this rank, the world size and the settings' fingerprint."""
         if self._aside:  # what a step that failed set aside for unused parameters: theirs again
             self._put_back()
-        return self.comm.state_dict()
+        out = self.comm.state_dict()
+        if self.costs is not None:  # the planner's model: a resumed run takes the same plan
+            out["plan_costs"] = self.costs.to_dict()
+        return out
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         """Restore this rank's own :meth:`state_dict`; see :meth:`Communicator.load_state_dict`
-        for what ``strict=False`` accepts and drops."""
+        for what ``strict=False`` accepts and drops. Under the planner, the plan of the saved
+        run is taken again (its calibrated costs, where saved at this world size), not the one
+        this process calibrated, so the run goes on as it would have."""
+        saved = state.get("plan_costs")
+        if saved is not None and self.costs is not None and self.candidates:
+            costs = planner.Costs.from_dict(saved)
+            if costs.world_size == self.comm.world_size:  # (before the levels' state is loaded into its plan)
+                self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
         self.comm.load_state_dict(state, strict=strict)
+        # what a parameter compressed when the state was saved, and plain under this plan (the
+        # planner calibrated anew, another min_numel), still owes goes with its next plain sum
+        compressed = {n for n, _ in self._compressed}
+        held = {n for store in self.comm.memory._stores() for n in store}
+        self._flush |= {n for n in held if n in self.params and n not in compressed}
         if self.levels is not None:
             self.regroup()  # the groups of the loaded levels
 

@@ -65,7 +65,7 @@ import math
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -151,6 +151,21 @@ class Costs:
             "inter-node": {"alpha_s": self.inter_node.alpha, "s_per_value": self.inter_node.beta,
                            "gbit_per_s": crossing * 8 / self.inter_node.beta / 1e9 if self.inter_node.beta else None},
         }
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain data (floats, ints, strings) for a checkpoint: :meth:`from_dict` makes these
+        costs again, so a resumed run takes the plan it had (:func:`decide` is deterministic)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Costs":
+        def line(d: Optional[Mapping[str, float]]) -> Optional[Line]:
+            return None if d is None else Line(float(d["alpha"]), float(d["beta"]))
+
+        return cls(plain=line(data["plain"]), compressed=line(data["compressed"]), world_size=int(data["world_size"]),
+                   routes={str(k): line(v) for k, v in (data.get("routes") or {}).items()},
+                   plain_hierarchical=line(data.get("plain_hierarchical")), inter_node=line(data.get("inter_node")),
+                   nodes=int(data.get("nodes", 1)))
 
     def compressed_s(self, numel: int, route: Optional[str] = None) -> float:
         """Predicted seconds of one compressed exchange of ``numel`` values (padding included),

@@ -7,6 +7,7 @@ Its fused paths (a group as one flat buffer, a job's plain sum, a DDP bucket in 
 from __future__ import annotations
 
 import atexit
+import math
 import time
 import warnings
 import weakref
@@ -73,8 +74,8 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
 def _as_timedelta(timeout: Timeout) -> Optional[timedelta]:
     if timeout is None or isinstance(timeout, timedelta):
         return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be a positive, finite number of seconds or a timedelta, got {timeout!r}")
     return timedelta(seconds=float(timeout))
 
 

@@ -99,10 +99,10 @@ class FusedGroups:
         a codec with independent blocks, or one that encodes a buffer by its parts
         (:attr:`Codec.parts_format`, PowerSGD) where the collective hands them over."""
         align = self.codec.fused_alignment()
-        if not self.fusion or not tensors or align <= 0:
-            return False
+        if not self.fusion or not tensors or align <= 0 or not any(t.numel() for t in tensors):
+            return False  # (a group of empty gradients only: each its own empty exchange, no buffer of none)
         codec = self.codec_for(names[0])  # (a group holds one level: the plan's)
-        if codec.parts_format and (len(tensors) < 2 or not any(t.numel() for t in tensors) or not all(
+        if codec.parts_format and (len(tensors) < 2 or not all(
             self.codec_for(n) is codec and self.collective_for(n).carries_parts for n in names
         )):
             return False  # (one alone joins the others of its job in one batch: :meth:`_reduce_batched`)
