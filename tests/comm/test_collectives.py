@@ -1249,3 +1249,41 @@ def test_an_all_gather_on_gloo_fills_the_rows_with_no_temporary_of_their_size():
         assert ("pair", 5, "apart") in got or rank == 1
         assert got["bytes"] == [[r + 1] * 4 for r in range(3)]
         assert got["added"] < 0.5, got["added"]
+
+
+# (codec, collective, values): a 16-bit gradient compensated in fp32 through a collective of two
+# rounds, where a form depends on the width (raw below a size, a dense form of its own)
+TWO_ROUNDS_16 = [("maxmin", "sra", 7), ("maxmin", "ps", 1), ("maxmin", "sra", 5), ("fp8", "sra", 3),
+                 ("u8bit", "sra", 3), ("qsgd", "sra", 3), ("natural", "sra", 3), ("terngrad", "sra", 3),
+                 ("sketchml", "sra", 1000), ("sketchml", "ps", 1000), ("maxmin", "ps", 3),
+                 ("inceptionn", "ps", 4099), ("maxmin", "sra", 4099)]
+
+
+def _two_rounds_16(rank: int, world: int) -> list:
+    out = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for name, coll, n in TWO_ROUNDS_16:
+            comm = gradzip.Communicator(name, memory="residual", collective=coll)
+            for step in range(2):
+                x = torch.randn(n, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
+                if name == "inceptionn":  # (every value raw: its dense form)
+                    x = torch.where(x > 0, 6e4, -6e4).to(dtype)
+                mean = torch.stack(_gather(x, world)).float().mean(0)
+                avg = comm.allreduce(x, name="w")
+                err = float((avg.float() - mean).norm() / mean.norm())
+                out.append((name, coll, n, str(dtype), step, err, avg.dtype == dtype, _gather(avg, world)))
+            comm.close()
+    return out
+
+
+def test_a_16_bit_gradients_second_round_goes_in_its_width_as_its_first():
+    """The scatter-reduce and the parameter server send each chunk's average again: with error
+    feedback on a 16-bit gradient, that second round takes the gradient's width as the first
+    did, so both have one form and the receivers read it under the first round's context (a
+    second round in fp32 was read as raw 16-bit values: averages off by a factor of 100, or a
+    size the gloo all-gather aborted on)."""
+    results = run_workers(_two_rounds_16, 2)
+    for row in results[0]:
+        name, coll, n, dtype, step, err, same_dtype, everyone = row
+        assert err < 0.5 and same_dtype, row[:7]
+        assert all(torch.equal(everyone[0], e) for e in everyone), row[:5]

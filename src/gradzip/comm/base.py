@@ -399,8 +399,11 @@ class Call:
         own flags the exchange carries on), so it is not looked at. ``out``: where the payload's
         tensors go (see :meth:`Codec.payload_spec`), views of a send buffer for instance.
         ``parts``: ``x`` is the whole input, a fused buffer of these tensors (:attr:`parts`).
-        ``own``: ``x`` is this rank's input, whose values take :attr:`wire` (default: ``flag``;
-        an input encoded again, or one whose flag the payload carries, is still its own)."""
+        ``own``: whether the values take :attr:`wire` (default: ``flag``): this rank's input (an
+        input encoded again, or one whose flag the payload carries, is still its own), or an
+        average a second round sends in its stead (the scatter-reduce's, the parameter
+        server's), which is decoded under the first round's context: the gradient's width in
+        every round, so both rounds have one form."""
         codec = codec or self.codec
         payload = self.timer.encode(codec.encode, x, self.name if name is None else name, self.step, out, parts,
                                     self.wire if (flag if own is None else own) else None)

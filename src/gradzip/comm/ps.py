@@ -166,7 +166,7 @@ class ParameterServer(Collective):
                 payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
                 mean = call.decode(codec.aggregate, payloads).reshape(-1)
                 # the received flags, not the mean's values, say whether some input was not finite
-                merged = call.encode(mean, f"{call.name}#{p}", codec=reencoder(codec), flag=False).tensors
+                merged = call.encode(mean, f"{call.name}#{p}", codec=reencoder(codec), flag=False, own=True).tensors
             merged_tensors[p] = merged
             merged_bufs[p] = to_bytes(merged, flags)
 

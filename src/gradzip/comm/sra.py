@@ -195,10 +195,10 @@ class ScatterReduceAllGather(Collective):
         # re-encode under the chunk's own name, with a codec whose state it cannot touch; the
         # received flags, not the aggregate's values, say whether some rank's input was not finite
         codec = reencoder(call.codec)
-        spec, second = codec.payload_spec(reduced.numel(), reduced.dtype), None
+        spec, second = codec.payload_spec(reduced.numel(), reduced.dtype, wire=call.wire), None
         stats = _stats_of(codec, spec)
         if spec is None:  # the payload's form is known once it is encoded
-            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False)
+            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, own=True)
             spec = spec_of(second.tensors)
         shape = (w, spec_bytes(spec))
         # the received chunks are decoded: their buffer takes the gathered ones (same size), unless
@@ -209,7 +209,8 @@ class ScatterReduceAllGather(Collective):
         # what this rank sends: its own row of the gathered buffer (an in-place all-gather)
         buf = gathered[rank]
         if second is None:
-            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, out=payload_views(buf, spec))
+            second = call.encode(reduced, f"{name}#{rank}", codec=codec, flag=False, own=True,
+                                 out=payload_views(buf, spec))
         else:  # (not kept beside the message while it is on the wire)
             second = sent_as(second, buf, spec)
         to_bytes(second.tensors, flag, out=buf)
