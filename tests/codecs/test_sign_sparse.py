@@ -990,3 +990,19 @@ def test_every_form_that_sends_values_as_they_are_takes_a_16_bit_gradients_width
     same = (got == was) | (got == rounded) | (got == dense) | (got.isnan() & (was.isnan() | x.isnan()))
     assert bool(same.all()), (got[~same][:5], was[~same][:5])
     assert bool(((got == rounded) | (got == dense)).any() & (got != was).any())  # (some value went in 16 bits)
+
+
+def test_scaled_random_k_goes_without_error_feedback():
+    """``scale=True`` makes random-k unbiased by sending each drawn value ``numel/k`` times: the
+    residual error feedback keeps would be ``-(numel/k - 1)`` times it and grow at every draw
+    (to 1e5 in 20 steps), so that pair is refused at construction and its default memory is none."""
+    from gradzip.sync.engine import check_settings
+
+    assert gradzip.codec("randomk", scale=True).default_memory == "none"
+    assert gradzip.codec("randomk").default_memory == "residual"
+    check_settings("randomk", {"scale": True})
+    check_settings("randomk", {"scale": True}, memory="none")
+    check_settings("randomk", {}, memory="residual")
+    for memory in ("residual", "dgc"):
+        with pytest.raises(ValueError, match="scale=True cannot take memory"):
+            check_settings("randomk", {"scale": True}, memory=memory)

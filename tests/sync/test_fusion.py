@@ -119,7 +119,8 @@ def _by_parts_fused_and_alone(rank: int, world: int, in_turn: bool, name: str, o
             out["identical"] = all(all(torch.equal(x, y) for y in _gather(x)) for x in got["fused"])
             # (the residuals, or DGC's momenta and velocities: every state the memory keeps by name)
             res = {key: comm.memory.state_dict() for key, comm in comms.items()}
-            out["residuals"] = bool(res["fused"]) and all(
+            # (scaled random-k goes without error feedback: nothing kept, fused or alone)
+            out["residuals"] = (bool(res["fused"]) or not comms["fused"].memory.stateful) and all(
                 torch.equal(state[n], res["alone"][kind][n]) for kind, state in res["fused"].items() for n in names)
             key = comms["fused"].codec.tensor_state  # (state the codec keeps by name: AdaComp's own residuals)
             mine = {k: comm.codec.state_dict().get(key, {}) for k, comm in comms.items()}

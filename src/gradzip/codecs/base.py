@@ -484,6 +484,11 @@ class Codec(Configurable):
         :attr:`parts_format`); 0: the codec's tensors are never fused."""
         return self.fusion_block() or (1 if self.parts_format else 0)
 
+    def memory_problem(self, memory: str) -> Optional[str]:
+        """Why error feedback ``memory`` (its name) cannot go with this codec as configured, or
+        None: the communicator refuses such a pair at construction."""
+        return None
+
     def use_memory(self, memory: Any) -> None:
         """Told the error feedback whose compensated gradients it encodes, where this rank's own
         gradient is what it encodes (a flat exchange; None otherwise): a codec that keeps a copy

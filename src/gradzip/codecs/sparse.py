@@ -290,7 +290,9 @@ class RandomK(Codec):
     except that a value whose multiple exceeds the dtype's range is decoded as its largest
     finite value); the default error feedback keeps what was not sent.
 
-    Options: ``ratio`` (default 0.01), ``seed``, ``scale`` (default False).
+    Options: ``ratio`` (default 0.01), ``seed``, ``scale`` (default False; with it the default
+    memory is ``none``, and error feedback is refused: a residual of ``-(numel/k - 1)`` times
+    each drawn value would grow without bound).
 
     A fused group is one call (:attr:`~gradzip.codecs.base.Codec.parts_format`): on the CPU each
     member's indices are drawn as alone (its name, its size), shifted to its place in the group,
@@ -314,6 +316,19 @@ class RandomK(Codec):
     }
 
     parts_format = True  # a fused group: one call, each member's draws its own
+
+    def __init__(self, **opts: Any) -> None:
+        super().__init__(**opts)
+        if self.scale:  # unbiased: it goes without error feedback (see memory_problem)
+            self.default_memory = "none"
+
+    def memory_problem(self, memory: str) -> Optional[str]:
+        if self.scale and memory != "none":
+            return (f"randomk with scale=True cannot take memory={memory!r}: a drawn value counts numel/k times, so "
+                    f"error feedback would keep -(numel/k - 1) times it as residual and grow it at every draw; use "
+                    f"scale=True without error feedback (memory='none', its default), or error feedback with "
+                    f"scale=False")
+        return None
 
     def _indices(self, meta: Meta) -> torch.Tensor:
         idx = meta.extra.get("indices")

@@ -177,6 +177,7 @@ class Communicator(FusedGroups):
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
+            _check_pair(self.codec, self.memory.name)
             # none named: the codec's own, or the one-round all-gather in place of the SRA at one
             # or two ranks (options given for the codec's own keep it, since they are that one's)
             self.collective_defaulted = collective is None and not collective_options
@@ -1081,13 +1082,20 @@ def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> 
     return coll
 
 
+def _check_pair(codec: Codec, memory: str) -> None:
+    """A ``ValueError`` where the codec, as configured, cannot take that error feedback."""
+    problem = codec.memory_problem(memory)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def check_settings(codec: str, options: Mapping[str, Any], memory: Optional[str] = None,
                    collective: Optional[str] = None, collective_options: Optional[Mapping[str, Any]] = None) -> None:
     """Build what a :class:`Communicator` builds from these settings (its codec, memory and
     collective), without a process group, so that a bad one is a ``ValueError`` before any
     rank starts (the launcher, the benchmarks' command line)."""
     made = _registry.codec(codec, **options)
-    _memory.memory(memory if memory is not None else made.default_memory)
+    _check_pair(made, _memory.memory(memory if memory is not None else made.default_memory).name)
     if collective is not None or collective_options:
         make_collective(collective or made.collective, made, dict(collective_options or {}), None)
 
