@@ -261,7 +261,7 @@ def _cast_beyond_range(rank: int, world: int) -> dict:
     out = {}
     # (bf16 beyond its range is near fp32's largest, where the all-gather's fp32 sum of decoded
     # payloads overflows first: the all-reduce alone there)
-    for name, big, colls in (("fp16", 70000.0, ("allreduce", "allgather")), ("bf16", 3.4e38, ("allreduce",))):
+    for name, big, colls in (("fp16", 70000.0, ("allreduce", "allgather", "ps")), ("bf16", 3.4e38, ("allreduce", "ps"))):
         for collective in colls:
             comm = gradzip.Communicator(name, collective=collective)
             x = torch.tensor([big, -big, 1.0, big / 4])  # finite; fp16 cannot hold the first two
@@ -274,12 +274,13 @@ def _cast_beyond_range(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_cast_averages_values_beyond_its_range_to_its_largest_not_to_inf():
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_cast_averages_values_beyond_its_range_to_its_largest_not_to_inf(world):
     """fp16's and bf16's payloads are each rank's share, saturated, yet the sum of the shares
     can pass the type's range where the average does: through the all-reduce (alone and in a
-    batch), as through the all-gather, such an average comes back as the type's largest value
-    of its sign, not as ±inf, the same on every rank."""
-    results = run_workers(_cast_beyond_range, 2)
+    batch) and the parameter server's sums, as through the all-gather, such an average comes
+    back as the type's largest value of its sign, not as ±inf, the same on every rank."""
+    results = run_workers(_cast_beyond_range, world)
     for key, avg in results[0].items():
         name = key[0]
         top = torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).max
