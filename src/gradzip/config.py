@@ -96,7 +96,7 @@ class Config:
     fusion_mb: float = 8.0
     pipeline: bool = True
     in_place: bool = False
-    plan: str = "off"
+    plan: Optional[str] = None  # None: "auto" under codec="auto", else "off"
     warmup: int = 0  # steps
     ramp: Optional[int] = None  # steps; None: DEFAULT_RAMP of the codec
     adaptive: Optional[str] = None  # None: "bytes" under codec="auto", else "off"
@@ -138,7 +138,7 @@ class Config:
             raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {self.node_dtype!r}")
         if isinstance(self.plan, bool):  # GRADZIP_PLAN=off reads as False
             self.plan = "auto" if self.plan else "off"
-        if self.plan not in PLANS:
+        if self.plan is not None and self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.timeout is not None and (
             isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not 0 < self.timeout < math.inf
@@ -148,19 +148,20 @@ class Config:
     def resolved(self) -> "Config":
         """This config with ``codec="auto"`` spelled out: 4-bit ``maxmin`` (options given beside
         it still apply), residual error feedback unless a memory is named, ``plan="auto"`` unless
-        ``plan`` is set, and adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset ``adaptive`` is ``"off"``
-        for every other codec, and an unset ``ramp`` the codec's :data:`DEFAULT_RAMP`."""
+        ``plan`` is set, and adaptive levels (``"bytes"``) unless ``adaptive`` is set; an unset
+        ``plan`` or ``adaptive`` is ``"off"`` for every other codec, and an unset ``ramp`` the
+        codec's :data:`DEFAULT_RAMP`."""
         if self.codec != AUTO:
-            if self.adaptive is not None and self.ramp is not None:
+            if self.adaptive is not None and self.ramp is not None and self.plan is not None:
                 return self
             return replace(
-                self, adaptive=self.adaptive or "off",
+                self, adaptive=self.adaptive or "off", plan=self.plan or "off",
                 ramp=self.ramp if self.ramp is not None else DEFAULT_RAMP.get(self.codec, 0),
-                given=self._filled(("adaptive", "ramp"), "default"),
+                given=self._filled(("adaptive", "ramp", "plan"), "default"),
             )
         return replace(
             self, codec="maxmin", options={"bits": 4, **self.options}, memory=self.memory or "residual",
-            plan=AUTO if self.origin("plan") == "default" else self.plan,
+            plan=self.plan or AUTO,
             adaptive=self.adaptive if self.adaptive is not None else "bytes", ramp=self.ramp or 0,
             given=self._filled(("codec.bits", "memory", "plan", "adaptive", "ramp"), "codec 'auto'"),
         )

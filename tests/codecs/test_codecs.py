@@ -1055,9 +1055,12 @@ def test_auto_keeps_a_plan_that_was_set():
     is kept (it was replaced by ``"auto"``, while the log named the variable as its origin)."""
     env = Config(codec="auto").with_env({"GRADZIP_PLAN": "off"}).resolved()
     assert env.plan == "off" and env.origin("plan") == "environment GRADZIP_PLAN=off"
-    arg = Config(codec="auto", given={"plan": "argument"}).resolved()
+    arg = Config(codec="auto", plan="off", given={"plan": "argument"}).resolved()
     assert arg.plan == "off" and arg.origin("plan") == "argument"
+    mine = Config(codec="auto", plan="off").resolved()
+    assert mine.plan == "off" and mine.origin("plan") == "config"
     assert Config(codec="auto").resolved().plan == "auto"
+    assert Config(codec="topk").resolved().plan == "off" and Config(codec="topk").resolved().origin("plan") == "default"
 
 
 def test_config_with_env_reads_os_environ(monkeypatch):

@@ -122,7 +122,7 @@ def test_auto_spells_out_its_codec_and_plan_is_validated():
     cfg = Config(codec="auto", options={"bucket_size": 512}).resolved()
     assert (cfg.codec, cfg.options, cfg.memory, cfg.plan) == ("maxmin", {"bits": 4, "bucket_size": 512}, "residual", "auto")
     assert cfg.adaptive == "bytes"  # per-layer levels under the uniform 4-bit error
-    assert Config(codec="topk").resolved() == Config(codec="topk", adaptive="off", ramp=0)
+    assert Config(codec="topk").resolved() == Config(codec="topk", adaptive="off", ramp=0, plan="off")
     assert Config().with_env({"GRADZIP_PLAN": "auto"}).plan == "auto"
     with pytest.raises(ValueError, match="plan must be one of off, auto"):
         Config(plan="sometimes")
@@ -471,6 +471,22 @@ def _resumed_plan(rank: int, world: int) -> dict:
     _train_linear(ddp, opt, rank, 1, seed=2)
     out["left"] = sorted(state.comm.memory.residuals)
     state.close()
+    # another codec's checkpoint: refused (strict) or loaded in part, and either way this run
+    # keeps its own plan (the saved costs were calibrated for other settings)
+    ddp = DDP(Linear(), bucket_cap_mb=0.5)
+    state = gradzip.register(ddp, "qsgd", memory="residual", min_numel=1024, plan="auto")
+    state.replan(send_plain)
+    try:
+        state.load_state_dict(saved["gz"])
+        out["strict"] = "loaded"
+    except gradzip.CheckpointError:
+        out["strict"] = "refused"
+    out["plan_after_refusal"] = [g["compress"] for g in state.plan()["groups"]]
+    with pytest.warns(UserWarning, match="dropped"):
+        state.load_state_dict(saved["gz"], strict=False)
+    out["plan_after_partial"] = [g["compress"] for g in state.plan()["groups"]]
+    _train_linear(ddp, torch.optim.SGD(ddp.parameters(), lr=1.0), rank, 1, seed=2)
+    state.close()
     return out
 
 
@@ -482,3 +498,4 @@ def test_a_resumed_run_takes_its_saved_plan_and_else_pays_what_it_owed():
     for r in run_workers(_resumed_plan, 2):
         assert r["saved_costs"] and r["plan"] == [True] and r["resumed"], r
         assert r["flush"] == ["fc1", "fc2", "fc3"] and r["left"] == [], r
+        assert r["strict"] == "refused" and r["plan_after_refusal"] == r["plan_after_partial"] == [False], r

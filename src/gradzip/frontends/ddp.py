@@ -12,7 +12,7 @@ import time
 import weakref
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -301,11 +301,14 @@ class GradzipState:
         for what ``strict=False`` accepts and drops. Under the planner, the plan of the saved
         run is taken again (its calibrated costs, where saved at this world size), not the one
         this process calibrated, so the run goes on as it would have."""
-        saved = state.get("plan_costs")
-        if saved is not None and self.costs is not None and self.candidates:
+        saved = state.get("plan_costs") if isinstance(state, Mapping) else None
+        if saved is not None and self.costs is not None and self.candidates and self.comm.owns(state):
+            # this rank's own state of these settings (else the load below raises, or drops what
+            # no longer applies, this run's own plan kept); applied first, so the levels and the
+            # routes' collectives of the state load into its plan
             costs = planner.Costs.from_dict(saved)
-            if costs.world_size == self.comm.world_size:  # (before the levels' state is loaded into its plan)
-                self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
+            costs.routes = {label: line for label, line in costs.routes.items() if label in self.route_candidates}
+            self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
         self.comm.load_state_dict(state, strict=strict)
         # what a parameter compressed when the state was saved, and plain under this plan (the
         # planner calibrated anew, another min_numel), still owes goes with its next plain sum

@@ -990,6 +990,11 @@ class Communicator(FusedGroups):
                 stacklevel=2,
             )
 
+    def owns(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` is this rank's own, saved with these settings: what
+        :meth:`load_state_dict` loads whole, strict or not."""
+        return not self._compare_owner(state)[0]
+
     def _compare_owner(self, state: Mapping[str, Any]):
         """(problems, same rank and world size, same(prefix) -> settings under prefix unchanged)."""
         if not isinstance(state, Mapping) or "fingerprint" not in state:
