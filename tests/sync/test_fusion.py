@@ -683,3 +683,28 @@ def test_closing_a_communicator_lets_its_layout_plans_go(monkeypatch):
     used.close()
     used.close()  # (closing twice counts once)
     assert part_units.cache_info().currsize == 0
+
+
+def _plain_in_groups(rank: int, world: int) -> dict:
+    from gradzip.comm.stages import drive
+
+    comm = gradzip.Communicator("topk", ratio=0.1, memory="none")
+    encode, count = comm.codec.encode, [0]
+    comm.codec.encode = lambda *args, **kw: (count.__setitem__(0, count[0] + 1), encode(*args, **kw))[1]
+    buf = torch.randn(4 * 4096, generator=torch.Generator().manual_seed(rank))
+    want = torch.stack(_gather(buf.clone())).sum(0) / world  # the plain sum, as DDP makes it
+    parts = [buf[i * 4096 : (i + 1) * 4096] for i in range(4)]
+    # every tensor plain, each also named in a group (as the planner's calibration names them)
+    drive(comm.reduce_many_stages(parts, list("abcd"), [False] * 4, inplace=True, groups=[[i] for i in range(4)]))
+    out = {"encodes": count[0], "plain": torch.equal(buf, want)}
+    comm.close()
+    return out
+
+
+def test_a_plain_tensor_named_in_a_group_is_summed_plain_alone():
+    """``groups`` names the tensors that share one encoding, and only compressed ones go in it:
+    a plain tensor named there was also exchanged compressed, in the same memory while its
+    plain sum was on the wire (the planner's calibration did so: its plain line held
+    compressed work, and top-k read a buffer gloo was writing)."""
+    for res in run_workers(_plain_in_groups, 2):
+        assert res == {"encodes": 0, "plain": True}, res

@@ -859,6 +859,8 @@ class Communicator(FusedGroups):
         plain = [i for i, c in enumerate(compress) if not c]
         if groups is None:
             groups = [[i for i, c in enumerate(compress) if c]]
+        else:  # (a tensor summed plain is not also exchanged compressed: the same memory, twice at once)
+            groups = [kept for kept in ([i for i in group if compress[i]] for group in groups) if kept]
         parts, owners = [], []
         for dtype in dict.fromkeys(tensors[i].dtype for i in plain):  # one exact sum per dtype
             same = [i for i in plain if tensors[i].dtype == dtype]
