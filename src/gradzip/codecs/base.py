@@ -48,6 +48,11 @@ class Meta:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def as_is(self) -> torch.dtype:
+        """The dtype of the values a codec sends as they are: :attr:`wire` where given, else the input's."""
+        return self.wire or self.dtype
+
 
 @dataclass
 class Payload:
@@ -387,7 +392,7 @@ class Codec(Configurable):
         self._encoding = meta
         if t.numel() == 0:
             return Payload([], meta)
-        if self._raw(t.numel(), meta.wire or t.dtype):  # (in the wire dtype where given: see as_wire)
+        if self._raw(t.numel(), meta.as_is):  # (in the wire dtype where given: see as_wire)
             return Payload([as_wire(t.reshape(-1), meta.wire)], meta)
         if out is not None:
             _check_payload_out(out, self.payload_spec(t.numel(), t.dtype, parts, meta.wire), t.device)
@@ -403,7 +408,7 @@ class Codec(Configurable):
         meta = payload.ctx
         if meta.numel == 0:
             return empty_result(meta)
-        if self._raw(meta.numel, meta.wire or meta.dtype):
+        if self._raw(meta.numel, meta.as_is):
             return payload.tensors[0].reshape(meta.shape).to(meta.dtype)
         return saturate(self._decode(payload.tensors, meta).reshape(meta.shape), meta.dtype)
 
@@ -419,7 +424,7 @@ class Codec(Configurable):
         if out.numel() == 0:
             return out
         meta = payload.ctx
-        if self._raw(meta.numel, meta.wire or meta.dtype):
+        if self._raw(meta.numel, meta.as_is):
             return store_into(payload.tensors[0][: out.numel()], out, accumulate)
         if out.dtype.is_floating_point and torch.finfo(out.dtype).max < torch.finfo(torch.float32).max:
             # a 16-bit destination: decode in fp32, then saturate as decode() does

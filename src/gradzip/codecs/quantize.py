@@ -40,7 +40,7 @@ class _Cast(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         # (a cast to the input's own type sends a 16-bit gradient's fp32 compensation in the
         # gradient's width: Meta.wire)
-        return [saturate(x, self.wire_dtype or meta.wire or x.dtype)]
+        return [saturate(x, self._wdtype(meta.as_is))]
 
     def _payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
         # a cast to the input's own dtype sends the input itself: nothing to write
@@ -665,7 +665,7 @@ class Inceptionn(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         # (on CUDA the Triton kernels; on the CPU the torch version a piece at a time: the same bytes)
         x = x.reshape(-1)
-        n, width = x.numel(), self._raw_bytes(meta.wire or x.dtype)
+        n, width = x.numel(), self._raw_bytes(meta.as_is)
         packed, stream = fused.inceptionn_encode(x, self._b, self._step)
         if packed.numel() + stream.numel() > n * width:
             # the dense form: no tags, every raw value (exact; recognised by the empty tags), in
@@ -692,8 +692,7 @@ class Inceptionn(Codec):
         its tag and its bytes (:func:`fused.inceptionn_decode <gradzip.kernels.fused.inceptionn_decode>`)."""
         packed, stream = tensors
         if packed.numel() == 0:  # the dense form
-            dense = meta.wire or meta.dtype
-            values = stream.view(dense if dense in SHORT_FLOATS else torch.float32).float()
+            values = stream.view(meta.as_is if meta.as_is in SHORT_FLOATS else torch.float32).float()
             return out.add_(values) if accumulate else out.copy_(values)
         return fused.inceptionn_decode(packed, stream, meta.dtype, meta.numel, self._step, out, accumulate)
 

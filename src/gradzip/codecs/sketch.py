@@ -290,7 +290,7 @@ class SketchML(Codec):
         """The layout of a fused group (made once per layout): a :class:`_Group` in dense mode,
         a :class:`_SparseGroup` in sparse mode; which members go as they are is decided in the
         width their values take (:attr:`Meta.wire` where given)."""
-        dtype = meta.wire or meta.dtype
+        dtype = meta.as_is
         key = (meta.parts, dtype)
         grp = self._groups.get(key)
         if grp is None:
@@ -326,11 +326,11 @@ class SketchML(Codec):
         out = [pack_bits(levels, _index_bits(_num_buckets(k, self.buckets))), means]
         gaps = idx.diff() - 1
         out += [idx[:1].to(torch.int32), _encode_gaps(gaps)]
-        as_is = meta.wire or x.dtype  # values sent as they are: in the gradient's width (Meta.wire)
-        if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, as_is):
+        if sum(t.numel() * t.element_size() for t in out) > raw_bytes(n, meta.as_is):
             # the dense form: the decoded values as the bytes of the last tensor, the rest empty
-            values = torch.zeros(n, dtype=as_is, device=x.device)
-            values.index_copy_(0, idx, saturate(_dequantize(out[0], out[1], k), as_is))
+            # (in the gradient's width where given: Meta.wire)
+            values = torch.zeros(n, dtype=meta.as_is, device=x.device)
+            values.index_copy_(0, idx, saturate(_dequantize(out[0], out[1], k), meta.as_is))
             return [t.new_empty(0) for t in out[:3]] + [values.view(torch.uint8)]
         return out
 
@@ -389,7 +389,7 @@ class SketchML(Codec):
         gap_bytes = sum(w * (k - 1) for w, (_, _, k) in zip(widths, lay.coded))
         codes = pack_bits(levels, lay.bits)
         size = codes.numel() + 4 * means.numel() + 8 * len(lay.coded) + gap_bytes + lay.raw_bytes
-        if size > raw_bytes(lay.numel, meta.wire or x.dtype):  # every value as it is (a choice by the data, told by empty heads)
+        if size > raw_bytes(lay.numel, meta.as_is):  # every value as it is (a choice by the data, told by empty heads)
             none = x.new_empty(0, dtype=torch.uint8)
             return [none, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.int32), none, as_wire(x, meta.wire)]
         width = torch.tensor(widths, dtype=torch.int64, device=dev)
@@ -501,7 +501,7 @@ class SketchML(Codec):
             return _dequantize(tensors[0], tensors[1], n)
         packed, means, first, raw = tensors
         if first.numel() == 0:  # the dense form
-            return raw.view(meta.wire or meta.dtype)
+            return raw.view(meta.as_is)
         k = _k(n, self.ratio)
         values = _dequantize(packed, means, k)
         steps = _decode_gaps(raw, k - 1).add_(1)

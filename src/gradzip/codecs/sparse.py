@@ -889,8 +889,8 @@ class AdaComp(Codec):
             each = scale.index_select(0, member)
         nonneg = values >= 0
         width = element_size(self._index_dtype)
-        as_is = meta.wire or x.dtype  # the dense form's values: in the gradient's width (Meta.wire)
-        dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, as_is)
+        # (the dense form's values: in the gradient's width where given, Meta.wire)
+        dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, meta.as_is)
         if dense or (self.self_adjust and self._memory is None):  # (the memory's residual is its own)
             sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * each)
         if self.self_adjust and self._memory is None:
@@ -903,7 +903,7 @@ class AdaComp(Codec):
                     self._residuals[name] = kept[a : a + count].view(shape)
         if dense:  # the same values, densely in the input dtype (or Meta.wire), as bytes: see _decode
             empty = idx.new_empty(0, dtype=self._index_dtype)
-            raw = saturate(sent, as_is).view(torch.uint8)
+            raw = saturate(sent, meta.as_is).view(torch.uint8)
             return [empty, empty.clone(), raw, scale.new_empty(0)]
         return [counts.to(self._index_dtype), local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
 
@@ -957,7 +957,7 @@ class AdaComp(Codec):
         counts, local, signs, scale = tensors
         n = meta.numel
         if counts.numel() == 0:  # the dense form: no bin counts, the values' bytes in place of signs
-            return signs.view(meta.wire or meta.dtype).float()
+            return signs.view(meta.as_is).float()
         size, nb = self._bins(n)
         m = local.numel()
         bins = torch.repeat_interleave(torch.arange(nb, device=local.device), counts.long(), output_size=m)

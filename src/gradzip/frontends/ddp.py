@@ -299,8 +299,8 @@ class GradzipState:
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
         """Restore this rank's own :meth:`state_dict`; see :meth:`Communicator.load_state_dict`
         for what ``strict=False`` accepts and drops. Under the planner, the plan of the saved
-        run is taken again (its calibrated costs, where saved at this world size), not the one
-        this process calibrated, so the run goes on as it would have."""
+        run is taken again (its calibrated costs, where the state is this rank's own under these
+        settings), not the one this process calibrated, so the run goes on as it would have."""
         saved = state.get("plan_costs") if isinstance(state, Mapping) else None
         if saved is not None and self.costs is not None and self.candidates and self.comm.owns(state):
             # this rank's own state of these settings (else the load below raises, or drops what
