@@ -943,7 +943,9 @@ def test_residual_memory_state_dict_round_trip():
     state = m.state_dict()
     m2 = memory("residual", beta=0.9, gamma=1.0)
     m2.load_state_dict(state)
-    assert m2.residuals.keys() == m.residuals.keys()
+    assert m2.residuals.keys() == m.residuals.keys() and m2.holding() == {"a", "b"}
+    assert m2.release("a") is not None and m2.holding() == {"b"} and memory("none").holding() == set()
+    m2.load_state_dict(state)
     g = _randn((5,), seed=99)
     for name in ("a", "b"):
         assert torch.equal(m2.compensate(g, name), m.compensate(g, name))

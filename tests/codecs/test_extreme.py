@@ -168,6 +168,35 @@ def test_powersgd_encodes_a_fused_buffer_tensor_by_tensor(dtype):
         torch.testing.assert_close(fused._q[n], alone._q[n], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16], ids=str)
+def test_powersgd_sends_what_goes_as_it_is_in_a_16_bit_gradients_width(wire):
+    """The fp32 compensation of a 16-bit gradient (error feedback, ``wire``): the factors stay
+    fp32 and are those without the wire; the tensors too small to factorise go in the
+    gradient's width beside them (as a 16-bit input's do), saturated; a group with nothing to
+    factorise goes wholly in that width; and whether a matrix pays off is judged against it."""
+    parts = list(POWER_PARTS.items())
+    flat = torch.cat([_randn(shape, seed=i).reshape(-1) for i, shape in enumerate(POWER_PARTS.values())]) * 100
+    flat[30 * 48] = 1e6  # (the first value of a.bias, sent as it is)
+    plain, narrow = gradzip.codec("powersgd", rank=2), gradzip.codec("powersgd", rank=2)
+    first = [c.encode(flat, name="g", parts=parts, **kw) for c, kw in ((plain, {}), (narrow, {"wire": wire}))]
+    assert torch.equal(first[0].tensors[0], first[1].tensors[0])
+    second = [c.next_round(p, [t.clone() for t in p.tensors]) for c, p in zip((plain, narrow), first)]
+    assert [[t.dtype for t in p.tensors] for p in second] == [[torch.float32], [torch.float32, wire]]
+    assert [[t.numel() for t in p.tensors] for p in second] == [[2 * (30 + 27 + 8) + 57], [2 * (30 + 27 + 8), 57]]
+    assert torch.equal(second[0].tensors[0][: 2 * 65], second[1].tensors[0])
+    raw = second[0].tensors[0][2 * 65 :]
+    assert torch.equal(second[1].tensors[1], gradzip.codecs.base.saturate(raw, wire))
+    vectors = [("v", (300,)), ("u", (20,))]
+    alone = narrow.encode(flat[:320], name="vs", parts=vectors, wire=wire)
+    assert [t.dtype for t in alone.tensors] == [wire] and alone.nbytes == 320 * wire.itemsize
+    assert torch.equal(narrow.decode(alone), gradzip.codecs.base.saturate(flat[:320], wire).float())
+    # (3, 5, 7) as 3 × 35: fp32 factors (304 bytes) pay off against fp32 values, not against 16-bit ones
+    assert plain.wire_bytes(105, torch.float32, shape=(3, 5, 7)) == (3 + 35) * 2 * 4
+    assert plain.wire_bytes(105, torch.float32, shape=(3, 5, 7), wire=wire) == 105 * 2
+    sent = narrow.encode(_randn((3, 5, 7)), name="t", wire=wire)
+    assert [t.dtype for t in sent.tensors] == [wire] and sent.nbytes == 105 * 2
+
+
 def test_powersgd_fused_buffer_keeps_nonfinite_values_where_they_are():
     """A NaN in a tensor sent as it is and an inf in a factorised one reach the decoded sum
     (a collective flags the step from them: see tests/sync/test_engine.py)."""

@@ -827,7 +827,9 @@ def _fp16_with_feedback(rank: int, world: int) -> dict:
                         ("dgc", {"codec": "dgc"}), ("topk-alone", {"codec": "topk", "ratio": 0.6, "fusion": False}),
                         ("randomk-0.6", {"codec": "randomk", "ratio": 0.6}),
                         ("randomk-alone", {"codec": "randomk", "ratio": 0.6, "fusion": False}),
-                        ("raw-alone", {"codec": "none", "memory": "residual", "fusion": False})):
+                        ("raw-alone", {"codec": "none", "memory": "residual", "fusion": False}),
+                        ("powersgd", {"codec": "powersgd", "compress_1d": True, "min_numel": 0}),
+                        ("powersgd-alone", {"codec": "powersgd", "fusion": False, "compress_1d": True, "min_numel": 0})):
         torch.manual_seed(0)
         model = Net().to(torch.float16)
         ddp = DDP(model)
@@ -841,9 +843,9 @@ def _fp16_with_feedback(rank: int, world: int) -> dict:
 
 def test_16_bit_gradients_with_error_feedback_send_no_more_than_their_raw_bytes():
     """fp16 gradients compensated by an fp32 residual: the sparse codecs send their values (and
-    their dense form), random-k its sample and a tensor sent raw its values, in fp16, so no
-    step sends more than the raw gradients (ratio at least 1; 0.5 with the values in fp32,
-    0.83 for random-k at 0.6); replicas stay identical."""
+    their dense form), random-k its sample, PowerSGD the tensors it does not factorise and a
+    tensor sent raw its values, in fp16, so no step sends more than the raw gradients (ratio at
+    least 1; 0.5 with the values in fp32, 0.83 for random-k at 0.6); replicas stay identical."""
     for res in run_workers(_fp16_with_feedback, 2):
         for label, r in res.items():
             assert r["identical"] and r["finite"], (label, r)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -98,6 +99,22 @@ def test_schedule_counts_from_the_end_of_warmup():
     assert [s for s in range(30) if levels.sample_at(s)] == [3, 4, 13, 14, 23, 24]
     assert [s for s in range(30) if levels.plan_after(s)] == [4, 14, 24]
     assert levels.levels == [2, 3, 4, 5, 6, 8] and levels.level("a") == 4 and levels.level("other") == 4
+
+
+def test_levels_are_priced_in_the_gradients_width():
+    """A level a gradient goes raw at (max-min on 3 values, PowerSGD's vector) is priced at what
+    it sends: 16-bit values for a 16-bit gradient, also with error feedback, where its fp32
+    compensation goes in the gradient's width; no level of a 16-bit matrix costs more than its
+    raw bytes."""
+    for name, shape in (("maxmin", (3,)), ("powersgd", (300,))):
+        codecs = adaptive.LevelCodecs(gradzip.codec(name))
+        levels = adaptive.AdaptiveLevels(codecs, "bytes", 10, ["v", "h", "w", "x"], [shape, shape, (64, 64), (64, 64)],
+                                         dtypes=[torch.float32, torch.float16, torch.float32, torch.bfloat16])
+        numel = math.prod(shape)
+        assert levels.nbytes[1].tolist() == [2.0 * numel] * len(levels.levels), name
+        assert bool((levels.nbytes[0] > levels.nbytes[1]).all()) and bool((levels.nbytes[0] <= 4 * numel).all()), name
+        # (a matrix: no level sends more than its 16-bit raw bytes; PowerSGD's rank 16 goes raw in 16 bits alone)
+        assert bool((levels.nbytes[3] <= levels.nbytes[2]).all()) and bool((levels.nbytes[3] <= 64 * 64 * 2).all()), name
 
 
 def test_options_are_validated_at_construction():

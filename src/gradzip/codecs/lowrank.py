@@ -8,7 +8,8 @@ import torch
 
 from ..kernels import shared_generator
 from ..kernels.rng import counter_uniform
-from .base import SEED, Codec, Meta, Option, Payload, element_size, int_in, layout_cache, nonfinite_flag
+from .base import (SEED, Codec, Meta, Option, Payload, _narrower, as_wire, element_size, int_in, layout_cache,
+                   nonfinite_flag)
 from .registry import register_codec
 
 
@@ -234,8 +235,9 @@ class PowerSGD(Codec):
     group's flat buffer with each member's name and shape, ``Meta.parts``) is one call: every
     matrix's ``Pᵀ`` is written by its product into one packed tensor, summed by one all-reduce,
     orthonormalised in one batch, and every ``Qᵀ`` into another, with the tensors too small to
-    factorise (1-D ones, tiny matrices) sent as they are in that second round (for an fp32
-    input in the same tensor); one non-finite flag covers the group. Each tensor keeps its own
+    factorise (1-D ones, tiny matrices) sent as they are in that second round (fp32 values in
+    the same tensor; a 16-bit gradient's in its own width beside it, also where error feedback
+    compensates it in fp32); one non-finite flag covers the group. Each tensor keeps its own
     warm start, by name, so the values are those of each tensor alone up to the last bits,
     which a product takes from where its output lies in memory (the same on every rank).
     One call a group rather than one a matrix is what brings its host time near PyTorch's
@@ -294,12 +296,12 @@ class PowerSGD(Codec):
     def _layout(self, meta: Meta) -> "_Layout":
         """Where each tensor of the input goes in the payloads (made once per layout)."""
         parts = meta.parts if meta.parts is not None else ((meta.name, meta.shape),)
-        key = (parts, meta.dtype, self.rank)
+        key = (parts, meta.as_is, self.rank)  # (whether a matrix pays off: against the width it would go in)
         lay = self._layouts.get(key)
         if lay is None:
             if len(self._layouts) > 256:
                 self._layouts.clear()
-            lay = self._layouts[key] = _Layout(parts, meta.dtype, self._matrix)
+            lay = self._layouts[key] = _Layout(parts, meta.as_is, self._matrix)
         return lay
 
     def _cold_q(self, name: str, m: int, r: int, device: torch.device) -> torch.Tensor:
@@ -327,7 +329,7 @@ class PowerSGD(Codec):
         lay = self._layout(meta)
         if not lay.mats:
             meta.extra["round"] = 0
-            return [x]
+            return [as_wire(x, meta.wire)]
         xf = x.float().contiguous()  # (no copy of a contiguous fp32 input) BLAS rounds by layout: one on every rank
         pt = torch.empty(lay.p_numel, dtype=torch.float32, device=x.device)
         for mat in lay.mats:
@@ -430,10 +432,10 @@ class PowerSGD(Codec):
 
     def _second_factors(self, meta: Meta, hats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """The second round's payload: each matrix's ``Qᵀ = P̂ᵀ M`` packed, and the tensors sent as
-        they are; for an fp32 input in one tensor (one all-reduce), else in their own dtype
-        beside it."""
+        they are; for fp32 values in one tensor (one all-reduce), else in their own dtype (or
+        the wire's, :attr:`~gradzip.codecs.base.Meta.wire`) beside it."""
         lay, xf, x = meta.extra["layout"], meta.extra["xf"], meta.extra["x"]
-        one = x.dtype == torch.float32
+        one = meta.as_is == torch.float32
         qt = torch.empty(lay.q_numel + (lay.raw_numel if one else 0), dtype=torch.float32, device=xf.device)
         for mat, h in zip(lay.mats, hats):
             torch.mm(h.T, mat.of(xf), out=mat.q(qt))
@@ -442,7 +444,7 @@ class PowerSGD(Codec):
         if one:
             lay.gather_raw(x, qt[lay.q_numel :])
             return [qt]
-        return [qt, lay.gather_raw(x)]
+        return [qt, as_wire(lay.gather_raw(x), meta.wire)]
 
     def _write(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor) -> torch.Tensor:
         """Decode a payload of round 1 or 2 into the flat fp32 ``out``:
@@ -463,10 +465,11 @@ class PowerSGD(Codec):
     def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32, shape: Optional[Tuple[int, ...]] = None,
                    wire: Optional[torch.dtype] = None) -> int:
         """Bytes over both rounds; needs ``shape`` (without it the tensor counts as 1-D). Its
-        factors and the values it sends as they are are summed in the input's dtype (``wire``
-        is not taken)."""
+        factors go in fp32; the values it sends as they are go in ``wire`` where it is the
+        narrower (as :meth:`~gradzip.codecs.base.Codec.wire_bytes` takes it), else the input's dtype."""
         if numel == 0:
             return 0
+        dtype = _narrower(wire, dtype) or dtype
         dims = self._matrix(tuple(shape) if shape is not None else (numel,), dtype)
         if dims is None:
             return numel * element_size(dtype)

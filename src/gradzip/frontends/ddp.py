@@ -168,6 +168,7 @@ class GradzipState:
             self.levels = self.comm.levels = AdaptiveLevels(
                 self.comm.level_codecs, cfg.adaptive, cfg.adaptive_every, [n for n, _ in self._compressed],
                 [tuple(p.shape) for _, p in self._compressed], warmup=self.ramp.end if self.ramp else cfg.warmup,
+                dtypes=[p.dtype for _, p in self._compressed],
             )
             if old is not None:
                 self.levels.carry_over(old)
@@ -313,8 +314,7 @@ class GradzipState:
         # what a parameter compressed when the state was saved, and plain under this plan (the
         # planner calibrated anew, another min_numel), still owes goes with its next plain sum
         compressed = {n for n, _ in self._compressed}
-        held = {n for store in self.comm.memory._stores() for n in store}
-        self._flush |= {n for n in held if n in self.params and n not in compressed}
+        self._flush |= {n for n in self.comm.memory.holding() if n in self.params and n not in compressed}
         if self.levels is not None:
             self.regroup()  # the groups of the loaded levels
 

@@ -77,8 +77,10 @@ class LevelCodecs:
         """A fresh codec at ``level`` (no state shared with the exchange's)."""
         return _registry.codec(self._base.name, **{**self._base.config(), self.option: level})
 
-    def wire_bytes(self, level: Any, shape: Tuple[int, ...]) -> int:
-        return self.get(level).wire_bytes(math.prod(shape), torch.float32, shape)
+    def wire_bytes(self, level: Any, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of a gradient of ``shape`` and ``dtype`` at ``level``: what goes as it is goes in
+        the gradient's width, also where error feedback compensates a 16-bit one in fp32."""
+        return self.get(level).wire_bytes(math.prod(shape), torch.float32, shape, wire=dtype)
 
     def state_dict(self) -> Dict[str, Any]:
         """The state of the codecs of other levels (the configured codec saves its own)."""
@@ -212,14 +214,15 @@ def choose(
 class AdaptiveLevels:
     """Per-parameter levels of one codec family: measured, planned, and the codecs that apply them.
 
-    ``names``/``shapes``: the compressed parameters, in the same order on every rank.
+    ``names``/``shapes``: the compressed parameters, in the same order on every rank;
+    ``dtypes``: their gradients' (fp32 where not given), by which each level is priced.
     ``warmup``: the first step that is compressed; errors are sampled on :data:`SAMPLES` steps
     and a plan is made at the end of the last one, then every ``every`` steps.
     """
 
     def __init__(
         self, codecs: LevelCodecs, objective: str, every: int, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
-        warmup: int = 0,
+        warmup: int = 0, dtypes: Optional[Sequence[torch.dtype]] = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < SAMPLES:
             raise ValueError(f"adaptive_every must be an integer of at least {SAMPLES} steps, got {every!r}")
@@ -238,7 +241,8 @@ class AdaptiveLevels:
         self.plans = 0
         self.sampling = False
         self.nbytes = torch.tensor(
-            [[codecs.wire_bytes(lv, sh) for lv in self.levels] for sh in self.shapes], dtype=torch.float64,
+            [[codecs.wire_bytes(lv, sh, dt) for lv in self.levels]
+             for sh, dt in zip(self.shapes, dtypes or [torch.float32] * len(self.shapes))], dtype=torch.float64,
         ).reshape(len(self.shapes), len(self.levels))
 
     # ------------------------------------------------------------ schedule

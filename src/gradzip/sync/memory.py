@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -153,6 +153,11 @@ class Memory(Configurable):
     def _stores(self) -> Tuple[Dict[str, torch.Tensor], ...]:
         """The state this memory keeps per parameter, by name (none here)."""
         return ()
+
+    def holding(self) -> Set[str]:
+        """The parameters this memory keeps state for (a residual, a momentum), by name: what
+        they may still owe the other ranks."""
+        return {name for store in self._stores() for name in store}
 
     def set_aside(self, name: str) -> Optional[List[Optional[torch.Tensor]]]:
         """Take parameter ``name``'s state out of this step: a copy of it is returned and it is
