@@ -481,3 +481,48 @@ def test_good_options_are_kept():
     assert gradzip.codec("terngrad", bucket_size=256, seed=4).config() == {"bucket_size": 256, "seed": 4}
     assert gradzip.codec("tbq", threshold=1).config() == {"threshold": 1}  # ints are fine (GRADZIP_THRESHOLD=1)
     assert gradzip.codec("inceptionn", error_bound=2**-8).config() == {"error_bound": 2**-8}
+
+
+def _residual_growth(codec, steps: int) -> float:
+    """Error feedback by hand over Gaussian gradients: the residual's norm after ``steps`` steps
+    over the gradient's."""
+    e = torch.zeros(1 << 14)
+    for t in range(steps):
+        g = torch.randn(1 << 14, generator=torch.Generator().manual_seed(t))
+        x = g + e
+        e = x - codec.decode(codec.encode(x, "w", t))
+    return float(e.norm() / g.norm())
+
+
+@pytest.mark.parametrize("name, opts, allowed", [
+    ("qsgd", {}, False),  # 4 bits, 512 values: √512 / 7 = 3.2
+    ("qsgd", {"bits": 2, "bucket_size": 4}, False),  # √4 / 1 = 2
+    ("qsgd", {"bits": 5}, False),  # √512 / 15 = 1.5
+    ("qsgd", {"bits": 6}, True),  # √512 / 31 = 0.73
+    ("qsgd", {"bits": 4, "bucket_size": 48}, True),  # √48 / 7 = 0.99
+    ("qsgd", {"bits": 8}, True),
+    ("terngrad", {}, False), ("terngrad", {"bucket_size": 64}, False), ("cl_terngrad", {}, False),
+    ("terngrad", {"bucket_size": 1}, True),
+])
+def test_unbiased_quantisers_take_error_feedback_only_where_its_residual_stays_bounded(name, opts, allowed):
+    """A value's error reaches ``√bucket_size / s`` times its bucket's largest value for QSGD
+    and the scale itself for TernGrad: where that is not below 1, error feedback's residual is
+    not bounded (QSGD's default grew to 1e4 times the gradient in 150 steps here), so a stateful
+    memory is refused at construction with the way out in the message; without error
+    feedback, the default, every setting is taken."""
+    from gradzip.sync.engine import check_settings
+
+    c = gradzip.codec(name, **opts)
+    assert c.default_memory == "none" and c.memory_problem("none") is None
+    for memory in ("residual", "efsign", "dgc"):
+        assert (c.memory_problem(memory) is None) == allowed, memory
+    if allowed:
+        check_settings(name, opts, memory="residual")
+        assert _residual_growth(c, 60) < 1.0
+    else:
+        with pytest.raises(ValueError, match=rf"{name}.*cannot take memory='residual'.*memory='none'"):
+            check_settings(name, opts, memory="residual")
+        with pytest.raises(ValueError, match="not stay bounded"):
+            gradzip.Communicator(name, memory="residual", **opts)
+    if (name, opts) == ("qsgd", {}):
+        assert _residual_growth(c, 150) > 1e3  # what the refusal spares

@@ -143,8 +143,8 @@ def _nonfinite(rank: int, world: int) -> dict:
     pairs += [("powersgd", "allreduce", "overflow")]
     for name, coll, *spoil in pairs:
         options = {"threshold": 1.5} if name == "threshold" else {}  # about 13% of the values pass
-        if name == "qsgd":
-            options["collective_options"] = {"partitions": 3, "min_partition": 1}
+        if name == "qsgd":  # (8 bits: the residual of 4 is not bounded, see QSGD.memory_problem)
+            options.update(bits=8, collective_options={"partitions": 3, "min_partition": 1})
         comm = gradzip.Communicator(name, collective=coll, memory="residual", **options)
         x = torch.randn(64, 40, generator=torch.Generator().manual_seed(rank))
         if name == "threshold":
@@ -1255,7 +1255,7 @@ def test_an_all_gather_on_gloo_fills_the_rows_with_no_temporary_of_their_size():
 # (codec, collective, values): a 16-bit gradient compensated in fp32 through a collective of two
 # rounds, where a form depends on the width (raw below a size, a dense form of its own)
 TWO_ROUNDS_16 = [("maxmin", "sra", 7), ("maxmin", "ps", 1), ("maxmin", "sra", 5), ("fp8", "sra", 3),
-                 ("u8bit", "sra", 3), ("qsgd", "sra", 3), ("natural", "sra", 3), ("terngrad", "sra", 3),
+                 ("u8bit", "sra", 3), ("qsgd", "sra", 3), ("natural", "sra", 3),
                  ("sketchml", "sra", 1000), ("sketchml", "ps", 1000), ("maxmin", "ps", 3),
                  ("inceptionn", "ps", 4099), ("maxmin", "sra", 4099)]
 
@@ -1264,7 +1264,8 @@ def _two_rounds_16(rank: int, world: int) -> list:
     out = []
     for dtype in (torch.float16, torch.bfloat16):
         for name, coll, n in TWO_ROUNDS_16:
-            comm = gradzip.Communicator(name, memory="residual", collective=coll)
+            bits = {"bits": 8} if name == "qsgd" else {}  # (QSGD's residual is bounded at 8 bits, not at 4)
+            comm = gradzip.Communicator(name, memory="residual", collective=coll, **bits)
             for step in range(2):
                 x = torch.randn(n, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
                 if name == "inceptionn":  # (every value raw: its dense form)

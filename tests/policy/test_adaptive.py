@@ -117,6 +117,17 @@ def test_levels_are_priced_in_the_gradients_width():
         assert bool((levels.nbytes[3] <= levels.nbytes[2]).all()) and bool((levels.nbytes[3] <= 64 * 64 * 2).all()), name
 
 
+def test_levels_that_cannot_take_the_error_feedback_are_not_offered():
+    """QSGD with a residual at 8 bits: its residual is bounded only from 6 bits on 512-value
+    buckets, so the levels below are not candidates (a plan could not choose them); without
+    error feedback every level is."""
+    codec = gradzip.codec("qsgd", bits=8)
+    with_residual = adaptive.AdaptiveLevels(adaptive.LevelCodecs(codec, "residual"), "bytes", 10, ["a"], [(64, 64)])
+    assert with_residual.levels == [6, 8]
+    alone = adaptive.AdaptiveLevels(adaptive.LevelCodecs(codec), "bytes", 10, ["a"], [(64, 64)])
+    assert alone.levels == [2, 3, 4, 5, 6, 8]
+
+
 def test_options_are_validated_at_construction():
     with pytest.raises(ValueError, match="adaptive must be one of off, bytes, error"):
         gradzip.Config(adaptive="sometimes")

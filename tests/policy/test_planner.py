@@ -474,7 +474,7 @@ def _resumed_plan(rank: int, world: int) -> dict:
     # another codec's checkpoint: refused (strict) or loaded in part, and either way this run
     # keeps its own plan (the saved costs were calibrated for other settings)
     ddp = DDP(Linear(), bucket_cap_mb=0.5)
-    state = gradzip.register(ddp, "qsgd", memory="residual", min_numel=1024, plan="auto")
+    state = gradzip.register(ddp, "qsgd", bits=8, memory="residual", min_numel=1024, plan="auto")
     state.replan(send_plain)
     try:
         state.load_state_dict(saved["gz"])

@@ -30,6 +30,7 @@ class CLTernGrad(cl.CompLLCodec):
 
     name, family, paper, stochastic = "cl_terngrad", "quantization", TernGrad.paper, True
     collectives, options, by_parts = TernGrad.collectives, TernGrad.options, True
+    memory_problem = TernGrad.memory_problem  # (its error reaches the scale too: no error feedback)
 
     def compress(self, x, ctx):
         scale = cl.reduce(x, "absmax", self.bucket_size, ctx).reshape(-1)

@@ -2,6 +2,7 @@
 compression, 8-bit dynamic tree (u8bit), INCEPTIONN and threshold binary quantization (TBQ)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -167,7 +168,14 @@ class QSGD(Codec):
     into ``bits`` bits.
 
     Options: ``bits`` (2..8, default 4), ``bucket_size`` (default 512, as in the paper), ``seed``.
-    Collectives: ``allgather`` (default) or ``sra``.
+    Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased).
+
+    Error feedback only where ``√bucket_size < s``: a value's rounding error reaches one step,
+    ``norm / s``, up to ``√bucket_size / s`` times the bucket's largest value, so above that
+    ratio the residual that error feedback adds to the next gradient is not bounded. At the
+    defaults (4 bits, 512 values: 3.2) it grew to 69,000 times the gradient in 200 steps of
+    Gaussian gradients, at 2 bits faster still; at 8 bits (0.18) it stayed at 0.07. Other
+    settings are refused with a stateful memory (:meth:`memory_problem`).
     """
 
     name = "qsgd"
@@ -183,6 +191,16 @@ class QSGD(Codec):
         "bucket_size": Option(512, int_in(1), "a positive integer", "values sharing one norm"),
         "seed": SEED,
     }
+
+    def memory_problem(self, memory: str) -> Optional[str]:
+        s = 2 ** (self.bits - 1) - 1
+        if memory == "none" or self.bucket_size < s * s:  # √bucket_size < s: the residual stays bounded
+            return None
+        return (f"{self.name} with bits={self.bits} and bucket_size={self.bucket_size} cannot take memory={memory!r}: a "
+                f"value's rounding error can reach sqrt(bucket_size)/s = {math.sqrt(self.bucket_size) / s:.2g} times its "
+                f"bucket's largest value (s = 2**(bits-1) - 1 = {s}), so error feedback's residual would not stay "
+                f"bounded; use it without error feedback (memory='none', its default), or with it where "
+                f"bucket_size < s**2 (bucket_size at most {s * s - 1} at bits={self.bits}, or more bits)")
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return self._encode_into(x, meta, None)
@@ -240,7 +258,10 @@ class TernGrad(Codec):
     per-layer scaling; ``n > 0``: one scale per ``n`` values), ``seed`` (private rounding stream).
     Wire: 2 bits per element packed (``00`` zero, ``01`` +s, ``10`` −s) + one fp32 scale per
     bucket, i.e. 2.00003 bits/element for a 1 M-element tensor with the default.
-    Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased).
+    Collectives: ``allgather`` (default) or ``sra``. Default memory: ``none`` (unbiased); a
+    stateful one is refused (:meth:`memory_problem`): a value's error reaches the scale, the
+    bucket's largest value, so error feedback's residual is not bounded (on Gaussian gradients
+    it grew to 75 times the gradient in 200 steps, and kept growing).
 
     With one scale a tensor, a fused group on the all-gather is one call
     (:attr:`~gradzip.codecs.base.Codec.parts_format`): its members start on blocks of
@@ -269,6 +290,13 @@ class TernGrad(Codec):
         "bucket_size": Option(0, int_in(0), "a non-negative integer (0 = whole tensor)", "values sharing one scale"),
         "seed": SEED,
     }
+
+    def memory_problem(self, memory: str) -> Optional[str]:
+        if memory == "none" or self.bucket_size == 1:  # (a bucket of one value is sent exactly)
+            return None
+        return (f"{self.name} cannot take memory={memory!r}: a value's rounding error reaches its bucket's scale (its "
+                f"largest value), so error feedback's residual would not stay bounded; use it without error "
+                f"feedback (memory='none', its default)")
 
     @property
     def parts_format(self) -> bool:  # type: ignore[override]

@@ -60,8 +60,9 @@ class LevelCodecs:
     """The codec at every level of one configured codec (the configured level is that codec
     itself), made when first asked for; their state (PowerSGD's Q of another rank) is saved."""
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, memory: str = "none") -> None:
         self.name = codec.name
+        self.memory = memory  # the error feedback's name: a level that cannot take it is not offered
         self.option = LEVELS[codec.name][0]
         self.configured = getattr(codec, self.option)
         self._base = codec
@@ -76,6 +77,11 @@ class LevelCodecs:
     def make(self, level: Any) -> Codec:
         """A fresh codec at ``level`` (no state shared with the exchange's)."""
         return _registry.codec(self._base.name, **{**self._base.config(), self.option: level})
+
+    def allowed(self, level: Any) -> bool:
+        """Whether the codec at ``level`` takes this error feedback (QSGD's residual is bounded
+        only at enough bits for its buckets: :meth:`~gradzip.codecs.base.Codec.memory_problem`)."""
+        return self.get(level).memory_problem(self.memory) is None
 
     def wire_bytes(self, level: Any, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Bytes of a gradient of ``shape`` and ``dtype`` at ``level``: what goes as it is goes in
@@ -227,7 +233,7 @@ class AdaptiveLevels:
         if isinstance(every, bool) or not isinstance(every, int) or every < SAMPLES:
             raise ValueError(f"adaptive_every must be an integer of at least {SAMPLES} steps, got {every!r}")
         self.option, candidates = LEVELS[codecs.name]
-        self.levels: List[Any] = sorted(set(candidates) | {codecs.configured})
+        self.levels: List[Any] = sorted({lv for lv in candidates if codecs.allowed(lv)} | {codecs.configured})
         self.default = self.levels.index(codecs.configured)
         self.objective, self.every, self.warmup = objective, every, warmup
         self.names = list(names)
