@@ -829,7 +829,8 @@ def _fp16_with_feedback(rank: int, world: int) -> dict:
                         ("randomk-alone", {"codec": "randomk", "ratio": 0.6, "fusion": False}),
                         ("raw-alone", {"codec": "none", "memory": "residual", "fusion": False}),
                         ("powersgd", {"codec": "powersgd", "compress_1d": True, "min_numel": 0}),
-                        ("powersgd-alone", {"codec": "powersgd", "fusion": False, "compress_1d": True, "min_numel": 0})):
+                        ("powersgd-alone", {"codec": "powersgd", "fusion": False, "compress_1d": True,
+                                            "min_numel": 0})):
         torch.manual_seed(0)
         model = Net().to(torch.float16)
         ddp = DDP(model)

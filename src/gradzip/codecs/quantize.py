@@ -196,9 +196,10 @@ class QSGD(Codec):
         s = 2 ** (self.bits - 1) - 1
         if memory == "none" or self.bucket_size < s * s:  # √bucket_size < s: the residual stays bounded
             return None
-        return (f"{self.name} with bits={self.bits} and bucket_size={self.bucket_size} cannot take memory={memory!r}: a "
-                f"value's rounding error can reach sqrt(bucket_size)/s = {math.sqrt(self.bucket_size) / s:.2g} times its "
-                f"bucket's largest value (s = 2**(bits-1) - 1 = {s}), so error feedback's residual would not stay "
+        return (f"{self.name} with bits={self.bits} and bucket_size={self.bucket_size} cannot take "
+                f"memory={memory!r}: a value's rounding error can reach sqrt(bucket_size)/s = "
+                f"{math.sqrt(self.bucket_size) / s:.2g} times its bucket's largest value "
+                f"(s = 2**(bits-1) - 1 = {s}), so error feedback's residual would not stay "
                 f"bounded; use it without error feedback (memory='none', its default), or with it where "
                 f"bucket_size < s**2 (bucket_size at most {s * s - 1} at bits={self.bits}, or more bits)")
 
