@@ -34,7 +34,13 @@ def test_every_memory_and_collective_declares_its_options_and_refuses_unknown_on
         (lambda: collectives.get("ps")(None, min_partition=2.0), "collective 'ps': min_partition must be a positive integer"),
         (lambda: collectives.get("sra")(None, segment=True), "collective 'sra': segment must be a positive integer"),
         (lambda: gradzip.Communicator("maxmin", collective="sra", collective_options={"segments": 4}),
-         "collective 'sra': unknown option\\(s\\) segments; valid options: segment"),
+         "collective 'sra': unknown option\\(s\\) segments; valid options: segment$"),
+        # an option of another class of the kind: the message says whose
+        (lambda: gradzip.Communicator("maxmin", collective="sra", collective_options={"partitions": 2}),
+         "collective 'sra': unknown option\\(s\\) partitions; valid options: segment; partitions is an option of "
+         "collective 'ps'$"),
+        (lambda: gradzip.codec("maxmin", ratio=0.1, bogus=1), "codec 'maxmin': unknown option\\(s\\) bogus, ratio; .*"
+         "ratio is an option of codec 'dgc', 'graddrop', 'randomk', 'sketchml', 'topk'$"),
     ],
 )
 def test_bad_values_name_the_option_and_what_it_must_be(make, message):

@@ -13,7 +13,7 @@ variable is caught at construction with the fix in plain sight.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Type, TypeVar
+from typing import Any, Callable, ClassVar, Dict, Generic, List, Optional, Sequence, Type, TypeVar
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,14 @@ class Configurable:
     kind: ClassVar[str] = ""  # "codec", "memory", "collective": names the class in errors
     name: ClassVar[str] = ""
     options: ClassVar[Dict[str, Option]] = {}
+    registry: ClassVar[Optional["Registry[Any]"]] = None  # where the class is registered (Registry.add)
 
     def set_options(self, opts: Dict[str, Any]) -> None:
         unknown = sorted(set(opts) - set(self.options))
         if unknown:
             valid = ", ".join(sorted(self.options)) or "(none)"
-            raise ValueError(f"{self.kind} {self.name!r}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
+            raise ValueError(f"{self.kind} {self.name!r}: unknown option(s) {', '.join(unknown)}; valid options: {valid}"
+                             + self._elsewhere(unknown))
         for key, spec in self.options.items():
             value = opts.get(key, spec.default)
             if not spec.check(value):
@@ -76,6 +78,19 @@ class Configurable:
     def config(self) -> Dict[str, Any]:
         """The options in force."""
         return {key: getattr(self, key) for key in self.options}
+
+    def _elsewhere(self, unknown: Sequence[str]) -> str:
+        """Where options unknown here are known: the other classes of this kind that take them
+        (``partitions`` set for the scatter-reduce belongs to ``ps``)."""
+        registry = type(self).registry
+        if registry is None:
+            return ""
+        notes = []
+        for key in unknown:
+            owners = [n for n in registry.names() if n != self.name and key in registry.get(n).options]
+            if owners:
+                notes.append(f"{key} is an option of {self.kind} {', '.join(repr(n) for n in owners)}")
+        return "; " + "; ".join(notes) if notes else ""
 
 
 T = TypeVar("T")
@@ -97,6 +112,7 @@ class Registry(Generic[T]):
         if self._classes.get(name, cls) is not cls:
             raise ValueError(f"a {self.kind} named {name!r} is already registered")
         self._classes[name] = cls
+        cls.registry = self  # (an error about an option names the classes that take it)
         return cls
 
     def names(self) -> List[str]:

@@ -106,7 +106,11 @@ def test_bad_settings_fail_in_the_launcher_before_any_rank_starts(tmp_path, caps
     for flags, said in ((["--codec", "nosuchcodec"], "a codec that the script registers"),
                         (["--no-python"], "--no-python"),
                         (["--memory", "bogus"], "unknown memory 'bogus'; valid memories: dgc"),
-                        (["--codec", "topk", "--collective", "sra"], "valid collectives for it: allgather")):
+                        (["--codec", "topk", "--collective", "sra"], "valid collectives for it: allgather"),
+                        # a bad value names the variable it came from (an option of this command sets one)
+                        (["--codec", "maxmin", "--bits", "9"], "got 9 (from GRADZIP_BITS=9, GRADZIP_CODEC=maxmin)"),
+                        (["--option", "partitions=2"], "partitions is an option of collective 'ps' (from "
+                                                        "GRADZIP_PARTITIONS=2)")):
         with pytest.raises(SystemExit) as exc:
             cli.main(["run", "--nproc-per-node", "2", *flags, SCRIPT, str(tmp_path)])
         assert exc.value.code == 2 and said in capsys.readouterr().err

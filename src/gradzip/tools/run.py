@@ -82,8 +82,10 @@ def check_settings(env: Dict[str, str]) -> None:
     try:
         check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
     except ValueError as exc:
-        if cfg.codec in names():
-            raise
+        if cfg.codec in names():  # the variables it came from, set by this command's options or already there
+            if not cfg.sources:
+                raise
+            raise ValueError(f"{exc} (from {', '.join(sorted(set(cfg.sources.values())))})") from exc
         raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
                          "script's register() call instead)") from exc
 
