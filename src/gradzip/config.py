@@ -3,7 +3,8 @@
 The environment wins, so a training script needs no edit to try another codec:
 ``GRADZIP_CODEC=maxmin GRADZIP_BITS=4 torchrun train.py``. ``GRADZIP_CODEC``, ``GRADZIP_MEMORY``,
 ``GRADZIP_COLLECTIVE``, ``GRADZIP_MIN_NUMEL``, ``GRADZIP_COMPRESS_1D``, ``GRADZIP_FUSION``, ``GRADZIP_FUSION_MB``, ``GRADZIP_PIPELINE``, ``GRADZIP_IN_PLACE``, ``GRADZIP_PLAN``, ``GRADZIP_WARMUP``, ``GRADZIP_RAMP``, ``GRADZIP_ADAPTIVE``, ``GRADZIP_ADAPTIVE_EVERY``, ``GRADZIP_HIERARCHY``, ``GRADZIP_NODE_DTYPE`` and ``GRADZIP_TIMEOUT``
-(seconds) set the fields of the same name; ``GRADZIP_PARTITIONS`` and ``GRADZIP_MIN_PARTITION`` go to the collective (``ps``);
+(seconds) set the fields of the same name; ``GRADZIP_PARTITIONS``, ``GRADZIP_MIN_PARTITION`` (``ps``'s) and
+``GRADZIP_SEGMENT`` (``sra``'s and ``allgather``'s) go to the collective;
 ``GRADZIP_KERNELS`` and ``GRADZIP_CACHE`` choose and cache the kernels (:mod:`gradzip.kernels`);
 every other ``GRADZIP_<OPTION>`` becomes the codec option ``<option>`` (lower case),
 its value read as an int, a float, a bool (true/false) or else a string.
