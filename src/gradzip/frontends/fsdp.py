@@ -99,6 +99,20 @@ def unpack(flat: torch.Tensor, layout: Layout) -> Dict[str, torch.Tensor]:
     return out
 
 
+def padding_of(layout: Layout) -> Optional[torch.Tensor]:
+    """The flat positions of a unit's reduce-scatter input that are FSDP2's padding (each
+    gradient's dim 0 filled up to a multiple of W), or None where there is none."""
+    w, entries = layout
+    chunk = sum(k for _, _, k in entries)
+    spans, at = [], 0
+    for _, size, k in entries:
+        j = torch.arange(math.prod(size), w * k)  # places of the padded gradient past its values
+        if j.numel():
+            spans.append(j.div(k, rounding_mode="floor").mul_(chunk).add_(j.remainder(k)).add_(at))
+        at += k
+    return torch.cat(spans) if spans else None
+
+
 def pack(params: Dict[str, torch.Tensor], layout: Layout, device: torch.device) -> torch.Tensor:
     """:func:`unpack` reversed: zeros where ``params`` has no tensor (and in the padding)."""
     w, entries = layout
@@ -122,6 +136,8 @@ class GradzipReduceScatter(ReduceScatter):
         self.name = name
         self.how = "not run yet"  # "compressed" or "plain", once called
         self.layout: Optional[Layout] = None  # that of the residual kept under ``name``
+        self.padding: Optional[torch.Tensor] = None  # the layout's padding places (padding_of)
+        self._group: Any = None  # the FSDP param group whose post-backward is watched
         self.reduced: Optional[List[Any]] = None  # FSDP's parameters in the coming reduce-scatter, in order
         if param_group is not None:
             self._watch(param_group)
@@ -130,6 +146,7 @@ class GradzipReduceScatter(ReduceScatter):
         """Note, as FSDP2's post-backward starts, which of the unit's parameters it will reduce
         (those with a gradient: an unused parameter is left out of the reduce-scatter's input)."""
         post_backward = group.post_backward
+        self._group = group
 
         def noted(*args: Any, **kwargs: Any) -> Any:
             unused = getattr(group, "reduce_scatter_unused_params", False)
@@ -142,6 +159,12 @@ class GradzipReduceScatter(ReduceScatter):
             return post_backward(*args, **kwargs)
 
         group.post_backward = noted
+
+    def detach(self) -> None:
+        """Stop watching the param group's post-backward (its own method again)."""
+        if self._group is not None:
+            self._group.__dict__.pop("post_backward", None)
+            self._group = None
 
     def _layout(self, w: int, chunk: int) -> Optional[Layout]:
         """The input's parameters, or None where they cannot be told (a parameter sharded on
@@ -184,7 +207,13 @@ class GradzipReduceScatter(ReduceScatter):
             if layout != self.layout:  # other parameters than last time: move the residual over
                 state.relayout(self.name, self.layout, layout, input_tensor.device)
                 self.layout = layout
+                self.padding = padding_of(layout) if layout is not None else None
             state.comm.reduce_scatter(input_tensor, output_tensor, self.name, in_place=True)  # FSDP drops the input after
+            if self.padding is not None:
+                # FSDP2's padding holds zeros and its average is dropped: what the codec made of it is
+                # no gradient's, and kept it would widen the next step's ranges and be lost at a
+                # checkpoint (which holds residuals by parameter)
+                state.comm.memory.clear_at(self.name, self.padding)
             state.compressed_calls += 1
             self.how = "compressed"
         # the engine averages; FSDP may want the sum, or a sum scaled by its own factor
@@ -236,6 +265,8 @@ class FSDPState:
         self.compressed_calls = 0
         self.plain_calls = 0
         self.parked: Dict[str, torch.Tensor] = {}  # residuals by parameter, of parameters not in a unit's layout
+        # (unit, FSDP2's reduce-scatter, its all-gather where gradzip replaced it): put back at close
+        self.defaults: List[Tuple[Any, Any, Any]] = []
 
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
         """The engine's figures (per unit with ``per_tensor``; plain units count at their fp32
@@ -302,6 +333,15 @@ class FSDPState:
             handler.layout = None
 
     def close(self) -> None:
+        """Put FSDP2's own reduce-scatter (and weight all-gather) back on every unit, then close
+        the engine: the model trains on as plain FSDP2, or takes another ``register``."""
+        for handler in self.units.values():
+            handler.detach()
+        for unit, reduce_scatter, all_gather in self.defaults:
+            unit.set_custom_reduce_scatter(reduce_scatter)
+            if all_gather is not None:
+                unit.set_custom_all_gather(all_gather)
+        self.defaults = []
         self.comm.close()
 
 
@@ -343,7 +383,9 @@ def install(
     for name, unit, _ in units:
         unit._gradzip_state = weakref.ref(state)  # (see registered)
         groups = unit._get_fsdp_state()._fsdp_param_groups
-        handler = GradzipReduceScatter(state, name, groups[0] if groups else None)
+        group = groups[0] if groups else None
+        handler = GradzipReduceScatter(state, name, group)
+        own = (getattr(group, "_reduce_scatter_comm", None), getattr(group, "_all_gather_comm", None))
         unit.set_custom_reduce_scatter(handler)
         state.units[name] = handler
         if weight_bits is not None:
@@ -352,4 +394,6 @@ def install(
             gather = GradzipAllGather(codec("maxmin", bits=weight_bits, mode="nearest"), f"{name}.weights")
             unit.set_custom_all_gather(gather)
             state.gathers[name] = gather
+        if own[0] is not None:
+            state.defaults.append((unit, own[0], own[1] if weight_bits is not None else None))
     return state

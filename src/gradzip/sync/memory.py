@@ -154,6 +154,14 @@ class Memory(Configurable):
         """The state this memory keeps per parameter, by name (none here)."""
         return ()
 
+    def clear_at(self, name: str, index: torch.Tensor) -> None:
+        """Zero parameter ``name``'s state at the flat positions ``index`` (places that hold no
+        value of the parameter: a sharded front end's padding), where it has any."""
+        for store in self._stores():
+            kept = store.get(name)
+            if kept is not None:
+                kept.view(-1).index_fill_(0, index.to(kept.device), 0)
+
     def holding(self) -> Set[str]:
         """The parameters this memory keeps state for (a residual, a momentum), by name: what
         they may still owe the other ranks."""
