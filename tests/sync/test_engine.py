@@ -298,8 +298,9 @@ class _Made(TorchDispatchMode):
 # size from the pools (fixed-size payloads written where they are sent from); signSGD encodes
 # gradients one by one, with error feedback each compensated into a new tensor. (The all-reduce
 # makes its quotient and payload per call, as PyTorch's fp16 hook does: kept in a pool per size
-# class, every bucket's would stay resident between steps.)
-LEAN_CODECS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 4}, "fp8": {}, "mxfp4": {}, "fp16": {}, "bf16": {}, "none": {},
+# class, every bucket's would stay resident between steps.) QSGD at 8 bits: it takes error
+# feedback there, not at 4 (QSGD.memory_problem).
+LEAN_CODECS = {"maxmin": {"bits": 4}, "qsgd": {"bits": 8}, "fp8": {}, "mxfp4": {}, "fp16": {}, "bf16": {}, "none": {},
                "signsgd": {}}
 
 
