@@ -207,7 +207,9 @@ class GradzipReduceScatter(ReduceScatter):
             if layout != self.layout:  # other parameters than last time: move the residual over
                 state.relayout(self.name, self.layout, layout, input_tensor.device)
                 self.layout = layout
-                self.padding = padding_of(layout) if layout is not None else None
+                padding = padding_of(layout) if layout is not None else None
+                # (on the input's device once: no copy to it at each call)
+                self.padding = padding.to(input_tensor.device) if padding is not None else None
             state.comm.reduce_scatter(input_tensor, output_tensor, self.name, in_place=True)  # FSDP drops the input after
             if self.padding is not None:
                 # FSDP2's padding holds zeros and its average is dropped: what the codec made of it is
