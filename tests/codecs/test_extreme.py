@@ -198,17 +198,24 @@ def test_powersgd_sends_what_goes_as_it_is_in_a_16_bit_gradients_width(wire):
 
 
 def test_powersgd_fused_buffer_keeps_nonfinite_values_where_they_are():
-    """A NaN in a tensor sent as it is and an inf in a factorised one reach the decoded sum
-    (a collective flags the step from them: see tests/sync/test_engine.py)."""
+    """A NaN in a tensor sent as it is and an inf in a factorised one reach the decoded sum,
+    and each alone flags the first round's payload (a collective flags the step from it: see
+    tests/sync/test_engine.py): a factorised tensor's through its factor, a tensor sent as it
+    is, which goes in the last round, as a NaN first value of the first factor."""
     c = gradzip.codec("powersgd", rank=2)
     grads = [_randn(shape, seed=i) for i, shape in enumerate(POWER_PARTS.values())]
     grads[1][3], grads[3][1, 1] = float("nan"), float("inf")
     got, _ = _power_parts(c, torch.cat([g.reshape(-1) for g in grads]), list(POWER_PARTS.items()))
     bias, d = 48 * 30, 48 * 30 + 48 + 16 * 27
-    assert torch.isnan(got[bias + 3]) and torch.isfinite(got[bias + 4 : d]).all()
-    assert not torch.isfinite(got[d : d + 64 * 8]).all() and torch.isfinite(got[:bias]).all()
-    first = c.encode(torch.cat([g.reshape(-1) for g in grads]), name="g", parts=list(POWER_PARTS.items()))
-    assert bool(c.nonfinite(first))  # the inf reached d.weight's factor
+    assert torch.isnan(got[bias + 3]) and not torch.isfinite(got[d : d + 64 * 8]).all()
+    for spoilt in (1, 3):  # the bias alone, then d.weight alone
+        clean = [_randn(shape, seed=i) for i, shape in enumerate(POWER_PARTS.values())]
+        clean[spoilt].view(-1)[3] = float("nan") if spoilt == 1 else float("inf")
+        first = c.encode(torch.cat([g.reshape(-1) for g in clean]), name="g", parts=list(POWER_PARTS.items()))
+        assert bool(c.nonfinite(first)), spoilt
+    clean = [_randn(shape, seed=i) for i, shape in enumerate(POWER_PARTS.values())]
+    first = c.encode(torch.cat([g.reshape(-1) for g in clean]), name="g", parts=list(POWER_PARTS.items()))
+    assert not bool(c.nonfinite(first))
 
 
 def test_encode_checks_that_parts_cover_the_tensor():

@@ -497,6 +497,7 @@ def _residual_growth(codec, steps: int) -> float:
 @pytest.mark.parametrize("name, opts, allowed", [
     ("qsgd", {}, False),  # 4 bits, 512 values: √512 / 7 = 3.2
     ("qsgd", {"bits": 2, "bucket_size": 4}, False),  # √4 / 1 = 2
+    ("qsgd", {"bits": 2, "bucket_size": 1}, True),  # a bucket of one value is sent exactly
     ("qsgd", {"bits": 5}, False),  # √512 / 15 = 1.5
     ("qsgd", {"bits": 6}, True),  # √512 / 31 = 0.73
     ("qsgd", {"bits": 4, "bucket_size": 48}, True),  # √48 / 7 = 0.99

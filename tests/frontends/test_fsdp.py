@@ -427,9 +427,9 @@ def test_a_run_resumed_with_padded_shards_goes_on_bit_for_bit(codec, opts):
         assert torch.equal(r["straight"], r["resumed"]), float((r["straight"] - r["resumed"]).abs().max())
 
 
-def _closed(rank: int, world: int) -> dict:
+def _closed(rank: int, world: int, weight_bits) -> dict:
     model = _shard(_model())
-    state = gradzip.register(model, "maxmin", bits=2, memory="residual", min_numel=64)
+    state = gradzip.register(model, "maxmin", bits=2, memory="residual", min_numel=64, weight_bits=weight_bits)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         x, y = _batch(rank, step)
@@ -437,6 +437,8 @@ def _closed(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
     state.close()
+    groups = [g for m in model.modules() if isinstance(m, fsdp.FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    watched = sum("post_backward" in g.__dict__ for g in groups)  # (gradzip's watcher is an attribute of the group)
     plain = _shard(_model())
     with torch.no_grad():
         for p, q in zip(plain.parameters(), model.parameters()):
@@ -444,7 +446,8 @@ def _closed(rank: int, world: int) -> dict:
     x, y = _batch(rank, 5)
     for m in (plain, model):  # the closed model reduces as plain FSDP2 does
         nn.functional.cross_entropy(m(x), y).backward()
-    out = {"same": torch.equal(_grads(plain), _grads(model)), "kinds": sorted({type(p).__name__ for p in model.parameters()})}
+    out = {"same": torch.equal(_grads(plain), _grads(model)), "kinds": sorted({type(p).__name__ for p in model.parameters()}),
+           "watched": watched, "groups": len(groups)}
     again = gradzip.register(model, "maxmin", bits=4, min_numel=64)  # and it takes another register
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
@@ -453,8 +456,12 @@ def _closed(rank: int, world: int) -> dict:
     return out
 
 
-def test_close_gives_every_unit_fsdps_own_reduce_scatter_back():
-    """After ``close`` the model trains on as plain FSDP2 (a backward raised "this Communicator
-    has been closed" and left the parameters unsharded), and may be registered again."""
-    for r in run_workers(_closed, WORLD):
+@pytest.mark.parametrize("weight_bits", [None, 8])
+def test_close_gives_every_unit_fsdps_own_reduce_scatter_back(weight_bits):
+    """After ``close`` the model trains on as plain FSDP2, its gradients bit for bit (a backward
+    raised "this Communicator has been closed" and left the parameters unsharded), with FSDP2's
+    own weight all-gather back where gradzip's quantised one was, nothing of gradzip left on
+    its param groups, and it may be registered again."""
+    for r in run_workers(_closed, WORLD, weight_bits):
         assert r["same"] and r["kinds"] == ["DTensor"] and r["compressed"] > 0, r
+        assert r["groups"] > 0 and r["watched"] == 0, r

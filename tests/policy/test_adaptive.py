@@ -115,6 +115,9 @@ def test_levels_are_priced_in_the_gradients_width():
         assert bool((levels.nbytes[0] > levels.nbytes[1]).all()) and bool((levels.nbytes[0] <= 4 * numel).all()), name
         # (a matrix: no level sends more than its 16-bit raw bytes; PowerSGD's rank 16 goes raw in 16 bits alone)
         assert bool((levels.nbytes[3] <= levels.nbytes[2]).all()), name
+        if name == "powersgd":  # a vector goes as it is: an fp64 one in fp64
+            wide = adaptive.AdaptiveLevels(codecs, "bytes", 10, ["d"], [shape], dtypes=[torch.float64])
+            assert wide.nbytes[0].tolist() == [8.0 * numel] * len(levels.levels)
         assert bool((levels.nbytes[3] <= 64 * 64 * 2).all()), name
 
 

@@ -334,13 +334,21 @@ class PowerSGD(Codec):
         pt = torch.empty(lay.p_numel, dtype=torch.float32, device=x.device)
         for mat in lay.mats:
             torch.mm(self._initial_q(mat.name, mat.m, mat.r, x.device).T, mat.of(xf).T, out=mat.p(pt))
-        meta.extra.update(round=1, x=x, xf=xf, layout=lay)
+        raw = None
+        if lay.raws:
+            # the tensors sent as they are go in the last round, whose 16-bit sums are clamped to
+            # the type's range (an overflow of finite shares is no NaN): a NaN or ±inf among them
+            # makes the first factor's first value NaN, so the step is flagged from this round,
+            # on every rank, as a non-finite factorised tensor's is (no host read)
+            raw = lay.gather_raw(x)
+            pt[:1] = torch.where(nonfinite_flag(raw), float("nan"), pt[:1])
+        meta.extra.update(round=1, x=x, xf=xf, layout=lay, raw=raw)
         return [pt]
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:
         """From the first payload: ``P = M Q`` carries every NaN or ±inf of a factorised tensor
-        (``NaN · 0`` is NaN), a payload sent as it is is the input; the tensors sent as they
-        are beside factors go in the last round, whose sums the all-reduce checks."""
+        (``NaN · 0`` is NaN) and, as a NaN first value, of the tensors sent as they are beside
+        the factors (see :meth:`_encode`); a payload sent as it is is the input."""
         return None if not payload.tensors else nonfinite_flag(payload.tensors[0])
 
     def next_round(self, payload: Payload, reduced: List[torch.Tensor]) -> Optional[Payload]:
@@ -359,7 +367,7 @@ class PowerSGD(Codec):
             meta = payloads[i].ctx
             tensors = self._second_factors(meta, p_hat)
             meta.extra.update(round=2, P=p_hat)
-            del meta.extra["xf"], meta.extra["x"]  # the input is read no more
+            del meta.extra["xf"], meta.extra["x"], meta.extra["raw"]  # the input is read no more
             out[i] = Payload(tensors, meta)
         second = [i for i, p in enumerate(payloads) if p.ctx.extra.get("round") == 2 and out[i] is None]
         if second and self.warm_start:
@@ -434,17 +442,17 @@ class PowerSGD(Codec):
         """The second round's payload: each matrix's ``Qᵀ = P̂ᵀ M`` packed, and the tensors sent as
         they are; for fp32 values in one tensor (one all-reduce), else in their own dtype (or
         the wire's, :attr:`~gradzip.codecs.base.Meta.wire`) beside it."""
-        lay, xf, x = meta.extra["layout"], meta.extra["xf"], meta.extra["x"]
+        lay, xf, raw = meta.extra["layout"], meta.extra["xf"], meta.extra["raw"]
         one = meta.as_is == torch.float32
         qt = torch.empty(lay.q_numel + (lay.raw_numel if one else 0), dtype=torch.float32, device=xf.device)
         for mat, h in zip(lay.mats, hats):
             torch.mm(h.T, mat.of(xf), out=mat.q(qt))
-        if not lay.raws:
+        if raw is None:
             return [qt]
         if one:
-            lay.gather_raw(x, qt[lay.q_numel :])
+            qt[lay.q_numel :].copy_(raw)
             return [qt]
-        return [qt, as_wire(lay.gather_raw(x), meta.wire)]
+        return [qt, as_wire(raw, meta.wire)]
 
     def _write(self, tensors: List[torch.Tensor], meta: Meta, out: torch.Tensor) -> torch.Tensor:
         """Decode a payload of round 1 or 2 into the flat fp32 ``out``:

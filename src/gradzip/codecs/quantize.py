@@ -194,14 +194,15 @@ class QSGD(Codec):
 
     def memory_problem(self, memory: str) -> Optional[str]:
         s = 2 ** (self.bits - 1) - 1
-        if memory == "none" or self.bucket_size < s * s:  # √bucket_size < s: the residual stays bounded
+        # √bucket_size < s: the residual stays bounded (a bucket of one value is sent exactly)
+        if memory == "none" or self.bucket_size < s * s or self.bucket_size == 1:
             return None
         return (f"{self.name} with bits={self.bits} and bucket_size={self.bucket_size} cannot take "
                 f"memory={memory!r}: a value's rounding error can reach sqrt(bucket_size)/s = "
                 f"{math.sqrt(self.bucket_size) / s:.2g} times its bucket's largest value "
                 f"(s = 2**(bits-1) - 1 = {s}), so error feedback's residual would not stay "
                 f"bounded; use it without error feedback (memory='none', its default), or with it where "
-                f"bucket_size < s**2 (bucket_size at most {s * s - 1} at bits={self.bits}, or more bits)")
+                f"bucket_size < s**2 (bucket_size at most {max(1, s * s - 1)} at bits={self.bits}, or more bits)")
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         return self._encode_into(x, meta, None)

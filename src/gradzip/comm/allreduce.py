@@ -67,9 +67,9 @@ class AllReduce(Collective):
             payload = nxt
             rounds += 1
         nonfinite = call.flag if flag is None else flag[0] > 0
+        saturate_16_bit_sums(self.flagged, reduced if w > 1 else [])
         if rounds and self.flagged:  # the sums of a later round: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(reduced)
-        saturate_cast_sums(self.flagged, call.codec, reduced if w > 1 else [])
         poisoned = _poison(self.flagged, call.codec, reduced, nonfinite)
         return _finish([call], [payload], [reduced], nonfinite, [wire], poisoned, own_scale=1.0 if linear else w,
                        again=again)[0]
@@ -146,9 +146,9 @@ class AllReduce(Collective):
         if flag_work is not None:
             flag_work.wait()
             nonfinite = flag[0] > 0
+        saturate_16_bit_sums(self.flagged, final if w > 1 else [])
         if self.flagged and later:  # one flag per packed buffer: see _any_nonfinite
             nonfinite = nonfinite | _any_nonfinite(later)
-        saturate_cast_sums(self.flagged, codec, final if w > 1 else [])
         poisoned = _poison(self.flagged, codec, final, nonfinite)
         return _finish(calls, payloads, reduced, nonfinite, wire, poisoned, own_scale=1.0 if linear else w)
 
@@ -210,17 +210,20 @@ def _any_nonfinite(sums: Sequence[torch.Tensor]) -> torch.Tensor:
     return flags[0] if len(flags) == 1 else torch.stack(flags).any()
 
 
-def saturate_cast_sums(flagged: bool, codec: Codec, sums: Sequence[torch.Tensor]) -> None:
-    """A cast's payloads are saturated, each a share of the average, yet their sum can pass
-    the 16-bit type's range where the average itself does (fp16: above 65504): clamped in
-    place (one pass over the 2-byte sums), so such an average comes back as the type's
-    largest value, as the all-gather's decode gives it, not as ±inf. (Where only a partial sum
-    of the ring overflowed, large shares of both signs, the value is ±max where it was ±inf:
-    wrong either way, as in PyTorch's fp16 hook.) The parameter server clamps its sums of a
-    cast's partitions the same way. A NaN or ±inf of an input is flagged before the sum, and
-    that step is poisoned whatever its sums hold (unflagged, as gradzip's plain sum is, an
-    overflow stays ±inf, as in DDP's own all-reduce)."""
-    if not flagged or codec.family != "cast":
+def saturate_16_bit_sums(flagged: bool, sums: Sequence[torch.Tensor]) -> None:
+    """Sums of 16-bit payload tensors (values sent as they are: a cast's, random-k's sample,
+    PowerSGD's tensors it does not factorise; codes and statistics are never 16-bit floats)
+    are shares of an average, saturated each, yet their sum can pass the type's range where the
+    average itself does not (fp16: three shares of 65504 / 3 round up past 65504): clamped in
+    place (one pass over the 2-byte sums), so such an average comes back as the type's largest
+    value, as the all-gather's decode gives it, not as ±inf. (Where only a partial sum of the
+    ring overflowed, large shares of both signs, the value is ±max where it was ±inf: wrong
+    either way, as in PyTorch's fp16 hook.) Clamped before a later round's sums are read for
+    overflow (:func:`_any_nonfinite`: that is for products such as PowerSGD's factors, in
+    fp32). The parameter server clamps its sums of partitions the same way. A NaN or ±inf of
+    an input is flagged before the sum, and that step is poisoned whatever its sums hold
+    (unflagged, as gradzip's plain sum is, an overflow stays ±inf, as in DDP's own all-reduce)."""
+    if not flagged:
         return
     for t in sums:
         if t.dtype in (torch.float16, torch.bfloat16):

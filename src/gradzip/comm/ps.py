@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
 from ..options import Option, int_in, optional
-from .allreduce import saturate_cast_sums
+from .allreduce import saturate_16_bit_sums
 from .base import (
     Call,
     Collective,
@@ -163,7 +163,7 @@ class ParameterServer(Collective):
         for p in mine:
             if summable:
                 merged = call.decode(_sum_payloads, [t for t, _ in received[p]])
-                saturate_cast_sums(self.flagged, codec, merged if w > 1 else [])
+                saturate_16_bit_sums(self.flagged, merged if w > 1 else [])
             else:
                 payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
                 mean = call.decode(codec.aggregate, payloads).reshape(-1)

@@ -86,7 +86,8 @@ class LevelCodecs:
     def wire_bytes(self, level: Any, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Bytes of a gradient of ``shape`` and ``dtype`` at ``level``: what goes as it is goes in
         the gradient's width, also where error feedback compensates a 16-bit one in fp32."""
-        return self.get(level).wire_bytes(math.prod(shape), torch.float32, shape, wire=dtype)
+        wide = dtype if dtype.itemsize >= 4 else torch.float32  # (a 16-bit one compensated in fp32, or not)
+        return self.get(level).wire_bytes(math.prod(shape), wide, shape, wire=dtype)
 
     def state_dict(self) -> Dict[str, Any]:
         """The state of the codecs of other levels (the configured codec saves its own)."""
