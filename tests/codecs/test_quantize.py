@@ -527,3 +527,15 @@ def test_unbiased_quantisers_take_error_feedback_only_where_its_residual_stays_b
             gradzip.Communicator(name, memory="residual", **opts)
     if (name, opts) == ("qsgd", {}):
         assert _residual_growth(c, 150) > 1e3  # what the refusal spares
+        # a memory of the user's own: refused where it keeps state, whatever its name
+        from gradzip.sync.memory import Memory, ResidualMemory
+
+        class Quiet(Memory):
+            name = "quiet"
+
+        class Mine(ResidualMemory):
+            name = "mine"
+
+        gradzip.Communicator(name, memory=Quiet(), **opts).close()
+        with pytest.raises(ValueError, match="cannot take memory='mine'"):
+            gradzip.Communicator(name, memory=Mine(), **opts)

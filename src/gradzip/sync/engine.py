@@ -177,7 +177,7 @@ class Communicator(FusedGroups):
             self.codec = _registry.codec(codec, **codec_options)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
-            _check_pair(self.codec, self.memory.name)
+            _check_pair(self.codec, self.memory)
             # none named: the codec's own, or the one-round all-gather in place of the SRA at one
             # or two ranks (options given for the codec's own keep it, since they are that one's)
             self.collective_defaulted = collective is None and not collective_options
@@ -1089,9 +1089,10 @@ def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> 
     return coll
 
 
-def _check_pair(codec: Codec, memory: str) -> None:
-    """A ``ValueError`` where the codec, as configured, cannot take that error feedback."""
-    problem = codec.memory_problem(memory)
+def _check_pair(codec: Codec, memory: "_memory.Memory") -> None:
+    """A ``ValueError`` where the codec, as configured, cannot take that error feedback (a
+    memory that keeps no state is error feedback of none: every codec takes it)."""
+    problem = codec.memory_problem(memory.name) if memory.stateful else None
     if problem is not None:
         raise ValueError(problem)
 
@@ -1102,7 +1103,7 @@ def check_settings(codec: str, options: Mapping[str, Any], memory: Optional[str]
     collective), without a process group, so that a bad one is a ``ValueError`` before any
     rank starts (the launcher, the benchmarks' command line)."""
     made = _registry.codec(codec, **options)
-    _check_pair(made, _memory.memory(memory if memory is not None else made.default_memory).name)
+    _check_pair(made, _memory.memory(memory if memory is not None else made.default_memory))
     if collective is not None or collective_options:
         make_collective(collective or made.collective, made, dict(collective_options or {}), None)
 
