@@ -108,7 +108,8 @@ def test_bad_settings_fail_in_the_launcher_before_any_rank_starts(tmp_path, caps
                         (["--memory", "bogus"], "unknown memory 'bogus'; valid memories: dgc"),
                         (["--codec", "topk", "--collective", "sra"], "valid collectives for it: allgather"),
                         # a bad value names the variable it came from (an option of this command sets one)
-                        (["--codec", "maxmin", "--bits", "9"], "got 9 (from GRADZIP_BITS=9, GRADZIP_CODEC=maxmin)"),
+                        (["--codec", "maxmin", "--bits", "9", "--option", "min_numel=10"],
+                         "got 9 (from GRADZIP_BITS=9, GRADZIP_CODEC=maxmin)"),
                         (["--option", "partitions=2"], "partitions is an option of collective 'ps' (from "
                                                         "GRADZIP_PARTITIONS=2)")):
         with pytest.raises(SystemExit) as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import site
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -83,9 +84,13 @@ def check_settings(env: Dict[str, str]) -> None:
         check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
     except ValueError as exc:
         if cfg.codec in names():  # the variables it came from, set by this command's options or already there
-            if not cfg.sources:
+            said = str(exc)
+            # the settings the message names (an option's own name, or the codec's), else all of them
+            named = [v for k, v in cfg.sources.items() if re.search(rf"\b{re.escape(k.split('.')[-1])}\b", said)]
+            named = named or list(cfg.sources.values())
+            if not named:
                 raise
-            raise ValueError(f"{exc} (from {', '.join(sorted(set(cfg.sources.values())))})") from exc
+            raise ValueError(f"{exc} (from {', '.join(sorted(set(named)))})") from exc
         raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
                          "script's register() call instead)") from exc
 
