@@ -1255,7 +1255,7 @@ def test_an_all_gather_on_gloo_fills_the_rows_with_no_temporary_of_their_size():
 # (codec, collective, values): a 16-bit gradient compensated in fp32 through a collective of two
 # rounds, where a form depends on the width (raw below a size, a dense form of its own)
 TWO_ROUNDS_16 = [("maxmin", "sra", 7), ("maxmin", "ps", 1), ("maxmin", "sra", 5), ("fp8", "sra", 3),
-                 ("u8bit", "sra", 3), ("qsgd", "sra", 3), ("natural", "sra", 3),
+                 ("u8bit", "sra", 3), ("qsgd", "sra", 3), ("natural", "sra", 3), ("terngrad", "sra", 3),
                  ("sketchml", "sra", 1000), ("sketchml", "ps", 1000), ("maxmin", "ps", 3),
                  ("inceptionn", "ps", 4099), ("maxmin", "sra", 4099)]
 
@@ -1265,7 +1265,9 @@ def _two_rounds_16(rank: int, world: int) -> list:
     for dtype in (torch.float16, torch.bfloat16):
         for name, coll, n in TWO_ROUNDS_16:
             bits = {"bits": 8} if name == "qsgd" else {}  # (QSGD's residual is bounded at 8 bits, not at 4)
-            comm = gradzip.Communicator(name, memory="residual", collective=coll, **bits)
+            # (TernGrad takes no error feedback: its 16-bit input as it is, through both rounds)
+            memory = "none" if name == "terngrad" else "residual"
+            comm = gradzip.Communicator(name, memory=memory, collective=coll, **bits)
             for step in range(2):
                 x = torch.randn(n, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
                 if name == "inceptionn":  # (every value raw: its dense form)
@@ -1283,7 +1285,8 @@ def test_a_16_bit_gradients_second_round_goes_in_its_width_as_its_first():
     feedback on a 16-bit gradient, that second round takes the gradient's width as the first
     did, so both have one form and the receivers read it under the first round's context (a
     second round in fp32 was read as raw 16-bit values: averages off by a factor of 100, or a
-    size the gloo all-gather aborted on)."""
+    size the gloo all-gather aborted on). TernGrad, which takes no error feedback, goes through
+    both rounds with its 16-bit input as it is."""
     results = run_workers(_two_rounds_16, 2)
     for row in results[0]:
         name, coll, n, dtype, step, err, same_dtype, everyone = row
