@@ -126,7 +126,10 @@ def test_levels_that_cannot_take_the_error_feedback_are_not_offered():
     buckets, so the levels below are not candidates (a plan could not choose them); without
     error feedback every level is."""
     codec = gradzip.codec("qsgd", bits=8)
-    with_residual = adaptive.AdaptiveLevels(adaptive.LevelCodecs(codec, "residual"), "bytes", 10, ["a"], [(64, 64)])
+    from gradzip.sync.memory import memory
+
+    residual = adaptive.LevelCodecs(codec, memory("residual"))
+    with_residual = adaptive.AdaptiveLevels(residual, "bytes", 10, ["a"], [(64, 64)])
     assert with_residual.levels == [6, 8]
     alone = adaptive.AdaptiveLevels(adaptive.LevelCodecs(codec), "bytes", 10, ["a"], [(64, 64)])
     assert alone.levels == [2, 3, 4, 5, 6, 8]

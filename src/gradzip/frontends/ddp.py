@@ -862,7 +862,7 @@ def register(
     plan = state.build_plan(named, state.should_compress)  # the filter decides what may be compressed
     state.candidates, state.params = plan.groups, dict(named)
     if comm.codec.name in LEVELS and (cfg.adaptive != "off" or cfg.ramp > 0):
-        comm.level_codecs = LevelCodecs(comm.codec, comm.memory.name if comm.memory.stateful else "none")
+        comm.level_codecs = LevelCodecs(comm.codec, comm.memory)
     if cfg.ramp > 0:
         state.ramp = Ramp(comm.codec, cfg.ramp, start=cfg.warmup)
     if cfg.plan == AUTO:

@@ -60,9 +60,9 @@ class LevelCodecs:
     """The codec at every level of one configured codec (the configured level is that codec
     itself), made when first asked for; their state (PowerSGD's Q of another rank) is saved."""
 
-    def __init__(self, codec: Codec, memory: str = "none") -> None:
+    def __init__(self, codec: Codec, memory: Any = None) -> None:
         self.name = codec.name
-        self.memory = memory  # the error feedback's name: a level that cannot take it is not offered
+        self.memory = memory  # the error feedback (a Memory) or None: a level that cannot take it is not offered
         self.option = LEVELS[codec.name][0]
         self.configured = getattr(codec, self.option)
         self._base = codec
@@ -81,7 +81,7 @@ class LevelCodecs:
     def allowed(self, level: Any) -> bool:
         """Whether the codec at ``level`` takes this error feedback (QSGD's residual is bounded
         only at enough bits for its buckets: :meth:`~gradzip.codecs.base.Codec.memory_problem`)."""
-        return self.get(level).memory_problem(self.memory) is None
+        return self.memory is None or self.memory.refused_by(self.get(level)) is None
 
     def wire_bytes(self, level: Any, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Bytes of a gradient of ``shape`` and ``dtype`` at ``level``: what goes as it is goes in

@@ -1090,9 +1090,8 @@ def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> 
 
 
 def _check_pair(codec: Codec, memory: "_memory.Memory") -> None:
-    """A ``ValueError`` where the codec, as configured, cannot take that error feedback (a
-    memory that keeps no state is error feedback of none: every codec takes it)."""
-    problem = codec.memory_problem(memory.name) if memory.stateful else None
+    """A ``ValueError`` where the codec, as configured, cannot take that error feedback."""
+    problem = memory.refused_by(codec)
     if problem is not None:
         raise ValueError(problem)
 

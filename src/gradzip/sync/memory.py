@@ -154,6 +154,12 @@ class Memory(Configurable):
         """The state this memory keeps per parameter, by name (none here)."""
         return ()
 
+    def refused_by(self, codec: Any) -> Optional[str]:
+        """Why ``codec``, as configured, cannot take this error feedback
+        (:meth:`~gradzip.codecs.base.Codec.memory_problem`), or None: a memory that keeps no
+        state, whatever its name, is no error feedback, which every codec takes."""
+        return codec.memory_problem(self.name) if self.stateful else None
+
     def clear_at(self, name: str, index: torch.Tensor) -> None:
         """Zero parameter ``name``'s state at the flat positions ``index`` (places that hold no
         value of the parameter: a sharded front end's padding), where it has any."""
