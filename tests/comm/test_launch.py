@@ -4,9 +4,11 @@ the task's module is imported), a random seed of its own, and an end when its pa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,9 +53,10 @@ def _alive(pid: int) -> bool:
 @pytest.mark.timeout(120)
 def test_ranks_end_when_the_process_that_started_them_is_killed(tmp_path: Path):
     root = str(Path(__file__).resolve().parents[2])
-    # (its temporary folders in the test's, which a killed launcher cannot remove itself)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
+    # (its temporary folders in one of the test's own, which a killed launcher cannot remove
+    # itself: short, as the forkserver's socket in it must fit an AF_UNIX path, 108 bytes, and
+    # pytest's tmp_path can be near that already)
+    scratch = Path(tempfile.mkdtemp(prefix="gzkill"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(scratch)}
     launcher = subprocess.Popen([sys.executable, "-m", "tests.comm.launch_task", str(tmp_path)], cwd=root, env=env)
     try:
@@ -76,3 +79,4 @@ def test_ranks_end_when_the_process_that_started_them_is_killed(tmp_path: Path):
                 os.kill(int(p.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(scratch, ignore_errors=True)
