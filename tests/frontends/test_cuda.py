@@ -197,3 +197,57 @@ def test_every_codec_on_cuda_tensors_keeps_replicas_identical():
         for key, rec in res.items():
             expected = 0 if key.startswith("none-") else 3  # none sends them as they are: DDP's own sum
             assert rec == {"identical": True, "finite": True, "moved": True, "compressed": expected}, (key, rec)
+
+
+def _held_side_stream(rank: int, world: int, backend: str, hold: bool, spec: dict) -> dict:
+    """Six steps of the ``find_unused_parameters`` model (its branch unused on some ranks at
+    some steps: the last bucket waits for jobs that return nothing); with ``hold``, every job
+    first keeps the worker's side stream busy for a while, so that its writes land long after
+    the host has moved on."""
+    from .test_ddp import _Sometimes
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    group = dist.new_group(list(range(world)), backend="nccl") if backend == "nccl" else None
+    torch.manual_seed(0)
+    net = _Sometimes().to(device)
+    net.rank = rank
+    ddp = DDP(net, device_ids=[0], process_group=group, find_unused_parameters=True, bucket_cap_mb=0.01)
+    state = gradzip.register(ddp, min_numel=64, **spec)
+    if hold:
+        stages = state.comm.batch_stages
+
+        def held(batch, step):
+            torch.cuda._sleep(20_000_000)  # about 10 ms of the side stream, none of the host's
+            return (yield from stages(batch, step))
+
+        state.comm.batch_stages = held
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(_batches(rank, 6)):
+        net.step = step
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
+        opt.step()
+    flat, identical = _gathered(net, world)
+    state.close()
+    if group is not None:
+        dist.destroy_process_group(group)
+    return {"params": flat, "identical": identical}
+
+
+@pytest.mark.parametrize("spec", [{"codec": "maxmin", "bits": 4, "memory": "residual"},
+                                  {"codec": "maxmin", "bits": 4, "fusion_mb": 0.02},
+                                  {"codec": "topk", "ratio": 0.05}],
+                         ids=["residual", "small-groups", "topk"])
+def test_ddp_reads_a_bucket_after_the_side_streams_writes(spec):
+    """DDP reads each bucket on its own stream once the hook's future allows: that must come
+    after every write the worker queued on its side stream, even where the last job the bucket
+    waits for returns nothing (an unused parameter's memory set aside and put back) or the
+    bucket's group completed in another bucket's job. Holding the side stream back changes only
+    timing, so the parameters are those of the run without the hold, bit for bit."""
+    for world, backend in ((1, "nccl"), (2, "gloo")):
+        free = run_workers(_held_side_stream, world, backend, False, spec)
+        held = run_workers(_held_side_stream, world, backend, True, spec)
+        for a, b in zip(free, held):
+            assert a["identical"] and b["identical"]
+            assert torch.equal(a["params"], b["params"]), (world, float((a["params"] - b["params"]).abs().max()))

@@ -101,6 +101,16 @@ def all_gather_bytes(buf: torch.Tensor, world_size: int, group: Optional[dist.Pr
     return out
 
 
+def ints_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. To a GPU through pinned memory, without
+    blocking: from pageable memory the copy would wait on the host for every kernel queued on
+    the stream first."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def all_gather_ints(values: Sequence[int], world_size: int, group: Optional[dist.ProcessGroup],
                     device: torch.device) -> List[List[int]]:
     """Every rank's ``values`` (as many on each), rank by rank: the lengths of payloads whose
@@ -301,7 +311,7 @@ def any_flag(rows: torch.Tensor, spec: Spec, per_row: Optional[Sequence[Spec]] =
     each row padded to the longest), in three whatever ``W``."""
     if per_row is None or all(s == spec for s in per_row):
         return rows[:, spec_bytes(spec) - _ALIGN].view(torch.bool).any()
-    at = torch.tensor([[spec_bytes(s) - _ALIGN] for s in per_row], device=rows.device)
+    at = ints_on([spec_bytes(s) - _ALIGN for s in per_row], rows.device).view(-1, 1)
     return rows.gather(1, at).view(torch.bool).any()
 
 

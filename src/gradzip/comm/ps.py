@@ -19,6 +19,7 @@ from .base import (
     all_gather_flat,
     all_gather_ints,
     from_bytes,
+    ints_on,
     payload_views,
     reencoder,
     register_collective,
@@ -228,9 +229,10 @@ class ParameterServer(Collective):
         for spec in own_specs:
             starts.append(total)
             total += len(spec)
-        flat = torch.zeros(total, dtype=torch.int64, device=device)
+        counts = [0] * total
         for p, tensors in merged.items():
-            flat[starts[p] : starts[p] + len(tensors)] = torch.tensor([t.numel() for t in tensors], dtype=torch.int64)
+            counts[starts[p] : starts[p] + len(tensors)] = [t.numel() for t in tensors]
+        flat = ints_on(counts, device)
         if dist.is_available() and dist.is_initialized() and world(self.group)[1] > 1 and total:
             dist.all_reduce(flat, group=self.group)  # one aggregator per partition: the sum is its row
         row = flat.tolist()

@@ -509,7 +509,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
     waits = aside + waits
     for label, fn in after:
         waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
-    return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer), buffer)
+    return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer, state.comm), buffer)
 
 
 def provisional_buckets(ddp: Optional[DistributedDataParallel], passes: int) -> bool:
@@ -549,13 +549,13 @@ def _bucket_job(
     if waits and not ready and not last:  # the bucket waits for a later group's job anyway
         # (the groups' futures complete with another bucket's job: DDP gets this one's buffer)
         if not plain:
-            return [_all_of(list(waits.values()), buffer)]
+            return [_all_of(list(waits.values()), buffer, state.comm)]
         held = state.collector.hold([names[i] for i in plain], [grads[i] for i in plain], step)
         if held is not None:  # its plain sum rides in that job's
-            return [_all_of(list(waits.values()) + [held], buffer)]
+            return [_all_of(list(waits.values()) + [held], buffer, state.comm)]
     held_names, held_grads, held_futures = state.collector.take_held(step)
     if not (held_grads or plain or ready):
-        return [_all_of(list(waits.values()), buffer)] if waits else []
+        return [_all_of(list(waits.values()), buffer, state.comm)] if waits else []
     flush = last if flush is None else flush
     runs: List[List[Any]] = [[group] for group in ready] if one_each and len(ready) > 1 else [ready]
     jobs = []
@@ -634,6 +634,8 @@ def _settle_debts(state: GradzipState, names: List[str], grads: List[torch.Tenso
             state._flush.discard(name)
             owed = state.comm.memory.release(name)
             if owed is not None:
+                if owed.is_cuda:  # made on the worker's stream, read on this one: not freed before
+                    owed.record_stream(torch.cuda.current_stream(owed.device))
                 g.add_(owed.to(device=g.device, dtype=g.dtype).view(g.shape))
 
 
@@ -709,8 +711,13 @@ def _settle_with(target: torch.futures.Future):
     return settle
 
 
-def _all_of(futures: List[torch.futures.Future], value: torch.Tensor) -> torch.futures.Future:
-    """A future that completes with ``value`` once all ``futures`` have, or with the first failure."""
+def _all_of(futures: List[torch.futures.Future], value: torch.Tensor, comm: Communicator) -> torch.futures.Future:
+    """A future that completes with ``value`` once all ``futures`` have, or with the first failure.
+
+    On CUDA its waiters are ordered after everything ``comm``'s worker queued on its side
+    stream until then: the last of ``futures`` to complete may order nothing (a job that
+    returns None, a group's CPU future, one complete before its callback was added), and DDP
+    reads the bucket on its own stream once this future's events allow."""
     out = torch.futures.Future(devices=[value.device] if value.is_cuda else None)
     left = [len(futures)]
     errors: List[BaseException] = []
@@ -728,6 +735,7 @@ def _all_of(futures: List[torch.futures.Future], value: torch.Tensor) -> torch.f
             if errors:
                 out.set_exception(errors[0])
             else:
+                comm.order_after_jobs()  # (the events set_result records are on the current stream)
                 out.set_result(value)
 
     for f in futures:

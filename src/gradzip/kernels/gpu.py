@@ -914,6 +914,12 @@ _JIT = (
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
 )
 
+# Integer arguments that change from call to call (a rounding key, a counter's start). Triton
+# specialises a kernel on whether an integer argument is 1 or divisible by 16 and compiles it
+# again for each class it meets: for these that would be at a random step, on one rank, while
+# the others wait for it in a collective.
+_VARYING_ARGS = ("key", "start")
+
 
 # -------------------------------------------------------------------------------------- loading
 
@@ -965,7 +971,9 @@ def _load() -> bool:
         triton, tl = triton_module, tl_module
         scope = globals()
         for name in _JIT:
-            scope[name] = triton_module.jit(scope[name])
+            varying = [a for a in _VARYING_ARGS if a in inspect.signature(scope[name]).parameters]
+            options = {"do_not_specialize": varying} if varying and name.endswith("_kernel") else {}
+            scope[name] = triton_module.jit(scope[name], **options)
         if _interpreted:
             _interpreter_fault = _probe_interpreter(triton_module)
             _error = _interpreter_fault

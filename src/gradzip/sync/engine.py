@@ -542,9 +542,18 @@ class Communicator(FusedGroups):
         return result
 
     def flush(self) -> None:
-        """Finish every pipelined job still in flight (without waiting for a flushing job)."""
+        """Finish every pipelined job still in flight (without waiting for a flushing job); on
+        CUDA the caller's current stream then waits for their kernels."""
         if self._worker is not None:
             self._worker.submit(lambda: self._guarded(self._pipeline.drain, "flush")).wait()
+            self._worker.order_after_jobs()
+
+    def order_after_jobs(self) -> None:
+        """On CUDA, make the calling thread's current stream wait for the kernels and
+        collectives that the jobs run so far queued on the worker's side stream (see
+        :meth:`OrderedWorker.order_after_jobs`); nothing on the CPU."""
+        if self._worker is not None:
+            self._worker.order_after_jobs()
 
     def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
         earlier = self.earlier_failure(what)

@@ -24,7 +24,8 @@ class OrderedWorker:
     def __init__(self, name: str = "gradzip-comm", device: Optional[torch.device] = None) -> None:
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._device = device if device is not None and device.type == "cuda" else None
-        self._stream = None
+        # CUDA: the side stream every job's kernels and collectives are queued on
+        self._stream = torch.cuda.Stream(self._device) if self._device is not None else None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         # Stop the thread before the interpreter finalises: CPython ends a daemon thread that is
@@ -57,16 +58,30 @@ class OrderedWorker:
         self._queue.put((fn, fut, ready))
         return fut
 
+    def order_after_jobs(self) -> None:
+        """Make the calling thread's current CUDA stream wait for everything the jobs that ran
+        so far queued on the side stream (nothing on the CPU).
+
+        A job's future orders its waiters after the side stream only where its value holds
+        CUDA tensors (PyTorch records the future's events for the devices of the tensors it
+        holds): a job that returns None, or a CPU future completed from another's callback,
+        orders nothing. Whatever combines such futures calls this before handing its result on.
+        """
+        if self._stream is not None:
+            torch.cuda.current_stream(self._device).wait_stream(self._stream)
+
     def close(self, timeout: float = 60.0) -> None:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=timeout)
+        if self._stream is not None and not self._thread.is_alive():
+            # the jobs' kernels and collectives finish before their process groups may go
+            self._stream.synchronize()
         _LIVE.discard(self)
 
     def _loop(self) -> None:
         if self._device is not None:
             torch.cuda.set_device(self._device)
-            self._stream = torch.cuda.Stream(self._device)
         while True:
             item = self._queue.get()
             if item is None:
