@@ -199,11 +199,64 @@ def test_every_codec_on_cuda_tensors_keeps_replicas_identical():
             assert rec == {"identical": True, "finite": True, "moved": True, "compressed": expected}, (key, rec)
 
 
-def _held_side_stream(rank: int, world: int, backend: str, hold: bool, spec: dict) -> dict:
-    """Six steps of the ``find_unused_parameters`` model (its branch unused on some ranks at
-    some steps: the last bucket waits for jobs that return nothing); with ``hold``, every job
-    first keeps the worker's side stream busy for a while, so that its writes land long after
-    the host has moved on."""
+
+def _side_stream_writes_seen(rank: int, world: int) -> dict:
+    """What the caller's stream reads of a buffer that a job writes on the worker's side stream
+    after holding it for a while, through the futures the DDP hook combines (a job returning
+    None, a CPU future completed last, every input complete before they are combined) and
+    after ``flush``."""
+    from gradzip.frontends.ddp import _all_of
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    comm = gradzip.Communicator("maxmin", bits=4)
+    out = {}
+
+    def write(buf: torch.Tensor, value: float):
+        def job() -> None:
+            torch.cuda._sleep(50_000_000)  # the side stream busy for tens of ms; the host goes on
+            buf.fill_(value)
+        return job
+
+    for case in ("none last", "cpu future last", "complete before", "flush"):
+        buf = torch.zeros(1 << 20, device=device)
+        torch.cuda.synchronize()
+        futures = [comm.submit(write(buf, 1.0), device)]
+        if case == "flush":
+            comm.flush()
+            seen = buf.clone()
+        else:
+            if case == "none last":
+                futures.append(comm.submit(lambda: None, device))
+            elif case == "cpu future last":
+                late = torch.futures.Future()
+                futures.append(late)
+                comm.submit(lambda: late.set_result(None), device)
+            else:
+                futures.append(comm.submit(lambda: None, device))
+                for f in futures:
+                    f.wait()  # done on the host; the side stream still sleeps
+            seen = _all_of(futures, buf, comm).wait().clone()
+        torch.cuda.synchronize()
+        out[case] = bool(seen.eq(1.0).all())
+    comm.close()
+    return out
+
+
+def test_combined_futures_order_the_caller_after_the_side_streams_writes():
+    """The future the hook gives DDP for a bucket that waits on several jobs orders its waiter
+    after every write the worker queued on its side stream, whatever the last of them to
+    complete holds (PyTorch records a future's CUDA events only for the tensors its value
+    holds) and where all were complete before being combined; so does ``flush``."""
+    (res,) = run_workers(_side_stream_writes_seen, 1)
+    assert res == {"none last": True, "cpu future last": True, "complete before": True, "flush": True}
+
+
+def _held_side_stream(rank: int, world: int, backend: str, hold: bool) -> dict:
+    """Six steps of the ``find_unused_parameters`` model with error feedback (its branch unused
+    on some ranks at some steps: the bucket that holds it waits last for a job that puts its
+    memory back and returns nothing); with ``hold``, every job first keeps the worker's side
+    stream busy for a while, so that its writes land long after the host has moved on."""
     from .test_ddp import _Sometimes
 
     device = torch.device("cuda", 0)
@@ -213,7 +266,7 @@ def _held_side_stream(rank: int, world: int, backend: str, hold: bool, spec: dic
     net = _Sometimes().to(device)
     net.rank = rank
     ddp = DDP(net, device_ids=[0], process_group=group, find_unused_parameters=True, bucket_cap_mb=0.01)
-    state = gradzip.register(ddp, min_numel=64, **spec)
+    state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
     if hold:
         stages = state.comm.batch_stages
 
@@ -229,25 +282,24 @@ def _held_side_stream(rank: int, world: int, backend: str, hold: bool, spec: dic
         nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
         opt.step()
     flat, identical = _gathered(net, world)
+    # (the last weight in a group of its own: its bucket does not wait for the branch's job)
+    groups = [list(g) for g in state.fusion_plan.groups]
     state.close()
     if group is not None:
         dist.destroy_process_group(group)
-    return {"params": flat, "identical": identical}
+    return {"params": flat, "identical": identical, "groups": groups}
 
 
-@pytest.mark.parametrize("spec", [{"codec": "maxmin", "bits": 4, "memory": "residual"},
-                                  {"codec": "maxmin", "bits": 4, "fusion_mb": 0.02},
-                                  {"codec": "topk", "ratio": 0.05}],
-                         ids=["residual", "small-groups", "topk"])
-def test_ddp_reads_a_bucket_after_the_side_streams_writes(spec):
+def test_ddp_reads_a_bucket_after_the_side_streams_writes():
     """DDP reads each bucket on its own stream once the hook's future allows: that must come
-    after every write the worker queued on its side stream, even where the last job the bucket
-    waits for returns nothing (an unused parameter's memory set aside and put back) or the
-    bucket's group completed in another bucket's job. Holding the side stream back changes only
-    timing, so the parameters are those of the run without the hold, bit for bit."""
+    after every write the worker queued on its side stream, also where the last job the bucket
+    waits for returns nothing (an unused parameter's memory put back). Holding the side stream
+    back changes only timing, so the parameters are those of the run without the hold, bit
+    for bit."""
     for world, backend in ((1, "nccl"), (2, "gloo")):
-        free = run_workers(_held_side_stream, world, backend, False, spec)
-        held = run_workers(_held_side_stream, world, backend, True, spec)
+        free = run_workers(_held_side_stream, world, backend, False)
+        held = run_workers(_held_side_stream, world, backend, True)
         for a, b in zip(free, held):
+            assert ["b.weight"] in a["groups"], a["groups"]
             assert a["identical"] and b["identical"]
             assert torch.equal(a["params"], b["params"]), (world, float((a["params"] - b["params"]).abs().max()))

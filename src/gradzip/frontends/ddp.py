@@ -476,8 +476,9 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         i for i, g in enumerate(grads)
         if dense or not (names[i] in state.fusion_plan.group_of and state.should_compress(g))
     ]
+    settled = None
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum
-        _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain])
+        settled = _settle_debts(state, [names[i] for i in plain], [grads[i] for i in plain], what)
     compress = [i not in plain for i in range(len(grads))]
     aside: List[torch.futures.Future] = []
     if state.used is not None and not dense:  # parameters without a gradient here: their memory waits
@@ -496,7 +497,8 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
             # once, since a later (smaller) bucket may take DDP's sum instead of the worker
             waits = _bucket_job(state, buffer, names, grads, list(range(len(grads))), True, step, what)
         else:  # DDP's own sum
-            waits = [_plain_bucket(state, buffer, names, grads, what, step)]
+            waits = [_plain_bucket(state, buffer, names, grads, what, step, settled)]
+            settled = None
     elif state.config.in_place and not provisional and state.comm.in_place(buffer, grads, names, compress):
         # the lean path: the bucket is the group (not DDP's provisional bucket of the whole
         # model, whose payloads would all be in flight at once: it takes the groups, a job each)
@@ -506,7 +508,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         waits = _bucket_job(state, buffer, names, grads, plain, last, step, what, one_each=provisional)
     if last:
         state.in_place_buckets, state._step_buckets = state._step_buckets, {}
-    waits = aside + waits
+    waits = aside + ([settled] if settled is not None else []) + waits
     for label, fn in after:
         waits.append(state.comm.submit(fn, buffer.device, what=f"{what}: {label}"))
     return state.deliver(waits[0] if len(waits) == 1 else _all_of(waits, buffer, state.comm), buffer)
@@ -626,21 +628,32 @@ def _predicted_s(state: GradzipState, plain: Sequence[torch.Tensor], ready: Sequ
     return total
 
 
-def _settle_debts(state: GradzipState, names: List[str], grads: List[torch.Tensor]) -> None:
+def _settle_debts(
+    state: GradzipState, names: List[str], grads: List[torch.Tensor], what: str,
+) -> Optional[torch.futures.Future]:
     """Add to these plain gradients what their parameters' memory still owes (they were
-    compressed under an earlier plan): every rank adds its own remainder before the sum."""
-    for name, g in zip(names, grads):
-        if name in state._flush:
-            state._flush.discard(name)
+    compressed under an earlier plan): every rank adds its own remainder before the sum. A job
+    of the worker's, ahead of the bucket's own (None where nothing is owed): the memory is the
+    worker's, and on CUDA its tensors live on the worker's stream, where they are read and
+    freed in order."""
+    owing = [(name, g) for name, g in zip(names, grads) if name in state._flush]
+    if not owing:
+        return None
+    state._flush.difference_update(name for name, _ in owing)
+
+    def settle() -> List[torch.Tensor]:
+        for name, g in owing:
             owed = state.comm.memory.release(name)
             if owed is not None:
-                if owed.is_cuda:  # made on the worker's stream, read on this one: not freed before
-                    owed.record_stream(torch.cuda.current_stream(owed.device))
                 g.add_(owed.to(device=g.device, dtype=g.dtype).view(g.shape))
+        return [g for _, g in owing]  # (on CUDA: the future's events cover the adds)
+
+    return state.comm.submit(settle, grads[0].device, what=f"{what}: memory owed by parameters sent plain now")
 
 
 def _plain_bucket(
     state: GradzipState, buffer: torch.Tensor, names: List[str], grads: List[torch.Tensor], what: str, step: int,
+    settled: Optional[torch.futures.Future] = None,
 ) -> torch.futures.Future:
     """A bucket of a step that compresses nothing (warm-up, or a plan left wholly plain): one
     in-place all-reduce of DDP's buffer, issued right here as DDP's default hook does, with none
@@ -650,6 +663,11 @@ def _plain_bucket(
     DDP's own all-reduce."""
     comm = state.comm
     earlier = comm.earlier_failure(what)
+    if settled is not None and earlier is None:  # the memory's debts, added on the worker, go in this sum
+        try:
+            settled.wait()  # (on CUDA this stream then waits for the adds too)
+        except Exception as exc:
+            earlier = exc
     if earlier is not None:
         failed = torch.futures.Future()
         failed.set_exception(earlier)
@@ -735,8 +753,7 @@ def _all_of(futures: List[torch.futures.Future], value: torch.Tensor, comm: Comm
             if errors:
                 out.set_exception(errors[0])
             else:
-                comm.order_after_jobs()  # (the events set_result records are on the current stream)
-                out.set_result(value)
+                comm.complete_after_jobs(out, value)
 
     for f in futures:
         f.add_done_callback(one_done)

@@ -548,12 +548,14 @@ class Communicator(FusedGroups):
             self._worker.submit(lambda: self._guarded(self._pipeline.drain, "flush")).wait()
             self._worker.order_after_jobs()
 
-    def order_after_jobs(self) -> None:
-        """On CUDA, make the calling thread's current stream wait for the kernels and
-        collectives that the jobs run so far queued on the worker's side stream (see
-        :meth:`OrderedWorker.order_after_jobs`); nothing on the CPU."""
-        if self._worker is not None:
-            self._worker.order_after_jobs()
+    def complete_after_jobs(self, fut: torch.futures.Future, value: Any) -> None:
+        """Complete ``fut`` with ``value``; on CUDA its waiters are ordered after the kernels
+        and collectives that the jobs run so far queued on the worker's side stream (see
+        :meth:`OrderedWorker.complete_after_jobs`): for a future that combines jobs' futures."""
+        if self._worker is None:
+            fut.set_result(value)
+        else:
+            self._worker.complete_after_jobs(fut, value)
 
     def _guarded(self, fn: Callable[[], Any], what: str) -> Any:
         earlier = self.earlier_failure(what)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -24,8 +25,10 @@ class OrderedWorker:
     def __init__(self, name: str = "gradzip-comm", device: Optional[torch.device] = None) -> None:
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._device = device if device is not None and device.type == "cuda" else None
-        # CUDA: the side stream every job's kernels and collectives are queued on
+        # CUDA: the side stream every job's kernels and collectives are queued on, and the one
+        # that futures combining several jobs complete on (see complete_after_jobs)
         self._stream = torch.cuda.Stream(self._device) if self._device is not None else None
+        self._join = torch.cuda.Stream(self._device) if self._device is not None else None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         # Stop the thread before the interpreter finalises: CPython ends a daemon thread that is
@@ -60,23 +63,45 @@ class OrderedWorker:
 
     def order_after_jobs(self) -> None:
         """Make the calling thread's current CUDA stream wait for everything the jobs that ran
-        so far queued on the side stream (nothing on the CPU).
-
-        A job's future orders its waiters after the side stream only where its value holds
-        CUDA tensors (PyTorch records the future's events for the devices of the tensors it
-        holds): a job that returns None, or a CPU future completed from another's callback,
-        orders nothing. Whatever combines such futures calls this before handing its result on.
-        """
+        so far queued on the side stream (nothing on the CPU)."""
         if self._stream is not None:
             torch.cuda.current_stream(self._device).wait_stream(self._stream)
 
+    def complete_after_jobs(self, fut: torch.futures.Future, value: Any) -> None:
+        """Complete ``fut`` with ``value`` so that its waiters are ordered after everything the
+        jobs that ran so far queued on the side stream, and after the calling thread's current
+        stream.
+
+        A job's future orders its waiters after the side stream only where its value holds
+        CUDA tensors (PyTorch records a future's events on the current stream, for the devices
+        of the tensors its value holds): a job that returns None orders nothing, nor does a
+        future whose callback runs on the thread that adds it (it was complete already), on
+        that thread's stream. The events are recorded on a stream of the worker's own, which
+        waits for both: made to wait on the side stream itself, the calling thread's stream
+        (backward's, for a callback run where it was added) would stall until the codec work
+        was done."""
+        if self._join is None:
+            fut.set_result(value)
+            return
+        self._join.wait_stream(torch.cuda.current_stream(self._device))
+        self._join.wait_stream(self._stream)
+        with torch.cuda.stream(self._join):
+            fut.set_result(value)
+
     def close(self, timeout: float = 60.0) -> None:
+        """Let the queued jobs finish and stop the thread; on CUDA, then wait for the jobs'
+        kernels and collectives (all within ``timeout`` seconds), which must finish before
+        their process groups are destroyed."""
+        deadline = time.monotonic() + timeout
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=timeout)
         if self._stream is not None and not self._thread.is_alive():
-            # the jobs' kernels and collectives finish before their process groups may go
-            self._stream.synchronize()
+            try:  # (polled: a collective that hangs on the device must not hold the process)
+                while not self._stream.query() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            except RuntimeError:  # a device error: the job that met it has already said so
+                pass
         _LIVE.discard(self)
 
     def _loop(self) -> None:
