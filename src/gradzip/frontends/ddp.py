@@ -23,7 +23,7 @@ from ..policy.adaptive import AdaptiveLevels, LevelCodecs, Ramp, LEVELS, check a
 from ..sync.engine import Batch, Communicator
 from ..sync.groups import group_key
 from ..config import AUTO, Config
-from ..errors import SettingsMismatchError
+from ..errors import CommunicationError, SettingsMismatchError
 from ..comm.base import traffic_factor
 from ..sync.metrics import CSVLogger, format_table, scalars, summary_table
 from ..policy import planner
@@ -86,6 +86,7 @@ class GradzipState:
         # those that did not until this step's exchanges are done (see Memory.set_aside)
         self.used: Optional[set] = None
         self._use_hooks: List[Any] = []
+        self._forward_hooks: List[Any] = []
         self._aside: Dict[str, List[Optional[torch.Tensor]]] = {}
         self._aside_due = False
 
@@ -319,10 +320,22 @@ class GradzipState:
             self.regroup()  # the groups of the loaded levels
 
     def close(self) -> None:
-        for handle in self._use_hooks:
+        for handle in self._use_hooks + self._forward_hooks:
             handle.remove()
-        self._use_hooks = []
+        self._use_hooks, self._forward_hooks = [], []
         self.comm.close()
+
+    def refuse_after_failure(self, module: Any, args: Any) -> None:
+        """A forward pre-hook on the DDP model: after a failed exchange, the next forward that
+        builds a graph raises the :class:`CommunicationError` that names the failure. That
+        backward ended early (the failure raised before DDP's end of backward), so DDP's own
+        bookkeeping would otherwise fail there with an internal assertion that tells nothing."""
+        if self.comm.failed and torch.is_grad_enabled():  # (one test a forward: nothing for a compiler to guard on)
+            earlier = self.comm.earlier_failure(f"step {self.step}")
+            raise CommunicationError(
+                f"{earlier}. After a failed exchange the process group cannot be trusted: end the job "
+                "and restart it from a checkpoint (torchrun --max-restarts restarts it)", earlier.brief,
+            ) from earlier.__cause__
 
     def watch_use(self, params: Sequence[torch.Tensor]) -> None:
         """Note which parameters get a gradient on this rank in a step, so that the memory's
@@ -902,6 +915,7 @@ def register(
     if getattr(model, "find_unused_parameters", False) and comm.memory.stateful:
         state.watch_use([p for _, p in named])
     model.register_comm_hook(state, gradzip_hook)
+    state._forward_hooks.append(model.register_forward_pre_hook(state.refuse_after_failure))
     if comm.rank == 0:
         logger.info("%s", settings_report(comm, cfg))
         hint = bucket_view_hint(getattr(model, "gradient_as_bucket_view", True), state.device)

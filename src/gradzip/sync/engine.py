@@ -225,7 +225,9 @@ class Communicator(FusedGroups):
         self.fusion = bool(fusion)
         self.pipelined = bool(pipeline)
         self._queued_on_stream: Dict[str, bool] = {}  # by device type (see queues_on_stream)
-        self._pipeline = Pipeline(self._failed)
+        # (a stage's failure is recorded before the jobs' futures fail: a caller woken by one
+        # finds every later exchange refused, not only once the worker has unwound)
+        self._pipeline = Pipeline(self.record_failure)
         self._group_residuals: Dict[str, torch.Tensor] = {}  # residual buffers per group key (see _group_residual)
         self._flat_pools: Dict[torch.dtype, BufferPool] = {}  # fused groups' input buffers, lent per exchange
         self._residual_key: Dict[str, str] = {}  # a parameter's name -> the bucket residual it lies in
@@ -569,6 +571,11 @@ class Communicator(FusedGroups):
             raise
         except Exception as exc:
             raise self.record_failure(what, exc, time.monotonic() - start) from exc
+
+    @property
+    def failed(self) -> bool:
+        """Whether an exchange has failed (every later one then fails at once)."""
+        return self._failure is not None
 
     def earlier_failure(self, what: str) -> Optional[CommunicationError]:
         """The error for ``what`` when an earlier exchange has failed (it would only time out
