@@ -169,6 +169,50 @@ def test_user_codec_works_like_any_codec():
         _CODECS._classes.pop("_test_user_ternary", None)  # keep names() clean for other tests
 
 
+
+@pytest.mark.parametrize("change,match", [
+    ({"decompress": None}, "defines no decompress"),
+    ({"compress": None, "decompress": None}, "defines no compress and no decompress"),
+    ({"collectives": ()}, "collectives must name one or more"),
+    ({"collectives": "allgather"}, "collectives must name one or more"),
+    ({"collectives": ("allgather", "ring")}, "unknown collective.*'ring'.*valid collectives: .*sra"),
+    ({"default_memory": "residuals"}, "unknown default_memory 'residuals'.*valid memories: .*residual"),
+], ids=["no-decompress", "no-bodies", "no-collective", "a-string", "unknown-collective", "unknown-memory"])
+def test_a_malformed_codec_is_refused_when_it_registers(change, match):
+    """A definition that could only fail at its first exchange (a body missing, no collective or
+    one that does not exist, an unknown default memory) raises ``ValueError`` at registration,
+    saying what is wrong; nothing is registered."""
+    body = {k: v for k, v in {**vars(_Ternary), "name": "_test_malformed", **change}.items()
+            if v is not None and not k.startswith("__")}
+    cls = type("_Malformed", (cl.CompLLCodec,), body)
+    with pytest.raises(ValueError, match=match):
+        cl.register(cls)
+    assert "_test_malformed" not in gradzip.codecs.names()
+
+
+def test_bodies_that_return_the_wrong_kind_say_so():
+    """``compress`` must return a list of tensors and ``decompress`` a tensor: a bare tensor or
+    a list is named at once, not met later as another error inside the collective."""
+
+    class Bare(_Ternary):
+        name = "_test_bare"
+
+        def compress(self, x, ctx):
+            return super().compress(x, ctx)[0]
+
+    class Listed(_Ternary):
+        name = "_test_listed"
+
+        def decompress(self, wire, ctx):
+            return [super().decompress(wire, ctx)]
+
+    x = torch.randn(10)
+    with pytest.raises(TypeError, match=r"compress must return a list of tensors, got Tensor \(put it in a list"):
+        Bare().encode(x)
+    with pytest.raises(TypeError, match="decompress must return a tensor, got list"):
+        Listed().decode(Listed().encode(x))
+
+
 def test_a_compll_codec_by_buckets_encodes_a_fused_group_as_its_members_alone():
     """``cl_terngrad`` with buckets (``block``): a group whose members start on buckets decodes
     each value to 0 or ± its own bucket's largest magnitude (a bucket never mixes members) in

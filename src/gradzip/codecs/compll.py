@@ -360,10 +360,17 @@ class CompLLCodec(Codec):
         raise NotImplementedError
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        return list(self._body("compress", x.device)(x.float(), Context(self, meta)))
+        wire = self._body("compress", x.device)(x.float(), Context(self, meta))
+        if not isinstance(wire, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in wire):
+            raise TypeError(f"CompLL codec {self.name!r}: compress must return a list of tensors, got "
+                            f"{type(wire).__name__}" + (" (put it in a list: [t])" if isinstance(wire, torch.Tensor) else ""))
+        return list(wire)
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:
-        return self._body("decompress", meta.device)(list(tensors), Context(self, meta))
+        out = self._body("decompress", meta.device)(list(tensors), Context(self, meta))
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"CompLL codec {self.name!r}: decompress must return a tensor, got {type(out).__name__}")
+        return out
 
     def _wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
         bits = self.wire_bits

@@ -10,8 +10,42 @@ _CODECS: Registry[Codec] = Registry("codec", "codecs")
 
 
 def register_codec(cls: Type[Codec]) -> Type[Codec]:
-    """Class decorator that makes a codec available under ``cls.name``."""
+    """Class decorator that makes a codec available under ``cls.name``. A definition that could
+    only fail later, at its first exchange and with an error that would not say why, is refused
+    here with a ``ValueError`` (see :func:`check_definition`)."""
+    check_definition(cls)
     return _CODECS.add(cls)
+
+
+def check_definition(cls: Type[Codec]) -> None:
+    """``ValueError`` where ``cls`` declares no collective, a collective or default memory that
+    does not exist, or is a CompLL codec without its ``compress`` or ``decompress`` body. (The
+    names are checked for codecs defined outside gradzip, which register once gradzip's
+    collectives and memories are all there.)"""
+    label = getattr(cls, "name", "") or cls.__name__
+    colls = cls.collectives
+    if isinstance(colls, str) or not colls or not all(isinstance(c, str) for c in colls):
+        raise ValueError(f"codec {label!r}: collectives must name one or more collectives (the first is "
+                         f"its default), got {colls!r}")
+    if not cls.__module__.startswith("gradzip."):
+        from ..comm import base as comm
+        from ..sync import memory
+
+        unknown = [c for c in colls if c not in comm.names()]
+        if unknown:
+            raise ValueError(f"codec {label!r}: unknown collective(s) {', '.join(map(repr, unknown))}; "
+                             f"valid collectives: {', '.join(comm.names())}")
+        if cls.default_memory not in memory.names():
+            raise ValueError(f"codec {label!r}: unknown default_memory {cls.default_memory!r}; "
+                             f"valid memories: {', '.join(memory.names())}")
+    from .compll import CompLLCodec
+
+    if issubclass(cls, CompLLCodec):
+        missing = [m for m in ("compress", "decompress") if getattr(cls, m) is getattr(CompLLCodec, m)]
+        if missing:
+            raise ValueError(f"CompLL codec {label!r} defines no {' and no '.join(missing)}: "
+                             "compress(self, x, ctx) returns the list of tensors sent, decompress(self, wire, ctx) "
+                             "the flat fp32 result")
 
 
 def names() -> List[str]:
