@@ -113,6 +113,11 @@ class Config:
     given: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        from .codecs import registry
+
+        if isinstance(self.codec, str) and self.codec != AUTO and self.codec not in registry.names():
+            raise ValueError(f"unknown codec {self.codec!r}; valid codecs: auto (4-bit max-min, where the planner "
+                             f"says it pays), {', '.join(registry.names())}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
         for name in ("compress_1d", "fusion", "pipeline", "in_place"):
@@ -180,8 +185,8 @@ class Config:
         collective_options = dict(self.collective_options)
         sources = dict(self.sources)
         for key, text in sorted(environ.items()):
-            if not key.startswith("GRADZIP_") or key == "GRADZIP_":
-                continue
+            if not key.startswith("GRADZIP_") or key == "GRADZIP_" or not text.strip():
+                continue  # (a variable set empty is unset, as in a shell's ${X:-default})
             name = key[len("GRADZIP_"):].lower()
             value = parse_value(text)
             origin = f"{key}={text}"

@@ -24,7 +24,11 @@ def test_differences_name_field_values_ranks_and_source():
     assert differences(settings, sources) == ["codec.bits: 4 on ranks 0, 2; 2 on rank 1 (from GRADZIP_BITS=2)"]
     assert differences(settings[:1] * 3, [{}] * 3) == []
     # a setting only one rank has (another codec's option) counts as a difference too
-    assert differences([{"codec.ratio": 0.1}, {}], [{}, {}]) == ["codec.ratio: 0.1 on rank 0; '<unset>' on rank 1"]
+    assert differences([{"codec.ratio": 0.1}, {}], [{}, {}]) == ["codec.ratio: 0.1 on rank 0; unset on rank 1"]
+    # a setting left out where it holds its default is named by that default
+    assert differences([{}, {}, {"hierarchy": "off"}], [{}, {}, {"hierarchy": "environment GRADZIP_HIERARCHY=off"}],
+                       defaults={"hierarchy": "auto"}) == [
+        "hierarchy: 'auto' (the default) on ranks 0, 1; 'off' on rank 2 (from environment GRADZIP_HIERARCHY=off)"]
 
 
 def test_fingerprint_is_stable_and_sees_every_setting():

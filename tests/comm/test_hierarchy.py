@@ -311,8 +311,11 @@ def _ddp(rank: int, world: int, node_dtype: str = "fp32") -> dict:
         ddp(x).square().mean().backward()
         opt.step()
     plan = state.plan()
+    from gradzip.frontends.ddp import settings_report
+
     return {"params": [p.detach().clone() for p in model.parameters()], "topology": plan["topology"],
-            "residuals": sorted(state.comm.memory.residuals)}
+            "residuals": sorted(state.comm.memory.residuals), "group_mb": plan["group_mb"],
+            "report": settings_report(state.comm, state.config, group_mb=state.group_mb())}
 
 
 @pytest.mark.parametrize("node_dtype", ["fp32", "bf16"])
@@ -323,6 +326,9 @@ def test_ddp_register_becomes_hierarchical_with_no_argument_and_replicas_stay_id
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], res[0]["params"]))
     assert res[0]["residuals"]  # error feedback is keyed by parameter name, as on a flat layout
+    # the settings logged at registration give the group size in use beside the one configured
+    fusion = next(line for line in res[0]["report"].splitlines() if line.split()[0] == "fusion_mb")
+    assert res[0]["group_mb"] != 8.0 and f"8.0; {res[0]['group_mb']:g} in use" in fusion, fusion
 
 
 def _powersgd_on_nodes(rank: int, world: int) -> dict:
@@ -341,8 +347,10 @@ def _powersgd_on_nodes(rank: int, world: int) -> dict:
             ddp(torch.randn(16, 64, generator=g)).square().mean().backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         per = state.stats(per_tensor=True)["per_tensor"]
+        from gradzip.frontends.ddp import settings_report
+
         out[hierarchy] = {"grads": grads, "ratio": min(per[n]["ratio"] for n in ("0.weight", "2.weight")),
-                          "topology": state.comm.describe_topology()}
+                          "topology": state.comm.describe_topology(), "report": settings_report(state.comm, state.config)}
         state.close()
     return out
 
@@ -354,6 +362,9 @@ def test_powersgd_stays_flat_across_nodes_and_compresses():
         auto, off = r["auto"], r["off"]
         assert auto["ratio"] > 10 and off["ratio"] > 10
         assert not auto["topology"]["hierarchical"] and "factorises" in auto["topology"]["flat_because"]
+        # the settings logged at registration say that the job's nodes exchange flat, and why
+        row = next(line for line in auto["report"].splitlines() if line.split()[0] == "exchange")
+        assert "flat across 2 nodes" in row and "factorises" in row, row
         for step_auto, step_off in zip(auto["grads"], off["grads"]):
             assert torch.equal(step_auto[0], step_off[0]) and torch.equal(step_auto[2], step_off[2])  # the weights
         assert all(torch.equal(a, b) for a, b in zip(r["auto"]["grads"][-1], res[0]["auto"]["grads"][-1]))

@@ -616,6 +616,15 @@ def test_warmup_is_validated_and_read_from_the_environment():
     assert gradzip.Config().with_env({"GRADZIP_WARMUP": "50"}).warmup == 50
 
 
+def test_an_unknown_codec_names_auto_among_the_choices_and_an_empty_variable_is_unset():
+    with pytest.raises(ValueError, match=r"unknown codec 'maxminx'; valid codecs: auto \(.*\), adaq, .*maxmin, .*"
+                                         r"\(set in the environment: GRADZIP_CODEC=maxminx\)"):
+        gradzip.Config().with_env({"GRADZIP_CODEC": "maxminx"})
+    cfg = gradzip.Config(codec="topk").with_env({"GRADZIP_CODEC": "", "GRADZIP_RATIO": " ", "GRADZIP_WARMUP": "3"})
+    assert (cfg.codec, cfg.options, cfg.warmup) == ("topk", {}, 3)
+    assert "codec" not in cfg.sources and not cfg.origin("codec").startswith("environment")
+
+
 def _in_flight(rank: int, world: int, in_place: bool) -> dict:
     from gradzip.comm import allgather
 

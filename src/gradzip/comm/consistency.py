@@ -39,31 +39,41 @@ def _ranks(ranks: List[int]) -> str:
 
 def differences(
     all_settings: List[Settings], all_sources: List[Mapping[str, str]], labels: Optional[List[str]] = None,
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> List[str]:
     """One line per setting that is not the same on every rank (empty when they all agree).
 
     ``labels`` names the parties (default: their ranks), e.g. ``["the checkpoint", "this run"]``.
+    ``defaults``: the values of settings left out where they hold their default (a party
+    without the key is shown with it, "(the default)"; without one, "unset").
     """
     lines = []
     keys = sorted(set().union(*all_settings))
+    missing = object()
     for key in keys:
         groups: Dict[str, List[int]] = {}
         for rank, s in enumerate(all_settings):
-            groups.setdefault(repr(s.get(key, "<unset>")), []).append(rank)
+            groups.setdefault(repr(s.get(key, missing)), []).append(rank)
         if len(groups) == 1:
             continue
         parts = []
         for ranks in groups.values():
-            value = all_settings[ranks[0]].get(key, "<unset>")
+            value = all_settings[ranks[0]].get(key, missing)
             sources = sorted({all_sources[r].get(key, "") for r in ranks} - {""})
             who = " and ".join(labels[r] for r in ranks) if labels else _ranks(ranks)
-            parts.append(describe(value, who, ", ".join(sources) or None))
+            if value is missing:
+                known = defaults is not None and key in defaults
+                shown = f"{defaults[key]!r} (the default)" if known else "unset"
+                parts.append(f"{shown} on {who}")
+            else:
+                parts.append(describe(value, who, ", ".join(sources) or None))
         lines.append(f"{key}: " + "; ".join(parts))
     return lines
 
 
 def verify_same_on_all_ranks(
     settings: Settings, group: Optional[dist.ProcessGroup], sources: Optional[Mapping[str, str]] = None,
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> None:
     """Raise :class:`SettingsMismatchError` on every rank of ``group`` unless all hold ``settings``.
 
@@ -78,7 +88,7 @@ def verify_same_on_all_ranks(
     mine = (dict(settings), dict(sources or {}))
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
-    lines = differences([g[0] for g in gathered], [g[1] for g in gathered])
+    lines = differences([g[0] for g in gathered], [g[1] for g in gathered], defaults=defaults)
     if lines:
         rank = dist.get_rank(group)
         raise SettingsMismatchError(

@@ -420,10 +420,13 @@ def _log_line(step: int, v: Dict[str, float]) -> str:
     )
 
 
-def settings_report(comm: Communicator, cfg: Config, collective: Optional[str] = None) -> str:
+def settings_report(comm: Communicator, cfg: Config, collective: Optional[str] = None,
+                    group_mb: Optional[float] = None) -> str:
     """The effective settings and where each came from (argument, config, environment, default).
     ``collective``: the one a front end runs in place of the communicator's own (FSDP2's
-    reduce-scatter), shown without the options of the one it replaces."""
+    reduce-scatter), shown without the options of the one it replaces. ``group_mb``: the size
+    of a fused group in use, shown beside ``fusion_mb`` where the device or the layout chose
+    another. Several nodes exchanged flat say why."""
     settings = dict(comm.settings())
     version = settings.pop("gradzip", "")
     if collective is not None:
@@ -431,6 +434,12 @@ def settings_report(comm: Communicator, cfg: Config, collective: Optional[str] =
         settings["collective"] = collective
     rows = [[key, repr(value), "front end" if key == "collective" and collective else cfg.origin(key)]
             for key, value in settings.items()]
+    for row in rows:
+        if row[0] == "fusion_mb" and group_mb is not None and settings["fusion_mb"] != group_mb:
+            row[1] += f"; {group_mb:g} in use"  # (the device's or the layout's size: GradzipState.group_mb)
+    topology = comm.describe_topology()
+    if topology.get("nodes", 1) > 1 and not topology.get("hierarchical"):
+        rows.append(["exchange", f"flat across {topology['nodes']} nodes", str(topology.get("flat_because", ""))])
     if comm.timeout is not None:
         origin = cfg.origin("timeout") if cfg.timeout is not None else "the process group's"
         rows.append(["timeout", f"{comm.timeout.total_seconds():g} s", origin])
@@ -917,7 +926,7 @@ def register(
     model.register_comm_hook(state, gradzip_hook)
     state._forward_hooks.append(model.register_forward_pre_hook(state.refuse_after_failure))
     if comm.rank == 0:
-        logger.info("%s", settings_report(comm, cfg))
+        logger.info("%s", settings_report(comm, cfg, group_mb=state.group_mb()))
         hint = bucket_view_hint(getattr(model, "gradient_as_bucket_view", True), state.device)
         if hint:
             logger.info("%s", hint)

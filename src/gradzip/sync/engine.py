@@ -45,6 +45,9 @@ from .settle import PLAIN_RESIDUALS, input_read_after, poison_if, scratch_for, s
 from .worker import OrderedWorker
 
 STATE_FORMAT = 2  # 2: one step counter ("step"); 1 had per-name counters and the hook's "hook_step"
+# settings that :meth:`Communicator.settings` leaves out where they hold their default (so state
+# saved before they existed still loads), with that default: how a mismatch names them
+SETTINGS_LEFT_OUT = {"hierarchy": "auto", "node_dtype": "fp32"}
 
 Timeout = Union[timedelta, float, int, None]
 
@@ -245,7 +248,7 @@ class Communicator(FusedGroups):
         self._extra = dict(settings_extra or {})
         self._sources = dict(settings_sources or {})
         if verify_settings:
-            consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources)
+            consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources, SETTINGS_LEFT_OUT)
         # several nodes of several ranks: the configured collective runs across nodes, inside a
         # plain intra-node stage (gradzip.comm.hierarchy). After the settings check, which
         # covers ``hierarchy``: every rank takes part in finding the nodes, or none does
@@ -413,9 +416,9 @@ class Communicator(FusedGroups):
             # (a codec fused by its parts, or fused later, records only the non-default:
             # checkpoints saved before it was fused still load)
             out["fusion"] = self.fusion
-        if self._hierarchy != "auto":  # absent by default, so state saved before the setting existed still loads
+        if self._hierarchy != SETTINGS_LEFT_OUT["hierarchy"]:  # absent by default (see SETTINGS_LEFT_OUT)
             out["hierarchy"] = self._hierarchy
-        if self._node_dtype != "fp32":  # likewise
+        if self._node_dtype != SETTINGS_LEFT_OUT["node_dtype"]:  # likewise
             out["node_dtype"] = self._node_dtype
         if self.topology is not None and self.topology.hierarchical:  # the bytes of a hierarchical exchange differ
             out["topology"] = f"{len(self.topology.nodes)}x{self.topology.local_size}"
@@ -1029,7 +1032,8 @@ class Communicator(FusedGroups):
         if "fusion" not in theirs and mine.get("fusion") is False and not self._records_fusion_always():
             del mine["fusion"]  # saved before this codec was fused (it records ``fusion`` only when off): it ran unfused, as this run does
         if state.get("fingerprint") != consistency.fingerprint(mine):
-            lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"])
+            lines = consistency.differences([theirs, mine], [{}, self._sources], ["the checkpoint", "this run"],
+                                            SETTINGS_LEFT_OUT)
             problems.append("its settings differ: " + ("; ".join(lines) or "fingerprint differs"))
         same_rank = state.get("rank") == self.rank and state.get("world_size") == self.world_size
 

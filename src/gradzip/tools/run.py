@@ -76,23 +76,27 @@ def check_settings(env: Dict[str, str]) -> None:
     """Build the codec, memory and collective the workers will build, so a typo fails here
     and not on every rank."""
     from ..codecs import names
-    from ..config import Config
+    from ..config import AUTO, Config
     from ..sync.engine import check_settings as check
 
-    cfg = Config().with_env(env).resolved()
+    try:
+        cfg = Config().with_env(env).resolved()
+    except ValueError as exc:
+        codec = env.get("GRADZIP_CODEC", "").strip()
+        if codec and codec != AUTO and codec not in names():
+            raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
+                             "script's register() call instead)") from exc
+        raise
     try:
         check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
-    except ValueError as exc:
-        if cfg.codec in names():  # the variables it came from, set by this command's options or already there
-            said = str(exc)
-            # the settings the message names (an option's own name, or the codec's), else all of them
-            named = [v for k, v in cfg.sources.items() if re.search(rf"\b{re.escape(k.split('.')[-1])}\b", said)]
-            named = named or list(cfg.sources.values())
-            if not named:
-                raise
-            raise ValueError(f"{exc} (from {', '.join(sorted(set(named)))})") from exc
-        raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
-                         "script's register() call instead)") from exc
+    except ValueError as exc:  # the variables it came from, set by this command's options or already there
+        said = str(exc)
+        # the settings the message names (an option's own name, or the codec's), else all of them
+        named = [v for k, v in cfg.sources.items() if re.search(rf"\b{re.escape(k.split('.')[-1])}\b", said)]
+        named = named or list(cfg.sources.values())
+        if not named:
+            raise
+        raise ValueError(f"{exc} (from {', '.join(sorted(set(named)))})") from exc
 
 
 def worker_command(args: argparse.Namespace) -> List[str]:
