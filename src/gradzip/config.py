@@ -113,11 +113,6 @@ class Config:
     given: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        from .codecs import registry
-
-        if isinstance(self.codec, str) and self.codec != AUTO and self.codec not in registry.names():
-            raise ValueError(f"unknown codec {self.codec!r}; valid codecs: auto (4-bit max-min, where the planner "
-                             f"says it pays), {', '.join(registry.names())}")
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
         for name in ("compress_1d", "fusion", "pipeline", "in_place"):

@@ -617,9 +617,12 @@ def test_warmup_is_validated_and_read_from_the_environment():
 
 
 def test_an_unknown_codec_names_auto_among_the_choices_and_an_empty_variable_is_unset():
+    from gradzip.frontends.ddp import check_codec_name
+
     with pytest.raises(ValueError, match=r"unknown codec 'maxminx'; valid codecs: auto \(.*\), adaq, .*maxmin, .*"
                                          r"\(set in the environment: GRADZIP_CODEC=maxminx\)"):
-        gradzip.Config().with_env({"GRADZIP_CODEC": "maxminx"})
+        check_codec_name(gradzip.Config().with_env({"GRADZIP_CODEC": "maxminx"}))
+    check_codec_name(gradzip.Config(codec="auto"))
     cfg = gradzip.Config(codec="topk").with_env({"GRADZIP_CODEC": "", "GRADZIP_RATIO": " ", "GRADZIP_WARMUP": "3"})
     assert (cfg.codec, cfg.options, cfg.warmup) == ("topk", {}, 3)
     assert "codec" not in cfg.sources and not cfg.origin("codec").startswith("environment")

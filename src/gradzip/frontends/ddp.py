@@ -872,6 +872,7 @@ def register(
     given.update({f"collective.{k}": "argument" for k in collective_options or {}})
     given.update({f"memory.{k}": "argument" for k in memory_options or {}})
     cfg = replace(cfg, given=given).with_env()
+    check_codec_name(cfg)
     if sharded:  # (its settings checked before "auto" fills in the DDP hook's own)
         return _register_fsdp(model, cfg, group, memory_options, weight_bits)
     cfg = cfg.resolved()
@@ -931,6 +932,17 @@ def register(
         if hint:
             logger.info("%s", hint)
     return state
+
+
+def check_codec_name(cfg: Config) -> None:
+    """``ValueError`` for a codec that no front end takes, naming ``auto`` beside every
+    registered codec (and the variable it came from)."""
+    from .. import codecs
+
+    if isinstance(cfg.codec, str) and cfg.codec != AUTO and cfg.codec not in codecs.names():
+        where = f" (set in the environment: {cfg.sources['codec']})" if "codec" in cfg.sources else ""
+        raise ValueError(f"unknown codec {cfg.codec!r}; valid codecs: auto (4-bit max-min, where the planner says it "
+                         f"pays), {', '.join(codecs.names())}{where}")
 
 
 def bucket_view_hint(bucket_view: bool, device: Optional[torch.device]) -> Optional[str]:

@@ -75,18 +75,17 @@ def worker_environment(args: argparse.Namespace, environ: Optional[Dict[str, str
 def check_settings(env: Dict[str, str]) -> None:
     """Build the codec, memory and collective the workers will build, so a typo fails here
     and not on every rank."""
-    from ..codecs import names
-    from ..config import AUTO, Config
+    from ..config import Config
+    from ..frontends.ddp import check_codec_name
     from ..sync.engine import check_settings as check
 
+    cfg = Config().with_env(env)
     try:
-        cfg = Config().with_env(env).resolved()
+        check_codec_name(cfg)
     except ValueError as exc:
-        codec = env.get("GRADZIP_CODEC", "").strip()
-        if codec and codec != AUTO and codec not in names():
-            raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
-                             "script's register() call instead)") from exc
-        raise
+        raise ValueError(f"{exc} (a codec that the script registers itself is not known here: name it in the "
+                         "script's register() call instead)") from exc
+    cfg = cfg.resolved()
     try:
         check(cfg.codec, cfg.options, cfg.memory, cfg.collective, cfg.collective_options)
     except ValueError as exc:  # the variables it came from, set by this command's options or already there
