@@ -175,19 +175,40 @@ def test_user_codec_works_like_any_codec():
     ({"compress": None, "decompress": None}, "defines no compress and no decompress"),
     ({"collectives": ()}, "collectives must name one or more"),
     ({"collectives": "allgather"}, "collectives must name one or more"),
-    ({"collectives": ("allgather", "ring")}, "unknown collective.*'ring'.*valid collectives: .*sra"),
-    ({"default_memory": "residuals"}, "unknown default_memory 'residuals'.*valid memories: .*residual"),
-], ids=["no-decompress", "no-bodies", "no-collective", "a-string", "unknown-collective", "unknown-memory"])
+], ids=["no-decompress", "no-bodies", "no-collective", "a-string"])
 def test_a_malformed_codec_is_refused_when_it_registers(change, match):
-    """A definition that could only fail at its first exchange (a body missing, no collective or
-    one that does not exist, an unknown default memory) raises ``ValueError`` at registration,
-    saying what is wrong; nothing is registered."""
+    """A definition that could only fail at its first exchange (a body missing, no collective)
+    raises ``ValueError`` at registration, saying what is wrong; nothing is registered."""
     body = {k: v for k, v in {**vars(_Ternary), "name": "_test_malformed", **change}.items()
             if v is not None and not k.startswith("__")}
     cls = type("_Malformed", (cl.CompLLCodec,), body)
     with pytest.raises(ValueError, match=match):
         cl.register(cls)
     assert "_test_malformed" not in gradzip.codecs.names()
+
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"collectives": ("allgather", "ring")}, "declares unknown collective.*'ring'.*valid collectives: .*sra"),
+    ({"default_memory": "residuals"}, "unknown default_memory 'residuals'.*valid memories: .*residual"),
+], ids=["unknown-collective", "unknown-memory"])
+def test_a_codec_naming_a_collective_or_memory_that_does_not_exist_is_refused_at_its_first_use(change, match):
+    """The collectives and default memory a codec names are checked where it is first used (a
+    module may register its own collective after its codec): a clear ``ValueError`` before any
+    collective, not an error inside one."""
+    from gradzip.sync.engine import check_settings
+
+    name = "_test_names_later"
+    cl.register(type("_Later", (_Ternary,), {"name": name, **change}))
+    try:
+        with pytest.raises(ValueError, match=match):
+            check_settings(name, {})
+        with pytest.raises(ValueError, match=match):
+            gradzip.Communicator(name)
+    finally:
+        from gradzip.codecs.registry import _CODECS
+
+        _CODECS._classes.pop(name, None)
 
 
 def test_bodies_that_return_the_wrong_kind_say_so():

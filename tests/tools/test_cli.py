@@ -62,8 +62,9 @@ def test_demo_without_a_cluster_says_so_first_and_estimates_the_wire(tmp_path, c
 
 @pytest.mark.timeout(120)
 def test_demo_on_two_nodes_times_the_wire_by_what_crosses_nodes(tmp_path, capsys):
-    """With nodes of two ranks gradzip exchanges hierarchically: the wire time is the node's
-    ranks' shares sent across nodes (``stats()["sent_bytes"]``), less than the flat estimate."""
+    """With nodes of two ranks gradzip exchanges hierarchically: the wire time is that of the
+    bytes on a node's link (its ranks' compressed shares sent across nodes, and the flat ring of
+    the uncompressed gradients), less than the flat estimate."""
     out = tmp_path / "demo"
     rc = cli.main([
         "demo", "--workers", "4", "--ranks-per-node", "2", "--rate", "loopback", "--epochs", "1", "--width", "64",
@@ -72,11 +73,11 @@ def test_demo_on_two_nodes_times_the_wire_by_what_crosses_nodes(tmp_path, capsys
     assert rc == 0
     rows = {r["config"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     fp32, mm = rows["fp32"], rows["maxmin4"]
-    assert fp32["slow_link_bytes"] is None and fp32["link_s"] == pytest.approx(1.5 * fp32["wire_bytes"] * 8 / 1e8)
-    assert 0 < mm["slow_link_bytes"] < mm["wire_bytes"]
-    assert mm["link_s"] == pytest.approx(2 * mm["slow_link_bytes"] * 8 / 1e8)
+    assert fp32["node_link_bytes"] is None and fp32["link_s"] == pytest.approx(1.5 * fp32["wire_bytes"] * 8 / 1e8)
+    assert 0 < mm["node_link_bytes"] < 1.5 * mm["wire_bytes"]
+    assert mm["link_s"] == pytest.approx(mm["node_link_bytes"] * 8 / 1e8)
     assert mm["link_s"] < demo.link_seconds(mm["wire_bytes"], mm["collective"], 4, "100mbit")
-    assert "hierarchical: the node's ranks' shares" in " ".join(capsys.readouterr().out.split())  # (wrapped)
+    assert "hierarchical: the bytes on the node's link" in " ".join(capsys.readouterr().out.split())  # (wrapped)
 
 
 def _demo_report(fp32_s, maxmin_s, emulated=True, acc=(97.2, 96.9)):
@@ -104,8 +105,8 @@ def test_demo_headline_is_computed_from_the_run():
     assert "took 9.0 s against fp32's 3.0 s" in loop[1]
     assert demo.link_seconds(1e9, "allgather", 4, "1gbit") == pytest.approx(24.0)  # W−1 payloads
     assert demo.link_seconds(1e9, "sra", 4, "100mbit") == pytest.approx(120.0)  # 2(W−1)/W payloads
-    # hierarchical, 2 nodes of 2: the node's link carries both ranks' shares sent across nodes
-    assert demo.link_seconds(1e9, "allgather", 4, "1gbit", slow_link_bytes=2.5e8, ranks_per_node=2) == pytest.approx(4.0)
+    # hierarchical: the bytes on the node's link as they are
+    assert demo.link_seconds(1e9, "allgather", 4, "1gbit", node_link_bytes=5e8) == pytest.approx(4.0)
 
 
 # Runs a command with rich and matplotlib hidden (as after a plain ``pip install gradzip``), in

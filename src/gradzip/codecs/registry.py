@@ -1,7 +1,7 @@
 """Codec names → classes: ``codec("qsgd", bits=4)`` builds one, ``names()`` lists them."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Type
+from typing import Any, List, Type
 
 from ..options import Registry
 from .base import Codec
@@ -18,12 +18,13 @@ def register_codec(cls: Type[Codec]) -> Type[Codec]:
 
 
 def check_definition(cls: Type[Codec]) -> None:
-    """``ValueError`` where ``cls`` declares no collective or is a CompLL codec without its
-    ``compress`` or ``decompress`` body, and where a check that a layer above added
-    (:func:`add_definition_check`: the collectives and memories that exist) refuses it."""
+    """``ValueError`` where ``cls`` declares no collective, or is a CompLL codec without its
+    ``compress`` or ``decompress`` body. (The collectives and the default memory it names are
+    checked where it is first used: a module may register those after its codec.)"""
     label = getattr(cls, "name", "") or cls.__name__
     colls = cls.collectives
-    if isinstance(colls, str) or not colls or not all(isinstance(c, str) for c in colls):
+    if isinstance(colls, str) or (isinstance(colls, (tuple, list)) and (
+            not colls or not all(isinstance(c, str) for c in colls))):  # (a property: the instance's own)
         raise ValueError(f"codec {label!r}: collectives must name one or more collectives (the first is "
                          f"its default), got {colls!r}")
     from .compll import CompLLCodec
@@ -34,18 +35,6 @@ def check_definition(cls: Type[Codec]) -> None:
             raise ValueError(f"CompLL codec {label!r} defines no {' and no '.join(missing)}: "
                              "compress(self, x, ctx) returns the list of tensors sent, decompress(self, wire, ctx) "
                              "the flat fp32 result")
-    if not cls.__module__.startswith("gradzip."):  # (gradzip's own register while the layers above load)
-        for check in _CHECKS:
-            check(cls, label)
-
-
-_CHECKS: List[Callable[[Type[Codec], str], None]] = []
-
-
-def add_definition_check(check: Callable[[Type[Codec], str], None]) -> None:
-    """Have :func:`register_codec` call ``check(cls, label)`` for codecs defined outside
-    gradzip: the layers above (collectives, memories) add theirs when they load."""
-    _CHECKS.append(check)
 
 
 def names() -> List[str]:

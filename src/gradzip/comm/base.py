@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..codecs import registry as codec_registry
 from ..codecs.base import Codec, Payload, element_size, nonfinite_flag
 from ..kernels import store_into
 from ..options import Registry
@@ -799,16 +798,6 @@ register_collective = _COLLECTIVES.add
 names = _COLLECTIVES.names
 get = _COLLECTIVES.get
 
-
-def _collectives_exist(cls: type, label: str) -> None:
-    """A codec registered later may name only collectives that exist."""
-    unknown = [c for c in cls.collectives if c not in names()]
-    if unknown:
-        raise ValueError(f"codec {label!r}: unknown collective(s) {', '.join(map(repr, unknown))}; "
-                         f"valid collectives: {', '.join(names())}")
-
-
-codec_registry.add_definition_check(_collectives_exist)
 
 
 def traffic_factor(collective: str, world_size: int) -> float:

@@ -76,7 +76,7 @@ def _build(cc: str) -> Path:
     flags = FLAGS + ["-fopenmp-simd"]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
-    cache = Path(os.environ.get("GRADZIP_CACHE", Path.home() / ".cache" / "gradzip"))
+    cache = Path(os.environ.get("GRADZIP_CACHE") or Path.home() / ".cache" / "gradzip")  # (set empty: unset)
     target = cache / f"native-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -178,6 +178,7 @@ class Communicator(FusedGroups):
                 raise ValueError(f"node_dtype must be one of {', '.join(NODE_DTYPES)}, got {node_dtype!r}")
             kernels_setting()  # GRADZIP_KERNELS, read at the first encode: checked here
             self.codec = _registry.codec(codec, **codec_options)
+            _check_declared(self.codec)
             memory = memory if memory is not None else self.codec.default_memory
             self.memory = _memory.memory(memory, **(memory_options or {}))
             _check_pair(self.codec, self.memory)
@@ -1111,6 +1112,19 @@ def make_collective(name: str, codec: Codec, options: Dict[str, Any], group) -> 
     return coll
 
 
+def _check_declared(codec: Codec) -> None:
+    """A ``ValueError`` where the codec declares a collective or a default memory that does
+    not exist (a codec of the user's, whose module may register those after it, is checked
+    here, at its first use, not when it registers)."""
+    unknown = [c for c in codec.collectives if c not in _collectives.names()]
+    if unknown:
+        raise ValueError(f"codec {codec.name!r} declares unknown collective(s) {', '.join(map(repr, unknown))}; "
+                         f"valid collectives: {', '.join(_collectives.names())}")
+    if codec.default_memory not in _memory.names():
+        raise ValueError(f"codec {codec.name!r} declares an unknown default_memory {codec.default_memory!r}; "
+                         f"valid memories: {', '.join(_memory.names())}")
+
+
 def _check_pair(codec: Codec, memory: "_memory.Memory") -> None:
     """A ``ValueError`` where the codec, as configured, cannot take that error feedback."""
     problem = memory.refused_by(codec)
@@ -1124,6 +1138,7 @@ def check_settings(codec: str, options: Mapping[str, Any], memory: Optional[str]
     collective), without a process group, so that a bad one is a ``ValueError`` before any
     rank starts (the launcher, the benchmarks' command line)."""
     made = _registry.codec(codec, **options)
+    _check_declared(made)
     _check_pair(made, _memory.memory(memory if memory is not None else made.default_memory))
     if collective is not None or collective_options:
         make_collective(collective or made.collective, made, dict(collective_options or {}), None)

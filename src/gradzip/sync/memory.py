@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from ..codecs import registry as codec_registry
 from ..kernels import fused
 from ..options import Registry
 from ..options import Configurable, Option, float_in, optional
@@ -644,15 +643,6 @@ for _cls in (Memory, ResidualMemory, EFSignMemory, PowerSGDMemory, DGCMemory):
 register_memory = _MEMORIES.add
 names = _MEMORIES.names
 
-
-def _default_memory_exists(cls: type, label: str) -> None:
-    """A codec registered later may name only a memory that exists as its default."""
-    if cls.default_memory not in names():
-        raise ValueError(f"codec {label!r}: unknown default_memory {cls.default_memory!r}; "
-                         f"valid memories: {', '.join(names())}")
-
-
-codec_registry.add_definition_check(_default_memory_exists)
 
 
 def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:

@@ -160,11 +160,16 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
     losses /= world
     numel = sum(p.numel() for p in model.parameters())
     raw = numel * 4 * step
-    hierarchical = False
+    slow_link = None
     if state is not None:
-        stats = state.stats()
+        stats = state.stats(per_tensor=True)
         wire = int(stats["wire_bytes"])
-        hierarchical = bool(state.comm.describe_topology().get("hierarchical"))
+        if state.comm.describe_topology().get("hierarchical"):
+            # what crosses the node's one link: each rank's share of the compressed exchanges
+            # (times the node's ranks), and the uncompressed ones' flat ring once
+            rows = stats["per_tensor"].values()
+            local = state.comm.topology.local_size
+            slow_link = sum(r["sent_bytes"] * (local if r["compressed"] else 1) for r in rows)
         state.close()
     else:  # plain DDP sends fp32; PyTorch's fp16 hook sends half of that
         stats, wire = {}, raw // 2 if spec is not None and spec[0] == "torch:fp16_compress_hook" else raw
@@ -179,8 +184,8 @@ def _train_one(name: str, data, opts: Dict[str, Any], rank: int, world: int, bar
         "raw_bytes": raw,
         "ratio": raw / wire if wire else math.inf,
         "collective": collective,
-        # on several nodes: what this rank sent over its node's link (its share, compressed)
-        "slow_link_bytes": int(stats["sent_bytes"]) if hierarchical else None,
+        # on several nodes: the bytes on its node's link (see link_seconds)
+        "node_link_bytes": slow_link,
         "wall_s": wall,
         "final_train_loss": float(last.mean()),
         "loss_per_step": losses.tolist(),
@@ -238,13 +243,14 @@ def rate_label(rate: str) -> str:
 
 
 def link_seconds(wire_bytes: float, collective: str, workers: int, rate: str,
-                 slow_link_bytes: Optional[float] = None, ranks_per_node: int = 1) -> float:
+                 node_link_bytes: Optional[float] = None) -> float:
     """Time the bytes need on one rank's link: payload bytes per rank (every step, summed) ×
     the collective's pattern (ring all-gather W−1 payloads; all-reduce, SRA and PS 2(W−1)/W) / rate.
-    A hierarchical exchange on nodes of L ranks (``slow_link_bytes``: what a rank sent across
-    nodes, ``stats()["sent_bytes"]``) puts the node's L shares on the node's one link instead."""
-    if slow_link_bytes is not None:
-        return ranks_per_node * slow_link_bytes * 8 / cluster.parse_rate(rate)
+    A hierarchical exchange on nodes of L ranks gives ``node_link_bytes`` instead, the bytes on
+    the node's one link: its L ranks' shares of the compressed exchanges sent across nodes
+    (``sent_bytes`` of the compressed tensors × L), and the flat ring of the uncompressed ones."""
+    if node_link_bytes is not None:
+        return node_link_bytes * 8 / cluster.parse_rate(rate)
     factor = workers - 1 if collective == "allgather" else 2 * (workers - 1) / workers
     return factor * wire_bytes * 8 / cluster.parse_rate(rate)
 
@@ -363,7 +369,7 @@ def run_demo(
     for r in results:
         if "error" not in r:
             r["link_s"] = link_seconds(r["wire_bytes"], r["collective"], opts["workers"], report["link_rate"],
-                                       r.get("slow_link_bytes"), opts["ranks_per_node"])
+                                       r.get("node_link_bytes"))
     report.update(total_wall_s=time.perf_counter() - t0, results=results)
     report["headline"] = headline(report)
     if out:
@@ -448,7 +454,8 @@ def table(report: Dict[str, Any]):
     wire = (
         f"wire s: time the payload bytes need on one rank's {label} link, MB/rank × (2(W−1)/W for all-reduce, SRA"
         " and PS; W−1 for all-gather) / link rate"
-        + ("; hierarchical: the node's ranks' shares sent across nodes (sent_bytes × ranks a node) / link rate"
+        + ("; hierarchical: the bytes on the node's link (its ranks' compressed shares sent across nodes, and"
+           " the uncompressed gradients' flat ring) / link rate"
            if o.get("ranks_per_node", 1) > 1 else "")
         + ("" if report.get("emulated") else f" (an estimate: loopback has no {label} link)")
     )
