@@ -50,6 +50,52 @@ def test_large_groups_compress_on_a_slow_link_and_nothing_does_where_plain_is_ch
     assert planner.decide([["big"]], params, MAXMIN4, clear)[0].compress
 
 
+
+def test_one_more_size_is_timed_only_for_large_groups_near_the_bar_and_where_it_is_cheap():
+    big = 22 << 20  # values: BERT-base's word embedding
+    near = planner.Costs(planner.Line(1e-3, 1e-8), planner.Line(1e-3, 0.45e-8), world_size=4)  # 10 Gbit/s-like
+    assert planner.extra_size_due(near, big)
+    assert not planner.extra_size_due(near, 2 * planner.SIZES[-1])  # within reach of the sizes timed
+    clear = planner.Costs(planner.Line(1e-3, 1e-8), planner.Line(1e-3, 0.1e-8), world_size=4)
+    assert not planner.extra_size_due(clear, big)  # 0.1 of plain: clearly compressed
+    far = planner.Costs(planner.Line(1e-3, 1e-8), planner.Line(1e-3, 3e-8), world_size=4)
+    assert not planner.extra_size_due(far, big)  # 3x plain: clearly plain
+    slow = planner.Costs(planner.Line(1e-3, 1e-7), planner.Line(1e-3, 0.45e-7), world_size=4)
+    assert not planner.extra_size_due(slow, big)  # near the bar, but timing it would take too long
+
+
+def _calibrated_with_extra(rank: int, world: int, due: bool) -> dict:
+    sizes, timed = [], [0]
+    time_size_due, median = planner.extra_size_due, planner.median_seconds
+    planner.extra_size_due = lambda *args: sizes.append(args[1]) or due
+
+    def counted(*args, **kwargs):
+        timed[0] += 1
+        return median(*args, **kwargs)
+
+    planner.median_seconds = counted
+    try:
+        comm = gradzip.Communicator("maxmin", bits=4)
+        costs = planner.calibrate(comm, repeats=1, largest=16 << 20)
+        comm.close()
+    finally:
+        planner.extra_size_due, planner.median_seconds = time_size_due, median
+    return {"asked": sizes, "timed": timed[0],
+            "lines": [costs.plain.alpha, costs.plain.beta, costs.compressed.alpha, costs.compressed.beta]}
+
+
+@pytest.mark.timeout(120)
+def test_calibration_times_the_extra_size_alike_on_every_rank():
+    """Where it is due, the extra size is timed on every rank and the lines refitted, the same
+    floats everywhere (the slowest rank's)."""
+    for due in (False, True):
+        res = run_workers(_calibrated_with_extra, 2, due)
+        assert [r["asked"] for r in res] == [[16 << 20], [16 << 20]]
+        # two ways (plain, compressed) a size: three sizes, and the extra one where due
+        assert [r["timed"] for r in res] == [2 * (len(planner.SIZES) + due)] * 2
+        assert res[0]["lines"] == res[1]["lines"] and all(math.isfinite(v) and v >= 0 for v in res[0]["lines"])
+
+
 def test_groups_are_priced_at_their_padded_size_and_16_bit_plain_at_half():
     params = _params(a=1000, b=3000)  # 1024 + 3072 values once padded to maxmin's blocks
     (d,) = planner.decide([["a", "b"]], params, MAXMIN4, GIGABIT)

@@ -151,7 +151,9 @@ class GradzipState:
         its error-feedback remainder: it is added to its next gradient (sent plain), so nothing
         is lost."""
         if costs is None:
-            costs = planner.calibrate(self.comm, self.device, routes=self.route_candidates)
+            largest = max((planner.padded_numel(self.comm.codec, [self.params[n] for n in g]) for g in self.candidates),
+                          default=0)
+            costs = planner.calibrate(self.comm, self.device, routes=self.route_candidates, largest=largest)
         self.apply(planner.decide(self.candidates, self.params, self.comm.codec, costs), costs)
 
     def apply(self, decisions: List[planner.Decision], costs: Optional[planner.Costs]) -> None:
