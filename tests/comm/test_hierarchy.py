@@ -350,7 +350,8 @@ def _powersgd_on_nodes(rank: int, world: int) -> dict:
         from gradzip.frontends.ddp import settings_report
 
         out[hierarchy] = {"grads": grads, "ratio": min(per[n]["ratio"] for n in ("0.weight", "2.weight")),
-                          "topology": state.comm.describe_topology(), "report": settings_report(state.comm, state.config)}
+                          "topology": state.comm.describe_topology(),
+                          "report": settings_report(state.comm, state.config)}
         state.close()
     return out
 

@@ -362,8 +362,9 @@ class CompLLCodec(Codec):
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         wire = self._body("compress", x.device)(x.float(), Context(self, meta))
         if not isinstance(wire, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in wire):
+            hint = " (put it in a list: [t])" if isinstance(wire, torch.Tensor) else ""
             raise TypeError(f"CompLL codec {self.name!r}: compress must return a list of tensors, got "
-                            f"{type(wire).__name__}" + (" (put it in a list: [t])" if isinstance(wire, torch.Tensor) else ""))
+                            f"{type(wire).__name__}{hint}")
         return list(wire)
 
     def _decode(self, tensors: List[torch.Tensor], meta: Meta) -> torch.Tensor:

@@ -29,11 +29,11 @@ there the compressed line is the optimistic one: at 10 Gbit/s, 4 ranks on 2 core
 put compression at 0.40–0.86 of the plain cost for groups of 8–23 Mi values, where compressing
 every group ran 0.82–1.06× fp32 DDP's speed (ResNet-50, BERT-base), and loopback at 0.52–0.97.
 So where the largest group to plan sits near the bar, one more size is timed, if that is
-cheap (:func:`extra_size_due`). At 1 Gbit/s a group of 0.6 Mi values (a 768 × 768 matrix) calibrates at 0.32–0.40 and larger
-ones at 0.12–0.30, and compressing them pays: with the bar at 0.4 a transformer's 768 × 768
-groups stayed plain (one group in four), and ViT-B/16 and BERT-base ran at 2.84× and 3.10×
-fp32 DDP's speed, against 3.38× and 3.54× with the bar at 0.5. A 16-bit gradient's plain
-all-reduce moves half the bytes: its plain cost per value is halved.
+cheap (:func:`extra_size_due`). At 1 Gbit/s a group of 0.6 Mi values (a 768 × 768 matrix)
+calibrates at 0.32–0.40 and larger ones at 0.12–0.30, and compressing them pays: with the bar
+at 0.4 a transformer's 768 × 768 groups stayed plain (one group in four), and ViT-B/16 and
+BERT-base ran at 2.84× and 3.10× fp32 DDP's speed, against 3.38× and 3.54× with the bar at 0.5.
+A 16-bit gradient's plain all-reduce moves half the bytes: its plain cost per value is halved.
 
 The collective is chosen per group too, when the user named none: the compressed exchange is
 timed through every collective that supports the codec (``candidate_routes``: for 4-bit
