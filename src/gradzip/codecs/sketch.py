@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
+from ..kernels.transfer import ints_on
 from .base import (
     Codec, Meta, Option, Payload, as_wire, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite,
 )
@@ -392,7 +393,7 @@ class SketchML(Codec):
         if size > raw_bytes(lay.numel, meta.as_is):  # every value as it is (a choice by the data, told by empty heads)
             none = x.new_empty(0, dtype=torch.uint8)
             return [none, x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.int32), none, as_wire(x, meta.wire)]
-        width = torch.tensor(widths, dtype=torch.int64, device=dev)
+        width = ints_on(widths, dev)  # (no second host wait: the widths were just read there)
         heads = torch.cat([sel.index_select(0, g["firsts"]).sub_(g["starts"]), width]).to(torch.int32)
         raw = x.new_empty(0) if g["raw_index"] is None else as_wire(x.index_select(0, g["raw_index"]), meta.wire)
         gaps = _gap_bytes(gaps, width, g["gap_counts"], gap_bytes, lay.one_width(widths))

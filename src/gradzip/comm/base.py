@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload, element_size, nonfinite_flag
 from ..kernels import store_into
+from ..kernels.transfer import ints_on
 from ..options import Registry
 from ..options import Configurable
 from .pool import BufferPool
@@ -99,16 +100,6 @@ def all_gather_bytes(buf: torch.Tensor, world_size: int, group: Optional[dist.Pr
     else:
         all_gather_flat(out.view(-1), buf, group)
     return out
-
-
-def ints_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``. To a GPU through pinned memory, without
-    blocking: from pageable memory the copy would wait on the host for every kernel queued on
-    the stream first."""
-    host = torch.tensor(list(values), dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def all_gather_ints(values: Sequence[int], world_size: int, group: Optional[dist.ProcessGroup],

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
+from ..kernels.transfer import ints_on
 from ..options import Option, int_in, optional
 from .allreduce import saturate_16_bit_sums
 from .base import (
@@ -19,7 +20,6 @@ from .base import (
     all_gather_flat,
     all_gather_ints,
     from_bytes,
-    ints_on,
     payload_views,
     reencoder,
     register_collective,
