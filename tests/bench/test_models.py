@@ -253,3 +253,28 @@ def test_nodes_of_several_ranks_exchange_hierarchically_and_count_the_node_link(
     assert rows["maxmin4"]["traffic_bytes"] < rows[flat]["traffic_bytes"]
     with pytest.raises(ValueError, match="multiple of ranks_per_node"):
         M.run_models([_tiny_resnet()], workers=3, rate=None, ranks_per_node=2)
+
+
+def _planned_wire(rank: int, world: int) -> dict:
+    """A planned ``auto`` row's bytes with every group left plain, and with one compressed."""
+    from dataclasses import replace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    state = gradzip.register(DistributedDataParallel(module), "maxmin", bits=4, min_numel=64)
+    method = {"kind": "gradzip"}
+    everything = M._wire(method, module, state, world)
+    state.apply([replace(d, compress=False) for d in state.decisions], None)  # as a planner may decide
+    nothing = M._wire(method, module, state, world)
+    state.close()
+    return {"everything": everything, "nothing": nothing, "raw": sum(p.numel() * 4 for p in module.parameters())}
+
+
+def test_a_group_the_plan_leaves_plain_counts_its_raw_bytes():
+    """The table's bytes for a planned method follow the plan: a group it leaves plain goes in
+    the bucket's fp32 all-reduce (the row showed the codec's bytes for every eligible tensor)."""
+    for res in run_workers(_planned_wire, 2):
+        assert res["nothing"][0] == res["raw"]
+        assert res["everything"][0] < res["raw"] / 3

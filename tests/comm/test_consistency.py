@@ -105,6 +105,12 @@ def test_lenient_load_keeps_what_applies_and_names_what_it_drops():
     # the residual is this rank's unsent gradient: it carries over to another compression level
     assert torch.equal(other.memory.residuals["w"], saved["memory"]["residuals"]["w"])
     assert other.step == saved["step"] == 2  # the step keys shared randomness: it carries over
+    # a difference that drops nothing is still said (a strict load refused it)
+    alike = _trained(0.05, steps=0)
+    alike.load_state_dict(saved)
+    renamed = dict(saved, settings={**saved["settings"], "min_numel": 1}, fingerprint="other")
+    with pytest.warns(UserWarning, match=r"does not match \(its settings differ: .*\); dropped: nothing"):
+        alike.load_state_dict(renamed, strict=False)
 
     other_memory = gradzip.Communicator("topk", ratio=0.05, memory="residual", memory_options={"beta": 0.5})
     other_memory.allreduce(randn((64, 16)), name="w")

@@ -394,3 +394,23 @@ def test_a_hung_job_is_killed_at_its_deadline():
 
     with pytest.raises(RuntimeError, match="ranks still running after 5 s: killed"):
         spawn_local(_hang, 2, deadline_s=5)
+
+
+def test_bench_helpers_take_bad_input_without_losing_a_run(tmp_path):
+    """What a finished benchmark run does last must not fail on what it was given: a JSON path
+    in a folder not made yet; and what a command is given is checked first (a rate of 0, a
+    report that is not a models report over a link)."""
+    from gradzip.bench import scaling, write_json
+
+    path = tmp_path / "new" / "folder" / "r.json"
+    write_json({"a": 1}, str(path))
+    assert json.loads(path.read_text()) == {"a": 1}
+    with pytest.raises(ValueError, match="above 0"):
+        cluster.parse_rate("0mbit")
+    (tmp_path / "loop.json").write_text(json.dumps({"models": [], "workers": 2, "cores": 2, "rate": None}))
+    with pytest.raises(ValueError, match="ran on loopback"):
+        scaling.models_report(str(tmp_path / "loop.json"))
+    with pytest.raises(ValueError, match="not a 'gradzip bench models' report"):
+        scaling.models_report(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        scaling.models_report(str(tmp_path / "missing.json"))

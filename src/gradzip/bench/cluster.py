@@ -29,8 +29,8 @@ IFACE = "eth0"
 def parse_rate(rate: str) -> float:
     """``"100mbit"``, ``"1gbit"``, ``"10gbit"``, ``"500kbit"`` → bits per second."""
     m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)bit\s*", rate.lower())
-    if not m:
-        raise ValueError(f"rate must look like 100mbit, 1gbit or 10gbit, got {rate!r}")
+    if not m or m.group(1).count(".") > 1 or float(m.group(1)) <= 0:
+        raise ValueError(f"rate must look like 100mbit, 1gbit or 10gbit (above 0), got {rate!r}")
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 

@@ -449,14 +449,20 @@ def _wire(method: Dict[str, Any], module: nn.Module, state: Any, world: int) -> 
     else:
         factor = coll.sent_per_byte(world)
     payload, traffic = 0, 0.0
-    for p in module.parameters():
-        if state.should_compress(p):
+    for name, p in module.named_parameters():
+        if _compressed(state, name, p):
             n = codec.wire_bytes(p.numel(), p.dtype, shape=tuple(p.shape))
             payload, traffic = payload + n, traffic + factor * n
         else:  # fused into the bucket's plain fp32 all-reduce
             n = p.numel() * p.element_size()
             payload, traffic = payload + n, traffic + ring * n
     return payload, traffic
+
+
+def _compressed(state: Any, name: str, p: torch.Tensor) -> bool:
+    """Whether the hook compresses ``p``: eligible (the filter) and in a group of the plan (a
+    planner may leave a group plain)."""
+    return state.should_compress(p) and name in state.fusion_plan.group_of
 
 
 def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int, steps: int, warmup: int, probe: int) -> Dict[str, Any]:
@@ -514,7 +520,7 @@ def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int
         if state is not None:
             row["measured_wire_bytes"] = measured_wire
             row["collective"] = state.comm.collective_name
-            row["compressed_tensors"] = sum(1 for p in module.parameters() if state.should_compress(p))
+            row["compressed_tensors"] = sum(1 for n, p in module.named_parameters() if _compressed(state, n, p))
             row["exposed_s"] = exposed
             row["register_s"] = register_s
             if state.costs is not None:  # planned: decisions, predicted and measured per group

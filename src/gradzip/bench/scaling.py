@@ -177,10 +177,29 @@ def validate(report: Dict[str, Any], rates: Rates) -> List[Dict[str, Any]]:
     return out
 
 
+def models_report(path: str) -> Dict[str, Any]:
+    """A saved ``bench models`` report over an emulated link, or a ``ValueError`` that says why
+    ``path`` is not one."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read a 'gradzip bench models' report ({exc})") from exc
+    if not isinstance(report, dict) or not {"models", "workers", "cores"} <= report.keys():
+        raise ValueError(f"{path}: not a 'gradzip bench models' report (it has no models, workers and cores)")
+    if not report.get("rate"):
+        raise ValueError(f"{path}: ran on loopback, without a link to check the model against: give a run "
+                         "over an emulated link (gradzip bench models --rate 1gbit, ...)")
+    return report
+
+
 def load_rates(path: str) -> Rates:
     """The calibrated rates saved in an earlier ``bench scale`` report."""
     with open(path) as f:
-        saved = json.load(f)["rates"]
+        saved = json.load(f)
+    if not isinstance(saved, dict) or "rates" not in saved:
+        raise ValueError(f"{path}: not a 'gradzip bench scale' report (it has no calibrated rates)")
+    saved = saved["rates"]
     return Rates(**{**saved, "cpu_factor": tuple(saved["cpu_factor"])})
 
 
@@ -188,11 +207,11 @@ def run_scale(reports: Sequence[str] = (), rate: str = "1gbit", json_path: Optio
               values: int = 25_557_032, compute_s: float = 0.0, rates: Optional[Rates] = None) -> Dict[str, Any]:
     """Calibrate (unless given ``rates``), validate against ``reports`` (paths of saved model
     reports), predict the grid."""
+    loaded = [models_report(path) for path in reports]  # (before calibrating: a bad one says so at once)
     rates = calibrate(rate) if rates is None else rates
     checks = []
-    for path in reports:
-        with open(path) as f:
-            checks += validate(json.load(f), rates)
+    for report in loaded:
+        checks += validate(report, rates)
     grid = []
     for gbit in LINKS_GBIT:
         grid += speedups(values, rates.with_(link_bps=gbit * 1e9, link_alpha_s=50e-6), NODES, RANKS, compute_s)

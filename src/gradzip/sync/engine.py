@@ -971,7 +971,8 @@ class Communicator(FusedGroups):
                 f"gradzip (rank {self.rank} of {self.world_size}): this state dict does not belong here: "
                 + "; ".join(problems)
                 + ". Load each rank's own state saved with the same settings, or pass strict=False to load "
-                "what still applies (per-rank residuals are then dropped)."
+                "what still applies (a warning names what is dropped: another rank's residuals, state of "
+                "settings that changed)."
             )
         dropped = []
         if same("codec"):
@@ -1007,10 +1008,10 @@ class Communicator(FusedGroups):
                 self.level_codecs.load_state_dict(state["level_codecs"])
             else:
                 dropped.append(f"codec {key} of other levels")
-        if problems and dropped:
+        if problems:  # (also where all of it still applies: a strict load refused the same difference)
             warnings.warn(
                 f"gradzip (rank {self.rank}): loaded a state dict that does not match ({'; '.join(problems)}); "
-                f"dropped: {', '.join(dropped)}",
+                f"dropped: {', '.join(dropped) or 'nothing (all of it still applies)'}",
                 stacklevel=2,
             )
 

@@ -91,9 +91,19 @@ def _bench_report(what: str, run: Callable[[], Dict[str, Any]], table: Callable[
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _at_least_two(text: str) -> int:
+    value = _positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (DDP rebuilds its buckets after the first), got {text!r}")
     return value
 
 
@@ -242,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="draw time and bus bandwidth against size to this PNG (default with --json: next to it, same name)",
     )
     ar.add_argument(
-        "--rate", default=None,
+        "--rate", type=_link_rate, default=None,
         help="emulate a cluster with links of this rate (e.g. 100mbit, 1gbit, 10gbit; needs root and iproute2); "
-        "default: plain loopback",
+        "default: plain loopback ('loopback')",
     )
     cb = bench_sub.add_parser("codecs", help="bits per element and encode+decode speed of each codec (one process)")
     cb.add_argument(
@@ -440,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ov.add_argument("--steps", type=_positive, default=20,
                     help="timed steps per method, taken two at a time in turns of all methods (default %(default)s)")
-    ov.add_argument("--warmup", type=_positive, default=3, help="untimed steps first, at least 2 (default %(default)s)")
+    ov.add_argument("--warmup", type=_at_least_two, default=3, help="untimed steps first, at least 2 (default %(default)s)")
     ov.add_argument("--bucket-view", action="store_true",
                     help="build every method's DDP (fp32's too) with gradient_as_bucket_view=True: no copy of the "
                     "averages into .grad after the exchange")
@@ -597,7 +607,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console = _console()
         console.print(models.table(report))
         if report["fallback"]:
-            console.print(report["fallback"])
+            console.print(report["fallback"], markup=False)  # (it quotes tc's errors, brackets and all)
         console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
         _plot(plots.models, report, args, console)
         return 0
@@ -606,8 +616,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         if os.path.dirname(args.json_path):
             os.makedirs(os.path.dirname(args.json_path), exist_ok=True)
-        rates = scaling.load_rates(args.rates_path) if args.rates_path else None
-        report = scaling.run_scale(args.reports, args.rate or "1gbit", args.json_path, values=args.values, rates=rates)
+        try:
+            rates = scaling.load_rates(args.rates_path) if args.rates_path else None
+            report = scaling.run_scale(args.reports, args.rate or "1gbit", args.json_path, values=args.values,
+                                       rates=rates)
+        except (OSError, KeyError, ValueError) as exc:  # a report or rates file that is not one
+            raise SystemExit(f"gradzip bench scale: {exc}")
         console = _console()
         for t in scaling.tables(report):
             console.print(t)
@@ -668,7 +682,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"gradzip bench accuracy: {exc}")
         console = _console()
         if report["fallback"]:
-            console.print(report["fallback"])
+            console.print(report["fallback"], markup=False)  # (it quotes tc's errors, brackets and all)
         console.print(accuracy.table(report))
         if args.json_path:
             console.print(f"results: {args.json_path} ({report['wall_s']:.0f} s)")
