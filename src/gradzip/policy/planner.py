@@ -349,7 +349,7 @@ def extra_size_due(costs: Costs, largest: int, repeats: int = REPEATS) -> bool:
     and ``repeats`` times) would take at most :data:`EXTRA_BUDGET_S` by the lines, one more
     point settles it.
 
-    Measured at 10 Gbit/s, 4 ranks on 2 cores (BERT-base's groups): compressed over plain was
+    Measured at 10 Gbit/s, 4 ranks on 2 cores (two calibrations, one run): compressed over plain was
     0.75–0.82 at 1 Mi values, 0.54–0.69 at 4 Mi and 0.58–0.79 at 16 Mi, where the lines from
     the three sizes had put the largest groups (22 Mi values) at 0.40–0.86 in earlier runs, the
     low ones compressing a group that then ran slower than plain."""
