@@ -208,6 +208,7 @@ def test_a_method_that_compresses_nothing_is_measured_too(tiny_resnet_report):
     dense = {r["method"]: r for r in model["rows"]}[DENSE]
     assert dense["codec_cpu_s"] == [0.0, 0.0]
     assert dense["measured_wire_bytes"] == pytest.approx(model["raw_bytes"])
+    assert dense["wire_bytes"] == model["raw_bytes"] and dense["compressed_tensors"] == 0  # the table's too
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -263,7 +264,9 @@ def _planned_wire(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
-    state = gradzip.register(DistributedDataParallel(module), "maxmin", bits=4, min_numel=64)
+    ddp = DistributedDataParallel(module)
+    state = gradzip.register(ddp, "maxmin", bits=4, min_numel=64)
+    ddp(torch.randn(4, 256)).sum().backward()  # a step, past the (empty) warm-up
     method = {"kind": "gradzip"}
     everything = M._wire(method, module, state, world)
     state.apply([replace(d, compress=False) for d in state.decisions], None)  # as a planner may decide

@@ -460,9 +460,10 @@ def _wire(method: Dict[str, Any], module: nn.Module, state: Any, world: int) -> 
 
 
 def _compressed(state: Any, name: str, p: torch.Tensor) -> bool:
-    """Whether the hook compresses ``p``: eligible (the filter) and in a group of the plan (a
-    planner may leave a group plain)."""
-    return state.should_compress(p) and name in state.fusion_plan.group_of
+    """Whether the hook compressed ``p`` in the last step: eligible (the filter), in a group of
+    the plan (a planner may leave a group plain) and past the warm-up (whose steps go dense)."""
+    past_warmup = state.step > state.config.warmup  # (the last step run was step - 1)
+    return past_warmup and state.should_compress(p) and name in state.fusion_plan.group_of
 
 
 def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int, steps: int, warmup: int, probe: int) -> Dict[str, Any]:
