@@ -463,7 +463,7 @@ def _compressed(state: Any, name: str, p: torch.Tensor) -> bool:
     """Whether the hook compressed ``p`` in the last step: eligible (the filter), in a group of
     the plan (a planner may leave a group plain) and past the warm-up (whose steps go dense)."""
     past_warmup = state.step > state.config.warmup  # (the last step run was step - 1)
-    return past_warmup and state.should_compress(p) and name in state.fusion_plan.group_of
+    return past_warmup and state.compresses(name, p)
 
 
 def _bench_method(spec: ModelSpec, method: Dict[str, Any], rank: int, world: int, steps: int, warmup: int, probe: int) -> Dict[str, Any]:

@@ -107,7 +107,7 @@ def all_gather_ints(values: Sequence[int], world_size: int, group: Optional[dist
     """Every rank's ``values`` (as many on each), rank by rank: the lengths of payloads whose
     size depends on the data, which lay out the buffers that carry them (one all-gather of int64
     values and one host wait)."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    mine = ints_on(values, device)
     if world_size == 1 or not mine.numel():
         return [mine.tolist() for _ in range(world_size)]
     table = mine.new_empty(world_size, mine.numel())
@@ -788,7 +788,6 @@ _COLLECTIVES: Registry[Collective] = Registry("collective", "collectives")
 register_collective = _COLLECTIVES.add
 names = _COLLECTIVES.names
 get = _COLLECTIVES.get
-
 
 
 def traffic_factor(collective: str, world_size: int) -> float:

@@ -99,6 +99,11 @@ class GradzipState:
             return False  # (sent as it is: DDP's own sum makes the same average, with no copy)
         return self.config.compress_1d or grad.dim() > 1
 
+    def compresses(self, name: str, grad: torch.Tensor) -> bool:
+        """Whether the hook compresses this gradient (past the warm-up): eligible
+        (:meth:`should_compress`) and in a group of the plan, which a planner may leave plain."""
+        return name in self.fusion_plan.group_of and self.should_compress(grad)
+
     def stats(self, per_tensor: bool = False) -> Dict[str, Any]:
         """This rank's metrics since registration (or the last ``comm.metrics.reset()``), rounded.
 
@@ -498,7 +503,7 @@ def gradzip_hook(state: GradzipState, bucket: dist.GradBucket) -> torch.futures.
         state.backward_done = time.perf_counter()  # the last bucket is ready: backward's work is over
     plain = [
         i for i, g in enumerate(grads)
-        if dense or not (names[i] in state.fusion_plan.group_of and state.should_compress(g))
+        if dense or not state.compresses(names[i], g)
     ]
     settled = None
     if state._flush:  # no longer compressed: what their memory still owes goes with this sum

@@ -644,7 +644,6 @@ register_memory = _MEMORIES.add
 names = _MEMORIES.names
 
 
-
 def memory(kind: "str | Memory | None" = "none", **opts: Any) -> Memory:
     """Build a memory by name (``none``, ``residual``, ``efsign``, ``powersgd``, ``dgc``)."""
     if isinstance(kind, Memory):
