@@ -336,9 +336,10 @@ def test_nan_statistics_decode_to_nan_everywhere_stored_or_added(codec, kernels)
     assert torch.isnan(decode(packed, stats, bits, bucket, n, out, True)).all()
 
 
-def test_torch_kernels_work_in_pieces_on_the_cpu_alone():
+def test_torch_kernels_work_in_pieces_on_the_cpu_alone(monkeypatch):
     """A CPU tensor is taken :data:`fused.TORCH_PIECE` values at a time (a multiple of 8: whole
     bytes of packed bits); elsewhere (a GPU without Triton) in one pass, one launch an operation."""
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")
     assert fused.piece_length(torch.empty(5 << 20)) == fused.TORCH_PIECE and fused.TORCH_PIECE % 8 == 0
     assert fused.piece_length(torch.empty(5 << 20, device="meta")) == 5 << 20
     assert fused.piece_length(torch.empty(0, device="meta")) == 1
@@ -368,6 +369,7 @@ def test_onebit_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, b
     (a bucket not a multiple of 8 values starts inside a byte) or a long bucket's pieces: the
     values of the specification over the whole tensor, a NaN and an infinite mean included,
     into ``out`` and added to it."""
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the fused C loops make no pieces)
     monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
     n = 3607
     rows = -(-n // bucket)
@@ -394,6 +396,7 @@ def test_table_decoded_piece_by_piece_gives_the_bits_of_one_pass(monkeypatch, bu
     :data:`fused.TORCH_PIECE` values at a time on the CPU, whole buckets or a long bucket's
     pieces: the values of one pass over the whole tensor, a NaN and an infinite scale included,
     into ``out`` and added to it, with no temporary of the tensor's size."""
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the fused C loops make no pieces)
     monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
     n = 3607
     g = torch.Generator().manual_seed(n if bucket is None else bucket)
@@ -437,6 +440,7 @@ def test_terngrad_encoded_piece_by_piece_gives_the_bytes_of_one_pass(monkeypatch
     its own draws (a bucket longer than a piece in pieces of its own): the codes and scales of
     the specification over the whole tensor, NaN, Inf and an all-zero bucket included, with no
     temporary of the tensor's size."""
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the fused C loops make no pieces)
     monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
     n = 3607
     x = _x(n, 8) * 2
@@ -460,6 +464,7 @@ def test_torch_encoders_worked_piece_by_piece_give_the_bytes_of_one_pass(monkeyp
     specification over the whole tensor, pieces and bucket rows cut anywhere."""
     from gradzip.codecs.quantize import _u8_tables
 
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the fused C loops make no pieces)
     monkeypatch.setattr(fused, "TORCH_PIECE", 1000)
     n = int(1000 * pieces) + 7
     x = _x(n, 3) * 3

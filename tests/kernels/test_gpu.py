@@ -20,6 +20,8 @@ from gradzip.kernels import gpu, reference  # noqa: E402
 from gradzip.kernels.bitpack import unpack_bits  # noqa: E402
 from gradzip.kernels.rng import counter_uniform  # noqa: E402
 
+from . import triton_kernels  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -34,16 +36,7 @@ KEYS = [None, 0xDEADBEEF]
 @pytest.fixture(scope="module", autouse=True)
 def _kernels_available():
     """Load the kernels (interpreted without a GPU, compiled with one)."""
-    if not INTERPRET and not torch.cuda.is_available():
-        pytest.skip("TRITON_INTERPRET is off and there is no GPU")
-    if INTERPRET and not isinstance(triton.language.standard.max, triton.runtime.interpreter.InterpretedFunction):
-        pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set, so its language functions "
-                    "are compiled ones the interpreter cannot call; set it before pytest starts")
-    reason = gpu.available()
-    if reason is not None and gpu.interpreter_fault() is not None:
-        pytest.skip(f"the installed Triton cannot interpret the kernels: {reason}")
-    if reason is not None:
-        pytest.fail(f"Triton is installed but its kernels cannot run: {reason}")
+    triton_kernels.load()
     yield
 
 
@@ -257,50 +250,6 @@ def test_counter_uniform_kernel_draws_the_specification(numel, key):
 
 
 # -------------------------------------------------------------------------------------- TernGrad
-@pytest.mark.parametrize("n,bucket", [(1, 1), (7, 7), (9000, 9000), (1000, 64), (4097, 1024), (100, 24)])
-def test_terngrad_bit_identical(n, bucket):
-    """Codes from the same values, scales and counter draws (made inside the kernel); an
-    all-zero bucket, NaN and ±inf included."""
-    from gradzip.kernels.buckets import bucket_view
-
-    x = _randn(n, seed=n + bucket)
-    if n >= 100:
-        x[: min(bucket, n // 2)] = 0.0  # an all-zero bucket (or part of the only one): 0/0 is NaN
-        x[-3] = float("nan")
-        x[-20] = float("inf")
-        x[-40] = -float("inf")
-    buckets = bucket_view(x, bucket)
-    key = 0x9E000000 + n  # above 2**31: the kernel takes it as a signed int32
-    rand = counter_uniform(buckets.numel(), key, DEVICE).view(buckets.shape)
-    packed, scale = gpu.terngrad_encode(buckets, key, n)
-    ref_packed, ref_scale = reference.terngrad_encode(buckets, rand, n)
-    assert torch.equal(packed, ref_packed) and _same_bits(scale, ref_scale)
-    assert _same_bits(gpu.ternary_decode(packed, scale, bucket, n), reference.ternary_decode(packed, scale, bucket, n))
-    base = _randn(n, seed=n + 1)
-    acc = base.clone()
-    gpu.ternary_decode(packed, scale, bucket, n, out=acc, accumulate=True)
-    assert _same_bits(acc, base + reference.ternary_decode(packed, scale, bucket, n))
-    # given scales (a fused group's: each block its member's, at least its own maximum)
-    given = scale.abs().nan_to_num(nan=1.0) * 1.5 + 0.25
-    packed, kept = gpu.terngrad_encode(buckets, key, n, given)
-    ref_packed, _ = reference.terngrad_encode(buckets, rand, n, given)
-    assert torch.equal(packed, ref_packed) and kept is not None and _same_bits(kept, given)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_tbq_bit_identical(dtype):
-    tau = 0.5
-    x = _randn(5003, seed=9).to(dtype)
-    x[:4] = torch.tensor([0.5, -0.5, float("nan"), float("inf")], dtype=dtype)  # ties with τ send nothing
-    if dtype == torch.float64:  # within half an fp32 ulp of τ: compared after rounding to fp32
-        x[4:6] = torch.tensor([0.5 + 2.0**-27, -(0.5 + 2.0**-27)], dtype=dtype)
-    packed = gpu.tbq_encode(x, tau)
-    assert torch.equal(packed, reference.tbq_encode(x, tau))
-    scale = torch.tensor([tau], device=DEVICE)
-    assert _same_bits(gpu.ternary_decode(packed, scale, x.numel(), x.numel()),
-                      reference.ternary_decode(packed, scale, x.numel(), x.numel()))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_inceptionn_bit_identical(dtype):
     """The tags, the byte stream and the decoded values (stored and added) of the torch
@@ -417,122 +366,6 @@ def test_inceptionn_codec_takes_the_kernels_with_the_same_payloads(monkeypatch):
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got.tensors, ref.tensors))
         assert torch.equal(c.decode(got).cpu(), decoded)
     assert torch_way[1][0].tensors[0].numel() == 0  # (16-bit values beyond the tags' range: the dense form)
-
-
-@pytest.mark.parametrize("n,bucket", [(1, 1), (9, 4), (1000, 64), (4097, 1024)])
-def test_onebit_decode_bit_identical(n, bucket):
-    x = _randn(n, seed=n)
-    packed = reference.sign_encode(x)
-    nb = -(-n // bucket)
-    means = _randn(2 * nb, seed=n + 2)
-    if nb > 1:
-        means[1] = float("inf")  # the other side's value becomes NaN, as in the reference
-    exact = dict(rtol=0, atol=0, equal_nan=True)  # a NaN's payload bits are unspecified
-    got = gpu.onebit_decode(packed, means, bucket, n)
-    torch.testing.assert_close(got, reference.onebit_decode(packed, means, bucket, n), **exact)
-    assert torch.isnan(got).any() == (nb > 1)
-    base = _randn(n, seed=n + 1)
-    acc = base.clone()
-    gpu.onebit_decode(packed, means, bucket, n, out=acc, accumulate=True)
-    torch.testing.assert_close(acc, base + reference.onebit_decode(packed, means, bucket, n), **exact)
-
-
-@pytest.mark.parametrize("case", ["normal", "tiny", "nonfinite"])
-def test_natural_codes_bit_identical(case):
-    x = _randn(5000, seed=11)
-    if case == "tiny":
-        x[::3] *= 1e-38  # far below the header's range: coded with probability, or as 0
-    if case == "nonfinite":
-        x[7], x[8] = float("nan"), -float("inf")
-    x[::10] = 0.0
-    bits = x.float().contiguous().view(torch.int32)
-    largest = (bits & 0x7FFFFFFF).clamp(max=0x7F800000).amax()
-    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32)).reshape(1)
-    for key in (3, 0xF00DFACE):
-        rand = reference.natural_draws(counter_uniform(5000, key, DEVICE))
-        assert 0 <= int(rand.min()) and int(rand.max()) < 1 << 23
-        got = gpu.natural_codes(bits, key, top)
-        assert torch.equal(got, reference.natural_codes(bits, rand, top))
-    assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
-
-
-def test_natural_codes_and_decode_under_a_header_a_bucket_bit_identical():
-    """Headers of 256-value buckets (a fused group's members), each bucket's from its values,
-    some far apart: codes as the reference makes them with each value's header, and the decode
-    as the reference's (a header of 256 for non-finite values; 2**128 of a finite header)."""
-    n, bucket = 256 * 9 + 100, 256
-    x = _randn(n, seed=12)
-    x[:256] *= 1e-30
-    x[256:512] *= 1e30
-    x[600], x[900] = float("nan"), float("inf")
-    x[1024:1280] = 0.0
-    bits = x.float().contiguous().view(torch.int32)
-    mags = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)
-    largest = torch.nn.functional.pad(mags, (0, -n % bucket)).view(-1, bucket).amax(dim=1)
-    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32))
-    per_value = top.repeat_interleave(bucket)[:n]
-    rand = reference.natural_draws(counter_uniform(n, 77, DEVICE))
-    codes = gpu.natural_codes(bits, 77, top, bucket)
-    assert torch.equal(codes, reference.natural_codes(bits, rand, per_value))
-    got = gpu.natural_decode(codes, top, bucket, n)
-    assert _same_bits(got, reference.natural_decode(codes, per_value, n))
-    base = _randn(n, seed=13)
-    acc = base.clone()
-    gpu.natural_decode(codes, top, bucket, n, out=acc, accumulate=True)
-    assert _same_bits(acc, base + reference.natural_decode(codes, per_value, n))
-    with pytest.raises(ValueError, match="power of two"):
-        gpu.natural_decode(codes, top, 100, n)
-
-
-@pytest.mark.parametrize("n,bucket", [(1, 1), (5000, 512), (4097, 4097)])
-def test_u8bit_codes_and_table_decode_bit_identical(n, bucket):
-    from gradzip.codecs.quantize import _u8_tables
-    from gradzip.kernels.buckets import bucket_view
-
-    table, mids, lut = _u8_tables(DEVICE)
-    x = _randn(n, seed=n)
-    if n > 10:
-        x[: min(bucket, n // 2)] = 0.0  # a zero bucket (or part of the only one): scale 0, inv 0
-        x[-1], x[-2], x[-3] = float("nan"), -0.0, 1e-42
-    buckets = bucket_view(x, bucket)
-    scale = buckets.abs().amax(dim=1)
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=torch.finfo(torch.float32).max)
-    codes = gpu.u8bit_codes(buckets, inv, mids, lut, n)
-    assert torch.equal(codes, reference.u8bit_codes(buckets, inv, mids, lut, n))
-    # into a slice of a larger message, as the codec writes them: the same bytes, none around touched
-    message = torch.full((n + 8,), 0xA5, dtype=torch.uint8, device=DEVICE)
-    into = gpu.u8bit_codes(buckets, inv, mids, lut, n, out=message[3 : 3 + n])
-    assert into.data_ptr() == message[3:].data_ptr() and torch.equal(message[3 : 3 + n], codes)
-    assert bool((message[:3] == 0xA5).all()) and bool((message[3 + n :] == 0xA5).all())
-    exact = dict(rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(gpu.table_decode(codes, table, scale, bucket, n),
-                               reference.table_decode(codes, table, scale, bucket, n), **exact)
-    base = _randn(n, seed=n + 1)
-    acc = base.clone()
-    gpu.table_decode(codes, table, scale, bucket, n, out=acc, accumulate=True)
-    torch.testing.assert_close(acc, base + reference.table_decode(codes, table, scale, bucket, n), **exact)
-    # without a scale (natural compression's table): the table's values themselves
-    plain = table[codes.long()]
-    torch.testing.assert_close(reference.table_decode(codes, table, None, n, n), plain, **exact)
-    torch.testing.assert_close(gpu.table_decode(codes, table, None, n, n), plain, **exact)
-
-
-def test_element_wise_encoders_read_strided_buckets():
-    """A strided gradient view reaches the kernels as it is: they must read its values, not its memory."""
-    from gradzip.codecs.quantize import _u8_tables
-    from gradzip.kernels.buckets import bucket_view
-
-    base = _randn(2048, seed=4)
-    x = base[::2]
-    buckets = bucket_view(x, 256)
-    assert not buckets.is_contiguous()
-    scale = buckets.abs().amax(dim=1)
-    rand = counter_uniform(buckets.numel(), 1, DEVICE).view(buckets.shape)
-    assert all(torch.equal(a, b) for a, b in zip(gpu.terngrad_encode(buckets, 1, 1024),
-                                                 reference.terngrad_encode(buckets, rand, 1024)))
-    _, mids, lut = _u8_tables(DEVICE)
-    inv = 1.0 / scale
-    assert torch.equal(gpu.u8bit_codes(buckets, inv, mids, lut, 1024), reference.u8bit_codes(buckets, inv, mids, lut, 1024))
 
 
 # ----------------------------------------------------------------------------------------- top-k

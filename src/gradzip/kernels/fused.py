@@ -169,16 +169,10 @@ def qsgd_decode(packed, norms, bits: int, bucket: int, numel: int, out=None, acc
     return _decode_via(impl, out, accumulate, lambda o, a: impl.qsgd_decode(packed, norms, bits, bucket, numel, o, a))
 
 
-def _gpu_or_reference(x: torch.Tensor) -> ModuleType:
-    """The Triton module where :func:`backend` picks it for CUDA ``x``, else the torch one
-    (kernels with no fused C version: on the CPU torch's own loops are what runs)."""
-    return backend(x) if x.device.type == "cuda" else reference
-
-
 def triton_for(x: torch.Tensor) -> Optional[ModuleType]:
     """The Triton kernels where :func:`backend` picks them for the CUDA tensor ``x``, else None
     (a codec whose only other version is its own torch code then runs that)."""
-    impl = _gpu_or_reference(x)
+    impl = backend(x) if x.device.type == "cuda" else reference
     return None if impl is reference else impl
 
 
@@ -195,7 +189,7 @@ def terngrad_encode(buckets: torch.Tensor, key: int, numel: int, scale: Optional
     """TernGrad's codes and scales (each bucket's ``max |x|``, or the given ``scale``), value
     ``i`` kept with draw ``counter_uniform(i, key)``; the codes into ``out`` (contiguous bytes)
     if given."""
-    impl = _gpu_or_reference(buckets)
+    impl = backend(buckets)
     if impl is not reference:
         return impl.terngrad_encode(buckets, key, numel, scale, out)
     if buckets.device.type == "cpu" and numel > TORCH_PIECE:
@@ -232,7 +226,7 @@ def _terngrad_pieces(buckets: torch.Tensor, key: int, numel: int, scale: Optiona
 
 def tbq_encode(x: torch.Tensor, tau: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TBQ's packed codes (``reference.tbq_encode``), into ``out`` (contiguous bytes) if given."""
-    impl = _gpu_or_reference(x)
+    impl = backend(x)
     if impl is not reference:
         return impl.tbq_encode(x, tau, out)
     return _into(None if out is None else (out,), (reference.tbq_encode(x, tau),))[0]
@@ -242,7 +236,7 @@ def ternary_decode(packed, scale, bucket: int, numel: int, out=None, accumulate:
     """TernGrad's and TBQ's decode (``reference.ternary_decode``); the torch version piece by
     piece on the CPU (:data:`TORCH_PIECE` values), whose temporaries (codes, signs, values:
     about ten bytes a value) are then a few MB, not two and a half times a fused group."""
-    impl = _gpu_or_reference(packed)
+    impl = backend(packed)
     if impl is reference and packed.device.type == "cpu" and numel > TORCH_PIECE:
         return _decode_via(impl, out, accumulate, lambda o, a: _ternary_pieces(packed, scale, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.ternary_decode(packed, scale, bucket, numel, o, a))
@@ -406,7 +400,7 @@ def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int =
     ``counter_uniform(i, key)`` (``reference.natural_draws``) under header ``top``: one, or one
     for each ``bucket`` values, into ``out`` (contiguous bytes) if given; the torch version
     piece by piece (:data:`TORCH_PIECE` values)."""
-    impl = _gpu_or_reference(bits)
+    impl = backend(bits)
     if impl is not reference:
         return impl.natural_codes(bits, key, top, bucket, out)
     n = bits.numel()
@@ -423,7 +417,7 @@ def natural_decode(codes: torch.Tensor, top: torch.Tensor, bucket: int, numel: i
                    accumulate: bool = False) -> torch.Tensor:
     """Natural compression's values under header ``top`` (one, or one for each ``bucket``
     values; ``reference.natural_decode``); the torch version piece by piece on the CPU."""
-    impl = _gpu_or_reference(codes)
+    impl = backend(codes)
     if impl is not reference:
         return _decode_via(impl, out, accumulate, lambda o, a: impl.natural_decode(codes, top, bucket, numel, o, a))
     if out is None:
@@ -450,7 +444,7 @@ def u8bit_codes(
     """8-bit codes of the first ``numel`` values of ``buckets`` (rows scaled by ``inv``), into
     ``out`` (contiguous bytes) if given; the torch version a piece of about
     :data:`TORCH_PIECE` values at a time (whole rows, or a long row's pieces)."""
-    impl = _gpu_or_reference(buckets)
+    impl = backend(buckets)
     if impl is not reference:
         return impl.u8bit_codes(buckets, inv, mids, lut, numel, out)
     width = buckets.shape[1]
@@ -468,7 +462,7 @@ def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumul
     """``table[code]`` times its bucket's ``scale`` if given (``reference.table_decode``); the
     torch version a piece at a time on the CPU, so its int32 codes and values are a few MB,
     not the size of the group."""
-    impl = _gpu_or_reference(codes)
+    impl = backend(codes)
     if impl is reference and codes.device.type == "cpu" and numel > TORCH_PIECE:
         return _decode_via(impl, out, accumulate, lambda o, a: _table_pieces(codes, table, scale, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.table_decode(codes, table, scale, bucket, numel, o, a))
@@ -495,7 +489,7 @@ def onebit_decode(packed, means, bucket: int, numel: int, out=None, accumulate: 
     """1-bit SGD's decode (``reference.onebit_decode``); the torch version piece by piece
     (:data:`TORCH_PIECE` values: whole buckets, or a long bucket's pieces), whose temporaries
     (about five of a piece's size) are then a few MB, not several times the tensor."""
-    impl = _gpu_or_reference(packed)
+    impl = backend(packed)
     if impl is reference and packed.device.type == "cpu" and numel > TORCH_PIECE:  # (``packed``: 8 values a byte)
         return _decode_via(impl, out, accumulate, lambda o, a: _onebit_pieces(packed, means, bucket, numel, o, a))
     return _decode_via(impl, out, accumulate, lambda o, a: impl.onebit_decode(packed, means, bucket, numel, o, a))

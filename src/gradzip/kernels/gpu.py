@@ -63,6 +63,10 @@ from typing import Any, Sequence
 import torch
 
 from .bitpack import packed_bytes
+from .forms import decoded as _output
+from .forms import header_shift as _shift_of
+from .forms import headers as _headers
+from .forms import outputs as _into
 
 MAX_BUCKET = 65536  # larger buckets leave too few programs to keep a GPU busy: the torch version runs
 CHUNK = 4096  # the most values of one bucket that a program holds at once (no register spills)
@@ -1087,30 +1091,6 @@ def _key32(key: int | None) -> int:
     return k - (1 << 32) if k >= (1 << 31) else k
 
 
-def _into(out: Sequence[torch.Tensor] | None, device: torch.device,
-          *forms: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
-    """An encoder's outputs: ``out`` checked against ``forms`` (numel, dtype) where given, since
-    a kernel writes through its pointers unchecked (a short or strided tensor would be written
-    past), else new tensors of those forms."""
-    if out is None:
-        return tuple(torch.empty(n, dtype=dt, device=device) for n, dt in forms)
-    out = tuple(out)
-    if len(out) != len(forms):
-        raise ValueError(f"out must hold {len(forms)} tensors, got {len(out)}")
-    for t, (n, dt) in zip(out, forms):
-        if t.dtype != dt or t.numel() != n or not t.is_contiguous() or t.device != device:
-            raise ValueError(f"out: each tensor contiguous on {device} with the encoded form "
-                             f"{[(n, str(d)) for n, d in forms]}, got {t.numel()} values of {t.dtype} on {t.device}")
-    return out
-
-
-def _output(out: torch.Tensor | None, numel: int, device: torch.device, accumulate: bool) -> torch.Tensor:
-    """A decoder's fp32 output: ``out`` checked (as an encoder's, :func:`_into`) where given."""
-    if out is None and accumulate:
-        raise ValueError("accumulate=True needs an output tensor to add into")
-    return _into(None if out is None else (out,), device, (numel, torch.float32))[0]
-
-
 # ------------------------------------------------------------------------------------ public API
 
 
@@ -1362,22 +1342,6 @@ def natural_decode(
             BLOCK=_SIGN_BLOCK, SHIFT=_shift_of(top, bucket), ACCUMULATE=accumulate, num_warps=_WARPS,
         )
     return out
-
-
-def _headers(top: torch.Tensor, bucket: int, numel: int, device: torch.device) -> torch.Tensor:
-    """Natural compression's headers as the kernels read them: int32, contiguous, on ``device``,
-    one, or one a bucket of ``bucket`` values, a power of two (checked: a kernel reads them
-    unchecked)."""
-    top = top.reshape(-1).to(device=device, dtype=torch.int32).contiguous()
-    if top.numel() != 1 and (bucket <= 0 or bucket & (bucket - 1) or top.numel() < -(-numel // bucket)):
-        raise ValueError(f"top: one header, or one for each of the {numel} values' buckets of {bucket} "
-                         "(a power of two)")
-    return top
-
-
-def _shift_of(top: torch.Tensor, bucket: int) -> int:
-    """The kernels' ``SHIFT``: -1 for one header, else log2 of the bucket."""
-    return -1 if top.numel() == 1 else bucket.bit_length() - 1
 
 
 def u8bit_codes(

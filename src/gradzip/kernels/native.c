@@ -698,3 +698,203 @@ void gz_saturate(const float *x, int64_t n, int bf16, uint16_t *out) {
         for (int64_t i = 0; i < n; i++) out[i] = saturated16(x[i], 10, 15, 65504.0f, 0x7C00u);
     }
 }
+
+/* ------------------------------------------------------------ element-wise codecs of GRACE
+ * TernGrad, TBQ, natural compression, the 8-bit table and 1-bit SGD's decode: each value's code
+ * depends on the value, a counter draw and its bucket's statistic alone, so one pass writes what
+ * the torch versions make in six to ten (reference.py: terngrad_encode, tbq_encode,
+ * ternary_decode, natural_codes, natural_decode, u8bit_codes, table_decode, onebit_decode).
+ * `bucket` values share a statistic; the loops walk a bucket at a time, so no value divides its
+ * index. */
+#define SPAN 4096 /* values of 2-bit codes made before they are packed (a multiple of 8) */
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Each of the `rows` rows' max |x| (NaN where the row holds one, as torch.amax). */
+static void row_absmax(const float *x, int64_t rows, int64_t bucket, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * bucket;
+        float m = 0.0f;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < bucket; i++) {
+            const float a = fabsf(v[i]);
+            m = a > m ? a : m;
+            nan |= a != a;
+        }
+        out[r] = nan ? NAN : m;
+    }
+}
+
+/* TernGrad: x holds rows of `bucket` values (the last one padded); scale is given (given != 0,
+ * one a row) or each row's max |x| is written there. Value i is kept with probability
+ * |x| / scale (draw uniform(i, key)): code 1 for +1, 2 for -1, else 0; 0/0 keeps nothing. */
+void gz_terngrad_encode(const float *x, int64_t n, int64_t rows, int64_t bucket, uint32_t key, int given,
+                        float *scale, uint8_t *packed) {
+    if (!given) row_absmax(x, rows, bucket, scale);
+    uint8_t lv[SPAN];
+    const int64_t total = round_up8(n);
+    for (int64_t a = 0; a < total; a += SPAN) {
+        const int64_t len = min64(SPAN, total - a), stop = min64(a + len, n);
+        int64_t i = a;
+        while (i < stop) {
+            const int64_t r = i / bucket, end = min64((r + 1) * bucket, stop);
+            const float s = scale[r];
+#pragma omp simd
+            for (int64_t j = i; j < end; j++) {
+                const float v = x[j];
+                const int keep = uniform(j, key) < fabsf(v) / s;
+                lv[j - a] = (uint8_t)(keep ? (v < 0.0f ? 2 : 1) : 0);
+            }
+            i = end;
+        }
+        for (; i < a + len; i++) lv[i - a] = 0;
+        pack(lv, len, 2, packed + a / 4);
+    }
+}
+
+/* TBQ: code 1 where x > tau, 2 where x < -tau (compared in fp32), else 0. */
+void gz_tbq_encode(const float *x, int64_t n, float tau, uint8_t *packed) {
+    uint8_t lv[SPAN];
+    const int64_t total = round_up8(n);
+    for (int64_t a = 0; a < total; a += SPAN) {
+        const int64_t len = min64(SPAN, total - a), stop = min64(a + len, n);
+#pragma omp simd
+        for (int64_t j = a; j < stop; j++) lv[j - a] = (uint8_t)((x[j] > tau) | ((x[j] < -tau) << 1));
+        for (int64_t j = stop; j < a + len; j++) lv[j - a] = 0;
+        pack(lv, len, 2, packed + a / 4);
+    }
+}
+
+/* 2-bit codes 0, 1, 2, 3 as 0, +1, -1, 0 times their bucket's scale (the product is made for
+ * every code, so 0 times a non-finite scale is NaN, as in torch). */
+void gz_ternary_decode(const uint8_t *packed, const float *scale, int64_t n, int64_t bucket, float *out,
+                       int accumulate) {
+    uint8_t lv[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n);
+        unpack(packed + a / 4, round_up8(stop - a), 2, lv);
+        for (int64_t i = a; i < stop;) {
+            const int64_t end = min64((i / bucket + 1) * bucket, stop);
+            const float s = scale[i / bucket];
+#pragma omp simd
+            for (int64_t j = i; j < end; j++) {
+                const int c = lv[j - a];
+                const float v = (float)((c & 1) - (c >> 1)) * s;
+                out[j] = accumulate ? out[j] + v : v;
+            }
+            i = end;
+        }
+    }
+}
+
+/* The values [i, end) that share value i's header: all of them (shift < 0: one header) or the
+ * rest of its bucket of 2**shift values. */
+static inline int64_t header_end(int64_t i, int shift, int64_t n) {
+    return shift < 0 ? n : min64(((i >> shift) + 1) << shift, n);
+}
+
+/* Natural compression: bits are the fp32 values' bits; the draw is the top 23 bits of
+ * uniform(i, key). Code c in 1..127 is the exponent field top - 127 + c, the sign in bit 7; a
+ * magnitude below code 1's power of two becomes that power with probability |x| over it, else 0.
+ * The integer steps and the two fp32 products of reference.natural_codes. */
+void gz_natural_codes(const int32_t *bits, int64_t n, uint32_t key, const int32_t *top, int shift, uint8_t *out) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t end = header_end(i, shift, n);
+        const int32_t first = top[shift < 0 ? 0 : i >> shift] - 126;
+        int32_t e = 254 - first;
+        e = e < 1 ? 1 : (e > 254 ? 254 : e);
+        const float scale = u2f((uint32_t)e << 23);
+#pragma omp simd
+        for (int64_t j = i; j < end; j++) {
+            const int32_t b = bits[j];
+            int32_t mag = b & 0x7FFFFFFF;
+            mag = mag < 0x7F800000 ? mag : 0x7F800000;
+            /* uniform(j, key) * 2**23, truncated: the hash's top 23 bits (an integer form the
+               compiler vectorises, where the float conversion kept it scalar) */
+            const int32_t rand = (int32_t)(mix((uint32_t)j, key) >> 9);
+            const int32_t rounded = (mag + rand) >> 23;
+            const int32_t code_in = rounded > 0 ? rounded - (first - 1) : 0;
+            float m;
+            memcpy(&m, &mag, sizeof m);
+            const int32_t code_under = (float)rand * (1.0f / 8388608.0f) < m * scale;
+            const int32_t code = (mag >> 23) >= first ? code_in : code_under;
+            const int32_t sign = (int32_t)((uint32_t)b >> 31) & (code > 0);
+            out[j] = (uint8_t)(code | (sign << 7));
+        }
+        i = end;
+    }
+}
+
+/* fp32 +-2**(top - 254 + c) for code c in 1..127 (the field clamped to 0..255, and to the largest
+ * fp32 under a finite header), 0 for code 0. */
+void gz_natural_decode(const uint8_t *codes, const int32_t *top, int shift, int64_t n, float *out, int accumulate) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t end = header_end(i, shift, n);
+        const int32_t t = top[shift < 0 ? 0 : i >> shift], cap = t <= 255 ? 0x7F7FFFFF : 0x7F800000;
+#pragma omp simd
+        for (int64_t j = i; j < end; j++) {
+            const int32_t c = codes[j], code = c & 127;
+            int32_t field = code + (t - 127);
+            field = (field < 0 ? 0 : (field > 255 ? 255 : field)) << 23;
+            field = field < cap ? field : cap;
+            const float v = u2f((uint32_t)(code > 0 ? field : 0) | ((uint32_t)(c >> 7) << 31));
+            out[j] = accumulate ? out[j] + v : v;
+        }
+        i = end;
+    }
+}
+
+/* 8-bit codes: v = x * inv of the value's bucket, then lut[key] + (mids[lut[key]] < v), key the
+ * top 16 bits of v's fp32 (the nearest of the table's values, as reference.u8bit_codes). */
+void gz_u8bit_codes(const float *x, int64_t n, int64_t bucket, const float *inv, const float *mids,
+                    const int32_t *lut, uint8_t *out) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t r = i / bucket, end = min64((r + 1) * bucket, n);
+        const float s = inv[r];
+        for (int64_t j = i; j < end; j++) {
+            const float v = x[j] * s;
+            const int32_t first = lut[f2u(v) >> 16];
+            out[j] = (uint8_t)(first + (mids[first] < v));
+        }
+        i = end;
+    }
+}
+
+/* table[code] times its bucket's scale (scale NULL: table[code] alone). */
+void gz_table_decode(const uint8_t *codes, const float *table, const float *scale, int64_t n, int64_t bucket,
+                     float *out, int accumulate) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t r = i / bucket, end = min64((r + 1) * bucket, n);
+        const float s = scale ? scale[r] : 1.0f;
+        const int scaled = scale != NULL;
+#pragma omp simd
+        for (int64_t j = i; j < end; j++) {
+            const float t = table[codes[j]], v = scaled ? t * s : t;
+            out[j] = accumulate ? out[j] + v : v;
+        }
+        i = end;
+    }
+}
+
+/* 1-bit SGD: bit * mean_pos + (1 - bit) * mean_neg of the value's bucket (means: [neg, pos] a
+ * bucket), both products made, as in torch (NaN where the other mean is not finite). */
+void gz_onebit_decode(const uint8_t *packed, const float *means, int64_t n, int64_t bucket, float *out,
+                      int accumulate) {
+    uint8_t lv[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n);
+        unpack(packed + a / 8, round_up8(stop - a), 1, lv);
+        for (int64_t i = a; i < stop;) {
+            const int64_t end = min64((i / bucket + 1) * bucket, stop);
+            const float neg = means[2 * (i / bucket)], pos = means[2 * (i / bucket) + 1];
+#pragma omp simd
+            for (int64_t j = i; j < end; j++) {
+                const float bit = (float)lv[j - a];
+                const float v = bit * pos + (1.0f - bit) * neg;
+                out[j] = accumulate ? out[j] + v : v;
+            }
+            i = end;
+        }
+    }
+}

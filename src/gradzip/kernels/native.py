@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from . import forms
 from .bitpack import packed_bytes
 
 MAX_BUCKET = 65536  # the kernels keep one bucket of levels on the stack
@@ -50,6 +51,14 @@ _SIGNATURES = {
     "gz_mx_decode": [_u8p, _u8p, _i64, _int, _i64, _f32p, _int],
     "gz_saturate": [_f32p, _i64, _int, ctypes.c_void_p],
     "gz_uniform": [_i64, _i64, _u32, _f32p],
+    "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
+    "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
+    "gz_ternary_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
+    "gz_natural_codes": [ctypes.c_void_p, _i64, _u32, ctypes.c_void_p, _int, _u8p],
+    "gz_natural_decode": [_u8p, ctypes.c_void_p, _int, _i64, _f32p, _int],
+    "gz_u8bit_codes": [_f32p, _i64, _i64, _f32p, _f32p, ctypes.c_void_p, _u8p],
+    "gz_table_decode": [_u8p, _f32p, _f32p, _i64, _i64, _f32p, _int],
+    "gz_onebit_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
 }
 
 
@@ -309,3 +318,140 @@ def mx_decode(
         codes.data_ptr(), scales.data_ptr(), numel, _MX[elem], block, out.data_ptr(), int(accumulate)
     )
     return out
+
+
+# ------------------------------------------- element-wise codecs (TernGrad, TBQ, natural, 8-bit, 1-bit)
+# The signatures of the Triton versions in gpu.py; outputs given are checked (forms), since the
+# kernels write through their pointers unchecked.
+_CPU = torch.device("cpu")
+
+
+def _f32_rows(side: torch.Tensor, rows: int, what: str) -> torch.Tensor:
+    """Per-bucket fp32 statistics the kernels read ``rows`` of, unchecked: checked here."""
+    side = side.reshape(-1).to(torch.float32).contiguous()
+    if side.numel() < rows:
+        raise ValueError(f"{what}: at least {rows} values (one a bucket), got {side.numel()}")
+    return side
+
+
+def terngrad_encode(
+    buckets: torch.Tensor, key: int, numel: int, scale: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's packed 2-bit codes and per-bucket scales (``reference.terngrad_encode``) in one
+    pass, the draws ``counter_uniform(·, key)`` made in the loop; ``buckets`` ``(B, bucket)``, the
+    scales each row's ``max |x|`` unless given (fp32, one a bucket)."""
+    rows, bucket = buckets.shape
+    if scale is not None and (scale.dtype != torch.float32 or scale.numel() != rows or scale.device != _CPU):
+        raise ValueError(f"scale: {rows} fp32 values on the CPU, one a bucket")
+    x = _f32(buckets)
+    (packed,) = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(numel, 2), torch.uint8))
+    given = scale is not None
+    scale = scale.contiguous() if given else torch.empty(rows, dtype=torch.float32)
+    if rows:
+        _kernels().gz_terngrad_encode(x.data_ptr(), numel, rows, bucket, key & 0xFFFFFFFF, int(given),
+                                      scale.data_ptr(), packed.data_ptr())
+    return packed, scale
+
+
+def tbq_encode(x: torch.Tensor, tau: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """TBQ's packed 2-bit codes in one pass (``reference.tbq_encode``; ``tau`` an fp32 value)."""
+    x = _f32(x)
+    (packed,) = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(x.numel(), 2), torch.uint8))
+    _kernels().gz_tbq_encode(x.data_ptr(), x.numel(), tau, packed.data_ptr())
+    return packed
+
+
+def _bucket_decode(name: str, codes: torch.Tensor, side: Optional[torch.Tensor], per_bucket: int, bucket: int,
+                   numel: int, out: Optional[torch.Tensor], accumulate: bool, *tables: torch.Tensor) -> torch.Tensor:
+    """Run decoder ``name(codes, *tables, side, numel, bucket, out, accumulate)``: ``side`` the
+    fp32 statistics, ``per_bucket`` of them a bucket (None: no statistics)."""
+    codes = codes.reshape(-1).contiguous()
+    bucket = max(bucket, 1)
+    out = forms.decoded(out, numel, _CPU, accumulate)
+    if side is not None:
+        side = _f32_rows(side, per_bucket * -(-numel // bucket), "the per-bucket statistics")
+    if numel:
+        getattr(_kernels(), name)(codes.data_ptr(), *(t.data_ptr() for t in tables), _ptr(side), numel, bucket,
+                                  out.data_ptr(), int(accumulate))
+    return out
+
+
+def ternary_decode(
+    packed: torch.Tensor, scale: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """fp32 ``{0, +1, −1} × scale`` per value in one pass (``reference.ternary_decode``)."""
+    return _bucket_decode("gz_ternary_decode", packed, scale, 1, bucket, numel, out, accumulate)
+
+
+def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Natural compression's codes in one pass (``reference.natural_codes``, the draws
+    ``reference.natural_draws`` made in the loop), under header ``top``: one, or one for each
+    ``bucket`` values."""
+    bits = bits.reshape(-1).contiguous()
+    if bits.dtype != torch.int32:
+        raise ValueError(f"bits: the int32 bits of fp32 values, got {bits.dtype}")
+    numel = bits.numel()
+    top = forms.headers(top, bucket, numel, _CPU)
+    (out,) = forms.outputs(None if out is None else (out,), _CPU, (numel, torch.uint8))
+    if numel:
+        _kernels().gz_natural_codes(bits.data_ptr(), numel, key & 0xFFFFFFFF, top.data_ptr(),
+                                    forms.header_shift(top, bucket), out.data_ptr())
+    return out
+
+
+def natural_decode(
+    codes: torch.Tensor, top: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """Natural compression's fp32 values in one pass (``reference.natural_decode``), under header
+    ``top``: one, or one for each ``bucket`` values."""
+    codes = codes.reshape(-1).contiguous()
+    top = forms.headers(top, bucket, numel, _CPU)
+    out = forms.decoded(out, numel, _CPU, accumulate)
+    if numel:
+        _kernels().gz_natural_decode(codes.data_ptr(), top.data_ptr(), forms.header_shift(top, bucket), numel,
+                                     out.data_ptr(), int(accumulate))
+    return out
+
+
+def u8bit_codes(
+    buckets: torch.Tensor, inv: torch.Tensor, mids: torch.Tensor, lut: torch.Tensor, numel: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """8-bit codes in one pass (``reference.u8bit_codes``); ``mids`` the 256 midpoints (the last
+    +inf), ``lut`` the 65536 first candidates."""
+    rows, bucket = buckets.shape
+    x = _f32(buckets)
+    inv = _f32_rows(inv, -(-numel // max(bucket, 1)), "inv")
+    mids, lut = mids.to(torch.float32).contiguous(), lut.to(torch.int32).contiguous()
+    if mids.numel() != 256 or lut.numel() != 1 << 16:
+        raise ValueError(f"mids and lut: 256 and 65536 entries, got {mids.numel()} and {lut.numel()}")
+    (out,) = forms.outputs(None if out is None else (out,), _CPU, (numel, torch.uint8))
+    if numel:
+        _kernels().gz_u8bit_codes(x.data_ptr(), numel, bucket, inv.data_ptr(), mids.data_ptr(), lut.data_ptr(),
+                                  out.data_ptr())
+    return out
+
+
+def table_decode(
+    codes: torch.Tensor, table: torch.Tensor, scale: Optional[torch.Tensor], bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """``table[code] × scale`` of the value's bucket in one pass (``reference.table_decode``);
+    without a ``scale``, ``table[code]``."""
+    table = table.to(torch.float32).contiguous()
+    if table.numel() != 256:
+        raise ValueError(f"table: 256 values, one a code, got {table.numel()}")
+    return _bucket_decode("gz_table_decode", codes, scale, 1, bucket if scale is not None else numel, numel, out,
+                          accumulate, table)
+
+
+def onebit_decode(
+    packed: torch.Tensor, means: torch.Tensor, bucket: int, numel: int,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """1-bit SGD's decode in one pass (``reference.onebit_decode``; ``means`` ``[neg, pos]`` a bucket)."""
+    return _bucket_decode("gz_onebit_decode", packed, means, 2, bucket, numel, out, accumulate)

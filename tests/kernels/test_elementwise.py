@@ -1,0 +1,250 @@
+"""The element-wise codecs' kernels (TernGrad, TBQ, 1-bit SGD's decode, natural compression,
+the 8-bit table) against their torch specification, bit for bit, in both compiled versions: the
+fused C loops (:mod:`gradzip.kernels.native`) and the Triton kernels (:mod:`gradzip.kernels.gpu`,
+interpreted on CPU tensors without a GPU, compiled with one; marked ``gpu``)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradzip.codecs.quantize import _u8_tables
+from gradzip.kernels import native, reference
+from gradzip.kernels.buckets import bucket_view
+from gradzip.kernels.rng import counter_uniform
+
+from . import triton_kernels
+
+HAVE_CC = any(shutil.which(cc) for cc in (os.environ.get("CC") or "cc", "gcc", "clang"))
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("native", marks=pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")),
+    pytest.param("triton", marks=pytest.mark.gpu),
+])
+def kernels(request):
+    """(the kernels' module, the device of their tensors)."""
+    if request.param == "native":
+        assert native.available() is None, native.available()
+        return native, torch.device("cpu")
+    return triton_kernels.load()
+
+
+def _randn(n: int, device: torch.device, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(dtype).to(device)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit patterns (tells -0.0 from 0.0, compares NaNs)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 1), (7, 7), (9000, 9000), (1000, 64), (4097, 1024), (100, 24)])
+def test_terngrad_bit_identical(kernels, n, bucket):
+    """Codes from the same values, scales and counter draws (made inside the kernel); an
+    all-zero bucket, NaN and ±inf included."""
+    impl, device = kernels
+    x = _randn(n, device, seed=n + bucket)
+    if n >= 100:
+        x[: min(bucket, n // 2)] = 0.0  # an all-zero bucket (or part of the only one): 0/0 is NaN
+        x[-3] = float("nan")
+        x[-20] = float("inf")
+        x[-40] = -float("inf")
+    buckets = bucket_view(x, bucket)
+    key = 0x9E000000 + n  # above 2**31: the kernel takes it as a signed int32
+    rand = counter_uniform(buckets.numel(), key, device).view(buckets.shape)
+    packed, scale = impl.terngrad_encode(buckets, key, n)
+    ref_packed, ref_scale = reference.terngrad_encode(buckets, rand, n)
+    assert torch.equal(packed, ref_packed) and _same_bits(scale, ref_scale)
+    assert _same_bits(impl.ternary_decode(packed, scale, bucket, n), reference.ternary_decode(packed, scale, bucket, n))
+    base = _randn(n, device, seed=n + 1)
+    acc = base.clone()
+    impl.ternary_decode(packed, scale, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.ternary_decode(packed, scale, bucket, n))
+    # given scales (a fused group's: each block its member's, at least its own maximum)
+    given = scale.abs().nan_to_num(nan=1.0) * 1.5 + 0.25
+    packed, kept = impl.terngrad_encode(buckets, key, n, given)
+    ref_packed, _ = reference.terngrad_encode(buckets, rand, n, given)
+    assert torch.equal(packed, ref_packed) and kept is not None and _same_bits(kept, given)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_tbq_bit_identical(kernels, dtype):
+    impl, device = kernels
+    tau = 0.5
+    x = _randn(5003, device, seed=9).to(dtype)
+    x[:4] = torch.tensor([0.5, -0.5, float("nan"), float("inf")], dtype=dtype)  # ties with τ send nothing
+    if dtype == torch.float64:  # within half an fp32 ulp of τ: compared after rounding to fp32
+        x[4:6] = torch.tensor([0.5 + 2.0**-27, -(0.5 + 2.0**-27)], dtype=dtype)
+    packed = impl.tbq_encode(x, tau)
+    assert torch.equal(packed, reference.tbq_encode(x, tau))
+    scale = torch.tensor([tau], device=device)
+    assert _same_bits(impl.ternary_decode(packed, scale, x.numel(), x.numel()),
+                      reference.ternary_decode(packed, scale, x.numel(), x.numel()))
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 1), (9, 4), (1000, 64), (4097, 1024)])
+def test_onebit_decode_bit_identical(kernels, n, bucket):
+    impl, device = kernels
+    x = _randn(n, device, seed=n)
+    packed = reference.sign_encode(x)
+    nb = -(-n // bucket)
+    means = _randn(2 * nb, device, seed=n + 2)
+    if nb > 1:
+        means[1] = float("inf")  # the other side's value becomes NaN, as in the reference
+    exact = dict(rtol=0, atol=0, equal_nan=True)  # a NaN's payload bits are unspecified
+    got = impl.onebit_decode(packed, means, bucket, n)
+    torch.testing.assert_close(got, reference.onebit_decode(packed, means, bucket, n), **exact)
+    assert torch.isnan(got).any() == (nb > 1)
+    base = _randn(n, device, seed=n + 1)
+    acc = base.clone()
+    impl.onebit_decode(packed, means, bucket, n, out=acc, accumulate=True)
+    torch.testing.assert_close(acc, base + reference.onebit_decode(packed, means, bucket, n), **exact)
+
+
+@pytest.mark.parametrize("case", ["normal", "tiny", "nonfinite"])
+def test_natural_codes_bit_identical(kernels, case):
+    impl, device = kernels
+    x = _randn(5000, device, seed=11)
+    if case == "tiny":
+        x[::3] *= 1e-38  # far below the header's range: coded with probability, or as 0
+    if case == "nonfinite":
+        x[7], x[8] = float("nan"), -float("inf")
+    x[::10] = 0.0
+    bits = x.float().contiguous().view(torch.int32)
+    largest = (bits & 0x7FFFFFFF).clamp(max=0x7F800000).amax()
+    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32)).reshape(1)
+    for key in (3, 0xF00DFACE):
+        rand = reference.natural_draws(counter_uniform(5000, key, device))
+        assert 0 <= int(rand.min()) and int(rand.max()) < 1 << 23
+        got = impl.natural_codes(bits, key, top)
+        assert torch.equal(got, reference.natural_codes(bits, rand, top))
+    assert (got & 127).gt(0).any() and (got & 127).eq(0).any()
+
+
+def test_natural_codes_and_decode_under_a_header_a_bucket_bit_identical(kernels):
+    """Headers of 256-value buckets (a fused group's members), each bucket's from its values,
+    some far apart: codes as the reference makes them with each value's header, and the decode
+    as the reference's (a header of 256 for non-finite values; 2**128 of a finite header)."""
+    impl, device = kernels
+    n, bucket = 256 * 9 + 100, 256
+    x = _randn(n, device, seed=12)
+    x[:256] *= 1e-30
+    x[256:512] *= 1e30
+    x[600], x[900] = float("nan"), float("inf")
+    x[1024:1280] = 0.0
+    bits = x.float().contiguous().view(torch.int32)
+    mags = (bits & 0x7FFFFFFF).clamp(max=0x7F800000)
+    largest = torch.nn.functional.pad(mags, (0, -n % bucket)).view(-1, bucket).amax(dim=1)
+    top = ((largest + ((1 << 23) - 1)) >> 23).add_((largest >= 0x7F800000).to(torch.int32))
+    per_value = top.repeat_interleave(bucket)[:n]
+    rand = reference.natural_draws(counter_uniform(n, 77, device))
+    codes = impl.natural_codes(bits, 77, top, bucket)
+    assert torch.equal(codes, reference.natural_codes(bits, rand, per_value))
+    got = impl.natural_decode(codes, top, bucket, n)
+    assert _same_bits(got, reference.natural_decode(codes, per_value, n))
+    base = _randn(n, device, seed=13)
+    acc = base.clone()
+    impl.natural_decode(codes, top, bucket, n, out=acc, accumulate=True)
+    assert _same_bits(acc, base + reference.natural_decode(codes, per_value, n))
+    with pytest.raises(ValueError, match="power of two"):
+        impl.natural_decode(codes, top, 100, n)
+
+
+@pytest.mark.parametrize("n,bucket", [(1, 1), (5000, 512), (4097, 4097)])
+def test_u8bit_codes_and_table_decode_bit_identical(kernels, n, bucket):
+    impl, device = kernels
+    table, mids, lut = _u8_tables(device)
+    x = _randn(n, device, seed=n)
+    if n > 10:
+        x[: min(bucket, n // 2)] = 0.0  # a zero bucket (or part of the only one): scale 0, inv 0
+        x[-1], x[-2], x[-3] = float("nan"), -0.0, 1e-42
+    buckets = bucket_view(x, bucket)
+    scale = buckets.abs().amax(dim=1)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)).clamp_(max=torch.finfo(torch.float32).max)
+    codes = impl.u8bit_codes(buckets, inv, mids, lut, n)
+    assert torch.equal(codes, reference.u8bit_codes(buckets, inv, mids, lut, n))
+    # into a slice of a larger message, as the codec writes them: the same bytes, none around touched
+    message = torch.full((n + 8,), 0xA5, dtype=torch.uint8, device=device)
+    into = impl.u8bit_codes(buckets, inv, mids, lut, n, out=message[3 : 3 + n])
+    assert into.data_ptr() == message[3:].data_ptr() and torch.equal(message[3 : 3 + n], codes)
+    assert bool((message[:3] == 0xA5).all()) and bool((message[3 + n :] == 0xA5).all())
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(impl.table_decode(codes, table, scale, bucket, n),
+                               reference.table_decode(codes, table, scale, bucket, n), **exact)
+    base = _randn(n, device, seed=n + 1)
+    acc = base.clone()
+    impl.table_decode(codes, table, scale, bucket, n, out=acc, accumulate=True)
+    torch.testing.assert_close(acc, base + reference.table_decode(codes, table, scale, bucket, n), **exact)
+    # without a scale (natural compression's table): the table's values themselves
+    plain = table[codes.long()]
+    torch.testing.assert_close(reference.table_decode(codes, table, None, n, n), plain, **exact)
+    torch.testing.assert_close(impl.table_decode(codes, table, None, n, n), plain, **exact)
+
+
+def test_element_wise_encoders_read_strided_buckets(kernels):
+    """A strided gradient view reaches the kernels as it is: they must read its values, not its memory."""
+    impl, device = kernels
+    base = _randn(2048, device, seed=4)
+    x = base[::2]
+    buckets = bucket_view(x, 256)
+    assert not buckets.is_contiguous()
+    scale = buckets.abs().amax(dim=1)
+    rand = counter_uniform(buckets.numel(), 1, device).view(buckets.shape)
+    assert all(torch.equal(a, b) for a, b in zip(impl.terngrad_encode(buckets, 1, 1024),
+                                                 reference.terngrad_encode(buckets, rand, 1024)))
+    _, mids, lut = _u8_tables(device)
+    inv = 1.0 / scale
+    assert torch.equal(impl.u8bit_codes(buckets, inv, mids, lut, 1024), reference.u8bit_codes(buckets, inv, mids, lut, 1024))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 20_000), bucket=st.integers(1, 6000), key=st.integers(0, 2**32 - 1),
+       seed=st.integers(0, 2**31 - 1), accumulate=st.booleans())
+def test_c_loops_give_the_specifications_bits_wherever_buckets_and_spans_are_cut(n, bucket, key, seed, accumulate):
+    """The C loops walk a bucket at a time inside spans of a few thousand values: any size and
+    bucket, the boundaries of both anywhere, and NaN, ±inf, ±0 and subnormals among the values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-130, 60, (n,), generator=g).float())
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-42])
+    picks = torch.randint(0, n, (min(n, 12),), generator=g)
+    x[picks] = specials[torch.arange(picks.numel()) % specials.numel()]
+    buckets = bucket_view(x, bucket)
+    rand = counter_uniform(buckets.numel(), key).view(buckets.shape)
+    packed, scale = native.terngrad_encode(buckets, key, n)
+    want_packed, want_scale = reference.terngrad_encode(buckets, rand, n)
+    assert torch.equal(packed, want_packed) and _same_bits(scale, want_scale)
+    base = torch.randn(n, generator=g)
+
+    def decoded(impl, *args):
+        return impl(*args, out=base.clone(), accumulate=True) if accumulate else impl(*args)
+
+    assert _same_bits(decoded(native.ternary_decode, packed, scale, bucket, n),
+                      decoded(reference.ternary_decode, packed, scale, bucket, n))
+    bits = x.view(torch.int32)
+    rows = -(-n // 256)
+    mags = torch.nn.functional.pad((bits & 0x7FFFFFFF).clamp(max=0x7F800000), (0, rows * 256 - n)).view(rows, 256)
+    tops = ((mags.amax(dim=1) + ((1 << 23) - 1)) >> 23).to(torch.int32)
+    per_value = tops.repeat_interleave(256)[:n]
+    codes = native.natural_codes(bits, key, tops, 256)
+    assert torch.equal(codes, reference.natural_codes(bits, reference.natural_draws(counter_uniform(n, key)), per_value))
+    assert _same_bits(decoded(native.natural_decode, codes, tops, 256, n),
+                      decoded(reference.natural_decode, codes, per_value, n))
+    table, mids, lut = _u8_tables(torch.device("cpu"))
+    finite = bucket_view(x.nan_to_num(0.0, 1e30, -1e30), bucket)
+    top = finite.abs().amax(dim=1)
+    inv = torch.where(top > 0, 1.0 / top, torch.zeros_like(top))
+    codes = native.u8bit_codes(finite, inv, mids, lut, n)
+    assert torch.equal(codes, reference.u8bit_codes(finite, inv, mids, lut, n))
+    assert _same_bits(decoded(native.table_decode, codes, table, top, bucket, n),
+                      decoded(reference.table_decode, codes, table, top, bucket, n))
+    means = torch.randn(2 * buckets.shape[0], generator=g)
+    signs = reference.sign_encode(x)
+    torch.testing.assert_close(decoded(native.onebit_decode, signs, means, bucket, n),
+                               decoded(reference.onebit_decode, signs, means, bucket, n), rtol=0, atol=0)
