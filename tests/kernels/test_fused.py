@@ -202,7 +202,8 @@ def test_kernels_setting_is_checked(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"mode": "nearest"}), ("qsgd", {}),
                                   ("signsgd", {}), ("efsignsgd", {}), ("fp16", {}), ("bf16", {}),
-                                  ("terngrad", {"bucket_size": 512}), ("natural", {}), ("cl_terngrad", {})])
+                                  ("terngrad", {"bucket_size": 512}), ("natural", {}), ("cl_terngrad", {}),
+                                  ("u8bit", {"bucket_size": 700}), ("tbq", {}), ("onebit", {"bucket_size": 300})])
 def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
     name, opts = spec
     x = _x(5000, seed=3)
