@@ -1,6 +1,6 @@
 """A DDP training script that knows nothing of gradzip (for ``gradzip run`` tests; torch only).
 
-``python plain_ddp_script.py OUTDIR [--own-hook]``, launched by torchrun or ``gradzip run``:
+``python plain_ddp_script.py OUTDIR [--own-hook] [--compile]``, launched by torchrun or ``gradzip run``:
 trains a small MLP a few steps with gloo and writes what each rank saw to ``OUTDIR/rank<r>.json``.
 """
 import json
@@ -25,12 +25,13 @@ def main() -> None:
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward = torch.compile(model, backend="eager") if "--compile" in sys.argv else model  # torch.compile(DDP(m))
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     for _ in range(5):
         x = torch.randn(32, 64, generator=gen)
         y = torch.randint(0, 10, (32,), generator=gen)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(forward(x), y).backward()
         opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]

@@ -48,6 +48,7 @@ JOBS = {
     "gz": ([*GRADZIP_RUN, "--codec", "maxmin", "--bits", "4"], (), {}),
     "own": ([*GRADZIP_RUN, "--codec", "maxmin"], ("--own-hook",), {}),
     "env": (GRADZIP_RUN, (), {"GRADZIP_CODEC": "qsgd", "GRADZIP_BITS": "2"}),
+    "compiled": ([*GRADZIP_RUN, "--codec", "maxmin", "--bits", "4"], ("--compile",), {}),
 }
 
 
@@ -78,9 +79,14 @@ def _trained_compressed(job: Tuple[subprocess.CompletedProcess, list], codec: st
     return ranks[0]["params"]
 
 
-@pytest.mark.timeout(180)
-def test_an_unedited_script_trains_compressed(tmp_path):
-    _trained_compressed(_launched(tmp_path, "gz")["gz"], "maxmin(bits=4)")
+@pytest.mark.timeout(240)
+def test_an_unedited_script_trains_compressed_and_so_does_one_that_compiles_its_ddp_model(tmp_path):
+    jobs = _launched(tmp_path, "gz", "compiled")
+    plain = _trained_compressed(jobs["gz"], "maxmin(bits=4)")
+    # torch.compile(DDP(model)): gradzip registers at the first forward, which is being traced
+    compiled = _trained_compressed(jobs["compiled"], "maxmin(bits=4)")
+    assert "already has a communication hook" not in jobs["compiled"][0].stderr  # registered once
+    assert compiled == plain  # the same exchanges, bit for bit (the eager backend computes as eager)
 
 
 @pytest.mark.slow

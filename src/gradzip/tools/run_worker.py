@@ -15,6 +15,7 @@ import sys
 import warnings
 from typing import Any, List, Optional, Sequence
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..frontends.ddp import GradzipState, register
@@ -55,9 +56,16 @@ def install() -> None:
     register_comm_hook = DistributedDataParallel.register_comm_hook
     register_builtin = DistributedDataParallel._register_builtin_comm_hook
 
+    # registering makes process groups and runs collectives: under torch.compile(DDP(model)) the
+    # forward is traced, so the check and the registration run eagerly (a graph break before the
+    # forward's first operation), each time, not as whatever the trace saw first
+    @torch.compiler.disable
+    def attach_once(model: DistributedDataParallel) -> None:
+        if "_gradzip_run_seen" not in model.__dict__:
+            _attach(model)
+
     def patched_forward(self: DistributedDataParallel, *inputs: Any, **kwargs: Any) -> Any:
-        if "_gradzip_run_seen" not in self.__dict__:
-            _attach(self)
+        attach_once(self)
         return forward(self, *inputs, **kwargs)
 
     def own_hook(original):
