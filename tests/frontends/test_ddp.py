@@ -341,21 +341,24 @@ def _features(rank: int, world: int) -> dict:
         "find_unused": dict(find_unused_parameters=True),
         "fp16": dict(),
         "bf16": dict(),
+        "compiled": dict(),  # register(torch.compile(DDP(model))): the hook on the DDP model inside
     }
     for case, flags in cases.items():
         torch.manual_seed(0)
         model = Net(unused=case == "find_unused")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(case, torch.float32)
         model = model.to(dtype)
-        ddp = DDP(model, bucket_cap_mb=0.01, **flags)
-        state = gradzip.register(ddp, "maxmin", bits=4, memory="residual", min_numel=64)
+        # (dynamo's DDP graph splitting asserts its first bucket is the smallest: DDP's default there)
+        ddp = DDP(model, bucket_cap_mb=25 if case == "compiled" else 0.01, **flags)
+        forward = torch.compile(ddp, backend="eager") if case == "compiled" else ddp
+        state = gradzip.register(forward, "maxmin", bits=4, memory="residual", min_numel=64)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         for i, (x, y) in enumerate(_batches(rank, 8, dtype)):
             if case == "no_sync" and i % 2 == 0:
                 with ddp.no_sync():  # accumulate locally, synchronise every second micro-batch
                     nn.functional.cross_entropy(ddp(x).float(), y).backward()
                 continue
-            nn.functional.cross_entropy(ddp(x).float(), y).backward()
+            nn.functional.cross_entropy(forward(x).float(), y).backward()
             opt.step()
             opt.zero_grad()
         stats = state.stats()
@@ -380,6 +383,7 @@ def test_ddp_features_keep_replicas_identical():
         assert rec["residuals"] == expected, (case, rec["residuals"])
     # steps count synchronised backward passes: no_sync skips every second one
     assert results[0]["no_sync"]["steps"] == 4 and results[0]["fp16"]["steps"] == 8, "no_sync must skip communication"
+    assert results[0]["compiled"]["steps"] == 8
 
 
 def _nan_step(rank: int, world: int, in_place: bool = False, device_flag: bool = False, codec: str = "maxmin",

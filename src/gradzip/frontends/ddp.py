@@ -789,6 +789,19 @@ def _all_of(futures: List[torch.futures.Future], value: torch.Tensor, comm: Comm
     return out
 
 
+def _compiled_module(model: Any) -> Any:
+    """The module ``torch.compile`` wrapped (its ``_orig_mod``, through several wrappers), or
+    ``model`` itself: a hook registered on the DDP model inside serves the compiled forward."""
+    seen = set()
+    while not isinstance(model, DistributedDataParallel) and id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    return model
+
+
 def register(
     model: DistributedDataParallel,
     codec: Optional[str] = None,
@@ -834,6 +847,7 @@ def register(
     """
     from . import fsdp
 
+    model = _compiled_module(model)
     if fsdp.is_fsdp1(model):
         raise ValueError(
             "register() takes FSDP2 (torch.distributed.fsdp.fully_shard), not FullyShardedDataParallel (FSDP1): "

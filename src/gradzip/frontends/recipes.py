@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .ddp import GradzipState, register
+from .ddp import GradzipState, _compiled_module, register
 
 __all__ = [  # noqa: F822 (GradzipCallback is built on first use)
     "GradzipCallback", "find_ddp", "register_accelerate", "register_prepared", "register_trainer",
@@ -21,13 +21,8 @@ __all__ = [  # noqa: F822 (GradzipCallback is built on first use)
 
 def find_ddp(model: Any) -> Optional[DistributedDataParallel]:
     """The DDP model inside ``model``'s wrappers (``torch.compile``'s ``_orig_mod``), or None."""
-    seen = set()
-    while model is not None and id(model) not in seen:
-        if isinstance(model, DistributedDataParallel):
-            return model
-        seen.add(id(model))
-        model = getattr(model, "_orig_mod", None)
-    return None
+    model = _compiled_module(model)
+    return model if isinstance(model, DistributedDataParallel) else None
 
 
 def _world_size() -> int:
