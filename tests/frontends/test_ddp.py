@@ -534,6 +534,13 @@ def _registered_twice(rank: int, world: int) -> dict:
         out["kernels"] = str(exc)
     finally:
         del os.environ["GRADZIP_KERNELS"]
+    # the same model wrapped once more on one rank: the same shapes (DDP's own check passes) under
+    # other names, by which gradzip keys each gradient's randomness (random-k's indices drifted)
+    other = DDP(nn.Sequential(Net()) if rank == 1 else Net())
+    try:
+        gradzip.register(other, "randomk").close()
+    except gradzip.SettingsMismatchError as exc:
+        out["names"] = str(exc)
     _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), rank, 2)  # the first registration still runs
     out["identical"] = _identical(ddp, world)
     state.close()
@@ -543,10 +550,12 @@ def _registered_twice(rank: int, world: int) -> dict:
 def test_register_twice_or_with_a_bad_kernel_setting_fails_at_registration():
     """A second hook on a DDP model, or an unknown ``GRADZIP_KERNELS``, is a ValueError from
     ``register`` itself (before any collective), not an error of PyTorch's or of the first
-    backward pass; the first registration trains on."""
+    backward pass, and so are parameters named differently on one rank (on every rank); the
+    first registration trains on."""
     for res in run_workers(_registered_twice, 2):
         assert "already has a communication hook" in res["twice"]
         assert "GRADZIP_KERNELS='fastest': expected one of auto, native, triton, torch" in res["kernels"]
+        assert "'fc1.weight' on rank 0 and '0.fc1.weight' on rank 1" in res["names"], res
         assert res["identical"]
 
 

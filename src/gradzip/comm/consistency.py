@@ -95,3 +95,35 @@ def verify_same_on_all_ranks(
             f"gradzip settings differ between ranks (seen from rank {rank}); every rank must use the same "
             "codec, options, memory, collective, filter and gradzip version:\n  " + "\n  ".join(lines)
         )
+
+
+def verify_same_names(names: List[str], group: Optional[dist.ProcessGroup]) -> None:
+    """Raise :class:`SettingsMismatchError` on every rank of ``group`` unless every rank names
+    the tensors it exchanges alike, in the same order.
+
+    Each tensor's shared randomness (random-k's indices, stochastic rounding), its fused group
+    and its saved state are keyed by its name, so a parameter named differently on one rank (a
+    model wrapped once more, or compiled on that rank alone: ``_orig_mod.``) would draw other
+    indices there and the replicas would drift apart without an error. One
+    ``all_gather_object`` of the names, at registration.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    gathered: List[Any] = [None] * world
+    dist.all_gather_object(gathered, list(names), group=group)
+    first = gathered[0]
+    for rank, other in enumerate(gathered):
+        if other == first:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), min(len(first), len(other)))
+        mine = first[at] if at < len(first) else "nothing"
+        theirs = other[at] if at < len(other) else "nothing"
+        raise SettingsMismatchError(
+            f"gradzip: the parameters' names differ between ranks (seen from rank {dist.get_rank(group)}): "
+            f"the gradient {at} is {mine!r} on rank 0 and {theirs!r} on rank {rank} ({len(first)} and "
+            f"{len(other)} gradients). gradzip keys each gradient's randomness and state by its name: wrap "
+            "and compile the model alike on every rank"
+        )

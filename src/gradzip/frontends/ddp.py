@@ -24,6 +24,7 @@ from ..sync.engine import Batch, Communicator
 from ..sync.groups import group_key
 from ..config import AUTO, Config
 from ..errors import CommunicationError, SettingsMismatchError
+from ..comm import consistency
 from ..comm.base import traffic_factor
 from ..sync.metrics import CSVLogger, format_table, scalars, summary_table
 from ..policy import planner
@@ -926,6 +927,11 @@ def register(
             raise
         raise type(exc)(f"{exc}{note}") from exc
     named = list(model.module.named_parameters())
+    try:
+        consistency.verify_same_names([n for n, p in named if p.requires_grad], comm.group)
+    except SettingsMismatchError:
+        comm.close()
+        raise
     state = GradzipState(comm, {id(p): n for n, p in named}, cfg)
     state.device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
     plan = state.build_plan(named, state.should_compress)  # the filter decides what may be compressed
@@ -1015,6 +1021,11 @@ def _register_fsdp(
             f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
             f"that can: {', '.join(sharded_codecs())}"
         )
+    try:
+        consistency.verify_same_names([name for name, _, _ in units], comm.group)
+    except SettingsMismatchError:
+        comm.close()
+        raise
     state = fsdp.install(units, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:
         logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg, collective="reducescatter"), len(state.units))
