@@ -1,8 +1,9 @@
 """A training job for ``torchrun --max-restarts``: checkpoints every step, resumes from the last.
 
 ``python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1 resume_job.py OUT KILL_AT STEPS``
-trains four copies of one model side by side, plain DDP and gradzip ``maxmin`` (stochastic
-rounding, error feedback), ``topk`` (error feedback) and ``qsgd`` (stochastic), on the same data.
+trains five copies of one model side by side, plain DDP and gradzip ``maxmin`` (stochastic
+rounding, error feedback), ``topk`` (error feedback), ``qsgd`` (stochastic) and ``maxmin`` through
+the parameter server (its aggregators re-encode stochastically), on the same data.
 In its first attempt rank 1 dies at the start of step KILL_AT (-1: never); torchrun restarts every
 rank, which resume from the newest step that every rank has saved. Rank 0 writes the final
 parameters to OUT/final.pt. :func:`train` is the same job for a launcher that has already
@@ -26,6 +27,7 @@ CONFIGS = {
     "maxmin": dict(codec="maxmin", bits=2, memory="residual"),
     "topk": dict(codec="topk", ratio=0.05),
     "qsgd": dict(codec="qsgd", bits=3),
+    "maxmin-ps": dict(codec="maxmin", bits=4, collective="ps"),  # aggregators re-encode stochastically
 }
 
 

@@ -284,11 +284,11 @@ def test_a_killed_and_restarted_job_ends_where_the_uninterrupted_one_does(tmp_pa
     killed = torch.load(tmp_path / "killed" / "final.pt")
     assert killed["restarts"] == 1 and straight["restarts"] == 0
     assert killed["resumed_from"] == kill_at - 1
-    for name in ("ddp", "maxmin", "topk", "qsgd"):
+    for name in ("ddp", "maxmin", "topk", "qsgd", "maxmin-ps"):
         moved = (straight[name] - straight["start"]).abs().max()
         assert moved > 0, name
     ddp_gap = (straight["ddp"] - killed["ddp"]).abs().max()
-    for name in ("maxmin", "topk", "qsgd"):  # stochastic rounding + residuals; residuals; stochastic
+    for name in ("maxmin", "topk", "qsgd", "maxmin-ps"):  # stochastic + residuals; residuals; stochastic
         gap = (straight[name] - killed[name]).abs().max()
         assert gap <= ddp_gap, (name, float(gap), float(ddp_gap))
 

@@ -673,6 +673,13 @@ def _run_ps(rank: int, world: int) -> dict:
                 "wire": res.wire_bytes,
                 "aggregated": list(ps.aggregated),
             }
+        # the same tensors in the other order (as DDP hands its buckets over in the first step after
+        # a restart): the same aggregators, so the same averages, stochastic re-encodes included
+        again, fresh = ParameterServer(None, min_partition=PS_MIN_PARTITION), gradzip.codec(name, **opts)
+        for call, n in reversed(list(enumerate(_ps_sizes(world)))):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(100 * call + rank)) * (1 + rank)
+            res = again.run(fresh, x, f"w{call}", 0, need_own=True)
+            out[(name, str(opts), call, "reordered")] = torch.equal(res.avg, out[(name, str(opts), call)]["avg"])
         bad = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
         if rank == world - 1:
             bad[1234] = float("inf")
@@ -725,7 +732,7 @@ def _ps_tolerance(name: str, opts: dict, owns: torch.Tensor, world: int, ref: to
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ps_averages_with_round_robin_aggregators(world):
-    from gradzip.comm.ps import ParameterServer, num_partitions, partition_bounds
+    from gradzip.comm.ps import ParameterServer, num_partitions, partition_bounds, rotation
 
     results = run_workers(_run_ps, world)
     for name, opts in PS_CODECS:
@@ -747,9 +754,12 @@ def test_ps_averages_with_round_robin_aggregators(world):
                 err = (rec["avg"] - ref).abs().max().item()
                 assert err <= tol, f"{key}: |avg - mean(decoded)| = {err} > {tol}"
             assert not any(r[key]["nonfinite"] for r in results), key
-            # partition p of call c is aggregated by rank (c + p) mod W, exactly once
+            # partition p of tensor w at step s is aggregated by rank (hash(w) + s + p) mod W, exactly
+            # once, whatever the order of the calls
             aggregated = [r[key]["aggregated"] for r in results]
-            assert aggregated == [[p for p in range(parts) if (call + p) % world == r] for r in range(world)], key
+            turn = rotation(f"w{call}", 0)
+            assert aggregated == [[p for p in range(parts) if (turn + p) % world == r] for r in range(world)], key
+            assert all(r[key + ("reordered",)] for r in results), key
             if call == 0:
                 assert all(len(a) == 1 for a in aggregated), key  # W partitions: one per rank
             # wire: every partition up, the aggregated ones back
@@ -771,11 +781,13 @@ def test_ps_averages_with_round_robin_aggregators(world):
 
 
 def test_ps_aggregator_assignment_and_partitions():
-    from gradzip.comm.ps import aggregator, num_partitions, partition_bounds
+    from gradzip.comm.ps import aggregator, num_partitions, partition_bounds, rotation
 
     assert [aggregator(0, p, 4) for p in range(4)] == [0, 1, 2, 3]
     assert [aggregator(1, p, 4) for p in range(4)] == [1, 2, 3, 0]
     assert [aggregator(c, 0, 3) for c in range(5)] == [0, 1, 2, 0, 1]  # one-partition tensors rotate
+    assert [rotation("w", s) - rotation("w", 0) for s in range(3)] == [0, 1, 2]  # a step on, a rank on
+    assert len({rotation(f"w{i}", 0) % 4 for i in range(16)}) > 1  # tensors start at different ranks
     for world in (1, 2, 3, 4):
         for call in range(2 * world):
             owners = [aggregator(call, p, world) for p in range(world)]

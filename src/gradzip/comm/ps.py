@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..codecs.base import Codec, Payload
+from ..kernels.rng import stable_hash
 from ..kernels.transfer import ints_on
 from ..options import Option, int_in, optional
 from .allreduce import saturate_16_bit_sums
@@ -30,9 +31,19 @@ from .base import (
 )
 
 
-def aggregator(call: int, partition: int, world_size: int) -> int:
-    """The rank that aggregates ``partition`` in the ``call``-th call: ``(call + partition) mod W``."""
-    return (call + partition) % world_size
+def aggregator(key: int, partition: int, world_size: int) -> int:
+    """The rank that aggregates ``partition`` of the tensor and step of ``key``
+    (:func:`rotation`): ``(key + partition) mod W``."""
+    return (key + partition) % world_size
+
+
+def rotation(name: str, step: int) -> int:
+    """The aggregators' key of tensor ``name`` at ``step``: a hash of the name, plus the step, so
+    each tensor's aggregators move on by one rank a step and different tensors start at different
+    ranks. It depends on nothing but the tensor and the step, not on the order of the calls: DDP
+    hands its buckets over in another order in the first step after a restart, and a stochastic
+    codec's aggregate is re-encoded with the aggregator's own randomness."""
+    return stable_hash("ps", name) + step
 
 
 def num_partitions(numel: int, partitions: Optional[int], world_size: int, min_partition: int) -> int:
@@ -55,10 +66,10 @@ class ParameterServer(Collective):
     Parallel DNN Training, SOSP'21): every rank is the aggregator (server) of some partitions.
 
     Each tensor is cut into ``K`` contiguous partitions (``partitions``, default the world size W;
-    never below ``min_partition`` elements, so a tiny tensor is one partition). In the c-th call
-    of this collective, partition p is aggregated by rank ``(c + p) mod W``; every rank makes the
-    same calls in the same order, so the call counter, and with it the assignment, is the same on
-    every rank, and the aggregation load rotates over tensors and partitions.
+    never below ``min_partition`` elements, so a tiny tensor is one partition). Partition p of
+    tensor ``name`` at step s is aggregated by rank ``(hash(name) + s + p) mod W``
+    (:func:`rotation`): the same on every rank, the aggregation load spread over tensors and
+    partitions and rotating from step to step.
 
     1. Every rank encodes each partition (as the tensor ``name#p``) and sends it to the partition's
        aggregator, all partitions in one ``all_to_all_single``. Payloads whose size depends on the
@@ -100,11 +111,11 @@ class ParameterServer(Collective):
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, **opts: Any) -> None:
         super().__init__(group, **opts)
-        self.calls = 0  # calls so far: the same on every rank
+        self.calls = 0  # calls so far (counted in its state; the aggregators follow rotation())
         self.aggregated: List[int] = []  # partitions this rank aggregated in the last call
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"calls": self.calls}  # decides the aggregators, and so who re-encodes what
+        return {"calls": self.calls}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.calls = int(state.get("calls", 0))
@@ -118,8 +129,9 @@ class ParameterServer(Collective):
         x = call.flat
         n = x.numel()
         parts = num_partitions(n, self.partitions, w, self.min_partition)
-        calls, self.calls = self.calls, self.calls + 1
-        owner = [aggregator(calls, p, w) for p in range(parts)]
+        self.calls += 1
+        key = rotation(call.name, call.step)
+        owner = [aggregator(key, p, w) for p in range(parts)]
         mine = [p for p in range(parts) if owner[p] == rank]
         self.aggregated = mine
         summable = codec.summable
