@@ -25,8 +25,12 @@ def test_every_memory_and_collective_declares_its_options_and_refuses_unknown_on
 @pytest.mark.parametrize(
     "make,message",
     [
-        (lambda: memory.memory("residual", beta="x"), "memory 'residual': beta must be a number, got 'x'"),
-        (lambda: memory.memory("residual", gamma=float("nan")), "memory 'residual': gamma must be a number"),
+        (lambda: memory.memory("residual", beta="x"), "memory 'residual': beta must be a finite number >= 0, got 'x'"),
+        (lambda: memory.memory("residual", gamma=float("nan")), "memory 'residual': gamma must be a finite number >= 0"),
+        (lambda: memory.memory("residual", beta=-1.0), "memory 'residual': beta must be a finite number >= 0"),
+        (lambda: memory.memory("residual", gamma=float("inf")), "memory 'residual': gamma must be a finite number >= 0"),
+        (lambda: gradzip.codec("threshold", threshold=float("inf")),
+         "codec 'threshold': threshold must be a finite non-negative float"),
         (lambda: memory.memory("dgc", momentum=1.0), r"memory 'dgc': momentum must be a float in \[0, 1\), got 1.0"),
         (lambda: memory.memory("dgc", clip_norm=0), "memory 'dgc': clip_norm must be None or a positive number"),
         (lambda: memory.memory("efsign", beta=0.5), "memory 'efsign': unknown option.*valid options: \\(none\\)"),

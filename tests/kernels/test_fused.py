@@ -227,6 +227,23 @@ def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
             assert torch.equal(a, b)
 
 
+@needs_native
+def test_a_communicator_builds_the_c_kernels_before_its_first_exchange(tmp_path):
+    """The build takes seconds once per machine: made in the constructor, not in the first
+    step's encode, whose time the metrics report (a first run's encode time held it)."""
+    script = (
+        "import pathlib, sys, gradzip\n"
+        "c = gradzip.Communicator('maxmin')\n"
+        "print('BUILT', len(list(pathlib.Path(sys.argv[1]).glob('native-*.so'))))\n"
+        "c.close()\n"
+    )
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path), GRADZIP_KERNELS="auto")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BUILT 1" in proc.stdout, proc.stdout
+
+
 def test_a_failed_build_falls_back_to_torch(tmp_path):
     """With a compiler that fails, the reason is reported and codecs still work (torch kernels)."""
     script = (

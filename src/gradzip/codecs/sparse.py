@@ -592,7 +592,8 @@ class Threshold(_ValuesIndices):
     default_memory = "residual"
     fixed_size = False
     options = {
-        "threshold": Option(0.01, float_in(0.0, math.inf), "a non-negative float", "send values with |x| >= threshold"),
+        "threshold": Option(0.01, float_in(0.0, math.inf, hi_open=True), "a finite non-negative float",
+                            "send values with |x| >= threshold"),
     }
 
     records_fusion = False  # fused later: its older checkpoints hold no ``fusion``

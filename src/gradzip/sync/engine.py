@@ -34,6 +34,7 @@ from ..comm.topology import Topology, detect as detect_topology, node_groups
 from ..config import HIERARCHY
 from ..errors import CheckpointError, CommunicationError
 from ..kernels.fused import setting as kernels_setting
+from ..kernels.native import available as native_available
 from ..version import __version__
 from . import device as _device
 from .fused import FusedGroups
@@ -276,6 +277,14 @@ class Communicator(FusedGroups):
                         "still go through the nodes (see describe_topology())", stacklevel=2,
                     )
         hold_layouts()  # (the codecs' layout plans kept until the last communicator closes)
+        if self._group_backend() != "nccl" and kernels_setting() in ("auto", "native"):
+            # CPU tensors: build the fused C kernels now (seconds, once per machine and version)
+            # rather than inside the first step's encode, whose time the metrics would report
+            native_available()
+
+    def _group_backend(self) -> str:
+        """The backend of this communicator's process group ("gloo" outside a distributed job)."""
+        return dist.get_backend(self.group) if dist.is_available() and dist.is_initialized() else "gloo"
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         return make_collective(name, codec, options, group)

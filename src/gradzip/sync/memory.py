@@ -222,8 +222,8 @@ class ResidualMemory(Memory):
 
     name = "residual"
     options = {
-        "beta": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the residual"),
-        "gamma": Option(1.0, lambda v: _number(v) and not math.isnan(v), "a number", "weight of the gradient"),
+        "beta": Option(1.0, float_in(0.0, math.inf, hi_open=True), "a finite number >= 0", "weight of the residual"),
+        "gamma": Option(1.0, float_in(0.0, math.inf, hi_open=True), "a finite number >= 0", "weight of the gradient"),
     }
 
     def __init__(self, **opts: Any) -> None:
