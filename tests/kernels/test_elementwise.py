@@ -248,3 +248,15 @@ def test_c_loops_give_the_specifications_bits_wherever_buckets_and_spans_are_cut
     signs = reference.sign_encode(x)
     torch.testing.assert_close(decoded(native.onebit_decode, signs, means, bucket, n),
                                decoded(reference.onebit_decode, signs, means, bucket, n), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@pytest.mark.parametrize("rows,width", [(1, 1), (3, 7), (40, 256), (2, 70_001)])
+def test_c_row_maxima_are_amax_of_the_magnitudes(rows, width):
+    """NaN, ±inf and -0.0 included, and a strided view read as its values."""
+    x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))[:, ::2]
+    x[0, 0] = -0.0
+    if rows > 2:
+        x[1, width // 2], x[2, 0] = float("nan"), -float("inf")
+    assert _same_bits(native.row_maxima(x), x.abs().amax(dim=1))
+    assert _same_bits(native.row_maxima(x.to(torch.float16)), x.to(torch.float16).float().abs().amax(dim=1))

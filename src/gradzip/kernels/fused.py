@@ -389,8 +389,11 @@ def rows_reduced(xb: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor
 
 
 def row_maxima(xb: torch.Tensor) -> torch.Tensor:
-    """Each row's ``max |x|`` (a NaN stays), a piece at a time on the CPU (a maximum is exact
-    in any order): TernGrad's scales, a fused group's block maxima."""
+    """Each row's ``max |x|`` (a NaN stays): TernGrad's and the 8-bit format's scales, a fused
+    group's block maxima. On the CPU one C pass, or torch a piece at a time (a maximum is exact
+    in any order)."""
+    if xb.shape[1] and backend(xb) is native:
+        return native.row_maxima(xb)
     return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 

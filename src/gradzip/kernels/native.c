@@ -726,6 +726,10 @@ static void row_absmax(const float *x, int64_t rows, int64_t bucket, float *out)
     }
 }
 
+/* Each row's max |x| (NaN where it holds one): TernGrad's and the 8-bit format's scales, the
+ * blocks' maxima of a fused group. */
+void gz_row_absmax(const float *x, int64_t rows, int64_t bucket, float *out) { row_absmax(x, rows, bucket, out); }
+
 /* TernGrad: x holds rows of `bucket` values (the last one padded); scale is given (given != 0,
  * one a row) or each row's max |x| is written there. Value i is kept with probability
  * |x| / scale (draw uniform(i, key)): code 1 for +1, 2 for -1, else 0; 0/0 keeps nothing. */

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "gz_mx_decode": [_u8p, _u8p, _i64, _int, _i64, _f32p, _int],
     "gz_saturate": [_f32p, _i64, _int, ctypes.c_void_p],
     "gz_uniform": [_i64, _i64, _u32, _f32p],
+    "gz_row_absmax": [_f32p, _i64, _i64, _f32p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
     "gz_ternary_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
@@ -332,6 +333,15 @@ def _f32_rows(side: torch.Tensor, rows: int, what: str) -> torch.Tensor:
     if side.numel() < rows:
         raise ValueError(f"{what}: at least {rows} values (one a bucket), got {side.numel()}")
     return side
+
+
+def row_maxima(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |x|`` of the 2-D ``xb`` in one pass (a NaN stays, as in ``amax``)."""
+    rows, width = xb.shape
+    x, out = _f32(xb), torch.empty(rows, dtype=torch.float32)
+    if rows and width:
+        _kernels().gz_row_absmax(x.data_ptr(), rows, width, out.data_ptr())
+    return out
 
 
 def terngrad_encode(
