@@ -260,3 +260,24 @@ def test_c_row_maxima_are_amax_of_the_magnitudes(rows, width):
         x[1, width // 2], x[2, 0] = float("nan"), -float("inf")
     assert _same_bits(native.row_maxima(x), x.abs().amax(dim=1))
     assert _same_bits(native.row_maxima(x.to(torch.float16)), x.to(torch.float16).float().abs().amax(dim=1))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+def test_c_loops_refuse_what_they_would_read_past_or_misread():
+    """The loops read through raw pointers: codes of another dtype, too few code bytes, or more
+    values than the buckets hold are a ValueError before any read."""
+    table, mids, lut = _u8_tables(torch.device("cpu"))
+    scale = torch.ones(1)
+    with pytest.raises(ValueError, match="uint8"):
+        native.table_decode(torch.tensor([1, 2, 200], dtype=torch.int32), table, scale, 3, 3)
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        native.ternary_decode(torch.zeros(2, dtype=torch.uint8), scale, 16, 16)
+    with pytest.raises(ValueError, match="at least 2 bytes"):
+        native.onebit_decode(torch.zeros(1, dtype=torch.uint8), torch.ones(2), 9, 9)
+    with pytest.raises(ValueError, match="at least 5 bytes"):
+        native.natural_decode(torch.zeros(4, dtype=torch.uint8), torch.tensor([130]), 0, 5)
+    buckets = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="numel: at most the 2 x 4 values"):
+        native.terngrad_encode(buckets, 1, 100)
+    with pytest.raises(ValueError, match="numel: at most the 2 x 4 values"):
+        native.u8bit_codes(buckets, torch.ones(2), mids, lut, 9)

@@ -327,6 +327,21 @@ def mx_decode(
 _CPU = torch.device("cpu")
 
 
+def _bytes(codes: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Codes as the decoders read them: contiguous bytes holding ``numel`` codes of ``bits``
+    bits (checked: the loops read that many bytes, unchecked)."""
+    if codes.dtype != torch.uint8 or codes.numel() < packed_bytes(numel, bits):
+        raise ValueError(f"codes: at least {packed_bytes(numel, bits)} bytes (uint8) for {numel} codes of {bits} bits, "
+                         f"got {codes.numel()} values of {codes.dtype}")
+    return codes.reshape(-1).contiguous()
+
+
+def _within(numel: int, rows: int, bucket: int) -> None:
+    """An encoder reads the first ``numel`` values of its ``rows`` buckets: no more than they hold."""
+    if not 0 <= numel <= rows * bucket:
+        raise ValueError(f"numel: at most the {rows} x {bucket} values of the buckets, got {numel}")
+
+
 def _f32_rows(side: torch.Tensor, rows: int, what: str) -> torch.Tensor:
     """Per-bucket fp32 statistics the kernels read ``rows`` of, unchecked: checked here."""
     side = side.reshape(-1).to(torch.float32).contiguous()
@@ -352,6 +367,7 @@ def terngrad_encode(
     pass, the draws ``counter_uniform(·, key)`` made in the loop; ``buckets`` ``(B, bucket)``, the
     scales each row's ``max |x|`` unless given (fp32, one a bucket)."""
     rows, bucket = buckets.shape
+    _within(numel, rows, bucket)
     if scale is not None and (scale.dtype != torch.float32 or scale.numel() != rows or scale.device != _CPU):
         raise ValueError(f"scale: {rows} fp32 values on the CPU, one a bucket")
     x = _f32(buckets)
@@ -372,11 +388,12 @@ def tbq_encode(x: torch.Tensor, tau: float, out: Optional[torch.Tensor] = None) 
     return packed
 
 
-def _bucket_decode(name: str, codes: torch.Tensor, side: Optional[torch.Tensor], per_bucket: int, bucket: int,
-                   numel: int, out: Optional[torch.Tensor], accumulate: bool, *tables: torch.Tensor) -> torch.Tensor:
-    """Run decoder ``name(codes, *tables, side, numel, bucket, out, accumulate)``: ``side`` the
-    fp32 statistics, ``per_bucket`` of them a bucket (None: no statistics)."""
-    codes = codes.reshape(-1).contiguous()
+def _bucket_decode(name: str, codes: torch.Tensor, bits: int, side: Optional[torch.Tensor], per_bucket: int,
+                   bucket: int, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+                   *tables: torch.Tensor) -> torch.Tensor:
+    """Run decoder ``name(codes, *tables, side, numel, bucket, out, accumulate)`` on codes of
+    ``bits`` bits: ``side`` the fp32 statistics, ``per_bucket`` of them a bucket (None: none)."""
+    codes = _bytes(codes, numel, bits)
     bucket = max(bucket, 1)
     out = forms.decoded(out, numel, _CPU, accumulate)
     if side is not None:
@@ -392,7 +409,7 @@ def ternary_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """fp32 ``{0, +1, −1} × scale`` per value in one pass (``reference.ternary_decode``)."""
-    return _bucket_decode("gz_ternary_decode", packed, scale, 1, bucket, numel, out, accumulate)
+    return _bucket_decode("gz_ternary_decode", packed, 2, scale, 1, bucket, numel, out, accumulate)
 
 
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0,
@@ -418,7 +435,7 @@ def natural_decode(
 ) -> torch.Tensor:
     """Natural compression's fp32 values in one pass (``reference.natural_decode``), under header
     ``top``: one, or one for each ``bucket`` values."""
-    codes = codes.reshape(-1).contiguous()
+    codes = _bytes(codes, numel, 8)
     top = forms.headers(top, bucket, numel, _CPU)
     out = forms.decoded(out, numel, _CPU, accumulate)
     if numel:
@@ -434,6 +451,7 @@ def u8bit_codes(
     """8-bit codes in one pass (``reference.u8bit_codes``); ``mids`` the 256 midpoints (the last
     +inf), ``lut`` the 65536 first candidates."""
     rows, bucket = buckets.shape
+    _within(numel, rows, bucket)
     x = _f32(buckets)
     inv = _f32_rows(inv, -(-numel // max(bucket, 1)), "inv")
     mids, lut = mids.to(torch.float32).contiguous(), lut.to(torch.int32).contiguous()
@@ -455,7 +473,7 @@ def table_decode(
     table = table.to(torch.float32).contiguous()
     if table.numel() != 256:
         raise ValueError(f"table: 256 values, one a code, got {table.numel()}")
-    return _bucket_decode("gz_table_decode", codes, scale, 1, bucket if scale is not None else numel, numel, out,
+    return _bucket_decode("gz_table_decode", codes, 8, scale, 1, bucket if scale is not None else numel, numel, out,
                           accumulate, table)
 
 
@@ -464,4 +482,4 @@ def onebit_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (``reference.onebit_decode``; ``means`` ``[neg, pos]`` a bucket)."""
-    return _bucket_decode("gz_onebit_decode", packed, means, 2, bucket, numel, out, accumulate)
+    return _bucket_decode("gz_onebit_decode", packed, 1, means, 2, bucket, numel, out, accumulate)
