@@ -153,21 +153,27 @@ def test_onebit_per_bucket_means_and_tail():
     assert torch.equal(_round_trip(gradzip.codec("onebit"), torch.zeros(9)), torch.zeros(9))
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("shape", [(1, 3 << 18), (3000, 256), (700, 1000), (5, (1 << 18) + 3)], ids=str)
-def test_onebit_sums_its_sides_a_piece_at_a_time_with_the_values_of_one_sum(shape, monkeypatch):
-    """On the CPU each side's fp64 row sums are taken a piece of rows (or of a long row) at a
-    time, with no temporary of the tensor's size: the means are those of one sum, to fp32."""
-    from gradzip.codecs.sign import _side_sums
+def test_onebit_sums_its_sides_in_one_pass_or_a_piece_at_a_time_with_the_values_of_one_sum(shape, kernels,
+                                                                                            monkeypatch):
+    """Each side's fp64 row sums and the non-negative counts: on the CPU one C pass, or torch a
+    piece of rows (or of a long row) at a time, with no temporary of the tensor's size; the
+    means are those of one sum, to fp32 (a NaN stays)."""
+    from gradzip.kernels import fused
 
+    monkeypatch.setenv("GRADZIP_KERNELS", kernels)
     xb = _randn(shape, seed=8) * 1e3
-    for bound in ({"max": 0}, {"min": 0}):
-        want = xb.clamp(**bound).double().sum(dim=1)
-        with LargestMade() as made:
-            got = _side_sums(xb, **bound)
-        assert torch.equal(got.float(), want.float()), bound
-        assert made.numel <= 1 << 18, made.numel
-        if shape[1] <= 1 << 18:  # whole rows: the same operation on each row
-            assert torch.equal(got, want)
+    xb[-1, 7] = float("nan")
+    want = torch.stack([xb.clamp(max=0).double().sum(dim=1), xb.clamp(min=0).double().sum(dim=1),
+                        (xb >= 0).sum(dim=1, dtype=torch.float64)], 1)
+    with LargestMade() as made:
+        got = fused.side_sums(xb)
+    assert torch.equal(got.float().nan_to_num(7.0), want.float().nan_to_num(7.0))
+    assert bool(got[-1, :2].isnan().all()) and torch.equal(got[:, 2], want[:, 2])  # counts exact
+    assert made.numel <= 1 << 18, made.numel
+    if kernels == "torch" and shape[1] <= 1 << 18:  # whole rows: the same operation on each row
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
 # =================================================================================== signum

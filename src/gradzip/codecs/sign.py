@@ -187,18 +187,6 @@ def _momentum_value(v) -> bool:
     return not isinstance(v, bool) and isinstance(v, (int, float)) and 0.0 <= v < 1.0
 
 
-def _side_sums(xb: torch.Tensor, **bound: float) -> torch.Tensor:
-    """Each row's sum in fp64 of ``xb`` clamped to ``bound`` (one side of zero), a piece at a
-    time on the CPU (a mean is this rank's own, sent in its payload: the order of the sum changes
-    no replica)."""
-    return fused.rows_reduced(xb, lambda piece: piece.clamp(**bound).double().sum(dim=1))
-
-
-def _nonnegative_counts(xb: torch.Tensor) -> torch.Tensor:
-    """Each row's count of values ``>= 0``, in fp64 (exact: a count is far below 2**53)."""
-    return fused.rows_reduced(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))
-
-
 @register_codec
 class OneBit(Codec):
     """1-bit SGD (Seide et al., 1-Bit Stochastic Gradient Descent and its Application to
@@ -276,10 +264,11 @@ class OneBit(Codec):
             return torch.cat([self._means(xf[a : a + n]) for a, n in part_spans(meta.parts, PART_ALIGN)])
         units = part_units(meta.parts, self.bucket_size, xf.device)
         xb = xf.view(-1, PART_ALIGN)  # (each block of one unit; the padding zeros count as non-negative)
-        count_pos = units.sums(_nonnegative_counts(xb)) - units.pads
+        neg, pos, count = fused.side_sums(xb).unbind(1)
+        count_pos = units.sums(count) - units.pads
         count_neg = units.reals - count_pos
-        mean_neg = (units.sums(_side_sums(xb, max=0)) / count_neg.clamp_min(1)).float()
-        mean_pos = (units.sums(_side_sums(xb, min=0)) / count_pos.clamp_min(1)).float()
+        mean_neg = (units.sums(neg) / count_neg.clamp_min(1)).float()
+        mean_pos = (units.sums(pos) / count_pos.clamp_min(1)).float()
         return torch.stack([mean_neg, mean_pos], 1).reshape(-1)
 
     def _means(self, xf: torch.Tensor) -> torch.Tensor:
@@ -289,14 +278,13 @@ class OneBit(Codec):
         size, nb = self._buckets(n)
         pad = nb * size - n
         xb = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(nb, size)
-        count_pos = _nonnegative_counts(xb)  # padding zeros count here: taken off the last bucket's count below
+        neg, pos, count_pos = fused.side_sums(xb).unbind(1)  # (fp64: a mean never exceeds the values)
+        count_pos = count_pos.clone()  # padding zeros count here: taken off the last bucket's count below
         count_neg = size - count_pos
         if pad:
             count_pos[-1] -= pad
-        # clamp, not a boolean select: exact sums of each side, and far faster on CPU; summed in
-        # fp64, where values near the fp32 maximum cannot overflow (a mean never exceeds them)
-        mean_neg = (_side_sums(xb, max=0) / count_neg.clamp_min(1)).float()
-        mean_pos = (_side_sums(xb, min=0) / count_pos.clamp_min(1)).float()
+        mean_neg = (neg / count_neg.clamp_min(1)).float()
+        mean_pos = (pos / count_pos.clamp_min(1)).float()
         return torch.stack([mean_neg, mean_pos], 1).reshape(-1)
 
     def nonfinite(self, payload: Payload) -> Optional[torch.Tensor]:

@@ -397,6 +397,20 @@ def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 
+def side_sums(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``[sum of its values < 0, sum of those >= 0, count of those >= 0]`` in fp64,
+    ``(rows, 3)``: 1-bit SGD's statistics. Each side is clamped at 0 in fp32 (exact, and far
+    faster than a boolean select) and summed in fp64, where values near the fp32 maximum cannot
+    overflow; a NaN stays. On the CPU one C pass (its sums in another order than torch's, so
+    their last fp64 bits may differ: a rank's means are its own, sent in its payload, so no
+    replica sees it), else torch a piece at a time."""
+    if xb.shape[1] and backend(xb) is native:
+        return native.side_sums(xb)
+    return torch.stack([rows_reduced(xb, lambda piece: piece.clamp(max=0).double().sum(dim=1)),
+                        rows_reduced(xb, lambda piece: piece.clamp(min=0).double().sum(dim=1)),
+                        rows_reduced(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))], 1)
+
+
 def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int = 0,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Natural compression's codes, value ``i`` rounded with the 23-bit draw of

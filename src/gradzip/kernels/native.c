@@ -730,6 +730,27 @@ static void row_absmax(const float *x, int64_t rows, int64_t bucket, float *out)
  * blocks' maxima of a fused group. */
 void gz_row_absmax(const float *x, int64_t rows, int64_t bucket, float *out) { row_absmax(x, rows, bucket, out); }
 
+/* 1-bit SGD's statistics of each row, three doubles a row: the sum of its negative values,
+ * the sum of its non-negative ones (each side clamped at 0 in fp32, as torch's clamp, then
+ * summed in fp64: no overflow; a NaN stays), and how many are >= 0. The sums' order is not
+ * torch's: their last fp64 bits may differ, which no replica sees (a rank's means are its own,
+ * sent in its payload). */
+void gz_side_sums(const float *x, int64_t rows, int64_t bucket, double *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * bucket;
+        double neg = 0.0, pos = 0.0, count = 0.0;
+#pragma omp simd reduction(+ : neg, pos, count)
+        for (int64_t i = 0; i < bucket; i++) {
+            neg += (double)(v[i] > 0.0f ? 0.0f : v[i]);
+            pos += (double)(v[i] < 0.0f ? 0.0f : v[i]);
+            count += v[i] >= 0.0f ? 1.0 : 0.0;
+        }
+        out[3 * r] = neg;
+        out[3 * r + 1] = pos;
+        out[3 * r + 2] = count;
+    }
+}
+
 /* TernGrad: x holds rows of `bucket` values (the last one padded); scale is given (given != 0,
  * one a row) or each row's max |x| is written there. Value i is kept with probability
  * |x| / scale (draw uniform(i, key)): code 1 for +1, 2 for -1, else 0; 0/0 keeps nothing. */

@@ -52,6 +52,7 @@ _SIGNATURES = {
     "gz_saturate": [_f32p, _i64, _int, ctypes.c_void_p],
     "gz_uniform": [_i64, _i64, _u32, _f32p],
     "gz_row_absmax": [_f32p, _i64, _i64, _f32p],
+    "gz_side_sums": [_f32p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
     "gz_ternary_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
@@ -356,6 +357,16 @@ def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     x, out = _f32(xb), torch.empty(rows, dtype=torch.float32)
     if rows and width:
         _kernels().gz_row_absmax(x.data_ptr(), rows, width, out.data_ptr())
+    return out
+
+
+def side_sums(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``[sum of x < 0, sum of x >= 0, count of x >= 0]`` in fp64, ``(rows, 3)``, one
+    pass (``fused.side_sums``; the sums in another order than torch's)."""
+    rows, width = xb.shape
+    x, out = _f32(xb), torch.zeros(rows, 3, dtype=torch.float64)
+    if rows and width:
+        _kernels().gz_side_sums(x.data_ptr(), rows, width, out.data_ptr())
     return out
 
 
