@@ -281,3 +281,28 @@ def test_c_loops_refuse_what_they_would_read_past_or_misread():
         native.terngrad_encode(buckets, 1, 100)
     with pytest.raises(ValueError, match="numel: at most the 2 x 4 values"):
         native.u8bit_codes(buckets, torch.ones(2), mids, lut, 9)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 12_000), span=st.sampled_from([1, 7, 256, 5000]), cut=st.floats(0.0, 3.0),
+       most=st.one_of(st.none(), st.integers(0, 12_000)), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_c_selection_is_nonzero_of_the_comparison(n, span, cut, most, seed, dtype):
+    """The sparsifiers' selection in C: the indices ``torch.nonzero`` gives, with one threshold
+    or one a block among each block's first ``valid`` values (NaN reaches none, ±inf any finite
+    one), or None where more than ``most`` pass."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).to(dtype)
+    if n > 4:
+        x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]).to(dtype)
+    blocks = -(-n // span)
+    thresholds = torch.rand(blocks, generator=g) * 2
+    valid = torch.randint(0, span + 1, (blocks,), generator=g, dtype=torch.int32)
+    for args in ((cut,), (0.0, thresholds, valid)):
+        want = reference.select_magnitudes(x, *args, span=span)
+        got = native.select_magnitudes(x, *args, span=span, most=most)
+        if most is not None and want.numel() > most:
+            assert got is None
+        else:
+            assert torch.equal(got, want)

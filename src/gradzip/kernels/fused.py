@@ -277,14 +277,16 @@ def select_magnitudes(
     x: torch.Tensor, threshold: float = 0.0, thresholds: Optional[torch.Tensor] = None,
     valid: Optional[torch.Tensor] = None, span: int = 256, most: Optional[int] = None,
 ) -> Optional[torch.Tensor]:
-    """:func:`reference.select_magnitudes`: on CUDA two Triton passes; on the CPU a piece of
-    :data:`TORCH_PIECE` values (whole blocks) at a time, so the magnitudes and the mask are a
-    piece long, not a fused group's. One device wait (the size is the data's). None where more
+    """:func:`reference.select_magnitudes`: on CUDA two Triton passes, on the CPU two C passes
+    (or torch a piece of :data:`TORCH_PIECE` values, whole blocks, at a time, so the magnitudes
+    and the mask are a piece long, not a fused group's). One device wait (the size is the data's). None where more
     than ``most`` values are selected (a caller that then sends them densely): on the CPU the
     pieces stop there, so no indices of nearly every value are made."""
     kernels = triton_for(x)
     if kernels is not None:
         return _at_most(kernels.select_magnitudes(x, threshold, thresholds, valid, span), most)
+    if x.numel() and backend(x) is native:
+        return native.select_magnitudes(x, threshold, thresholds, valid, span, most)
     x = x.reshape(-1)
     n, step = x.numel(), piece_length(x)
     if step >= n:

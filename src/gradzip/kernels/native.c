@@ -923,3 +923,39 @@ void gz_onebit_decode(const uint8_t *packed, const float *means, int64_t n, int6
         }
     }
 }
+
+/* ------------------------------------------------------------------ the sparsifiers' selection
+ * The ascending indices of the values whose |x| reaches `threshold` or, with `thresholds` (one
+ * a block of `span` values), their block's, among each block's first valid[b] values (NaN
+ * reaches none): reference.select_magnitudes. Two passes over x: the count, stopping once it
+ * passes `most` (-1 then: the caller sends the values densely), then the indices into `idx`
+ * (NULL: count only). */
+static inline int picked(const float *x, int64_t i, float threshold, const float *thresholds,
+                         const int32_t *valid, int64_t span) {
+    if (thresholds == NULL) return fabsf(x[i]) >= threshold;
+    const int64_t b = i / span;
+    return fabsf(x[i]) >= thresholds[b] && i - b * span < valid[b];
+}
+
+int64_t gz_select(const float *x, int64_t n, float threshold, const float *thresholds, const int32_t *valid,
+                  int64_t span, int64_t most, int64_t *idx) {
+    int64_t count = 0;
+    if (idx == NULL) {
+        for (int64_t a = 0; a < n; a += SPAN) {
+            const int64_t stop = min64(a + SPAN, n);
+            int64_t c = 0;
+            if (thresholds == NULL) {
+#pragma omp simd reduction(+ : c)
+                for (int64_t i = a; i < stop; i++) c += fabsf(x[i]) >= threshold;
+            } else {
+                for (int64_t i = a; i < stop; i++) c += picked(x, i, threshold, thresholds, valid, span);
+            }
+            count += c;
+            if (most >= 0 && count > most) return -1;
+        }
+        return count;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (picked(x, i, threshold, thresholds, valid, span)) idx[count++] = i;
+    return count;
+}

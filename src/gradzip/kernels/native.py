@@ -53,6 +53,7 @@ _SIGNATURES = {
     "gz_uniform": [_i64, _i64, _u32, _f32p],
     "gz_row_absmax": [_f32p, _i64, _i64, _f32p],
     "gz_side_sums": [_f32p, _i64, _i64, ctypes.c_void_p],
+    "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
     "gz_ternary_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
@@ -62,6 +63,9 @@ _SIGNATURES = {
     "gz_table_decode": [_u8p, _f32p, _f32p, _i64, _i64, _f32p, _int],
     "gz_onebit_decode": [_u8p, _f32p, _i64, _i64, _f32p, _int],
 }
+
+
+_RETURNS = {"gz_select": ctypes.c_int64}  # (the others return nothing)
 
 
 def _cpu_id() -> str:
@@ -129,7 +133,7 @@ def _open() -> Tuple[Optional[ctypes.CDLL], Optional[str]]:
         return None, f"building the fused CPU kernels failed: {exc}"
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
     return lib, None
 
 
@@ -494,3 +498,27 @@ def onebit_decode(
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (``reference.onebit_decode``; ``means`` ``[neg, pos]`` a bucket)."""
     return _bucket_decode("gz_onebit_decode", packed, 1, means, 2, bucket, numel, out, accumulate)
+
+
+def select_magnitudes(
+    x: torch.Tensor, threshold: float = 0.0, thresholds: Optional[torch.Tensor] = None,
+    valid: Optional[torch.Tensor] = None, span: int = 256, most: Optional[int] = None,
+) -> Optional[torch.Tensor]:
+    """``reference.select_magnitudes`` in two passes (the count, then the indices into a tensor of
+    that size); None where more than ``most`` are selected, found in the first pass."""
+    x = _f32(x)
+    n = x.numel()
+    if thresholds is not None:
+        blocks = -(-n // span)
+        thresholds = _f32_rows(thresholds, blocks, "thresholds")
+        valid = valid.reshape(-1).to(torch.int32).contiguous()
+        if valid.numel() < blocks:
+            raise ValueError(f"valid: at least {blocks} values (one a block), got {valid.numel()}")
+    lib, most_ = _kernels(), -1 if most is None else most
+    count = lib.gz_select(x.data_ptr(), n, threshold, _ptr(thresholds), _ptr(valid), span, most_, None)
+    if count < 0:
+        return None
+    idx = torch.empty(count, dtype=torch.int64)
+    if count:
+        lib.gz_select(x.data_ptr(), n, threshold, _ptr(thresholds), _ptr(valid), span, -1, idx.data_ptr())
+    return idx
