@@ -1,6 +1,7 @@
 """The Communicator: uncompressed gradients summed as DDP sums them; a bucket averaged in place."""
 from __future__ import annotations
 
+import os
 from collections import Counter
 from contextlib import contextmanager
 from typing import List, Tuple
@@ -163,6 +164,7 @@ def _parts_ops(rank: int, world: int, name: str, opts: dict = {}) -> dict:
     device.reads_flag_on_host = lambda where: False
     fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
+    os.environ["GRADZIP_KERNELS"] = "torch"  # (operations counted as torch's: an accelerator runs no C loop)
     out = {}
     for count in (8, 64):
         comm = gradzip.Communicator(name, **opts)
@@ -1368,8 +1370,9 @@ def test_dgc_compensates_a_gradient_alone_into_its_own_memory_when_the_average_g
             assert torch.equal(state_into, state_apart), (step, store)
     # (apart: the compensated copy and the average's tensor beyond what both make)
     # into the gradient: no tensor of its size but this step's u and its own payload decoded
-    # (the sent values' mask) once u exists, where the average apart makes five
+    # (the sent values' mask) once u exists, where the average apart makes four (five where the
+    # selection's magnitudes are a tensor: torch's version, not the C loops')
     assert all(b < 2.1 * 4 * n for b in made_in_place[1:]), made_in_place
-    assert all(a > 4.9 * 4 * n for a in made_apart), made_apart
+    assert all(a > 3.9 * 4 * n for a in made_apart), made_apart
     for c in comms:
         c.close()
