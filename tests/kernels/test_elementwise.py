@@ -1,5 +1,5 @@
 """The element-wise codecs' kernels (TernGrad, TBQ, 1-bit SGD's decode, natural compression,
-the 8-bit table) against their torch specification, bit for bit, in both compiled versions: the
+the 8-bit table, INCEPTIONN) against their torch specification, bit for bit, in both compiled versions: the
 fused C loops (:mod:`gradzip.kernels.native`) and the Triton kernels (:mod:`gradzip.kernels.gpu`,
 interpreted on CPU tensors without a GPU, compiled with one; marked ``gpu``)."""
 from __future__ import annotations
@@ -306,3 +306,66 @@ def test_c_selection_is_nonzero_of_the_comparison(n, span, cut, most, seed, dtyp
             assert got is None
         else:
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_inceptionn_bit_identical(kernels, dtype):
+    """The tags, the byte stream and the decoded values (stored and added) of the torch
+    version (``reference``, whole and a piece at a time as on the CPU), bit for bit (NaN's
+    payload bits aside): values of every tag (under the bound, 7 and 15 bits, raw), every fp16
+    and bf16 bit pattern (whose cast-back decode decides the tag), ±0, NaN and ±inf; sizes
+    about a program's 4096 values; empty and all-zero inputs (no stream); a payload too short
+    for its values refused."""
+    import gradzip
+    from gradzip.kernels import fused
+
+    impl, device = kernels
+    c = gradzip.codec("inceptionn", error_bound=0.01)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(10007, generator=g) * torch.logspace(-4, 3, 10007)).to(dtype).to(device)
+    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.005], dtype=torch.float64).to(dtype)
+    cases = [x, x[:0], torch.zeros(9, dtype=dtype, device=device), x[:4095], x[:4097]]
+    if dtype in (torch.float16, torch.bfloat16):  # every bit pattern of the type, under two bounds
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(device)
+        cases += [every, every * 3]
+    for values in cases:
+        # (the torch version on the CPU, as the codec takes it there)
+        want = reference.inceptionn_encode(values.cpu(), c._b, c._step)
+        packed, stream = impl.inceptionn_encode(values, c._b, c._step)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("GRADZIP_KERNELS", "torch")  # (the CPU's torch version, a piece at a time)
+            patch.setattr(fused, "TORCH_PIECE", 1000)
+            pieces = fused.inceptionn_encode(values.cpu(), c._b, c._step)
+        for got in ((packed.cpu(), stream.cpu()), pieces):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        for accumulate in (False, True):
+            base = torch.linspace(-1, 1, values.numel())
+            ref = reference.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step, base.clone(), accumulate)
+            got = impl.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.clone().to(device), accumulate)
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("GRADZIP_KERNELS", "torch")
+                patch.setattr(fused, "TORCH_PIECE", 1000)
+                by_pieces = fused.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step,
+                                                    base.clone(), accumulate)
+            for other in (got.cpu(), by_pieces):
+                assert torch.equal(other.nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
+    packed, stream = impl.inceptionn_encode(x, c._b, c._step)
+    with pytest.raises(ValueError, match="INCEPTIONN payload"):
+        impl.inceptionn_decode(packed, stream, dtype, x.numel() + 8, c._step)
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9000), seed=st.integers(0, 2**31 - 1), scale=st.floats(1e-4, 1e4),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.float64]))
+def test_c_inceptionn_gives_the_specifications_bytes_and_values(n, seed, scale, dtype):
+    """Any size and mix of tags: the C loops write and read whole words where the stream holds
+    them and single bytes near its end; the same tags, bytes and values as the reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, generator=g) * torch.logspace(-4, 3, n) * scale).to(dtype)
+    packed, stream = native.inceptionn_encode(x, 0.01, 0.02)
+    want_packed, want_stream = reference.inceptionn_encode(x, 0.01, 0.02)
+    assert torch.equal(packed, want_packed) and torch.equal(stream, want_stream)
+    want = reference.inceptionn_decode(packed, stream, dtype, n, 0.02)
+    got = native.inceptionn_decode(packed, stream, dtype, n, 0.02)
+    assert torch.equal(got.nan_to_num(7.0).view(torch.int32), want.nan_to_num(7.0).view(torch.int32))

@@ -251,49 +251,6 @@ def test_counter_uniform_kernel_draws_the_specification(numel, key):
 
 # -------------------------------------------------------------------------------------- TernGrad
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-def test_inceptionn_bit_identical(dtype):
-    """The tags, the byte stream and the decoded values (stored and added) of the torch
-    version (``reference``, whole and a piece at a time as on the CPU), bit for bit (NaN's
-    payload bits aside): values of every tag (under the bound, 7 and 15 bits, raw), every fp16
-    and bf16 bit pattern (whose cast-back decode decides the tag), ±0, NaN and ±inf; sizes
-    about a program's 4096 values; empty and all-zero inputs (no stream); a payload too short
-    for its values refused."""
-    import gradzip
-    from gradzip.kernels import fused, reference
-
-    c = gradzip.codec("inceptionn", error_bound=0.01)
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(10007, generator=g) * torch.logspace(-4, 3, 10007)).to(dtype).to(DEVICE)
-    x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 0.005], dtype=torch.float64).to(dtype)
-    cases = [x, x[:0], torch.zeros(9, dtype=dtype, device=DEVICE), x[:4095], x[:4097]]
-    if dtype in (torch.float16, torch.bfloat16):  # every bit pattern of the type, under two bounds
-        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).to(DEVICE)
-        cases += [every, every * 3]
-    for values in cases:
-        # (the torch version on the CPU, as the codec takes it there)
-        want = reference.inceptionn_encode(values.cpu(), c._b, c._step)
-        packed, stream = gpu.inceptionn_encode(values, c._b, c._step)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fused, "TORCH_PIECE", 1000)  # (the CPU's pieces)
-            pieces = fused.inceptionn_encode(values.cpu(), c._b, c._step)
-        for got in ((packed.cpu(), stream.cpu()), pieces):
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        for accumulate in (False, True):
-            base = torch.linspace(-1, 1, values.numel())
-            ref = reference.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step, base.clone(), accumulate)
-            got = gpu.inceptionn_decode(packed, stream, dtype, values.numel(), c._step, base.clone().to(DEVICE), accumulate)
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(fused, "TORCH_PIECE", 1000)
-                by_pieces = fused.inceptionn_decode(packed.cpu(), stream.cpu(), dtype, values.numel(), c._step,
-                                                    base.clone(), accumulate)
-            for other in (got.cpu(), by_pieces):
-                assert torch.equal(other.nan_to_num(7.0).view(torch.int32), ref.nan_to_num(7.0).view(torch.int32))
-    packed, stream = gpu.inceptionn_encode(x, c._b, c._step)
-    with pytest.raises(ValueError, match="INCEPTIONN payload"):
-        gpu.inceptionn_decode(packed, stream, dtype, x.numel() + 8, c._step)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_select_magnitudes_is_nonzero_of_the_comparison(dtype):
     """The indices ``torch.nonzero(|x| >= t)`` gives (|x| in fp32), with one threshold or one a
     block of 256 values among each block's first ``valid`` values; NaN never reaches a

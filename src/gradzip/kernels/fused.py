@@ -317,11 +317,14 @@ def _inceptionn_piece(numel: int, device: torch.device) -> int:
 
 
 def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reference.inceptionn_encode`: on CUDA two Triton passes (the same bytes); on the
-    CPU a piece at a time, each piece's tags and bytes those of the whole, in order."""
+    """:func:`reference.inceptionn_encode`: on CUDA two Triton passes (the same bytes), on the
+    CPU two C passes (or torch a piece at a time, each piece's tags and bytes those of the
+    whole, in order)."""
     kernels = triton_for(x)
     if kernels is not None:
         return kernels.inceptionn_encode(x, bound, step)
+    if backend(x) is native:
+        return native.inceptionn_encode(x, bound, step)
     x = x.reshape(-1)
     n, piece = x.numel(), _inceptionn_piece(x.numel(), x.device)
     if piece >= n:
@@ -332,11 +335,14 @@ def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch
 
 def inceptionn_decode(packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
                       out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
-    """:func:`reference.inceptionn_decode`: on CUDA two Triton passes (the same values); on the
-    CPU a piece at a time, each piece's bytes found from its tags."""
+    """:func:`reference.inceptionn_decode`: on CUDA two Triton passes (the same values), on the
+    CPU one C pass (or torch a piece at a time, each piece's bytes found from its tags)."""
     kernels = triton_for(packed)
     if kernels is not None:
         return kernels.inceptionn_decode(packed, stream, dtype, numel, step, out, accumulate)
+    if backend(packed) is native:
+        return _decode_via(native, out, accumulate,
+                           lambda o, a: native.inceptionn_decode(packed, stream, dtype, numel, step, o, a))
     piece = _inceptionn_piece(numel, packed.device)
     if piece >= numel:
         return reference.inceptionn_decode(packed, stream, dtype, numel, step, out, accumulate)

@@ -959,3 +959,143 @@ int64_t gz_select(const float *x, int64_t n, float threshold, const float *thres
         if (picked(x, i, threshold, thresholds, valid, span)) idx[count++] = i;
     return count;
 }
+
+/* ------------------------------------------------------------------------------- INCEPTIONN
+ * reference.inceptionn_encode / _decode: each value's 2-bit tag (0: under the bound, nothing
+ * sent; 1 and 2: sign and 7 or 15 bits of m = floor(|x| / step + 0.5); 3: the raw value) and
+ * its 0/1/2/raw-width bytes in value order. `fmt` is the input's format: 0 fp32 (fp64 comes
+ * converted), 1 fp16, 2 bf16 (16-bit inputs come as their bits; their decode is checked after
+ * the cast back to that format, and their raw values take 2 bytes). */
+#define INC_FP16 1
+#define INC_BF16 2
+
+/* The 16-bit format's value nearest v >= 0 (ties to even; beyond its range inf), as a float:
+ * torch's cast and back. */
+static inline float inc_cast_back(float v, int fmt) {
+    if (v != v) return v;
+    uint32_t u = f2u(v);
+    if (fmt == INC_BF16) {
+        u += 0x7FFFu + ((u >> 16) & 1u);
+        return u2f(u & 0xFFFF0000u);
+    }
+    if (v >= 65520.0f) return INFINITY;
+    if (v < 6.103515625e-05f) {  /* fp16 subnormals: multiples of 2**-24, to nearest even in the FPU */
+        const float r = v * 16777216.0f;
+        return ((r + 8388608.0f) - 8388608.0f) * (1.0f / 16777216.0f);
+    }
+    u += 0x0FFFu + ((u >> 13) & 1u);
+    return u2f(u & ~0x1FFFu);
+}
+
+/* A 16-bit value's float (exact). */
+static inline float inc_widen(uint16_t h, int fmt) {
+    if (fmt == INC_BF16) return u2f((uint32_t)h << 16);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, mant = h & 1023u;
+    if (e == 0) {
+        const float v = (float)mant * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    if (e == 31) return u2f(sign | 0x7F800000u | (mant << 13));
+    return u2f(sign | ((e + 112u) << 23) | (mant << 13));
+}
+
+/* Value i's tag and the word whose first bytes are sent (branch-free: tags follow the data). */
+static inline int inc_tag(const void *x, int64_t i, int fmt, float bound, float step, uint32_t *word) {
+    float xf;
+    uint32_t raw;
+    if (fmt == 0) {
+        xf = ((const float *)x)[i];
+        raw = f2u(xf);
+    } else {
+        const uint16_t h = ((const uint16_t *)x)[i];
+        xf = inc_widen(h, fmt);
+        raw = h;
+    }
+    const float mag = fabsf(xf), m = floorf(mag / step + 0.5f);
+    float approx = m * step;
+    if (fmt != 0) approx = inc_cast_back(approx, fmt);
+    const int ok = fabsf(approx - mag) <= bound;
+    const int tag = (3 - (ok & (m <= 32767.0f)) - (ok & (m <= 127.0f))) * !(mag < bound);
+    const uint32_t fixed = (tag == 1 || tag == 2) ? (uint32_t)m | ((uint32_t)(xf < 0.0f) << (8 * tag - 1)) : 0u;
+    *word = tag == 3 ? raw : fixed;
+    return tag;
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define INC_WORDS 1 /* a word's first bytes are its low ones: whole words are written and read */
+#endif
+
+/* The tags into `packed` (round_up8(n) / 4 bytes) and the stream's length; with `stream` (of
+ * `size` bytes, the length a first call returned), the bytes too. A span's tags and words are
+ * made first (vectorised), then its bytes placed in order (the one serial step). */
+int64_t gz_inceptionn_encode(const void *x, int64_t n, int fmt, float bound, float step, uint8_t *packed,
+                             uint8_t *stream, int64_t size) {
+    const int64_t width = fmt == 0 ? 4 : 2;
+    int64_t at = 0;
+    uint8_t lv[SPAN];
+    uint32_t words[SPAN];
+    const int64_t total = round_up8(n);
+    for (int64_t a = 0; a < total; a += SPAN) {
+        const int64_t len = min64(SPAN, total - a), stop = min64(a + len, n);
+#pragma omp simd
+        for (int64_t i = a; i < stop; i++) lv[i - a] = (uint8_t)inc_tag(x, i, fmt, bound, step, &words[i - a]);
+        for (int64_t i = stop; i < a + len; i++) lv[i - a] = 0;
+        if (stream == NULL) {
+            for (int64_t i = 0; i < stop - a; i++) at += lv[i] == 3 ? width : lv[i];
+            pack(lv, len, 2, packed + a / 4);
+            continue;
+        }
+        for (int64_t i = 0; i < stop - a; i++) {
+            const int64_t bytes = lv[i] == 3 ? width : lv[i];
+#ifdef INC_WORDS
+            if (at + 4 <= size) {  /* the whole word: the next value's bytes overwrite what is not this one's */
+                memcpy(stream + at, &words[i], 4);
+                at += bytes;
+                continue;
+            }
+#endif
+            for (int64_t b = 0; b < bytes; b++) stream[at + b] = (uint8_t)(words[i] >> (8 * b));
+            at += bytes;
+        }
+    }
+    return at;
+}
+
+/* The values of the tags and the stream (`size` bytes; a byte past its end, which no stream
+ * the encoder made holds, reads as zero: never out of bounds), stored or added into `out`: a
+ * span's words gathered in order (the serial step), then their values (vectorised). */
+void gz_inceptionn_decode(const uint8_t *packed, const uint8_t *stream, int64_t size, int64_t n, int fmt, float step,
+                          float *out, int accumulate) {
+    static const uint32_t keep[5] = {0u, 0xFFu, 0xFFFFu, 0xFFFFFFu, 0xFFFFFFFFu};
+    const int64_t width = fmt == 0 ? 4 : 2;
+    int64_t at = 0;
+    uint8_t lv[SPAN];
+    uint32_t words[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n);
+        unpack(packed + a / 4, round_up8(stop - a), 2, lv);
+        for (int64_t i = 0; i < stop - a; i++) {
+            const int64_t bytes = lv[i] == 3 ? width : lv[i];
+            uint32_t word = 0;
+#ifdef INC_WORDS
+            if (at + 4 <= size) {
+                memcpy(&word, stream + at, 4);
+                word &= keep[bytes];
+            } else
+#endif
+                for (int64_t b = 0; b < bytes; b++) word |= (uint32_t)(at + b < size ? stream[at + b] : 0) << (8 * b);
+            words[i] = word;
+            at += bytes;
+        }
+#pragma omp simd
+        for (int64_t i = a; i < stop; i++) {
+            const int tag = lv[i - a];
+            const uint32_t word = words[i - a];
+            const int sign_at = tag == 0 ? 0 : 8 * tag - 1;
+            float v = (float)(word & ((1u << sign_at) - 1u)) * step;
+            v = ((word >> sign_at) & 1u) ? -v : v;
+            v = tag == 3 ? (fmt == 0 ? u2f(word) : inc_widen((uint16_t)word, fmt)) : v;
+            out[i] = accumulate ? out[i] + v : v;
+        }
+    }
+}

@@ -53,6 +53,8 @@ _SIGNATURES = {
     "gz_uniform": [_i64, _i64, _u32, _f32p],
     "gz_row_absmax": [_f32p, _i64, _i64, _f32p],
     "gz_side_sums": [_f32p, _i64, _i64, ctypes.c_void_p],
+    "gz_inceptionn_encode": [ctypes.c_void_p, _i64, _int, ctypes.c_float, ctypes.c_float, _u8p, ctypes.c_void_p, _i64],
+    "gz_inceptionn_decode": [_u8p, _u8p, _i64, _i64, _int, ctypes.c_float, _f32p, _int],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -65,7 +67,7 @@ _SIGNATURES = {
 }
 
 
-_RETURNS = {"gz_select": ctypes.c_int64}  # (the others return nothing)
+_RETURNS = {"gz_select": ctypes.c_int64, "gz_inceptionn_encode": ctypes.c_int64}  # (the others return nothing)
 
 
 def _cpu_id() -> str:
@@ -522,3 +524,44 @@ def select_magnitudes(
     if count:
         lib.gz_select(x.data_ptr(), n, threshold, _ptr(thresholds), _ptr(valid), span, -1, idx.data_ptr())
     return idx
+
+
+_INCEPTIONN_FORMATS = {torch.float16: 1, torch.bfloat16: 2}  # (anything else: as fp32, 0)
+
+
+def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """INCEPTIONN's packed 2-bit tags and byte stream (``reference.inceptionn_encode``, bit for
+    bit) in two passes: the tags and the stream's length, then its bytes into a stream of that
+    length. A 16-bit input is read as it is (its raw values take 2 bytes); fp64 as fp32."""
+    x = x.reshape(-1)
+    fmt = _INCEPTIONN_FORMATS.get(x.dtype, 0)
+    src = x.contiguous().view(torch.int16) if fmt else _f32(x)
+    n = src.numel()
+    packed = torch.empty(packed_bytes(n, 2), dtype=torch.uint8)
+    stream = torch.empty(0, dtype=torch.uint8)
+    if n:
+        lib = _kernels()
+        size = lib.gz_inceptionn_encode(src.data_ptr(), n, fmt, bound, step, packed.data_ptr(), None, 0)
+        stream = torch.empty(size, dtype=torch.uint8)
+        if size:
+            lib.gz_inceptionn_encode(src.data_ptr(), n, fmt, bound, step, packed.data_ptr(), stream.data_ptr(), size)
+    return packed, stream
+
+
+def inceptionn_decode(
+    packed: torch.Tensor, stream: torch.Tensor, dtype: torch.dtype, numel: int, step: float,
+    out: Optional[torch.Tensor] = None, accumulate: bool = False,
+) -> torch.Tensor:
+    """INCEPTIONN's fp32 values from their tags and bytes in one pass (``reference.inceptionn_decode``),
+    stored or added into ``out``; a stream too short for its tags (none the encoder makes) reads
+    as zeros past its end, never out of bounds."""
+    if packed.dtype != torch.uint8 or stream.dtype != torch.uint8 or packed.numel() < packed_bytes(numel, 2):
+        # (the loop reads the tags through a pointer, unchecked; the stream only within its size)
+        raise ValueError(f"an INCEPTIONN payload of {numel} values: uint8 tags (at least {packed_bytes(numel, 2)} "
+                         f"bytes) and a uint8 stream, got {packed.numel()} of {packed.dtype} and {stream.dtype}")
+    packed, stream = packed.reshape(-1).contiguous(), stream.reshape(-1).contiguous()
+    out = forms.decoded(out, numel, _CPU, accumulate)
+    if numel:
+        _kernels().gz_inceptionn_decode(packed.data_ptr(), stream.data_ptr(), stream.numel(), numel,
+                                        _INCEPTIONN_FORMATS.get(dtype, 0), step, out.data_ptr(), int(accumulate))
+    return out
