@@ -369,3 +369,20 @@ def test_c_inceptionn_gives_the_specifications_bytes_and_values(n, seed, scale, 
     want = reference.inceptionn_decode(packed, stream, dtype, n, 0.02)
     got = native.inceptionn_decode(packed, stream, dtype, n, 0.02)
     assert torch.equal(got.nan_to_num(7.0).view(torch.int32), want.nan_to_num(7.0).view(torch.int32))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+def test_c_inceptionn_refuses_a_stream_shorter_than_its_tags_say_and_ef_sign_sums_fp64_as_it_is():
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(1)) * 100
+    packed, stream = native.inceptionn_encode(x, 0.01, 0.02)
+    out = torch.full((3000,), 5.0)
+    with pytest.raises(ValueError, match="its tags say"):
+        native.inceptionn_decode(packed, stream[:-1], torch.float32, 3000, 0.02, out)
+    assert bool((out == 5.0).all())  # nothing written
+    import gradzip
+
+    wide = torch.zeros(1000, dtype=torch.float64)
+    wide[0], wide[1] = 1e39, -3e38  # beyond fp32: summed in fp64, the mean is finite
+    codec = gradzip.codec("efsignsgd")
+    payload = codec.encode(wide, name="w")
+    assert not bool(codec.nonfinite(payload)) and bool(torch.isfinite(codec.decode(payload)).all())

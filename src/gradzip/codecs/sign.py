@@ -172,7 +172,8 @@ def _mean_magnitude(x: torch.Tensor) -> torch.Tensor:
     no replica)."""
     if not x.numel():
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    neg, pos, _ = fused.side_sums(x.reshape(1, -1).float())[0]
+    # (fp64 values beyond the fp32 range summed as they are: fp32's sums would be inf)
+    neg, pos, _ = fused.side_sums(x.reshape(1, -1) if x.dtype == torch.float64 else x.reshape(1, -1).float())[0]
     return ((pos - neg) / x.numel()).float()
 
 

@@ -285,7 +285,7 @@ def select_magnitudes(
     kernels = triton_for(x)
     if kernels is not None:
         return _at_most(kernels.select_magnitudes(x, threshold, thresholds, valid, span), most)
-    if x.numel() and backend(x) is native:
+    if x.numel() and (thresholds is None or thresholds.dtype == torch.float32) and backend(x) is native:
         return native.select_magnitudes(x, threshold, thresholds, valid, span, most)
     x = x.reshape(-1)
     n, step = x.numel(), piece_length(x)
@@ -400,7 +400,7 @@ def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     """Each row's ``max |x|`` (a NaN stays): TernGrad's and the 8-bit format's scales, a fused
     group's block maxima. On the CPU one C pass, or torch a piece at a time (a maximum is exact
     in any order)."""
-    if xb.shape[1] and backend(xb) is native:
+    if xb.shape[1] and xb.dtype == torch.float32 and backend(xb) is native:
         return native.row_maxima(xb)
     return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
@@ -412,7 +412,7 @@ def side_sums(xb: torch.Tensor) -> torch.Tensor:
     overflow; a NaN stays. On the CPU one C pass (its sums in another order than torch's, so
     their last fp64 bits may differ: a rank's means are its own, sent in its payload, so no
     replica sees it), else torch a piece at a time."""
-    if xb.shape[1] and backend(xb) is native:
+    if xb.shape[1] and xb.dtype == torch.float32 and backend(xb) is native:
         return native.side_sums(xb)
     return torch.stack([rows_reduced(xb, lambda piece: piece.clamp(max=0).double().sum(dim=1)),
                         rows_reduced(xb, lambda piece: piece.clamp(min=0).double().sum(dim=1)),

@@ -1061,6 +1061,20 @@ int64_t gz_inceptionn_encode(const void *x, int64_t n, int fmt, float bound, flo
     return at;
 }
 
+/* The stream's length the n tags in `packed` say (the decode's check: a stream shorter than
+ * that is no payload the encoder made). */
+int64_t gz_inceptionn_size(const uint8_t *packed, int64_t n, int fmt) {
+    const int64_t width = fmt == 0 ? 4 : 2;
+    int64_t total = 0;
+    uint8_t lv[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n);
+        unpack(packed + a / 4, round_up8(stop - a), 2, lv);
+        for (int64_t i = 0; i < stop - a; i++) total += lv[i] == 3 ? width : lv[i];
+    }
+    return total;
+}
+
 /* The values of the tags and the stream (`size` bytes; a byte past its end, which no stream
  * the encoder made holds, reads as zero: never out of bounds), stored or added into `out`: a
  * span's words gathered in order (the serial step), then their values (vectorised). */

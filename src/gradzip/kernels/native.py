@@ -55,6 +55,7 @@ _SIGNATURES = {
     "gz_side_sums": [_f32p, _i64, _i64, ctypes.c_void_p],
     "gz_inceptionn_encode": [ctypes.c_void_p, _i64, _int, ctypes.c_float, ctypes.c_float, _u8p, ctypes.c_void_p, _i64],
     "gz_inceptionn_decode": [_u8p, _u8p, _i64, _i64, _int, ctypes.c_float, _f32p, _int],
+    "gz_inceptionn_size": [_u8p, _i64, _int],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -67,7 +68,7 @@ _SIGNATURES = {
 }
 
 
-_RETURNS = {"gz_select": ctypes.c_int64, "gz_inceptionn_encode": ctypes.c_int64}  # (the others return nothing)
+_RETURNS = {"gz_select": ctypes.c_int64, "gz_inceptionn_encode": ctypes.c_int64, "gz_inceptionn_size": ctypes.c_int64}  # (the others return nothing)
 
 
 def _cpu_id() -> str:
@@ -553,8 +554,8 @@ def inceptionn_decode(
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
     """INCEPTIONN's fp32 values from their tags and bytes in one pass (``reference.inceptionn_decode``),
-    stored or added into ``out``; a stream too short for its tags (none the encoder makes) reads
-    as zeros past its end, never out of bounds."""
+    stored or added into ``out``; a stream too short for its tags (none the encoder makes) is a
+    ``ValueError`` before anything is written."""
     if packed.dtype != torch.uint8 or stream.dtype != torch.uint8 or packed.numel() < packed_bytes(numel, 2):
         # (the loop reads the tags through a pointer, unchecked; the stream only within its size)
         raise ValueError(f"an INCEPTIONN payload of {numel} values: uint8 tags (at least {packed_bytes(numel, 2)} "
@@ -562,6 +563,11 @@ def inceptionn_decode(
     packed, stream = packed.reshape(-1).contiguous(), stream.reshape(-1).contiguous()
     out = forms.decoded(out, numel, _CPU, accumulate)
     if numel:
-        _kernels().gz_inceptionn_decode(packed.data_ptr(), stream.data_ptr(), stream.numel(), numel,
-                                        _INCEPTIONN_FORMATS.get(dtype, 0), step, out.data_ptr(), int(accumulate))
+        fmt, lib = _INCEPTIONN_FORMATS.get(dtype, 0), _kernels()
+        size = lib.gz_inceptionn_size(packed.data_ptr(), numel, fmt)
+        if stream.numel() < size:
+            raise ValueError(f"an INCEPTIONN payload of {numel} values: its tags say {size} bytes of stream, "
+                             f"it holds {stream.numel()}")
+        lib.gz_inceptionn_decode(packed.data_ptr(), stream.data_ptr(), stream.numel(), numel, fmt, step,
+                                 out.data_ptr(), int(accumulate))
     return out
