@@ -386,3 +386,26 @@ def test_c_inceptionn_refuses_a_stream_shorter_than_its_tags_say_and_ef_sign_sum
     codec = gradzip.codec("efsignsgd")
     payload = codec.encode(wide, name="w")
     assert not bool(codec.nonfinite(payload)) and bool(torch.isfinite(codec.decode(payload)).all())
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(0, 9000), nb=st.sampled_from([2, 16, 200, 256]), seed=st.integers(0, 2**31 - 1))
+def test_c_sketch_gives_the_torch_sketchs_cells_and_codes(n, nb, seed):
+    """SketchML's cells (counts, fp64 sums added in index order) and packed codes in C: those
+    of its torch version, NaN, ±inf, ±0 and subnormals among the values."""
+    from gradzip.codecs.sketch import _CELLS, _ZERO_KEY, KEY_BITS, _sortable_keys
+    from gradzip.kernels import pack_bits
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-140, 100, (n,), generator=g).float())
+    if n > 6:
+        x[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1e-42])
+    keys = _sortable_keys(x)
+    hist = torch.zeros(_CELLS, dtype=torch.float64).index_add_(0, keys, torch.ones(n, dtype=torch.float64))
+    sums = torch.zeros(_CELLS, dtype=torch.float64).index_add_(0, keys, x.double())
+    got_hist, got_sums = native.sketch_cells(x, KEY_BITS, _ZERO_KEY)
+    assert torch.equal(got_hist, hist) and torch.equal(got_sums.nan_to_num(7.0), sums.nan_to_num(7.0))
+    codes = torch.randint(0, nb, (_CELLS,), generator=g).to(torch.uint8)
+    bits = max(1, (nb - 1).bit_length())
+    assert torch.equal(native.sketch_codes(x, KEY_BITS, _ZERO_KEY, codes, bits), pack_bits(codes[keys.long()], bits))

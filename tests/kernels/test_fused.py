@@ -203,7 +203,9 @@ def test_kernels_setting_is_checked(monkeypatch):
 @pytest.mark.parametrize("spec", [("maxmin", {"bits": 3}), ("maxmin", {"mode": "nearest"}), ("qsgd", {}),
                                   ("signsgd", {}), ("efsignsgd", {}), ("fp16", {}), ("bf16", {}),
                                   ("terngrad", {"bucket_size": 512}), ("natural", {}), ("cl_terngrad", {}),
-                                  ("u8bit", {"bucket_size": 700}), ("tbq", {}), ("onebit", {"bucket_size": 300})])
+                                  ("u8bit", {"bucket_size": 700}), ("tbq", {}), ("onebit", {"bucket_size": 300}),
+                                  ("sketchml", {}), ("sketchml", {"buckets": 16}), ("inceptionn", {}),
+                                  ("threshold", {"threshold": 0.5}), ("efsignsgd", {})])
 def test_codecs_give_the_same_payload_on_either_kernel(monkeypatch, spec):
     name, opts = spec
     x = _x(5000, seed=3)

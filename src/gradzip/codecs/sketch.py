@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..kernels import fused, pack_bits, packed_bytes, store_into, unpack_bits
+from ..kernels import fused, native, pack_bits, packed_bytes, store_into, unpack_bits
 from ..kernels.transfer import ints_on
 from .base import (
     Codec, Meta, Option, Payload, as_wire, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite,
@@ -60,15 +60,19 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     # on the CPU a piece at a time, so the keys and the fp64 copy are a piece long, not the
     # tensor's twice (the CPU adds in index order: the same sums)
     step = fused.piece_length(xf)
-    one = torch.ones(1, dtype=torch.float64, device=dev)
-    hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
-    sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
     keys = None
-    for a in range(0, n, step):
-        piece = xf[a : a + step]
-        keys = _sortable_keys(piece)
-        hist.index_add_(0, keys, one.expand(piece.numel()))
-        sums.index_add_(0, keys, piece.double())
+    c_loops = fused.backend(xf) is native  # (on the CPU: the sketch and the codes one C pass each)
+    if c_loops:
+        hist, sums = native.sketch_cells(xf, KEY_BITS, _ZERO_KEY)
+    else:
+        one = torch.ones(1, dtype=torch.float64, device=dev)
+        hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
+        sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
+        for a in range(0, n, step):
+            piece = xf[a : a + step]
+            keys = _sortable_keys(piece)
+            hist.index_add_(0, keys, one.expand(piece.numel()))
+            sums.index_add_(0, keys, piece.double())
     # nb - 2 quantile splits (a split is the first key of a bucket) plus the split at +0.0, so no
     # bucket mixes signs and the two signs share the buckets in proportion to their counts
     cdf = hist.cumsum(0)
@@ -82,6 +86,8 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
     means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
     codes, bits = lut.to(torch.uint8), _index_bits(nb)
+    if c_loops:
+        return [native.sketch_codes(xf, KEY_BITS, _ZERO_KEY, codes, bits), means]
     if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
         keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
         return [pack_bits(codes.index_select(0, keys), bits), means]

@@ -1113,3 +1113,36 @@ void gz_inceptionn_decode(const uint8_t *packed, const uint8_t *stream, int64_t 
         }
     }
 }
+
+/* --------------------------------------------------------------------------------- SketchML
+ * codecs/sketch.py's quantile sketch: each value's key is the top bits of its fp32 pattern made
+ * order-preserving (negative values' magnitude bits flipped, an arithmetic shift by `shift`,
+ * plus the key of +0.0), every NaN the last cell's. */
+static inline int32_t sketch_key(float v, int shift, int32_t zero_key, int32_t cells) {
+    const int32_t b = (int32_t)f2u(v);
+    const int32_t s = (((b >> 31) & 0x7FFFFFFF) ^ b) >> shift;
+    return v != v ? cells - 1 : s + zero_key;
+}
+
+/* Each cell's count and fp64 sum of its values, added in index order (torch's index_add_ on
+ * the CPU: the same sums). */
+void gz_sketch_cells(const float *x, int64_t n, int shift, int32_t zero_key, int32_t cells, double *hist,
+                     double *sums) {
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t k = sketch_key(x[i], shift, zero_key, cells);
+        hist[k] += 1.0;
+        sums[k] += (double)x[i];
+    }
+}
+
+/* Each value's bucket, lut[key], packed in `bits` bits. */
+void gz_sketch_codes(const float *x, int64_t n, int shift, int32_t zero_key, int32_t cells, const uint8_t *lut,
+                     int bits, uint8_t *packed) {
+    uint8_t lv[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n), len = bits == 8 ? stop - a : round_up8(stop - a);
+        for (int64_t i = a; i < stop; i++) lv[i - a] = lut[sketch_key(x[i], shift, zero_key, cells)];
+        for (int64_t i = stop - a; i < len; i++) lv[i] = 0;
+        pack(lv, len, bits, packed + packed_offset(a, bits));
+    }
+}

@@ -56,6 +56,8 @@ _SIGNATURES = {
     "gz_inceptionn_encode": [ctypes.c_void_p, _i64, _int, ctypes.c_float, ctypes.c_float, _u8p, ctypes.c_void_p, _i64],
     "gz_inceptionn_decode": [_u8p, _u8p, _i64, _i64, _int, ctypes.c_float, _f32p, _int],
     "gz_inceptionn_size": [_u8p, _i64, _int],
+    "gz_sketch_cells": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
+    "gz_sketch_codes": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, _u8p, _int, _u8p],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -571,3 +573,30 @@ def inceptionn_decode(
         lib.gz_inceptionn_decode(packed.data_ptr(), stream.data_ptr(), stream.numel(), numel, fmt, step,
                                  out.data_ptr(), int(accumulate))
     return out
+
+
+def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SketchML's cells of the fp32 ``xf`` (keys of ``key_bits`` bits): each cell's count and fp64
+    sum, in one pass, added in index order (``codecs.sketch``'s torch sketch: the same sums)."""
+    if xf.dtype != torch.float32:
+        raise ValueError(f"sketch_cells: fp32 values, got {xf.dtype}")
+    x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
+    hist, sums = torch.zeros(cells, dtype=torch.float64), torch.zeros(cells, dtype=torch.float64)
+    if x.numel():
+        _kernels().gz_sketch_cells(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, hist.data_ptr(),
+                                   sums.data_ptr())
+    return hist, sums
+
+
+def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits."""
+    x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
+    if xf.dtype != torch.float32 or codes.dtype != torch.uint8 or codes.numel() != cells or not 1 <= bits <= 8:
+        raise ValueError(f"sketch_codes: fp32 values, {cells} uint8 codes and 1..8 bits, got {xf.dtype}, "
+                         f"{codes.numel()} of {codes.dtype} and {bits}")
+    codes = codes.contiguous()
+    packed = torch.empty(packed_bytes(x.numel(), bits), dtype=torch.uint8)
+    if x.numel():
+        _kernels().gz_sketch_codes(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, codes.data_ptr(), bits,
+                                   packed.data_ptr())
+    return packed
