@@ -409,3 +409,20 @@ def test_c_sketch_gives_the_torch_sketchs_cells_and_codes(n, nb, seed):
     codes = torch.randint(0, nb, (_CELLS,), generator=g).to(torch.uint8)
     bits = max(1, (nb - 1).bit_length())
     assert torch.equal(native.sketch_codes(x, KEY_BITS, _ZERO_KEY, codes, bits), pack_bits(codes[keys.long()], bits))
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@pytest.mark.parametrize("bits", [1, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 7, 4096, 9001])
+def test_c_codes_decode_looks_each_code_up_in_the_table(bits, n):
+    from gradzip.kernels import pack_bits
+
+    g = torch.Generator().manual_seed(n + bits)
+    nb = 1 << bits
+    table = torch.randn(nb, generator=g)
+    codes = torch.randint(0, nb, (n,), generator=g).to(torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert _same_bits(native.codes_decode(packed, bits, table, n), table[codes.long()])
+    base = torch.randn(n, generator=g)
+    got = native.codes_decode(packed, bits, table, n, out=base.clone(), accumulate=True)
+    assert _same_bits(got, base + table[codes.long()])

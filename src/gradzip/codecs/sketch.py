@@ -106,6 +106,9 @@ def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int, out: Opti
     values at a time on the CPU (whole bytes of codes), so the codes widened for the lookup and
     the values are a few MB, not the tensor's size."""
     bits = _index_bits(means.numel())
+    if means.dtype == torch.float32 and (out is None or (out.dtype == torch.float32 and out.is_contiguous())) and (
+            fused.backend(packed) is native):  # (on the CPU: one C pass)
+        return native.codes_decode(packed, bits, means, count, out, accumulate)
     step = fused.piece_length(packed, count)  # (on the CPU a multiple of 8 values: whole bytes of codes)
     if out is None:
         if count <= step:

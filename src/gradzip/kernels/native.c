@@ -1146,3 +1146,15 @@ void gz_sketch_codes(const float *x, int64_t n, int shift, int32_t zero_key, int
         pack(lv, len, bits, packed + packed_offset(a, bits));
     }
 }
+
+/* Codes of `bits` bits through a table of 256 floats (SketchML's bucket means, padded): each
+ * value table[code], stored or added into `out`. */
+void gz_codes_decode(const uint8_t *packed, int bits, const float *table, int64_t n, float *out, int accumulate) {
+    uint8_t lv[SPAN];
+    for (int64_t a = 0; a < n; a += SPAN) {
+        const int64_t stop = min64(a + SPAN, n), len = bits == 8 ? stop - a : round_up8(stop - a);
+        unpack(packed + packed_offset(a, bits), len, bits, lv);
+#pragma omp simd
+        for (int64_t i = a; i < stop; i++) out[i] = accumulate ? out[i] + table[lv[i - a]] : table[lv[i - a]];
+    }
+}

@@ -58,6 +58,7 @@ _SIGNATURES = {
     "gz_inceptionn_size": [_u8p, _i64, _int],
     "gz_sketch_cells": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
     "gz_sketch_codes": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, _u8p, _int, _u8p],
+    "gz_codes_decode": [_u8p, _int, _f32p, _i64, _f32p, _int],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -600,3 +601,18 @@ def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Te
         _kernels().gz_sketch_codes(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, codes.data_ptr(), bits,
                                    packed.data_ptr())
     return packed
+
+
+def codes_decode(packed: torch.Tensor, bits: int, table: torch.Tensor, numel: int,
+                 out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """Codes of ``bits`` bits (1..8) looked up in ``table`` (fp32, at most 256 values: SketchML's
+    bucket means), stored or added into ``out``, in one pass. A code past the table reads 0."""
+    if not 1 <= bits <= 8 or table.numel() > 256:
+        raise ValueError(f"codes_decode: 1..8 bits and at most 256 table values, got {bits} and {table.numel()}")
+    packed = _bytes(packed, numel, bits)
+    padded = torch.zeros(256, dtype=torch.float32)
+    padded[: table.numel()] = table.reshape(-1)
+    out = forms.decoded(out, numel, _CPU, accumulate)
+    if numel:
+        _kernels().gz_codes_decode(packed.data_ptr(), bits, padded.data_ptr(), numel, out.data_ptr(), int(accumulate))
+    return out
