@@ -426,3 +426,27 @@ def test_c_codes_decode_looks_each_code_up_in_the_table(bits, n):
     base = torch.randn(n, generator=g)
     got = native.codes_decode(packed, bits, table, n, out=base.clone(), accumulate=True)
     assert _same_bits(got, base + table[codes.long()])
+
+
+@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9000), size=st.sampled_from([1, 7, 50, 4096]), seed=st.integers(0, 2**31 - 1),
+       with_prev=st.booleans(), self_adjust=st.booleans())
+def test_c_adacomp_selection_is_the_torch_selection(n, size, seed, with_prev, self_adjust):
+    """AdaQ's selection (each bin's values whose h reaches its max |g|, never a zero; none in a
+    bin with a NaN) in C: the indices and counts of its torch version."""
+    import gradzip
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    x[torch.rand(n, generator=g) < 0.1] = 0.0
+    if n > 10:
+        x[3], x[9] = float("nan"), -float("inf")
+    prev = torch.randn(n, generator=g) if with_prev else None
+    codec = gradzip.codec("adaq", bin_size=size, self_adjust=self_adjust)
+    nb = -(-n // size)
+    got = codec._selection(x, prev, size, nb)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GRADZIP_KERNELS", "torch")
+        want = codec._selection(x, prev, size, nb)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
+from ..kernels import fused, native, pack_bits, packed_bytes, shared_generator, unpack_bits
 from .base import (
     PART_ALIGN,
     SEED,
@@ -915,6 +915,8 @@ class AdaComp(Codec):
         residual kept last step (flat), if any. On the CPU a piece of whole bins at a time, so
         the magnitudes, ``H`` and the mask are a piece long, not the tensor's."""
         n = g.numel()
+        if g.dtype == torch.float32 and (prev is None or prev.dtype == torch.float32) and fused.backend(g) is native:
+            return native.adacomp_select(g, prev, size, self.self_adjust)  # (on the CPU: two C passes)
         rows = -(-fused.piece_length(g) // size)  # (every bin at once off the CPU: one selection, one wait)
         found, counts = [], []
         for r in range(0, nb, rows):

@@ -1158,3 +1158,44 @@ void gz_codes_decode(const uint8_t *packed, int bits, const float *table, int64_
         for (int64_t i = a; i < stop; i++) out[i] = accumulate ? out[i] + table[lv[i - a]] : table[lv[i - a]];
     }
 }
+
+/* ---------------------------------------------------------------------------------- AdaComp
+ * codecs/sparse.py's AdaQ selection: in each bin of `size` values, those whose h reaches the
+ * bin's max |g| (none where the bin holds a NaN), never a zero; h = |2g - prev| with a previous
+ * residual, else 2|g| (`doubled`) or |g|. Each bin's count into `counts`; the ascending indices
+ * into `idx` (NULL: the counts alone; else room for one more than a first call returned).
+ * Returns how many. */
+int64_t gz_adacomp_select(const float *g, const float *prev, int64_t n, int64_t size, int doubled, int64_t *counts,
+                          int64_t *idx) {
+    int64_t total = 0;
+    for (int64_t a = 0, bin = 0; a < n; a += size, bin++) {
+        const int64_t e = min64(a + size, n);
+        float top = 0.0f;
+        int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+        for (int64_t i = a; i < e; i++) {
+            const float m = fabsf(g[i]);
+            top = m > top ? m : top;
+            nan |= m != m;
+        }
+        int64_t c = 0;
+        if (!nan && idx == NULL) {
+#pragma omp simd reduction(+ : c)
+            for (int64_t i = a; i < e; i++) {
+                const float m = fabsf(g[i]);
+                const float h = prev != NULL ? fabsf(2.0f * g[i] - prev[i]) : (doubled ? 2.0f * m : m);
+                c += (h >= top) & (m > 0.0f);
+            }
+        } else if (!nan) {  /* branch-free: every index written, the next one over it unless kept (idx: total + 1) */
+            for (int64_t i = a; i < e; i++) {
+                const float m = fabsf(g[i]);
+                const float h = prev != NULL ? fabsf(2.0f * g[i] - prev[i]) : (doubled ? 2.0f * m : m);
+                idx[total + c] = i;
+                c += (h >= top) & (m > 0.0f);
+            }
+        }
+        counts[bin] = c;
+        total += c;
+    }
+    return total;
+}

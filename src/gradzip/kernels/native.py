@@ -59,6 +59,7 @@ _SIGNATURES = {
     "gz_sketch_cells": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
     "gz_sketch_codes": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, _u8p, _int, _u8p],
     "gz_codes_decode": [_u8p, _int, _f32p, _i64, _f32p, _int],
+    "gz_adacomp_select": [_f32p, _f32p, _i64, _i64, _int, ctypes.c_void_p, ctypes.c_void_p],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -71,7 +72,10 @@ _SIGNATURES = {
 }
 
 
-_RETURNS = {"gz_select": ctypes.c_int64, "gz_inceptionn_encode": ctypes.c_int64, "gz_inceptionn_size": ctypes.c_int64}  # (the others return nothing)
+_RETURNS = {  # (the others return nothing)
+    "gz_select": ctypes.c_int64, "gz_inceptionn_encode": ctypes.c_int64, "gz_inceptionn_size": ctypes.c_int64,
+    "gz_adacomp_select": ctypes.c_int64,
+}
 
 
 def _cpu_id() -> str:
@@ -616,3 +620,22 @@ def codes_decode(packed: torch.Tensor, bits: int, table: torch.Tensor, numel: in
     if numel:
         _kernels().gz_codes_decode(packed.data_ptr(), bits, padded.data_ptr(), numel, out.data_ptr(), int(accumulate))
     return out
+
+
+def adacomp_select(g: torch.Tensor, prev: Optional[torch.Tensor], size: int, doubled: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AdaQ's selection of the flat fp32 ``g`` in bins of ``size`` values (``prev``: the residual
+    kept last step, fp32, or None), in two passes: ``(ascending int64 indices, each bin's count)``,
+    as ``codecs.sparse.AdaQ._selection`` makes them in torch."""
+    if g.dtype != torch.float32 or (prev is not None and (prev.dtype != torch.float32 or prev.numel() != g.numel())):
+        raise ValueError("adacomp_select: fp32 values and an fp32 residual of as many")
+    x = g.reshape(-1).contiguous()
+    p = None if prev is None else prev.reshape(-1).contiguous()
+    n = x.numel()
+    counts = torch.zeros(-(-n // size), dtype=torch.int64)
+    lib = _kernels()
+    total = lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(), None) if n else 0
+    idx = torch.empty(total + 1, dtype=torch.int64)  # (one more: the loop writes each index before it counts it)
+    if total:
+        lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(), idx.data_ptr())
+    return idx[:total], counts
