@@ -791,26 +791,36 @@ void gz_tbq_encode(const float *x, int64_t n, float tau, uint8_t *packed) {
     }
 }
 
-/* 2-bit codes 0, 1, 2, 3 as 0, +1, -1, 0 times their bucket's scale (the product is made for
- * every code, so 0 times a non-finite scale is NaN, as in torch). */
-void gz_ternary_decode(const uint8_t *packed, const float *scale, int64_t n, int64_t bucket, float *out,
-                       int accumulate) {
+/* Codes of `bits` bits (1 or 2: a compile-time constant in each caller) decoded through their
+ * bucket's statistics, `per` floats a bucket, a span at a time: the codes unpacked, then each
+ * bucket's run with its statistics loaded once. */
+INLINE void decode_by_buckets(const uint8_t *packed, const float *side, int64_t n, int64_t bucket, float *out,
+                              int accumulate, const int bits) {
     uint8_t lv[SPAN];
     for (int64_t a = 0; a < n; a += SPAN) {
         const int64_t stop = min64(a + SPAN, n);
-        unpack(packed + a / 4, round_up8(stop - a), 2, lv);
+        unpack(packed + a * bits / 8, round_up8(stop - a), bits, lv);
         for (int64_t i = a; i < stop;) {
-            const int64_t end = min64((i / bucket + 1) * bucket, stop);
-            const float s = scale[i / bucket];
+            const int64_t r = i / bucket, end = min64((r + 1) * bucket, stop);
+            const float s0 = side[bits == 1 ? 2 * r : r], s1 = bits == 1 ? side[2 * r + 1] : 0.0f;
 #pragma omp simd
             for (int64_t j = i; j < end; j++) {
                 const int c = lv[j - a];
-                const float v = (float)((c & 1) - (c >> 1)) * s;
+                /* 1 bit: c * mean_pos + (1 - c) * mean_neg, both products made, as in torch (NaN
+                   where the other mean is not finite); 2 bits: 0, +1, -1, 0 times the scale (made
+                   for every code, so 0 times a non-finite scale is NaN, as in torch) */
+                const float v = bits == 1 ? (float)c * s1 + (1.0f - (float)c) * s0 : (float)((c & 1) - (c >> 1)) * s0;
                 out[j] = accumulate ? out[j] + v : v;
             }
             i = end;
         }
     }
+}
+
+/* TernGrad's and TBQ's 2-bit codes times their bucket's scale. */
+void gz_ternary_decode(const uint8_t *packed, const float *scale, int64_t n, int64_t bucket, float *out,
+                       int accumulate) {
+    decode_by_buckets(packed, scale, n, bucket, out, accumulate, 2);
 }
 
 /* The values [i, end) that share value i's header: all of them (shift < 0: one header) or the
@@ -902,26 +912,10 @@ void gz_table_decode(const uint8_t *codes, const float *table, const float *scal
     }
 }
 
-/* 1-bit SGD: bit * mean_pos + (1 - bit) * mean_neg of the value's bucket (means: [neg, pos] a
- * bucket), both products made, as in torch (NaN where the other mean is not finite). */
+/* 1-bit SGD's bits through their bucket's means ([neg, pos] a bucket). */
 void gz_onebit_decode(const uint8_t *packed, const float *means, int64_t n, int64_t bucket, float *out,
                       int accumulate) {
-    uint8_t lv[SPAN];
-    for (int64_t a = 0; a < n; a += SPAN) {
-        const int64_t stop = min64(a + SPAN, n);
-        unpack(packed + a / 8, round_up8(stop - a), 1, lv);
-        for (int64_t i = a; i < stop;) {
-            const int64_t end = min64((i / bucket + 1) * bucket, stop);
-            const float neg = means[2 * (i / bucket)], pos = means[2 * (i / bucket) + 1];
-#pragma omp simd
-            for (int64_t j = i; j < end; j++) {
-                const float bit = (float)lv[j - a];
-                const float v = bit * pos + (1.0f - bit) * neg;
-                out[j] = accumulate ? out[j] + v : v;
-            }
-            i = end;
-        }
-    }
+    decode_by_buckets(packed, means, n, bucket, out, accumulate, 1);
 }
 
 /* ------------------------------------------------------------------ the sparsifiers' selection
