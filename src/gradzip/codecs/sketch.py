@@ -102,26 +102,8 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
 def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int, out: Optional[torch.Tensor] = None,
                 accumulate: bool = False) -> torch.Tensor:
     """The first ``count`` values: each code's bucket mean; into the flat ``out`` (added to it
-    with ``accumulate``) if given, a piece of :data:`fused.TORCH_PIECE <gradzip.kernels.fused.TORCH_PIECE>`
-    values at a time on the CPU (whole bytes of codes), so the codes widened for the lookup and
-    the values are a few MB, not the tensor's size."""
-    bits = _index_bits(means.numel())
-    if means.dtype == torch.float32 and (out is None or (out.dtype == torch.float32 and out.is_contiguous())) and (
-            fused.backend(packed) is native):  # (on the CPU: one C pass)
-        return native.codes_decode(packed, bits, means, count, out, accumulate)
-    step = fused.piece_length(packed, count)  # (on the CPU a multiple of 8 values: whole bytes of codes)
-    if out is None:
-        if count <= step:
-            return means.index_select(0, unpack_bits(packed, bits, count).to(torch.int32))
-        out, accumulate = torch.empty(count, dtype=means.dtype, device=means.device), False
-    packed = packed.reshape(-1)
-    for a in range(0, count, step):
-        b = min(a + step, count)
-        start = packed_bytes(a, bits)  # (a: whole groups of 8 values)
-        codes = unpack_bits(packed[start : start + packed_bytes(b - a, bits)], bits, b - a)
-        values = means.index_select(0, codes.to(torch.int32))
-        store_into(values, out[a:b], accumulate)
-    return out
+    with ``accumulate``) if given (:func:`fused.codes_decode <gradzip.kernels.fused.codes_decode>`)."""
+    return fused.codes_decode(packed, _index_bits(means.numel()), means, count, out, accumulate)
 
 
 _GAP_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -493,6 +493,29 @@ def table_decode(codes, table, scale, bucket: int, numel: int, out=None, accumul
     return _decode_via(impl, out, accumulate, lambda o, a: impl.table_decode(codes, table, scale, bucket, numel, o, a))
 
 
+def codes_decode(packed: torch.Tensor, bits: int, table: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None,
+                 accumulate: bool = False) -> torch.Tensor:
+    """The first ``numel`` codes of ``bits`` bits looked up in ``table`` (SketchML's bucket
+    means), into the flat ``out`` (added to it with ``accumulate``) if given: on the CPU one C
+    pass, else torch a piece of :data:`TORCH_PIECE` values at a time (whole bytes of codes), so
+    the codes widened for the lookup and the values are a few MB, not the tensor's size."""
+    if table.dtype == torch.float32 and backend(packed) is native:
+        return _decode_via(native, out, accumulate,
+                           lambda o, a: native.codes_decode(packed, bits, table, numel, o, a))
+    step = piece_length(packed, numel)  # (on the CPU a multiple of 8 values: whole bytes of codes)
+    if out is None:
+        if numel <= step:
+            return table.index_select(0, unpack_bits(packed, bits, numel).to(torch.int32))
+        out, accumulate = torch.empty(numel, dtype=table.dtype, device=table.device), False
+    packed = packed.reshape(-1)
+    for a in range(0, numel, step):
+        b = min(a + step, numel)
+        start = packed_bytes(a, bits)  # (a: whole groups of 8 values)
+        codes = unpack_bits(packed[start : start + packed_bytes(b - a, bits)], bits, b - a)
+        reference.store(table.index_select(0, codes.to(torch.int32)), out[a:b], accumulate)
+    return out
+
+
 def _table_pieces(codes: torch.Tensor, table: torch.Tensor, scale: Optional[torch.Tensor], bucket: int, numel: int,
                   out: Optional[torch.Tensor], accumulate: bool) -> torch.Tensor:
     """``reference.table_decode`` a piece at a time: the same lookup and product for each
