@@ -511,6 +511,8 @@ def test_selections_taken_a_piece_at_a_time_on_the_cpu_are_the_whole_ones(name, 
     fused group's size): the same payload as in one piece."""
     from gradzip.kernels import fused
 
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the C loops make no pieces)
+
     members = [_randn((3000,), seed=7), _randn((700,), seed=8) * 1e-3, _randn((5000,), seed=9)]
     flat, parts, _ = _group(members)
     whole = gradzip.codec(name, **opts).encode(flat, name="g", parts=None if name == "threshold" else parts)
@@ -577,6 +579,8 @@ def test_adaq_selects_a_piece_of_bins_at_a_time_on_the_cpu(monkeypatch, bin_size
     payloads of one pass over the tensor, with no magnitudes, ``H`` or mask of the tensor's size
     made, and no dense tensor of what was sent (the memory keeps the residual)."""
     from gradzip.kernels import fused
+
+    monkeypatch.setenv("GRADZIP_KERNELS", "torch")  # (the torch versions: the C loops make no pieces)
 
     n = 20011
     gs = [_randn((n,), seed=20 + s) for s in range(3)]
