@@ -80,14 +80,9 @@ def verify_same_on_all_ranks(
     One ``all_gather_object`` of the settings (a few hundred bytes) over ``group``, which must be
     a group that no other thread issues collectives on at the same time.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    gathered = _from_every_rank((dict(settings), dict(sources or {})), group)
+    if gathered is None:
         return
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    mine = (dict(settings), dict(sources or {}))
-    gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
     lines = differences([g[0] for g in gathered], [g[1] for g in gathered], defaults=defaults)
     if lines:
         rank = dist.get_rank(group)
@@ -107,13 +102,9 @@ def verify_same_names(names: List[str], group: Optional[dist.ProcessGroup]) -> N
     indices there and the replicas would drift apart without an error. One
     ``all_gather_object`` of the names, at registration.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    gathered = _from_every_rank(list(names), group)
+    if gathered is None:
         return
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    gathered: List[Any] = [None] * world
-    dist.all_gather_object(gathered, list(names), group=group)
     first = gathered[0]
     for rank, other in enumerate(gathered):
         if other == first:
@@ -127,3 +118,13 @@ def verify_same_names(names: List[str], group: Optional[dist.ProcessGroup]) -> N
             f"{len(other)} gradients). gradzip keys each gradient's randomness and state by its name: wrap "
             "and compile the model alike on every rank"
         )
+
+
+def _from_every_rank(obj: Any, group: Optional[dist.ProcessGroup]) -> Optional[List[Any]]:
+    """Every rank's ``obj`` (one ``all_gather_object`` over ``group``, which no other thread may
+    use meanwhile), or None where there is nothing to compare (no process group, one rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

@@ -927,11 +927,7 @@ def register(
             raise
         raise type(exc)(f"{exc}{note}") from exc
     named = list(model.module.named_parameters())
-    try:
-        consistency.verify_same_names([n for n, p in named if p.requires_grad], comm.group)
-    except SettingsMismatchError:
-        comm.close()
-        raise
+    _verify_names(comm, [n for n, p in named if p.requires_grad])
     state = GradzipState(comm, {id(p): n for n, p in named}, cfg)
     state.device = named[0][1].device if named else None  # the gradients' device (CUDA for NCCL)
     plan = state.build_plan(named, state.should_compress)  # the filter decides what may be compressed
@@ -959,6 +955,16 @@ def register(
         if hint:
             logger.info("%s", hint)
     return state
+
+
+def _verify_names(comm: Communicator, names: List[str]) -> None:
+    """:func:`consistency.verify_same_names` over ``comm``'s group; ``comm`` closed where the
+    names differ (registration ends there, on every rank)."""
+    try:
+        consistency.verify_same_names(names, comm.group)
+    except SettingsMismatchError:
+        comm.close()
+        raise
 
 
 def check_codec_name(cfg: Config) -> None:
@@ -1021,11 +1027,7 @@ def _register_fsdp(
             f"depends on the values, or it needs several rounds, so chunks cannot go in one all-to-all); codecs "
             f"that can: {', '.join(sharded_codecs())}"
         )
-    try:
-        consistency.verify_same_names([name for name, _, _ in units], comm.group)
-    except SettingsMismatchError:
-        comm.close()
-        raise
+    _verify_names(comm, [name for name, _, _ in units])
     state = fsdp.install(units, comm, cfg.min_numel, weight_bits)
     if comm.rank == 0:
         logger.info("%s (FSDP2: %d units)", settings_report(comm, cfg, collective="reducescatter"), len(state.units))

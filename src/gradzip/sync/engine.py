@@ -277,14 +277,10 @@ class Communicator(FusedGroups):
                         "still go through the nodes (see describe_topology())", stacklevel=2,
                     )
         hold_layouts()  # (the codecs' layout plans kept until the last communicator closes)
-        if self._group_backend() != "nccl" and kernels_setting() in ("auto", "native"):
+        if _backend(self.group) != "nccl" and kernels_setting() in ("auto", "native"):
             # CPU tensors: build the fused C kernels now (seconds, once per machine and version)
             # rather than inside the first step's encode, whose time the metrics would report
             native_available()
-
-    def _group_backend(self) -> str:
-        """The backend of this communicator's process group ("gloo" outside a distributed job)."""
-        return dist.get_backend(self.group) if dist.is_available() and dist.is_initialized() else "gloo"
 
     def _make_collective(self, name: str, codec: Codec, options: Dict[str, Any], group) -> Collective:
         return make_collective(name, codec, options, group)
@@ -1181,13 +1177,17 @@ def _from_collective(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)
 
 
+def _backend(group: Optional[dist.ProcessGroup]) -> str:
+    """The backend of ``group`` ("gloo" outside a distributed job)."""
+    return dist.get_backend(group) if dist.is_available() and dist.is_initialized() else "gloo"
+
+
 def _kernels_in_use(group: Optional[dist.ProcessGroup]) -> str:
     """Which codec kernels run (the C ones and torch's agree to the bit for most codecs, not all)."""
     from ..kernels import fused, native
 
     choice = fused.setting()
-    backend = dist.get_backend(group) if dist.is_available() and dist.is_initialized() else "gloo"
-    if backend == "nccl" or choice == "triton":
+    if _backend(group) == "nccl" or choice == "triton":
         gpu = fused._gpu()
         ok = gpu is not None and gpu.available() is None
         return f"{choice}:{'triton' if ok and choice != 'torch' else 'torch'}"
