@@ -369,6 +369,33 @@ def test_sketchml_group_is_its_members_alone_back_to_back(monkeypatch, at_once, 
     _check_decode_into(codec, p, y)
 
 
+@pytest.mark.parametrize("wire", [None, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("at_once", [False, True], ids=["in-turn", "at-once"])
+def test_sketchml_group_is_encoded_into_its_message_as_without_it(monkeypatch, at_once, wire):
+    """Dense mode's form is known from the sizes (``payload_spec``), so a collective's message
+    takes the payload where it is sent from: written into dirty tensors of that form, a group's
+    payload (its raw members in the wire dtype of an fp32 compensation of 16-bit gradients) is
+    the one encoded without them, bit for bit, ±inf included. Sparse mode has no such form."""
+    from gradzip.kernels import fused
+
+    monkeypatch.setattr(fused, "groups_at_once", lambda device: at_once)
+    for buckets in (256, 16, 3):
+        codec, twin = gradzip.codec("sketchml", buckets=buckets), gradzip.codec("sketchml", buckets=buckets)
+        align = codec.fused_alignment()
+        sizes = (5000, 100, 300, 7, 2000)
+        parts = [(f"p{i}", (n,)) for i, n in enumerate(sizes)]
+        flat = torch.cat([t for n in sizes for t in (_randn((n,), seed=n) * 7e4, torch.zeros(-n % align))])
+        flat[17] = float("inf")
+        spec = codec.payload_spec(flat.numel(), flat.dtype, parts, wire)
+        want = twin.encode(flat, "g", 0, parts=parts, wire=wire)
+        assert [(t.dtype, t.numel()) for t in want.tensors] == spec
+        out = [torch.full((k,), 7, dtype=d) for d, k in spec]
+        got = codec.encode(flat, "g", 0, parts=parts, wire=wire, out=out)
+        assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got.tensors, out))
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got.tensors, want.tensors))
+    assert gradzip.codec("sketchml", ratio=0.5).payload_spec(flat.numel(), flat.dtype, parts) is None
+
+
 def test_sketchml_group_at_once_makes_the_bytes_of_one_member_at_a_time(monkeypatch):
     """The accelerator's way (one sort of a group) and the CPU's (each member's histogram) make
     the same payload, for special groups too: none coded, constants, zeros, two buckets."""

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernels import fused, native, pack_bits, packed_bytes, store_into, unpack_bits
 from ..kernels.transfer import ints_on
 from .base import (
-    Codec, Meta, Option, Payload, as_wire, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite,
+    Codec, Meta, Option, Payload, _narrower, _parts_of, as_wire, float_in, int_in, part_spans, raw_bytes, saturate,
+    stats_nonfinite,
 )
 from .registry import register_codec
 from .sparse import _group_topk, _k
@@ -51,8 +52,9 @@ def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, nb - 1, dtype=torch.float64, device=device).mul_(n).div_(nb - 1).floor_()
 
 
-def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
-    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (uint8), means (fp32)]."""
+def _quantize(values: torch.Tensor, nb: int, out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """Quantile-bucket ``values`` (1-D) into ``nb`` buckets: [bucket index per value (packed
+    uint8), means (fp32)], written into ``out`` (tensors of those forms) where given."""
     n = values.numel()
     xf = values.float().contiguous()
     dev = xf.device
@@ -84,14 +86,16 @@ def _quantize(values: torch.Tensor, nb: int) -> List[torch.Tensor]:
     lut = lut.cumsum_(0)
     bucket_sums = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, sums)
     bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
-    means = (bucket_sums / bucket_counts.clamp_min_(1)).float()  # empty buckets: 0 (never referenced)
+    means = bucket_sums.div_(bucket_counts.clamp_min_(1))  # empty buckets: 0 (never referenced)
+    means = means.float() if out is None else out[1].copy_(means)
     codes, bits = lut.to(torch.uint8), _index_bits(nb)
     if c_loops:
-        return [native.sketch_codes(xf, KEY_BITS, _ZERO_KEY, codes, bits), means]
+        return [native.sketch_codes(xf, KEY_BITS, _ZERO_KEY, codes, bits, None if out is None else out[0]), means]
     if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
         keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
-        return [pack_bits(codes.index_select(0, keys), bits), means]
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev)
+        packed = pack_bits(codes.index_select(0, keys), bits)
+        return [packed if out is None else out[0].copy_(packed), means]
+    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev) if out is None else out[0]
     for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
         b = min(a + step, n)
         levels = codes.index_select(0, _sortable_keys(xf[a:b]))
@@ -282,16 +286,18 @@ class SketchML(Codec):
         """The layout of a fused group (made once per layout): a :class:`_Group` in dense mode,
         a :class:`_SparseGroup` in sparse mode; which members go as they are is decided in the
         width their values take (:attr:`Meta.wire` where given)."""
-        dtype = meta.as_is
-        key = (meta.parts, dtype)
+        return self._layout(meta.parts, meta.as_is)
+
+    def _layout(self, parts: Tuple[Tuple[str, torch.Size], ...], dtype: torch.dtype) -> Any:
+        key = (parts, dtype)
         grp = self._groups.get(key)
         if grp is None:
             if len(self._groups) > 256:
                 self._groups.clear()
             if self.ratio < 1.0:
-                grp = _SparseGroup(meta.parts, dtype, self.buckets, self.ratio)
+                grp = _SparseGroup(parts, dtype, self.buckets, self.ratio)
             else:
-                grp = _Group(meta.parts, dtype, self.buckets, self._raw, self.fused_alignment())
+                grp = _Group(parts, dtype, self.buckets, self._raw, self.fused_alignment())
             self._groups[key] = grp
         return grp
 
@@ -305,6 +311,26 @@ class SketchML(Codec):
             grp = self._selections[k] = _Group(((str(k), torch.Size((k,))),), torch.float32, self.buckets,
                                              lambda n, dtype: False, 1, narrow=True)
         return grp
+
+    def payload_spec(self, numel: int, dtype: torch.dtype,
+                     parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
+                     wire: Optional[torch.dtype] = None) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """Dense mode's form, known from the sizes: ``[codes, means]`` alone, ``[codes, means,
+        raw values]`` for a fused group (its raw values in the wire dtype where given); sparse
+        mode's depends on the gaps (None)."""
+        as_is = _narrower(wire, dtype) or dtype
+        if self.ratio < 1.0 or numel == 0 or self._raw(numel, as_is):
+            return None
+        if parts is None:
+            nb = _num_buckets(numel, self.buckets)
+            return [(torch.uint8, packed_bytes(numel, _index_bits(nb))), (torch.float32, nb)]
+        grp = self._layout(_parts_of(parts, numel, self.fused_alignment()), as_is)
+        return [(torch.uint8, grp.code_bytes), (torch.float32, grp.table_size), (as_is, grp.raw_count)]
+
+    def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
+        if meta.parts is not None:
+            return self._encode_group(x, meta, out)
+        return _quantize(x, _num_buckets(x.numel(), self.buckets), out)
 
     def _encode(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
         n = x.numel()
@@ -326,20 +352,28 @@ class SketchML(Codec):
             return [t.new_empty(0) for t in out[:3]] + [values.view(torch.uint8)]
         return out
 
-    def _encode_group(self, x: torch.Tensor, meta: Meta) -> List[torch.Tensor]:
-        """A fused group: ``[codes, means, raw values]``, each member coded with its own
-        quantile table (its codes and table as alone) or sent as it is (where it would be
-        alone). On the CPU member by member; on an accelerator at once (:meth:`_sketch_at_once`)."""
+    def _encode_group(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]] = None,
+                      ) -> List[torch.Tensor]:
+        """A fused group: ``[codes, means, raw values]`` (into ``out`` where given), each member
+        coded with its own quantile table (its codes and table as alone) or sent as it is (where
+        it would be alone). On the CPU member by member, each straight into its place; on an
+        accelerator at once (:meth:`_sketch_at_once`)."""
         grp = self._group(meta)
         if fused.groups_at_once(x.device):
-            codes, means = self._sketch_at_once(x, grp)
-        else:
-            codes = torch.empty(grp.code_bytes, dtype=torch.uint8, device=x.device)
-            means = torch.empty(grp.table_size, dtype=torch.float32, device=x.device)
-            for (a, n, o), (t, nb) in zip(grp.coded, grp.tables):
-                packed, means[t : t + nb] = _quantize(x[a : a + n], nb)
-                codes[o : o + packed.numel()] = packed
-        return [codes, means, as_wire(grp.gather_raw(x), meta.wire)]
+            made = list(self._sketch_at_once(x, grp)) + [as_wire(grp.gather_raw(x), meta.wire)]
+            return made if out is None else [o.copy_(t) for o, t in zip(out, made)]
+        codes, means, raw = out if out is not None else (
+            torch.empty(grp.code_bytes, dtype=torch.uint8, device=x.device),
+            torch.empty(grp.table_size, dtype=torch.float32, device=x.device), None)
+        for (a, n, o), (t, nb) in zip(grp.coded, grp.tables):
+            _quantize(x[a : a + n], nb, [codes[o : o + packed_bytes(n, grp.bits)], means[t : t + nb]])
+        if raw is None:
+            return [codes, means, as_wire(grp.gather_raw(x), meta.wire)]
+        at = 0
+        for a, n in grp.raws:  # (a member at a time: the casts are a member long)
+            raw[at : at + n] = as_wire(x[a : a + n], meta.wire)
+            at += n
+        return [codes, means, raw]
 
     @staticmethod
     def _sketch_at_once(x: torch.Tensor, grp: _Group) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -577,6 +611,7 @@ class _Group:
                 at += packed_bytes(n, self.bits)
                 means += self.tables[-1][1]
         self.code_bytes, self.table_size = at, means
+        self.raw_count = sum(n for _, n in self.raws)
         self.spans, self.align = spans, align
         self._on: Dict[torch.device, Dict[str, Any]] = {}
 

@@ -593,14 +593,16 @@ def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int) -> Tuple[torch.
     return hist, sums
 
 
-def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits."""
+def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Tensor, bits: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits
+    (into ``out``, contiguous uint8 bytes of that size, where given)."""
     x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
     if xf.dtype != torch.float32 or codes.dtype != torch.uint8 or codes.numel() != cells or not 1 <= bits <= 8:
         raise ValueError(f"sketch_codes: fp32 values, {cells} uint8 codes and 1..8 bits, got {xf.dtype}, "
                          f"{codes.numel()} of {codes.dtype} and {bits}")
     codes = codes.contiguous()
-    packed = torch.empty(packed_bytes(x.numel(), bits), dtype=torch.uint8)
+    packed = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(x.numel(), bits), torch.uint8))[0]
     if x.numel():
         _kernels().gz_sketch_codes(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, codes.data_ptr(), bits,
                                    packed.data_ptr())
