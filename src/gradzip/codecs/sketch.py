@@ -77,7 +77,7 @@ def _quantize(values: torch.Tensor, nb: int, out: Optional[List[torch.Tensor]] =
             sums.index_add_(0, keys, piece.double())
     # nb - 2 quantile splits (a split is the first key of a bucket) plus the split at +0.0, so no
     # bucket mixes signs and the two signs share the buckets in proportion to their counts
-    cdf = hist.cumsum(0)
+    cdf = hist.cumsum_(0)  # (the counts in place: a bucket's count is a difference of two of these)
     splits = torch.searchsorted(cdf, _targets(n, nb, dev), right=True)  # first key holding more than target values
     splits = torch.cat([splits, torch.full((1,), _ZERO_KEY, dtype=splits.dtype, device=dev)])
     # lut[key] = number of splits <= key = bucket of the key; buckets are contiguous key ranges
@@ -85,7 +85,11 @@ def _quantize(values: torch.Tensor, nb: int, out: Optional[List[torch.Tensor]] =
     lut.index_add_(0, splits, torch.ones(1, dtype=torch.int32, device=dev).expand(nb - 1))
     lut = lut.cumsum_(0)
     bucket_sums = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, sums)
-    bucket_counts = torch.zeros(nb, dtype=torch.float64, device=dev).index_add_(0, lut, hist)
+    # bucket b holds the keys from its split to the next (b splits at or below each): its count
+    # is the values below the next split less those below its own (whole numbers: exact)
+    edges = torch.cat([splits.new_zeros(1), splits.sort().values, splits.new_full((1,), _CELLS)])
+    below = cdf.index_select(0, (edges - 1).clamp_min_(0)).masked_fill_(edges == 0, 0)
+    bucket_counts = below.diff()
     means = bucket_sums.div_(bucket_counts.clamp_min_(1))  # empty buckets: 0 (never referenced)
     means = means.float() if out is None else out[1].copy_(means)
     codes, bits = lut.to(torch.uint8), _index_bits(nb)
