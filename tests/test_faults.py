@@ -2,12 +2,15 @@
 differently, another rank's checkpoint, and a job killed and restarted by ``torchrun``."""
 from __future__ import annotations
 
+import io
+import logging
 import os
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -180,6 +183,43 @@ def test_an_invalid_option_on_one_rank_is_reported_on_every_rank_at_once():
         assert res["type"] == "SettingsMismatchError", res
         assert "unknown option(s) ratio" in res["message"] and "on rank 1" in res["message"], res["message"]
         assert res["seconds"] < 30, res  # told at once, not after the 120 s timeout
+
+
+def _registered_on_one_rank(rank: int, world: int, late_s: Optional[float]) -> dict:
+    """Rank 1 registers ``late_s`` seconds after rank 0 (None: never, as under ``if rank == 0:``)."""
+    from gradzip.comm import consistency
+
+    consistency.WAIT_WARNING_S = 0.5
+    said = io.StringIO()
+    logging.getLogger("gradzip").addHandler(logging.StreamHandler(said))
+    ddp = DDP(_model())
+    if rank == 1:
+        time.sleep(6.0 if late_s is None else late_s)
+        if late_s is None:
+            return {"type": None}
+    start = time.monotonic()
+    try:
+        gradzip.register(ddp, "maxmin", bits=4).close()
+        return {"type": None, "said": said.getvalue()}
+    except Exception as exc:
+        return dict(_failure(exc, start), said=said.getvalue())
+
+
+@pytest.mark.parametrize("late_s", [None, 1.5], ids=["never", "late"])
+def test_a_rank_that_registers_alone_is_told_why_it_waits(late_s):
+    """A rank whose peers do not register (``gradzip.register`` under ``if rank == 0:``) says,
+    after a while, what it waits for and the likely cause, and fails at the process group's
+    timeout with a CommunicationError saying the same (not the store's own timeout error, 30
+    minutes on by default); a peer that is only late is waited for, with the same word."""
+    results = spawn_local(_registered_on_one_rank, 2, late_s, all_ranks=True, timeout_s=3.0, deadline_s=60)
+    first = results[0]
+    assert "rank 0 has waited 0.5 s for the other ranks" in first["said"] and "if rank == 0:" in first["said"], first
+    if late_s is None:
+        assert first["type"] == "CommunicationError", first
+        assert "process group's timeout (3 s)" in first["message"] and "if rank == 0:" in first["message"], first
+        assert first["seconds"] < 3 + 6, first
+    else:
+        assert first["type"] is None and results[1]["type"] is None, results
 
 
 def test_same_settings_register_without_complaint():

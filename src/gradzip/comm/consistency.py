@@ -12,14 +12,20 @@ configuration is not loaded into another without a word.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any, Dict, List, Mapping, Optional
+import logging
+import threading
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..errors import SettingsMismatchError
+from ..errors import CommunicationError, SettingsMismatchError
 
 Settings = Dict[str, Any]
+WAIT_WARNING_S = 60.0  # how long a rank waits for the others to meet it before it says what may be wrong
+logger = logging.getLogger("gradzip")
 
 
 def fingerprint(settings: Mapping[str, Any]) -> str:
@@ -128,3 +134,39 @@ def _from_every_rank(obj: Any, group: Optional[dist.ProcessGroup]) -> Optional[L
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+@contextlib.contextmanager
+def every_rank_meets(what: str, timeout: Optional[timedelta]) -> Iterator[None]:
+    """Around a step every rank must take (making gradzip's process group, comparing settings).
+
+    A rank that builds its communicator alone (``gradzip.register`` under ``if rank == 0:``)
+    would otherwise wait, silent, for the process group's timeout (30 minutes by default) and
+    then fail with the store's or the backend's own error. After :data:`WAIT_WARNING_S` a rank
+    still waiting logs what it waits for and the likely cause, and goes on waiting (a rank may
+    be merely slow); if torch.distributed gives up, the error is a
+    :class:`~gradzip.errors.CommunicationError` saying the same.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    rank = dist.get_rank()
+    limit = "the process group's timeout" + (f" ({timeout.total_seconds():g} s)" if timeout is not None else "")
+    cause = ("every rank of the group must build its communicator (gradzip.register, a Communicator, a strategy "
+             "or recipe) at the same point of the script, not under `if rank == 0:`")
+    timer = threading.Timer(WAIT_WARNING_S, lambda: logger.warning(
+        "gradzip: rank %d has waited %g s for the other ranks to %s; %s. Still waiting, up to %s.",
+        rank, WAIT_WARNING_S, what, cause, limit))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, getattr(dist, "DistError", ())) or isinstance(exc, CommunicationError):
+            raise
+        raise CommunicationError(
+            f"gradzip: rank {rank} waited {limit} for the other ranks to {what} and they did not come: {cause} "
+            f"(or one of them failed or stalled before it; {type(exc).__name__}: {exc})"
+        ) from exc
+    finally:
+        timer.cancel()

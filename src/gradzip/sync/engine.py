@@ -197,7 +197,8 @@ class Communicator(FusedGroups):
             if verify_settings and dedicated_group:
                 _report_failed_construction(group, self.timeout, exc, settings_sources)
             raise
-        self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
+        with consistency.every_rank_meets("make gradzip's process group", self.timeout):
+            self.group = _dedicated_group(group, self.timeout) if dedicated_group else group
         self._owns_group = dedicated_group and self.group is not None
         self.collective.group = self.group
         self._hierarchy = hierarchy
@@ -250,7 +251,8 @@ class Communicator(FusedGroups):
         self._extra = dict(settings_extra or {})
         self._sources = dict(settings_sources or {})
         if verify_settings:
-            consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources, SETTINGS_LEFT_OUT)
+            with consistency.every_rank_meets("compare gradzip's settings", self.timeout):
+                consistency.verify_same_on_all_ranks(self.settings(), self.group, self._sources, SETTINGS_LEFT_OUT)
         # several nodes of several ranks: the configured collective runs across nodes, inside a
         # plain intra-node stage (gradzip.comm.hierarchy). After the settings check, which
         # covers ``hierarchy``: every rank takes part in finding the nodes, or none does
