@@ -250,16 +250,42 @@ def test_c_loops_give_the_specifications_bits_wherever_buckets_and_spans_are_cut
                                decoded(reference.onebit_decode, signs, means, bucket, n), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")
-@pytest.mark.parametrize("rows,width", [(1, 1), (3, 7), (40, 256), (2, 70_001)])
-def test_c_row_maxima_are_amax_of_the_magnitudes(rows, width):
-    """NaN, ±inf and -0.0 included, and a strided view read as its values."""
-    x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows))[:, ::2]
+ROW_SHAPES = [(1, 1), (3, 7), (40, 256), (2, 70_001), (1, 200_003), (5000, 3)]
+
+
+def _rows(rows: int, width: int, scale: float = 1.0) -> torch.Tensor:
+    """A strided view (every other column) with -0.0, NaN and -inf where the rows allow."""
+    x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)).mul_(scale)[:, ::2]
     x[0, 0] = -0.0
     if rows > 2:
         x[1, width // 2], x[2, 0] = float("nan"), -float("inf")
-    assert _same_bits(native.row_maxima(x), x.abs().amax(dim=1))
-    assert _same_bits(native.row_maxima(x.to(torch.float16)), x.to(torch.float16).float().abs().amax(dim=1))
+    return x
+
+
+@pytest.mark.parametrize("rows,width", ROW_SHAPES)
+def test_row_maxima_are_amax_of_the_magnitudes(kernels, rows, width):
+    """NaN, ±inf and -0.0 included, a strided view read as its values, and a long row reduced
+    in several chunks: exact, as a maximum is in any order."""
+    impl, device = kernels
+    x = _rows(rows, width)
+    assert _same_bits(impl.row_maxima(x.to(device)).cpu(), x.abs().amax(dim=1))
+    if impl is native:  # (the C loop reads 16-bit rows as fp32 too)
+        assert _same_bits(native.row_maxima(x.to(torch.float16)), x.to(torch.float16).float().abs().amax(dim=1))
+
+
+@pytest.mark.parametrize("rows,width", ROW_SHAPES)
+def test_side_sums_are_the_fp64_sums_of_each_side(kernels, rows, width):
+    """1-bit SGD's statistics: each side's fp64 sum (a NaN in both, -inf in the negative one),
+    another order of torch's sums, exact where the values are whole numbers; the counts exact."""
+    impl, device = kernels
+    for x in (_rows(rows, width, 1e3), _rows(rows, width, 1e3).round()):
+        got = impl.side_sums(x.to(device)).cpu()
+        want = torch.stack([x.clamp(max=0).double().sum(dim=1), x.clamp(min=0).double().sum(dim=1),
+                            (x >= 0).sum(dim=1, dtype=torch.float64)], 1)
+        assert got.dtype == torch.float64 and got.shape == (rows, 3)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0, equal_nan=True)
+        assert torch.equal(got[:, 2], want[:, 2])
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))  # (whole numbers: any order sums them exactly)
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")

@@ -96,8 +96,10 @@ class EFSignSGD(Codec):
     held a NaN or an Inf, so the scales are the non-finite flag (no pass over the input).
 
     Speed on CUDA: the scale (a mean of magnitudes) is a reduction of its own before the sign
-    kernel. An H200 encoded at 27% and decoded at 91% of a device copy (``gradzip bench codecs
-    --device cuda --numel 67108864``, each call's host work included).
+    kernel, one Triton pass (``fused.side_sums``). An H200 encoded at 27% and decoded at 91% of a
+    device copy (``gradzip bench codecs --device cuda --numel 67108864``, each call's host work
+    included) when that reduction was torch's (a clamp, a conversion to fp64 and a sum a side);
+    with the Triton pass it is not yet timed on a GPU.
     """
 
     name = "efsignsgd"
@@ -215,12 +217,14 @@ class OneBit(Codec):
     they are the non-finite flag.
 
     Speed on CUDA: the sign bits are one pass of the sign kernel (fused C on the CPU, Triton on
-    CUDA) and the decode one Triton pass; the per-bucket means stay torch reductions summed in
-    fp64 (for each sign a clamp, a conversion to fp64 and a sum), whose rounding a kernel with
-    another summation order would not reproduce bit for bit. On an H200 (``gradzip bench
-    codecs --device cuda --numel 67108864``) encode ran at 8% of a device copy, per call and in
-    a stream alike, decode at 103% per call and 146% in a stream (the torch version before the
-    kernels: 7% / 12%; its CompLL twin ``cl_onebit``: 23% / 34%).
+    CUDA), the per-bucket means one more (``fused.side_sums``: each side's fp64 sum and count, as
+    the C loop adds them in another order than torch's, so a mean's last bits may differ from
+    the torch version's; a rank's means travel in its payload, so replicas agree) and the
+    decode one Triton pass. On an H200 (``gradzip bench codecs --device cuda --numel 67108864``),
+    with the means torch reductions (for each sign a clamp, a conversion to fp64 and a sum),
+    encode ran at 8% of a device copy, per call and in a stream alike, decode at 103% per call
+    and 146% in a stream (the torch version before the kernels: 7% / 12%; its CompLL twin
+    ``cl_onebit``: 23% / 34%); with the Triton pass for the means, encode is not yet timed on a GPU.
     """
 
     name = "onebit"

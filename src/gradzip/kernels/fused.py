@@ -396,12 +396,22 @@ def rows_reduced(xb: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor
     return total
 
 
+def _row_kernels(xb: torch.Tensor) -> Optional[ModuleType]:
+    """The compiled version (C on the CPU, Triton on CUDA) of the row statistics for ``xb``, or
+    None for torch's: they take fp32 rows only (others keep torch's dtype semantics)."""
+    if not xb.shape[1] or xb.dtype != torch.float32:
+        return None
+    impl = backend(xb)
+    return None if impl is reference else impl
+
+
 def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     """Each row's ``max |x|`` (a NaN stays): TernGrad's and the 8-bit format's scales, a fused
-    group's block maxima. On the CPU one C pass, or torch a piece at a time (a maximum is exact
-    in any order)."""
-    if xb.shape[1] and xb.dtype == torch.float32 and backend(xb) is native:
-        return native.row_maxima(xb)
+    group's block maxima. On the CPU one C pass, on CUDA one Triton pass, or torch a piece at a
+    time (a maximum is exact in any order)."""
+    impl = _row_kernels(xb)
+    if impl is not None:
+        return impl.row_maxima(xb)
     return rows_reduced(xb, lambda piece: piece.abs().amax(dim=1), torch.maximum)
 
 
@@ -409,11 +419,12 @@ def side_sums(xb: torch.Tensor) -> torch.Tensor:
     """Each row's ``[sum of its values < 0, sum of those >= 0, count of those >= 0]`` in fp64,
     ``(rows, 3)``: 1-bit SGD's statistics. Each side is clamped at 0 in fp32 (exact, and far
     faster than a boolean select) and summed in fp64, where values near the fp32 maximum cannot
-    overflow; a NaN stays. On the CPU one C pass (its sums in another order than torch's, so
-    their last fp64 bits may differ: a rank's means are its own, sent in its payload, so no
-    replica sees it), else torch a piece at a time."""
-    if xb.shape[1] and xb.dtype == torch.float32 and backend(xb) is native:
-        return native.side_sums(xb)
+    overflow; a NaN stays. On the CPU one C pass and on CUDA one Triton pass (their sums in
+    another order than torch's, so their last fp64 bits may differ: a rank's means are its own,
+    sent in its payload, so no replica sees it), else torch a piece at a time."""
+    impl = _row_kernels(xb)
+    if impl is not None:
+        return impl.side_sums(xb)
     return torch.stack([rows_reduced(xb, lambda piece: piece.clamp(max=0).double().sum(dim=1)),
                         rows_reduced(xb, lambda piece: piece.clamp(min=0).double().sum(dim=1)),
                         rows_reduced(xb, lambda piece: (piece >= 0).sum(dim=1, dtype=torch.float64))], 1)

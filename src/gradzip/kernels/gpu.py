@@ -74,6 +74,7 @@ TILE = 1024  # values per program when buckets are small: several buckets share 
 TOPK_BLOCK = 4096  # values per program in the top-k passes
 _SIGN_BLOCK = 4096  # values per program of the sign kernels
 _WARPS = 8  # for the element-wise kernels' 4096-value blocks: 16 values per thread
+_ROW_CHUNK = 1 << 16  # the most values of a row that one program of the row statistics reduces
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _TOPK_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -622,6 +623,44 @@ def _onebit_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
+def _row_stats_kernel(x_ptr, out_ptr, rows, width, stride, chunk, SIDES: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """One chunk of ``chunk`` columns of ROWS rows of fp32 values: each row's ``max |x|`` there
+    (fp32; a NaN stays, where the GPU's own maximum would skip it) or, with SIDES, ``[sum of
+    x < 0, sum of x >= 0, count of x >= 0]`` there in fp64 (a NaN in both sums), at
+    ``out[row, chunk]``; the caller reduces the chunks of a long row."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    part = tl.program_id(1).to(tl.int64)
+    parts = tl.num_programs(1)
+    row_ok = row < rows
+    if SIDES:
+        neg = tl.zeros((ROWS,), tl.float64)
+        pos = tl.zeros((ROWS,), tl.float64)
+        count = tl.zeros((ROWS,), tl.float64)
+    else:
+        top = tl.zeros((ROWS,), tl.float32)
+        nan = tl.zeros((ROWS,), tl.int32)
+    for c in tl.range(0, chunk, BLOCK):
+        col = part * chunk + c + tl.arange(0, BLOCK)
+        valid = row_ok[:, None] & (col < width)[None, :]
+        x = tl.load(x_ptr + row[:, None] * stride + col[None, :], mask=valid, other=0.0)
+        if SIDES:
+            odd = x != x
+            neg += tl.sum(tl.where((x < 0) | odd, x, 0.0).to(tl.float64), axis=1)
+            pos += tl.sum(tl.where((x >= 0) | odd, x, 0.0).to(tl.float64), axis=1)
+            count += tl.sum(((x >= 0) & valid).to(tl.float64), axis=1)
+        else:
+            top = tl.maximum(top, tl.max(tl.abs(x), axis=1))
+            nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=1))
+    at = row * parts + part
+    if SIDES:
+        tl.store(out_ptr + 3 * at, neg, mask=row_ok)
+        tl.store(out_ptr + 3 * at + 1, pos, mask=row_ok)
+        tl.store(out_ptr + 3 * at + 2, count, mask=row_ok)
+    else:
+        tl.store(out_ptr + at, tl.where(nan > 0, float("nan"), top), mask=row_ok)
+
+
 def _saturate_kernel(x_ptr, out_ptr, numel, TOP: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     """fp32 to fp16 (or to bf16's bits, ``out_ptr`` then int16), rounded to nearest even; finite
     values beyond ``±TOP`` (the type's largest value) become ``±TOP``, NaN and ±inf stay NaN
@@ -912,7 +951,7 @@ _JIT = (
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
     "_store_2bit", "_places", "_bf16_bits", "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
     "_inceptionn_counts_kernel", "_inceptionn_decode_kernel",
-    "_u8bit_codes_kernel", "_table_decode_kernel",
+    "_u8bit_codes_kernel", "_table_decode_kernel", "_row_stats_kernel",
     "_radix_hist_kernel", "_radix_select_kernel", "_topk_count_kernel", "_topk_offsets_kernel", "_topk_write_kernel",
     "_to_mini", "_from_mini", "_clamp_to", "_block_max_bits", "_store_codes",
     "_fp8_encode_kernel", "_fp8_decode_kernel", "_mx_encode_kernel", "_mx_decode_kernel",
@@ -1380,6 +1419,43 @@ def onebit_decode(
 ) -> torch.Tensor:
     """1-bit SGD's decode in one pass (see ``reference.onebit_decode``)."""
     return _bucket_decode(_onebit_decode_kernel, packed, (), means, bucket, numel, out, accumulate)
+
+
+def _row_stats(xb: torch.Tensor, sides: bool) -> torch.Tensor:
+    """:func:`row_maxima` or :func:`side_sums`: each program a tile of rows by one chunk of their
+    columns (a long row in several chunks, so one row still fills the GPU), the chunks then
+    reduced by torch (a few values a row)."""
+    _require()
+    if xb.dtype != torch.float32 or xb.dim() != 2:
+        raise ValueError(f"row statistics: a 2-D fp32 tensor, got {xb.dim()}-D {xb.dtype}")
+    if xb.stride(1) != 1:
+        xb = xb.contiguous()
+    rows, width = xb.shape
+    block = min(_SIGN_BLOCK, triton.next_power_of_2(max(width, 1)))
+    tile = max(1, min(_SIGN_BLOCK // block, triton.next_power_of_2(max(rows, 1))))
+    chunk = block * -(-min(width, _ROW_CHUNK) // block)
+    parts = max(1, -(-width // chunk))
+    out = torch.empty((rows, parts, 3) if sides else (rows, parts), dtype=torch.float64 if sides else torch.float32,
+                      device=xb.device)
+    if rows and width:
+        _launch(_row_stats_kernel, (-(-rows // tile), parts), xb.device, xb, out, rows, width, max(xb.stride(0), 1),
+                chunk, SIDES=sides, ROWS=tile, BLOCK=block, num_warps=_WARPS)
+    if parts == 1:
+        return out.view(rows, 3) if sides else out.view(rows)
+    return out.sum(dim=1) if sides else out.amax(dim=1)
+
+
+def row_maxima(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |x|`` of the 2-D fp32 ``xb`` in one pass (``fused.row_maxima``; a NaN
+    stays, as in ``amax``): exact, whatever the order."""
+    return _row_stats(xb, False)
+
+
+def side_sums(xb: torch.Tensor) -> torch.Tensor:
+    """Each row's ``[sum of x < 0, sum of x >= 0, count of x >= 0]`` of the 2-D fp32 ``xb`` in
+    fp64, ``(rows, 3)``, in one pass (``fused.side_sums``; the sums in another order than
+    torch's, so their last fp64 bits may differ)."""
+    return _row_stats(xb, True)
 
 
 def select_magnitudes(
