@@ -10,7 +10,8 @@
 # adds to fp32 DDP's on ResNet-50's gradient set.
 # --targets, the targets at the end of docs/gpu.md in under ten minutes (every step
 # time-limited): the gpu-marked tests and tests/frontends/test_cuda.py (DDP over NCCL, CUDA
-# tensors over gloo); the GPU memory each method adds on ResNet-50's gradient set; what each
+# tensors over gloo); the GPU memory each method adds on ResNet-50's gradient set; the codecs
+# whose statistics the row-statistics kernel makes, against a device copy; what each
 # hook adds on one rank, four runs in fresh processes (the machine's speed drifts between runs:
 # compare within one, and read the per-turn column), every other one with every DDP built with
 # gradient_as_bucket_view=True (what the guide recommends on GPUs), the last two after two
@@ -46,6 +47,9 @@ if [ $targets = 1 ]; then
     step tests 150 $py -m pytest -m gpu -q -p no:cacheprovider -rfE $xdist
     step cuda-frontends 120 $py -m pytest -q -p no:cacheprovider -rfE tests/frontends/test_cuda.py
     step memory 120 $py -m gradzip bench memory --device cuda --workers 1 --configs "$mem" --json "$out/memory.json"
+    # the codecs whose scales or means the row-statistics kernel makes, against a device copy
+    step codecs-row-stats 60 $py -m gradzip bench codecs --device cuda --numel 67108864 \
+        --codecs onebit,efsignsgd,terngrad,u8bit,natural,maxmin --json "$out/codecs-row-stats.json"
     overhead() {  # run number
         step "overhead-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --json "$out/overhead-$1.json"
         step "overhead-bucket-view-$1" 75 $py -m gradzip bench overhead --device cuda --configs "$one" --bucket-view \

@@ -40,7 +40,6 @@ def accelerator_choices() -> None:
     device.reads_flag_on_host = lambda where: False
     sra.segment_values = lambda segment, numel, device: segment if segment is not None else max(numel, 1)
     fused.backend = lambda x, bits=8, bucket=8: gpu if gpu.supports(x, bits, bucket) else fused.reference
-    fused._gpu_or_reference = lambda x: gpu
     fused.groups_at_once = lambda device: True
     memory.reads_on_host = lambda flag: False
 
