@@ -288,6 +288,9 @@ def test_bench_codecs(tmp_path):
     assert report["device"] == "cpu"
     assert all(r["encode_vs_copy"] > 0 and r["decode_vs_copy"] > 0 for r in rows.values())
     assert "copy_stream_ms" not in report  # a CPU call runs where it is issued: nothing to queue
+    # encoded where a collective lends its buffers, as in an exchange, where the form is known first
+    assert rows["maxmin:bits=2"]["encode_into_buffers"] and not rows["topk"]["encode_into_buffers"]
+    assert isinstance(report["huge_pages"], str) and report["huge_pages"]
 
 
 def test_bench_codecs_device(capsys):

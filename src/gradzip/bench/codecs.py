@@ -11,7 +11,11 @@ time with a freshly allocated result, page faults included, is reported beside i
 (so a time is the kernels', not their launch's); encode and decode are also given as fractions
 of the copy's speed, the share of the memory bandwidth each reaches, both per call and in a
 stream (calls queued back to back, one synchronisation: the host's launch work then overlaps
-the kernels before it, as in a training step).
+the kernels before it, as in a training step). Encoding, too, writes into preallocated tensors
+where the codec gives its payload's form before encoding (``payload_spec``), as the collectives
+lend it their message buffers; the others make their payload, as they do in an exchange. So
+the table does not time the page faults of fresh memory, which on Linux depend on how
+transparent huge pages are set (reported with the results).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from gradzip.kernels import fused, native
 
 from ..policy.planner import median_seconds
 from . import write_json
-from .micro import parse_spec
+from .micro import huge_pages, parse_spec
 
 
 STREAMED = 10  # calls queued back to back per timed run on a GPU (see _stream_time)
@@ -106,13 +110,15 @@ def measure(
             multi_round = type(codec).next_round is not gradzip.Codec.next_round
             wire = codec.wire_bytes(numel, x.dtype, shape=shape) if multi_round else payload.nbytes
             flat = out.view(-1)
-            encode_s = _median_time(lambda: codec.encode(x, name="w"), repeats, dev)
+            form = codec.payload_spec(numel, x.dtype)  # (written where a collective lends its buffers)
+            lent = None if form is None else [torch.empty(k, dtype=d, device=dev) for d, k in form]
+            encode_s = _median_time(lambda: codec.encode(x, name="w", out=lent), repeats, dev)
             decode_s = _median_time(lambda: codec.decode_into(payload, flat), repeats, dev)
             alloc_s = _median_time(lambda: codec.decode(codec.encode(x, name="w")), repeats, dev)
             seconds = encode_s + decode_s
             stream: Dict[str, Any] = {}
             if streamed:
-                enc_stream = _stream_time(lambda: codec.encode(x, name="w"), repeats, dev)
+                enc_stream = _stream_time(lambda: codec.encode(x, name="w", out=lent), repeats, dev)
                 dec_stream = _stream_time(lambda: codec.decode_into(payload, flat), repeats, dev)
                 stream = {
                     "encode_stream_ms": enc_stream * 1e3, "decode_stream_ms": dec_stream * 1e3,
@@ -124,6 +130,7 @@ def measure(
                 "family": codec.family,
                 "wire_bytes": wire,
                 "bits_per_element": 8 * wire / numel,
+                "encode_into_buffers": lent is not None,
                 "encode_ms": encode_s * 1e3,
                 "decode_ms": decode_s * 1e3,
                 "encode_decode_ms": seconds * 1e3,
@@ -138,6 +145,7 @@ def measure(
         torch.set_num_threads(before)
     return {
         "numel": numel, "repeats": repeats, "threads": threads, "device": str(dev), "kernels": _kernels(dev),
+        "huge_pages": huge_pages(),
         "copy_ms": copy_s * 1e3, "copy_gbps": 4 * numel / copy_s / 1e9, "rows": rows,
         **({"copy_stream_ms": copy_stream_s * 1e3, "streamed": STREAMED} if streamed else {}),
     }
@@ -163,8 +171,11 @@ def table(report: Dict[str, Any]):
         caption=(
             f"memory copy of the same tensor into a preallocated one: {report['copy_ms']:.2f} ms; decode writes into a "
             "preallocated tensor too, as the collectives do; vs copy = copy time / (encode + decode); "
+            "encode writes into preallocated tensors where the codec gives its payload's form first (enc into: "
+            "buffers), as the collectives lend them, else makes its payload (new); "
             "enc/dec vs copy: copy time / encode (decode) time; "
-            f"enc+new dec: decode into a fresh tensor (page faults included); kernels: {report.get('kernels', '-')}"
+            f"enc+new dec: decode into a fresh tensor (page faults included); kernels: {report.get('kernels', '-')}; "
+            f"transparent huge pages: {report.get('huge_pages', '-')}"
         ),
     )
     streamed = "copy_stream_ms" in report
@@ -173,7 +184,8 @@ def table(report: Dict[str, Any]):
             f"; in a stream: {report['streamed']} calls queued back to back, one synchronisation "
             f"(copy {report['copy_stream_ms']:.2f} ms), the kernels' throughput as a hook issues them"
         )
-    cols = ("codec", "family", "bits/elem", "ratio", "enc ms", "dec ms", "GB/s", "vs copy", "enc vs copy", "dec vs copy", "enc+new dec ms")
+    cols = ("codec", "family", "bits/elem", "ratio", "enc into", "enc ms", "dec ms", "GB/s", "vs copy", "enc vs copy",
+            "dec vs copy", "enc+new dec ms")
     if streamed:
         cols += ("enc vs copy in a stream", "dec vs copy in a stream")
     for col in cols:
@@ -181,7 +193,7 @@ def table(report: Dict[str, Any]):
     for r in report["rows"]:
         t.add_row(
             r["codec"], r["family"], f"{r['bits_per_element']:.3f}", f"{32 / r['bits_per_element']:.1f}×",
-            f"{r['encode_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
+            {True: "buffers", False: "new"}.get(r.get("encode_into_buffers"), "-"), f"{r['encode_ms']:.2f}", f"{r['decode_ms']:.2f}", f"{r['gbps']:.2f}", f"{r['vs_copy']:.2f}",
             *(f"{r[k]:.0%}" if k in r else "-" for k in ("encode_vs_copy", "decode_vs_copy")),
             f"{r['encode_decode_alloc_ms']:.2f}",
             *((f"{r['encode_stream_vs_copy']:.0%}", f"{r['decode_stream_vs_copy']:.0%}") if streamed else ()),

@@ -117,6 +117,22 @@ def check_sizes(sizes_mb: Sequence[float]) -> List[float]:
     return out
 
 
+def huge_pages() -> str:
+    """How Linux backs fresh memory with transparent huge pages (the bracketed choice of
+    ``/sys/kernel/mm/transparent_hugepage/enabled``) and whether PyTorch's CPU allocator asks
+    for them (``THP_MEM_ALLOC_ENABLE=1``): with 4 KiB pages, touching a fresh 64 MiB tensor
+    costs more page faults than a codec's pass over it, so timings of fresh memory differ
+    between machines set either way."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+        mode = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        return "unknown"
+    asked = os.environ.get("THP_MEM_ALLOC_ENABLE", "") == "1"
+    return f"{mode}, PyTorch's CPU allocator {'asks for them' if asked else 'does not ask (THP_MEM_ALLOC_ENABLE unset)'}"
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask), which the ranks it spawns share."""
     if hasattr(os, "sched_getaffinity"):
