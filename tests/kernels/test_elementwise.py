@@ -476,3 +476,27 @@ def test_c_adacomp_selection_is_the_torch_selection(n, size, seed, with_prev, se
         patch.setenv("GRADZIP_KERNELS", "torch")
         want = codec._selection(x, prev, size, nb)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 4097, 100_003])
+def test_signum_step_is_torchs_update_and_its_sign_bits(kernels, n):
+    """Signum's one pass: the momentum ``torch.mul(m, β).add_(g, alpha=1-β)`` bit for bit (one
+    rounding for the add, as torch's), kept only on a finite step, and the sign bits of the new
+    momentum (set for zeros and -0.0)."""
+    impl, device = kernels
+    g = _randn(n, device, seed=n)
+    m0 = _randn(n, device, seed=n + 1) * 0.5
+    if n > 4:
+        g[:4] = torch.tensor([0.0, -0.0, 1e-30, -1e30])
+        m0[:4] = torch.tensor([0.0, 0.0, -1e-30, 1e30])
+    for beta in (0.9, 0.0, 0.37):
+        want = torch.mul(m0, beta).add_(g, alpha=1.0 - beta)
+        for finite in (True, False):
+            m = m0.clone()
+            bits = impl.signum_encode(g, m, beta, torch.tensor(finite, device=device))
+            assert torch.equal(bits.cpu(), reference.sign_encode(want).cpu()), (beta, finite)
+            assert torch.equal(m.view(torch.int32), (want if finite else m0).view(torch.int32)), (beta, finite)
+    out = torch.full((-(-n // 8),), 7, dtype=torch.uint8, device=device)
+    assert impl.signum_encode(g, m0.clone(), 0.9, torch.tensor(True, device=device), out) is out
+    with pytest.raises(ValueError, match="contiguous fp32 momentum"):
+        impl.signum_encode(g, torch.zeros(n + 1, device=device), 0.9, torch.tensor(True, device=device))

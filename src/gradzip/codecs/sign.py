@@ -353,9 +353,11 @@ class Signum(SignSGD):
     alone; one non-finite flag covers the group, so a NaN in one member keeps every member's
     momentum on that rank.
 
-    Speed on CUDA: the momentum update is torch operations before signSGD's one-pass kernel. An
-    H200 encoded at 17% and decoded at 94% of a device copy (``gradzip bench codecs --device
-    cuda --numel 67108864``, each call's host work included).
+    Speed: the non-finite check is one reading pass, then the momentum's update and the sign
+    bits are one more (``fused.signum_encode``: C on the CPU, Triton on CUDA; torch elsewhere).
+    An H200 encoded at 17% and decoded at 94% of a device copy (``gradzip bench codecs --device
+    cuda --numel 67108864``, each call's host work included) when the update was torch
+    operations before signSGD's kernel; the one-pass kernel is not yet timed on a GPU.
     """
 
     name = "signum"
@@ -394,12 +396,8 @@ class Signum(SignSGD):
                 old = old.to(g.device)
             self._momentum[meta.name] = old
         finite = all_finite(g)  # 0-dim, on device: a NaN/Inf step keeps the old momentum
-        if not fused.groups_at_once(g.device) and bool(finite):  # (the CPU's path: read on the host, free) in place
-            m = old.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
-        else:  # one temporary of the tensor's size, picked into the momentum on the device
-            m = torch.mul(old, self.momentum).add_(g, alpha=1.0 - self.momentum)
-            torch.where(finite, m, old, out=old)
-        return [fused.sign_encode(m, None if out is None else out[0])]
+        # (one pass over the gradient and the momentum: their update and the sign bits)
+        return [fused.signum_encode(g, old, self.momentum, finite, None if out is None else out[0])]
 
     def _group_momentum(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> torch.Tensor:
         """The fused group's momentum buffer (fp32, the group's length, zeros in the padding),

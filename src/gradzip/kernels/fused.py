@@ -605,6 +605,25 @@ def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     return impl.sign_encode(x, out)
 
 
+def signum_encode(g: torch.Tensor, m: torch.Tensor, beta: float, finite: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Signum's step: the momentum ``m ← β·m + (1−β)·g`` (torch's ``mul``, then its ``add`` with
+    alpha), kept only where the 0-dim ``finite`` says the step is, and the sign bits of the new
+    momentum (``sign_encode``), into ``out`` if given. One pass over ``g`` and ``m`` with the
+    fused kernels (fp32 momentum, contiguous: C on the CPU, which reads the flag on the host,
+    where it is free; Triton on CUDA, which reads it on the device), the same bits and momenta;
+    else torch: in place where the flag is read on the host, else a temporary the flag picks."""
+    impl = backend(g)
+    if impl is not reference and m.dtype == torch.float32 and m.is_contiguous() and m.device == g.device:
+        return impl.signum_encode(g, m, beta, finite, out)
+    if not groups_at_once(g.device) and bool(finite):
+        v = m.mul_(beta).add_(g, alpha=1.0 - beta)
+    else:
+        v = torch.mul(m, beta).add_(g, alpha=1.0 - beta)
+        torch.where(finite, v, m, out=m)
+    return sign_encode(v, out)
+
+
 def sign_decode(packed, numel: int, scale=None, out=None, accumulate: bool = False) -> torch.Tensor:
     impl = backend(packed)
     return _decode_via(impl, out, accumulate, lambda o, a: impl.sign_decode(packed, numel, scale, o, a))

@@ -360,6 +360,24 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
 
 
+def _signum_encode_kernel(g_ptr, m_ptr, finite_ptr, packed_ptr, numel, beta, alpha, BLOCK: tl.constexpr):
+    """Signum's step: each momentum ``m <- fma(alpha, g, m * beta)`` (torch's mul, then its add
+    with alpha, which rounds once), stored where the 0-dim flag says the step is finite (read
+    on the device), and one bit a value set where the new momentum ``>= 0``, packed as the sign
+    kernel packs them."""
+    pid, offs, valid, g = _block_values(g_ptr, numel, BLOCK, False)
+    m = tl.load(m_ptr + offs, mask=valid, other=0.0)
+    v = tl.fma(alpha, g, m * beta)
+    keep = tl.load(finite_ptr).to(tl.int32) != 0
+    tl.store(m_ptr + offs, tl.where(keep, v, m), mask=valid)
+    bits = ((v >= 0) & valid).to(tl.int32)
+    G: tl.constexpr = BLOCK // 8
+    j = tl.arange(0, 8)
+    data = tl.sum(tl.reshape(bits, (G, 8)) << j[None, :], axis=1)
+    at = pid * G + tl.arange(0, G)
+    tl.store(packed_ptr + at, data.to(tl.uint8), mask=at * 8 < numel)
+
+
 def _uniform_kernel(out_ptr, start, numel, key, BLOCK: tl.constexpr):
     """``counter_uniform``: the draw of every index (from ``start`` on) in one pass."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -947,7 +965,7 @@ _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
     "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
-    "_uniform_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
+    "_uniform_kernel", "_signum_encode_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
     "_store_2bit", "_places", "_bf16_bits", "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
     "_inceptionn_counts_kernel", "_inceptionn_decode_kernel",
@@ -1230,6 +1248,24 @@ def sign_encode(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
             _sign_encode_kernel, (-(-n // _SIGN_BLOCK),), x.device, x, packed, n,
             BLOCK=_SIGN_BLOCK, TO_F32=x.dtype != torch.float64, num_warps=_WARPS,
         )
+    return packed
+
+
+def signum_encode(g: torch.Tensor, m: torch.Tensor, beta: float, finite: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Signum's step in one pass (``fused.signum_encode``): the fp32 momentum ``m`` (contiguous,
+    as many values as ``g``) updated in place where the 0-dim ``finite`` (on the device: no host
+    read) is true, and the sign bits of the new momentum, into ``out`` if given."""
+    _require()
+    g = g.reshape(-1).to(torch.float32).contiguous()
+    n = g.numel()
+    if m.dtype != torch.float32 or not m.is_contiguous() or m.numel() != n or m.device != g.device:
+        raise ValueError(f"signum_encode: a contiguous fp32 momentum of {n} values on {g.device}")
+    (packed,) = _into(None if out is None else (out,), g.device, (packed_bytes(n, 1), torch.uint8))
+    if n:
+        flag = finite.reshape(1).to(device=g.device)
+        _launch(_signum_encode_kernel, (-(-n // _SIGN_BLOCK),), g.device, g, m, flag, packed, n, float(beta),
+                1.0 - beta, BLOCK=_SIGN_BLOCK, num_warps=_WARPS)
     return packed
 
 

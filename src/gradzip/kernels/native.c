@@ -260,6 +260,23 @@ void gz_sign_encode(const float *x, int64_t n, uint8_t *packed) {
     }
 }
 
+/* Signum's encode: each momentum m <- fmaf(alpha, g, m * beta) (torch's mul, then its add with
+ * alpha, which rounds once), written back where `update` (a finite step), and one bit a value,
+ * set where the new momentum >= 0 (NaN: clear), as gz_sign_encode packs them. */
+void gz_signum_encode(const float *g, float *m, int64_t n, float beta, float alpha, int update, uint8_t *packed) {
+    for (int64_t k = 0; k < (n + 7) / 8; k++) {
+        const int64_t len = n - 8 * k < 8 ? n - 8 * k : 8;
+        uint8_t b = 0;
+        for (int64_t j = 0; j < len; j++) {
+            const int64_t i = 8 * k + j;
+            const float v = fmaf(alpha, g[i], m[i] * beta);
+            if (update) m[i] = v;
+            b |= (uint8_t)((v >= 0.0f) << j);
+        }
+        packed[k] = b;
+    }
+}
+
 /* scale: a pointer to one float, or NULL for plain ±1. Eight values per byte; the branches on
  * scale and accumulate are loop-invariant, so the compiler unswitches them. */
 void gz_sign_decode(const uint8_t *packed, int64_t n, const float *scale, float *out, int accumulate) {

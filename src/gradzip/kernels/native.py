@@ -44,6 +44,7 @@ _SIGNATURES = {
     "gz_qsgd_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
     "gz_sign_encode": [_f32p, _i64, _u8p],
     "gz_sign_decode": [_u8p, _i64, _f32p, _f32p, _int],
+    "gz_signum_encode": [_f32p, _f32p, _i64, ctypes.c_float, ctypes.c_float, _int, _u8p],
     "gz_topk": [_f32p, _i64, _i64, ctypes.c_void_p, ctypes.c_void_p],
     "gz_fp8_encode": [_f32p, _i64, _int, _i64, _u8p, _f32p],
     "gz_fp8_decode": [_u8p, _f32p, _i64, _int, _i64, _f32p, _int],
@@ -255,6 +256,22 @@ def sign_encode(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     x = _f32(x)
     packed = torch.empty(packed_bytes(x.numel(), 1), dtype=torch.uint8) if out is None else out
     _kernels().gz_sign_encode(x.data_ptr(), x.numel(), packed.data_ptr())
+    return packed
+
+
+def signum_encode(g: torch.Tensor, m: torch.Tensor, beta: float, finite: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Signum's step in one pass (``fused.signum_encode``): the fp32 momentum ``m`` (contiguous,
+    as many values as ``g``) updated in place unless ``finite`` (0-dim) is false, and the sign
+    bits of the new momentum, into ``out`` if given."""
+    x = _f32(g)
+    if m.dtype != torch.float32 or not m.is_contiguous() or m.numel() != x.numel() or m.device != _CPU:
+        raise ValueError(f"signum_encode: a contiguous fp32 momentum of {x.numel()} values on the CPU")
+    (packed,) = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(x.numel(), 1), torch.uint8))
+    if x.numel():
+        alpha = 1.0 - beta  # (a double, as torch takes it, then fp32 in the loop)
+        _kernels().gz_signum_encode(x.data_ptr(), m.data_ptr(), x.numel(), beta, alpha, int(bool(finite)),
+                                    packed.data_ptr())
     return packed
 
 
