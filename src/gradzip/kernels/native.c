@@ -904,6 +904,7 @@ void gz_u8bit_codes(const float *x, int64_t n, int64_t bucket, const float *inv,
     for (int64_t i = 0; i < n;) {
         const int64_t r = i / bucket, end = min64((r + 1) * bucket, n);
         const float s = inv[r];
+#pragma omp simd
         for (int64_t j = i; j < end; j++) {
             const float v = x[j] * s;
             const int32_t first = lut[f2u(v) >> 16];
