@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 DTYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-    torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1",
 }
 
 
@@ -154,6 +154,11 @@ def launch_everything(quick: bool) -> None:
         gpu.table_decode(u8, torch.zeros(256), None, 250, 6000, out, accumulate)
         gpu.table_decode(u8, torch.zeros(256), torch.ones(24), 250, 6000, out, accumulate)
         gpu.onebit_decode(bits_, torch.zeros(48), 256, 6000, out, accumulate)
+    for block in (x.view(1, -1), x.view(-1, 250), x[:5120].view(-1, 256), torch.randn(1, 200_000, generator=g)):
+        gpu.row_maxima(block)
+        gpu.side_sums(block)
+    for finite in (True, False):
+        gpu.signum_encode(x, torch.zeros(6000), 0.9, torch.tensor(finite))
 
 
 def main() -> int:

@@ -158,7 +158,7 @@ def test_commands_run_without_the_optional_extras(tmp_path):
     lines = proc.stdout.splitlines()
     header = next(ln for ln in lines if ln.split()[:3] == ["codec", "family", "bits/elem"])
     row = next(ln for ln in lines if ln.split()[:1] == ["maxmin:bits=2"])
-    assert len(row.split()) == 11 and "enc+new dec ms" in header  # one cell per column, aligned under it
+    assert len(row.split()) == 12 and "enc+new dec ms" in header  # one cell per column, aligned under it
     assert len(row.rstrip()) == len(header.rstrip())  # the last column right-aligned under its header
     assert "━" not in proc.stdout and "─" not in proc.stdout  # no rich rendering
     assert "pip install gradzip[bench]" in proc.stdout  # names the extra
