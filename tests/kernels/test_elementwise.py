@@ -307,6 +307,20 @@ def test_c_loops_refuse_what_they_would_read_past_or_misread():
         native.terngrad_encode(buckets, 1, 100)
     with pytest.raises(ValueError, match="numel: at most the 2 x 4 values"):
         native.u8bit_codes(buckets, torch.ones(2), mids, lut, 9)
+    # keys that would index past the sketch's cells, and memory the loops cannot read
+    for key_bits, zero_key in ((18, 1 << 18), (40, 1 << 39), (0, 0)):
+        with pytest.raises(ValueError, match="sketch keys"):
+            native.sketch_cells(torch.tensor([3e38]), key_bits, zero_key)
+        with pytest.raises(ValueError, match="sketch keys"):
+            native.sketch_codes(torch.tensor([3e38]), key_bits, zero_key, torch.zeros(8, dtype=torch.uint8), 8)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native.row_maxima(torch.zeros(2, 2, device="meta"))
+    # AdaQ's second pass writes no index past the room the first pass's count gave it, should the
+    # values have changed in between: it returns the larger count, which the wrapper refuses
+    g = torch.arange(1.0, 65.0)  # bins of one value: every value is its bin's largest
+    idx, counts = torch.full((10,), -7, dtype=torch.int64), torch.zeros(64, dtype=torch.int64)
+    found = native._kernels().gz_adacomp_select(g.data_ptr(), None, 64, 1, 0, counts.data_ptr(), idx.data_ptr(), 3)
+    assert found == 64 and torch.equal(idx[3:], torch.full((7,), -7))
 
 
 @pytest.mark.skipif(not HAVE_CC, reason="no C compiler: the torch versions run")

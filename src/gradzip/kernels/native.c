@@ -1175,10 +1175,10 @@ void gz_codes_decode(const uint8_t *packed, int bits, const float *table, int64_
  * codecs/sparse.py's AdaQ selection: in each bin of `size` values, those whose h reaches the
  * bin's max |g| (none where the bin holds a NaN), never a zero; h = |2g - prev| with a previous
  * residual, else 2|g| (`doubled`) or |g|. Each bin's count into `counts`; the ascending indices
- * into `idx` (NULL: the counts alone; else room for one more than a first call returned).
- * Returns how many. */
+ * into `idx` (NULL: the counts alone; else `room` of them, one more than a first call returned:
+ * no write goes past it, even if the values changed between the calls). Returns how many. */
 int64_t gz_adacomp_select(const float *g, const float *prev, int64_t n, int64_t size, int doubled, int64_t *counts,
-                          int64_t *idx) {
+                          int64_t *idx, int64_t room) {
     int64_t total = 0;
     for (int64_t a = 0, bin = 0; a < n; a += size, bin++) {
         const int64_t e = min64(a + size, n);
@@ -1202,7 +1202,7 @@ int64_t gz_adacomp_select(const float *g, const float *prev, int64_t n, int64_t 
             for (int64_t i = a; i < e; i++) {
                 const float m = fabsf(g[i]);
                 const float h = prev != NULL ? fabsf(2.0f * g[i] - prev[i]) : (doubled ? 2.0f * m : m);
-                idx[total + c] = i;
+                idx[min64(total + c, room - 1)] = i;
                 c += (h >= top) & (m > 0.0f);
             }
         }

@@ -60,7 +60,7 @@ _SIGNATURES = {
     "gz_sketch_cells": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
     "gz_sketch_codes": [_f32p, _i64, _int, ctypes.c_int32, ctypes.c_int32, _u8p, _int, _u8p],
     "gz_codes_decode": [_u8p, _int, _f32p, _i64, _f32p, _int],
-    "gz_adacomp_select": [_f32p, _f32p, _i64, _i64, _int, ctypes.c_void_p, ctypes.c_void_p],
+    "gz_adacomp_select": [_f32p, _f32p, _i64, _i64, _int, ctypes.c_void_p, ctypes.c_void_p, _i64],
     "gz_select": [_f32p, _i64, ctypes.c_float, _f32p, ctypes.c_void_p, _i64, _i64, ctypes.c_void_p],
     "gz_terngrad_encode": [_f32p, _i64, _i64, _i64, _u32, _int, _f32p, _u8p],
     "gz_tbq_encode": [_f32p, _i64, ctypes.c_float, _u8p],
@@ -172,6 +172,8 @@ def supports(x: torch.Tensor, bits: int = 8, bucket: int = 8) -> bool:
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
+    if x.device != _CPU:  # (the loops read host memory through the pointer)
+        raise ValueError(f"the C kernels take CPU tensors, got one on {x.device}")
     return x.reshape(-1).to(torch.float32).contiguous()
 
 
@@ -597,9 +599,18 @@ def inceptionn_decode(
     return out
 
 
+def _sketch_keys(key_bits: int, zero_key: int) -> None:
+    """The loops index cells by key unchecked: only keys of 1..31 bits around their middle (the
+    key of +0.0) stay inside the ``2**key_bits`` cells."""
+    if not 1 <= key_bits <= 31 or zero_key != 1 << (key_bits - 1):
+        raise ValueError(f"sketch keys: 1..31 bits, +0.0 at their middle (1 << (key_bits - 1)), got {key_bits} "
+                         f"bits, +0.0 at {zero_key}")
+
+
 def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """SketchML's cells of the fp32 ``xf`` (keys of ``key_bits`` bits): each cell's count and fp64
     sum, in one pass, added in index order (``codecs.sketch``'s torch sketch: the same sums)."""
+    _sketch_keys(key_bits, zero_key)
     if xf.dtype != torch.float32:
         raise ValueError(f"sketch_cells: fp32 values, got {xf.dtype}")
     x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
@@ -614,6 +625,7 @@ def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Te
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits
     (into ``out``, contiguous uint8 bytes of that size, where given)."""
+    _sketch_keys(key_bits, zero_key)
     x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
     if xf.dtype != torch.float32 or codes.dtype != torch.uint8 or codes.numel() != cells or not 1 <= bits <= 8:
         raise ValueError(f"sketch_codes: fp32 values, {cells} uint8 codes and 1..8 bits, got {xf.dtype}, "
@@ -653,8 +665,9 @@ def adacomp_select(g: torch.Tensor, prev: Optional[torch.Tensor], size: int, dou
     n = x.numel()
     counts = torch.zeros(-(-n // size), dtype=torch.int64)
     lib = _kernels()
-    total = lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(), None) if n else 0
+    total = lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(), None, 0) if n else 0
     idx = torch.empty(total + 1, dtype=torch.int64)  # (one more: the loop writes each index before it counts it)
-    if total:
-        lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(), idx.data_ptr())
+    if total and lib.gz_adacomp_select(x.data_ptr(), _ptr(p), n, size, int(doubled), counts.data_ptr(),
+                                       idx.data_ptr(), total + 1) != total:
+        raise RuntimeError("adacomp_select: the values changed between its two passes (another thread wrote them)")
     return idx[:total], counts
