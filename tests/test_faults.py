@@ -185,8 +185,10 @@ def test_an_invalid_option_on_one_rank_is_reported_on_every_rank_at_once():
         assert res["seconds"] < 30, res  # told at once, not after the 120 s timeout
 
 
-def _registered_on_one_rank(rank: int, world: int, late_s: Optional[float]) -> dict:
-    """Rank 1 registers ``late_s`` seconds after rank 0 (None: never, as under ``if rank == 0:``)."""
+def _registered_on_one_rank(rank: int, world: int, late_s: Optional[float], shared: bool = False) -> dict:
+    """Rank 1 registers ``late_s`` seconds after rank 0 (None: never, as under ``if rank == 0:``);
+    ``shared``: rank 0 builds a Communicator on the default group instead, so it waits in the
+    settings check, where gloo raises its own RuntimeError, not in making a group."""
     from gradzip.comm import consistency
 
     consistency.WAIT_WARNING_S = 0.5
@@ -199,19 +201,23 @@ def _registered_on_one_rank(rank: int, world: int, late_s: Optional[float]) -> d
             return {"type": None}
     start = time.monotonic()
     try:
-        gradzip.register(ddp, "maxmin", bits=4).close()
+        if shared:
+            gradzip.Communicator("maxmin", bits=4, dedicated_group=False).close()
+        else:
+            gradzip.register(ddp, "maxmin", bits=4).close()
         return {"type": None, "said": said.getvalue()}
     except Exception as exc:
         return dict(_failure(exc, start), said=said.getvalue())
 
 
-@pytest.mark.parametrize("late_s", [None, 1.5], ids=["never", "late"])
-def test_a_rank_that_registers_alone_is_told_why_it_waits(late_s):
+@pytest.mark.parametrize("late_s,shared", [(None, False), (1.5, False), (None, True)],
+                         ids=["never", "late", "never-shared-group"])
+def test_a_rank_that_registers_alone_is_told_why_it_waits(late_s, shared):
     """A rank whose peers do not register (``gradzip.register`` under ``if rank == 0:``) says,
     after a while, what it waits for and the likely cause, and fails at the process group's
     timeout with a CommunicationError saying the same (not the store's own timeout error, 30
     minutes on by default); a peer that is only late is waited for, with the same word."""
-    results = spawn_local(_registered_on_one_rank, 2, late_s, all_ranks=True, timeout_s=3.0, deadline_s=60)
+    results = spawn_local(_registered_on_one_rank, 2, late_s, shared, all_ranks=True, timeout_s=3.0, deadline_s=60)
     first = results[0]
     assert "rank 0 has waited 0.5 s for the other ranks" in first["said"] and "if rank == 0:" in first["said"], first
     if late_s is None:

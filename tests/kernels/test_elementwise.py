@@ -259,6 +259,8 @@ def _rows(rows: int, width: int, scale: float = 1.0) -> torch.Tensor:
     x[0, 0] = -0.0
     if rows > 2:
         x[1, width // 2], x[2, 0] = float("nan"), -float("inf")
+    if width > 70_000:  # (in the last of a long row's chunks)
+        x[-1, -1] = float("nan")
     return x
 
 
@@ -271,6 +273,17 @@ def test_row_maxima_are_amax_of_the_magnitudes(kernels, rows, width):
     assert _same_bits(impl.row_maxima(x.to(device)).cpu(), x.abs().amax(dim=1))
     if impl is native:  # (the C loop reads 16-bit rows as fp32 too)
         assert _same_bits(native.row_maxima(x.to(torch.float16)), x.to(torch.float16).float().abs().amax(dim=1))
+
+
+def test_row_statistics_of_no_values_and_of_rows_expanded_from_one(kernels):
+    """Rows of no values give a maximum of 0 and sums and counts of 0; rows that are one row
+    expanded (a row stride of 0) give that row's statistics each."""
+    impl, device = kernels
+    assert torch.equal(impl.row_maxima(torch.zeros(3, 0, device=device)).cpu(), torch.zeros(3))
+    assert torch.equal(impl.side_sums(torch.zeros(3, 0, device=device)).cpu(), torch.zeros(3, 3, dtype=torch.float64))
+    one = torch.tensor([[9.0, -1.0, 1.0, -4.0]], device=device).expand(3, 4)
+    assert torch.equal(impl.row_maxima(one).cpu(), torch.full((3,), 9.0))
+    assert torch.equal(impl.side_sums(one).cpu(), torch.tensor([[-5.0, 10.0, 2.0]] * 3, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("rows,width", ROW_SHAPES)

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..errors import CommunicationError, SettingsMismatchError
+from ..errors import CommunicationError, GradzipError, SettingsMismatchError
 
 Settings = Dict[str, Any]
 WAIT_WARNING_S = 60.0  # how long a rank waits for the others to meet it before it says what may be wrong
@@ -162,7 +162,7 @@ def every_rank_meets(what: str, timeout: Optional[timedelta]) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not isinstance(exc, getattr(dist, "DistError", ())) or isinstance(exc, CommunicationError):
+        if not from_collective(exc):
             raise
         raise CommunicationError(
             f"gradzip: rank {rank} waited {limit} for the other ranks to {what} and they did not come: {cause} "
@@ -170,3 +170,18 @@ def every_rank_meets(what: str, timeout: Optional[timedelta]) -> Iterator[None]:
         ) from exc
     finally:
         timer.cancel()
+
+
+_TRANSPORT_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "pair", "transport")
+
+
+def from_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of ``torch.distributed`` (a lost peer, a timeout), not local code:
+    its own errors, or gloo's, which raise a plain ``RuntimeError`` naming the transport (never
+    gradzip's own errors, whose messages may name a timeout or a backend)."""
+    if isinstance(exc, GradzipError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)

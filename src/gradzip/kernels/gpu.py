@@ -641,15 +641,15 @@ def _onebit_decode_kernel(
     _store_decoded(out_ptr, offs, val, valid, ACCUMULATE)
 
 
-def _row_stats_kernel(x_ptr, out_ptr, rows, width, stride, chunk, SIDES: tl.constexpr, ROWS: tl.constexpr,
+def _row_stats_kernel(x_ptr, out_ptr, rows, width, stride, chunk, parts, SIDES: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr):
     """One chunk of ``chunk`` columns of ROWS rows of fp32 values: each row's ``max |x|`` there
     (fp32; a NaN stays, where the GPU's own maximum would skip it) or, with SIDES, ``[sum of
     x < 0, sum of x >= 0, count of x >= 0]`` there in fp64 (a NaN in both sums), at
     ``out[row, chunk]``; the caller reduces the chunks of a long row."""
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    part = tl.program_id(1).to(tl.int64)
-    parts = tl.num_programs(1)
+    pid = tl.program_id(0).to(tl.int64)  # (tiles and chunks on one axis: the others hold 65535 programs)
+    part = pid % parts
+    row = (pid // parts) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     if SIDES:
         neg = tl.zeros((ROWS,), tl.float64)
@@ -1467,15 +1467,18 @@ def _row_stats(xb: torch.Tensor, sides: bool) -> torch.Tensor:
     if xb.stride(1) != 1:
         xb = xb.contiguous()
     rows, width = xb.shape
-    block = min(_SIGN_BLOCK, triton.next_power_of_2(max(width, 1)))
-    tile = max(1, min(_SIGN_BLOCK // block, triton.next_power_of_2(max(rows, 1))))
+    if not rows or not width:  # (no values: a maximum of 0, sums and counts of 0, as the C loops give)
+        return torch.zeros((rows, 3) if sides else (rows,), dtype=torch.float64 if sides else torch.float32,
+                           device=xb.device)
+    block = min(_SIGN_BLOCK, triton.next_power_of_2(width))
+    tile = max(1, min(_SIGN_BLOCK // block, triton.next_power_of_2(rows)))
     chunk = block * -(-min(width, _ROW_CHUNK) // block)
-    parts = max(1, -(-width // chunk))
+    parts = -(-width // chunk)
     out = torch.empty((rows, parts, 3) if sides else (rows, parts), dtype=torch.float64 if sides else torch.float32,
                       device=xb.device)
-    if rows and width:
-        _launch(_row_stats_kernel, (-(-rows // tile), parts), xb.device, xb, out, rows, width, max(xb.stride(0), 1),
-                chunk, SIDES=sides, ROWS=tile, BLOCK=block, num_warps=_WARPS)
+    # (a row stride of 0, rows expanded from one, reads that one row each time)
+    _launch(_row_stats_kernel, (-(-rows // tile) * parts,), xb.device, xb, out, rows, width, xb.stride(0),
+            chunk, parts, SIDES=sides, ROWS=tile, BLOCK=block, num_warps=_WARPS)
     if parts == 1:
         return out.view(rows, 3) if sides else out.view(rows)
     return out.sum(dim=1) if sides else out.amax(dim=1)

@@ -171,10 +171,16 @@ def supports(x: torch.Tensor, bits: int = 8, bucket: int = 8) -> bool:
     )
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous in host memory, which the loops read through its pointer unchecked (a
+    tensor elsewhere is refused, not read)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"the C kernels take CPU tensors, got one on {t.device}")
+    return t.contiguous()
+
+
 def _f32(x: torch.Tensor) -> torch.Tensor:
-    if x.device != _CPU:  # (the loops read host memory through the pointer)
-        raise ValueError(f"the C kernels take CPU tensors, got one on {x.device}")
-    return x.reshape(-1).to(torch.float32).contiguous()
+    return _host(x.reshape(-1).to(torch.float32))
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -217,7 +223,7 @@ def maxmin_decode(
     packed: torch.Tensor, stats: torch.Tensor, bits: int, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    packed, stats, out = packed.contiguous(), stats.contiguous(), _out(out, numel)
+    packed, stats, out = _host(packed), _host(stats), _out(out, numel)
     _kernels().gz_maxmin_decode(packed.data_ptr(), stats.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate))
     return out
 
@@ -237,7 +243,7 @@ def qsgd_decode(
     packed: torch.Tensor, norms: torch.Tensor, bits: int, bucket: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    packed, norms, out = packed.contiguous(), norms.contiguous(), _out(out, numel)
+    packed, norms, out = _host(packed), _host(norms), _out(out, numel)
     _kernels().gz_qsgd_decode(packed.data_ptr(), norms.data_ptr(), numel, bits, bucket, out.data_ptr(), int(accumulate))
     return out
 
@@ -248,7 +254,7 @@ def saturate(y: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = 
     its sign, where torch's CPU cast may drop the sign); into ``out`` (contiguous) if given."""
     if y.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"saturate takes fp32 to fp16 or bf16, got {y.dtype} to {dtype}")
-    x = y.reshape(-1).contiguous()
+    x = _host(y.reshape(-1))
     out = torch.empty(y.shape, dtype=dtype) if out is None else out
     _kernels().gz_saturate(x.data_ptr(), x.numel(), int(dtype == torch.bfloat16), out.data_ptr())
     return out
@@ -281,8 +287,8 @@ def sign_decode(
     packed: torch.Tensor, numel: int, scale: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    packed, out = packed.contiguous(), _out(out, numel)
-    scale = None if scale is None else scale.reshape(-1).to(torch.float32).contiguous()
+    packed, out = _host(packed), _out(out, numel)
+    scale = None if scale is None else _host(scale.reshape(-1).to(torch.float32))
     _kernels().gz_sign_decode(packed.data_ptr(), numel, _ptr(scale), out.data_ptr(), int(accumulate))
     return out
 
@@ -321,7 +327,7 @@ def fp8_decode(
     codes: torch.Tensor, scales: torch.Tensor, fmt: str, block: int, numel: int,
     out: Optional[torch.Tensor] = None, accumulate: bool = False,
 ) -> torch.Tensor:
-    codes, scales, out = codes.contiguous(), scales.to(torch.float32).contiguous(), _out(out, numel)
+    codes, scales, out = _host(codes), _host(scales.to(torch.float32)), _out(out, numel)
     _kernels().gz_fp8_decode(
         codes.data_ptr(), scales.data_ptr(), numel, _FP8[fmt], block, out.data_ptr(), int(accumulate)
     )
@@ -348,7 +354,7 @@ def mx_decode(
 ) -> torch.Tensor:
     if block % 32:
         raise ValueError(f"MX blocks are multiples of 32 values, got {block}")
-    codes, scales, out = codes.contiguous(), scales.contiguous(), _out(out, numel)
+    codes, scales, out = _host(codes), _host(scales), _out(out, numel)
     _kernels().gz_mx_decode(
         codes.data_ptr(), scales.data_ptr(), numel, _MX[elem], block, out.data_ptr(), int(accumulate)
     )
@@ -367,7 +373,7 @@ def _bytes(codes: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     if codes.dtype != torch.uint8 or codes.numel() < packed_bytes(numel, bits):
         raise ValueError(f"codes: at least {packed_bytes(numel, bits)} bytes (uint8) for {numel} codes of {bits} bits, "
                          f"got {codes.numel()} values of {codes.dtype}")
-    return codes.reshape(-1).contiguous()
+    return _host(codes.reshape(-1))
 
 
 def _within(numel: int, rows: int, bucket: int) -> None:
@@ -378,7 +384,7 @@ def _within(numel: int, rows: int, bucket: int) -> None:
 
 def _f32_rows(side: torch.Tensor, rows: int, what: str) -> torch.Tensor:
     """Per-bucket fp32 statistics the kernels read ``rows`` of, unchecked: checked here."""
-    side = side.reshape(-1).to(torch.float32).contiguous()
+    side = _host(side.reshape(-1).to(torch.float32))
     if side.numel() < rows:
         raise ValueError(f"{what}: at least {rows} values (one a bucket), got {side.numel()}")
     return side
@@ -387,7 +393,7 @@ def _f32_rows(side: torch.Tensor, rows: int, what: str) -> torch.Tensor:
 def row_maxima(xb: torch.Tensor) -> torch.Tensor:
     """Each row's ``max |x|`` of the 2-D ``xb`` in one pass (a NaN stays, as in ``amax``)."""
     rows, width = xb.shape
-    x, out = _f32(xb), torch.empty(rows, dtype=torch.float32)
+    x, out = _f32(xb), (torch.empty if width else torch.zeros)(rows, dtype=torch.float32)
     if rows and width:
         _kernels().gz_row_absmax(x.data_ptr(), rows, width, out.data_ptr())
     return out
@@ -417,7 +423,7 @@ def terngrad_encode(
     x = _f32(buckets)
     (packed,) = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(numel, 2), torch.uint8))
     given = scale is not None
-    scale = scale.contiguous() if given else torch.empty(rows, dtype=torch.float32)
+    scale = _host(scale) if given else torch.empty(rows, dtype=torch.float32)
     if rows:
         _kernels().gz_terngrad_encode(x.data_ptr(), numel, rows, bucket, key & 0xFFFFFFFF, int(given),
                                       scale.data_ptr(), packed.data_ptr())
@@ -461,7 +467,7 @@ def natural_codes(bits: torch.Tensor, key: int, top: torch.Tensor, bucket: int =
     """Natural compression's codes in one pass (``reference.natural_codes``, the draws
     ``reference.natural_draws`` made in the loop), under header ``top``: one, or one for each
     ``bucket`` values."""
-    bits = bits.reshape(-1).contiguous()
+    bits = _host(bits.reshape(-1))
     if bits.dtype != torch.int32:
         raise ValueError(f"bits: the int32 bits of fp32 values, got {bits.dtype}")
     numel = bits.numel()
@@ -498,7 +504,7 @@ def u8bit_codes(
     _within(numel, rows, bucket)
     x = _f32(buckets)
     inv = _f32_rows(inv, -(-numel // max(bucket, 1)), "inv")
-    mids, lut = mids.to(torch.float32).contiguous(), lut.to(torch.int32).contiguous()
+    mids, lut = _host(mids.to(torch.float32)), _host(lut.to(torch.int32))
     if mids.numel() != 256 or lut.numel() != 1 << 16:
         raise ValueError(f"mids and lut: 256 and 65536 entries, got {mids.numel()} and {lut.numel()}")
     (out,) = forms.outputs(None if out is None else (out,), _CPU, (numel, torch.uint8))
@@ -514,7 +520,7 @@ def table_decode(
 ) -> torch.Tensor:
     """``table[code] × scale`` of the value's bucket in one pass (``reference.table_decode``);
     without a ``scale``, ``table[code]``."""
-    table = table.to(torch.float32).contiguous()
+    table = _host(table.to(torch.float32))
     if table.numel() != 256:
         raise ValueError(f"table: 256 values, one a code, got {table.numel()}")
     return _bucket_decode("gz_table_decode", codes, 8, scale, 1, bucket if scale is not None else numel, numel, out,
@@ -540,7 +546,7 @@ def select_magnitudes(
     if thresholds is not None:
         blocks = -(-n // span)
         thresholds = _f32_rows(thresholds, blocks, "thresholds")
-        valid = valid.reshape(-1).to(torch.int32).contiguous()
+        valid = _host(valid.reshape(-1).to(torch.int32))
         if valid.numel() < blocks:
             raise ValueError(f"valid: at least {blocks} values (one a block), got {valid.numel()}")
     lib, most_ = _kernels(), -1 if most is None else most
@@ -562,7 +568,7 @@ def inceptionn_encode(x: torch.Tensor, bound: float, step: float) -> Tuple[torch
     length. A 16-bit input is read as it is (its raw values take 2 bytes); fp64 as fp32."""
     x = x.reshape(-1)
     fmt = _INCEPTIONN_FORMATS.get(x.dtype, 0)
-    src = x.contiguous().view(torch.int16) if fmt else _f32(x)
+    src = _host(x).view(torch.int16) if fmt else _f32(x)
     n = src.numel()
     packed = torch.empty(packed_bytes(n, 2), dtype=torch.uint8)
     stream = torch.empty(0, dtype=torch.uint8)
@@ -586,7 +592,7 @@ def inceptionn_decode(
         # (the loop reads the tags through a pointer, unchecked; the stream only within its size)
         raise ValueError(f"an INCEPTIONN payload of {numel} values: uint8 tags (at least {packed_bytes(numel, 2)} "
                          f"bytes) and a uint8 stream, got {packed.numel()} of {packed.dtype} and {stream.dtype}")
-    packed, stream = packed.reshape(-1).contiguous(), stream.reshape(-1).contiguous()
+    packed, stream = _host(packed.reshape(-1)), _host(stream.reshape(-1))
     out = forms.decoded(out, numel, _CPU, accumulate)
     if numel:
         fmt, lib = _INCEPTIONN_FORMATS.get(dtype, 0), _kernels()
@@ -613,7 +619,7 @@ def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int) -> Tuple[torch.
     _sketch_keys(key_bits, zero_key)
     if xf.dtype != torch.float32:
         raise ValueError(f"sketch_cells: fp32 values, got {xf.dtype}")
-    x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
+    x, cells = _host(xf.reshape(-1)), 1 << key_bits
     hist, sums = torch.zeros(cells, dtype=torch.float64), torch.zeros(cells, dtype=torch.float64)
     if x.numel():
         _kernels().gz_sketch_cells(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, hist.data_ptr(),
@@ -626,11 +632,11 @@ def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Te
     """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits
     (into ``out``, contiguous uint8 bytes of that size, where given)."""
     _sketch_keys(key_bits, zero_key)
-    x, cells = xf.reshape(-1).contiguous(), 1 << key_bits
+    x, cells = _host(xf.reshape(-1)), 1 << key_bits
     if xf.dtype != torch.float32 or codes.dtype != torch.uint8 or codes.numel() != cells or not 1 <= bits <= 8:
         raise ValueError(f"sketch_codes: fp32 values, {cells} uint8 codes and 1..8 bits, got {xf.dtype}, "
                          f"{codes.numel()} of {codes.dtype} and {bits}")
-    codes = codes.contiguous()
+    codes = _host(codes)
     packed = forms.outputs(None if out is None else (out,), _CPU, (packed_bytes(x.numel(), bits), torch.uint8))[0]
     if x.numel():
         _kernels().gz_sketch_codes(x.data_ptr(), x.numel(), 32 - key_bits, zero_key, cells, codes.data_ptr(), bits,
@@ -660,8 +666,8 @@ def adacomp_select(g: torch.Tensor, prev: Optional[torch.Tensor], size: int, dou
     as ``codecs.sparse.AdaQ._selection`` makes them in torch."""
     if g.dtype != torch.float32 or (prev is not None and (prev.dtype != torch.float32 or prev.numel() != g.numel())):
         raise ValueError("adacomp_select: fp32 values and an fp32 residual of as many")
-    x = g.reshape(-1).contiguous()
-    p = None if prev is None else prev.reshape(-1).contiguous()
+    x = _host(g.reshape(-1))
+    p = None if prev is None else _host(prev.reshape(-1))
     n = x.numel()
     counts = torch.zeros(-(-n // size), dtype=torch.int64)
     lib = _kernels()

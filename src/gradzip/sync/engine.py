@@ -617,7 +617,7 @@ class Communicator(FusedGroups):
             cause = cause[:300] + " ..."
         if limit is not None and seconds >= 0.9 * limit:
             hint = f"no answer within the process group's timeout of {limit:g} s: another rank has stalled or died"
-        elif not _from_collective(exc):
+        elif not consistency.from_collective(exc):
             hint = "the error was raised on this rank, not by a collective"
         else:
             hint = "another rank may have stalled, died or issued different collectives"
@@ -1166,17 +1166,6 @@ def _report_failed_construction(
         pass  # this rank raises its own, more precise error
     finally:
         dist.destroy_process_group(own)
-
-
-_TRANSPORT_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "pair", "transport")
-
-
-def _from_collective(exc: BaseException) -> bool:
-    """Whether ``exc`` came out of ``torch.distributed`` (a lost peer, a timeout), not local code."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _TRANSPORT_WORDS)
 
 
 def _backend(group: Optional[dist.ProcessGroup]) -> str:
