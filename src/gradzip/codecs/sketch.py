@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels import fused, native, pack_bits, packed_bytes, store_into, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, reference, store_into, unpack_bits
 from ..kernels.transfer import ints_on
 from .base import (
     Codec, Meta, Option, Payload, _narrower, _parts_of, as_wire, float_in, int_in, part_spans, raw_bytes, saturate,
@@ -20,7 +20,6 @@ from .sparse import _group_topk, _k
 # over these keys is the sketch; its cells are 2**-9 relative wide at any magnitude.
 KEY_BITS = 18
 _CELLS = 1 << KEY_BITS
-_SHIFT = 32 - KEY_BITS
 _ZERO_KEY = 1 << (KEY_BITS - 1)  # key of +0.0: the forced split between negative and positive values
 
 
@@ -35,15 +34,8 @@ def _index_bits(nb: int) -> int:
 
 def _sortable_keys(xf: torch.Tensor) -> torch.Tensor:
     """int32 keys in ``[0, 2**KEY_BITS)``, non-decreasing in the fp32 value (−0.0 just below +0.0);
-    every NaN the last key, whatever its sign and payload bits (which a conversion to fp32 need
-    not keep alike for a tensor and a piece of it)."""
-    bits = xf.view(torch.int32)
-    s = bits >> 31  # all ones for negative values
-    s &= 0x7FFFFFFF
-    s ^= bits  # negative values: magnitude bits flipped, so signed-int order is float order
-    s >>= _SHIFT
-    s += _ZERO_KEY
-    return s.masked_fill_(xf.isnan(), _CELLS - 1)
+    every NaN the last key (``reference.sketch_keys``)."""
+    return reference.sketch_keys(xf, KEY_BITS, _ZERO_KEY)
 
 
 def _targets(n: int, nb: int, device: torch.device) -> torch.Tensor:
@@ -59,22 +51,8 @@ def _quantize(values: torch.Tensor, nb: int, out: Optional[List[torch.Tensor]] =
     xf = values.float().contiguous()
     dev = xf.device
     # the sketch: per-cell counts and sums (fp64 sums: a bucket's mean stays inside its range),
-    # on the CPU a piece at a time, so the keys and the fp64 copy are a piece long, not the
-    # tensor's twice (the CPU adds in index order: the same sums)
-    step = fused.piece_length(xf)
-    keys = None
-    c_loops = fused.backend(xf) is native  # (on the CPU: the sketch and the codes one C pass each)
-    if c_loops:
-        hist, sums = native.sketch_cells(xf, KEY_BITS, _ZERO_KEY)
-    else:
-        one = torch.ones(1, dtype=torch.float64, device=dev)
-        hist = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
-        sums = torch.zeros(_CELLS, dtype=torch.float64, device=dev)
-        for a in range(0, n, step):
-            piece = xf[a : a + step]
-            keys = _sortable_keys(piece)
-            hist.index_add_(0, keys, one.expand(piece.numel()))
-            sums.index_add_(0, keys, piece.double())
+    # added in index order (on the CPU one C pass, or torch a piece at a time)
+    hist, sums = fused.sketch_cells(xf, KEY_BITS, _ZERO_KEY)
     # nb - 2 quantile splits (a split is the first key of a bucket) plus the split at +0.0, so no
     # bucket mixes signs and the two signs share the buckets in proportion to their counts
     cdf = hist.cumsum_(0)  # (the counts in place: a bucket's count is a difference of two of these)
@@ -93,18 +71,7 @@ def _quantize(values: torch.Tensor, nb: int, out: Optional[List[torch.Tensor]] =
     means = bucket_sums.div_(bucket_counts.clamp_min_(1))  # empty buckets: 0 (never referenced)
     means = means.float() if out is None else out[1].copy_(means)
     codes, bits = lut.to(torch.uint8), _index_bits(nb)
-    if c_loops:
-        return [native.sketch_codes(xf, KEY_BITS, _ZERO_KEY, codes, bits, None if out is None else out[0]), means]
-    if n <= step:  # one piece (every input off the CPU): the keys of the sketch's pass
-        keys = _sortable_keys(xf) if keys is None else keys  # (None: an empty input)
-        packed = pack_bits(codes.index_select(0, keys), bits)
-        return [packed if out is None else out[0].copy_(packed), means]
-    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=dev) if out is None else out[0]
-    for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
-        b = min(a + step, n)
-        levels = codes.index_select(0, _sortable_keys(xf[a:b]))
-        packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = pack_bits(levels, bits)
-    return [packed, means]
+    return [fused.sketch_codes(xf, KEY_BITS, _ZERO_KEY, codes, bits, None if out is None else out[0]), means]
 
 
 def _dequantize(packed: torch.Tensor, means: torch.Tensor, count: int, out: Optional[torch.Tensor] = None,

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..kernels import fused, native, pack_bits, packed_bytes, shared_generator, unpack_bits
+from ..kernels import fused, pack_bits, packed_bytes, shared_generator, unpack_bits
 from .base import (
     PART_ALIGN,
     SEED,
@@ -873,7 +873,7 @@ class AdaComp(Codec):
             prev = prev.reshape(-1).to(g.device)
         else:
             prev = None
-        idx, counts = self._selection(g, prev, size, nb)  # ascending, so bin-major; CUDA: one wait
+        idx, counts = self._selection(g, prev, size)  # ascending, so bin-major; CUDA: one wait
         m = idx.numel()
         local = torch.remainder(idx, size)
         values = g.index_select(0, idx)
@@ -908,32 +908,12 @@ class AdaComp(Codec):
             return [empty, empty.clone(), raw, scale.new_empty(0)]
         return [counts.to(self._index_dtype), local.to(self._index_dtype), pack_bits(nonneg.to(torch.uint8), 1), scale]
 
-    def _selection(self, g: torch.Tensor, prev: Optional[torch.Tensor], size: int,
-                   nb: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _selection(self, g: torch.Tensor, prev: Optional[torch.Tensor], size: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The ascending indices of the values of the flat fp32 ``g`` that are sent (``|H| ≥``
         their bin's ``max |G|``, never a zero) and each bin's count of them; ``prev`` the
-        residual kept last step (flat), if any. On the CPU a piece of whole bins at a time, so
-        the magnitudes, ``H`` and the mask are a piece long, not the tensor's."""
-        n = g.numel()
-        if g.dtype == torch.float32 and (prev is None or prev.dtype == torch.float32) and fused.backend(g) is native:
-            return native.adacomp_select(g, prev, size, self.self_adjust)  # (on the CPU: two C passes)
-        rows = -(-fused.piece_length(g) // size)  # (every bin at once off the CPU: one selection, one wait)
-        found, counts = [], []
-        for r in range(0, nb, rows):
-            a, b = r * size, min((r + rows) * size, n)
-            bins = -(-(b - a) // size)
-            pad = bins * size - (b - a)
-            mag = torch.nn.functional.pad(g[a:b].abs(), (0, pad)).view(bins, size)  # zero padding is never sent
-            if prev is not None:  # |G + dW| with dW = G - residual
-                h = torch.nn.functional.pad((2 * g[a:b] - prev[a:b]).abs(), (0, pad)).view(bins, size)
-            else:
-                h = 2 * mag if self.self_adjust else mag  # no residual yet: dW = G
-            sel = (h >= mag.amax(dim=1, keepdim=True)) & (mag > 0)  # the padding is never selected
-            found.append(torch.nonzero(sel.view(-1)).reshape(-1).add_(a))
-            counts.append(sel.sum(dim=1))
-        if len(found) == 1:
-            return found[0], counts[0]
-        return torch.cat(found), torch.cat(counts)
+        residual kept last step (flat), if any (``fused.adacomp_select``: two C passes on the
+        CPU, else torch a piece of whole bins at a time)."""
+        return fused.adacomp_select(g, prev, size, self.self_adjust)
 
     def _group_residual(self, parts: Tuple[Tuple[str, torch.Size], ...], g: torch.Tensor) -> Optional[torch.Tensor]:
         """The residuals of a fused group's members where they lie in the group (zeros for a

@@ -358,6 +358,60 @@ def inceptionn_decode(packed: torch.Tensor, stream: torch.Tensor, dtype: torch.d
     return out
 
 
+def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SketchML's sketch of the flat fp32 ``xf``: each cell's count and fp64 sum of its values
+    (``2**key_bits`` cells, keys ``reference.sketch_keys``). On the CPU one C pass, or torch a
+    piece at a time into the same tables, so the keys and the fp64 copy are a piece long; both
+    add in index order (the same sums)."""
+    if backend(xf) is native:
+        return native.sketch_cells(xf, key_bits, zero_key)
+    hist = torch.zeros(1 << key_bits, dtype=torch.float64, device=xf.device)
+    sums = torch.zeros_like(hist)
+    step = piece_length(xf)
+    for a in range(0, xf.numel(), step):
+        reference.sketch_cells(xf[a : a + step], key_bits, zero_key, hist, sums)
+    return hist, sums
+
+
+def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Tensor, bits: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Each value's bucket ``codes[key]``, packed in ``bits`` bits (into ``out`` where given):
+    on the CPU one C pass, else torch a piece of whole bytes at a time."""
+    if backend(xf) is native:
+        return native.sketch_codes(xf, key_bits, zero_key, codes, bits, out)
+    n, step = xf.numel(), piece_length(xf)
+    if n <= step:
+        return _into(None if out is None else (out,), (reference.sketch_codes(xf, key_bits, zero_key, codes, bits),))[0]
+    packed = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=xf.device) if out is None else out
+    for a in range(0, n, step):  # (pieces of whole groups of 8 values: whole bytes)
+        b = min(a + step, n)
+        packed[packed_bytes(a, bits) : packed_bytes(b, bits)] = reference.sketch_codes(xf[a:b], key_bits, zero_key,
+                                                                                       codes, bits)
+    return packed
+
+
+def adacomp_select(g: torch.Tensor, prev: Optional[torch.Tensor], size: int, doubled: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AdaQ's selection (``reference.adacomp_select``) of the flat fp32 ``g``: on the CPU two C
+    passes, else torch a piece of whole bins at a time (every bin at once off the CPU: one
+    selection, one wait), so the magnitudes, ``h`` and the mask are a piece long."""
+    if g.dtype == torch.float32 and (prev is None or prev.dtype == torch.float32) and backend(g) is native:
+        return native.adacomp_select(g, prev, size, doubled)
+    n = g.numel()
+    step = size * -(-piece_length(g) // size)
+    found, counts = [], []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        idx, count = reference.adacomp_select(g[a:b], None if prev is None else prev[a:b], size, doubled)
+        found.append(idx.add_(a))
+        counts.append(count)
+    if len(found) == 1:
+        return found[0], counts[0]
+    if not found:
+        return torch.zeros(0, dtype=torch.int64, device=g.device), torch.zeros(0, dtype=torch.int64, device=g.device)
+    return torch.cat(found), torch.cat(counts)
+
+
 def groups_at_once(device: torch.device) -> bool:
     """Whether a fused group's members (their statistics, selections, draws, error feedback)
     are taken at once, in a fixed number of operations (an accelerator, which pays a launch an

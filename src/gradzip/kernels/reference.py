@@ -446,6 +446,52 @@ def select_magnitudes(
     return torch.nonzero(keep.view(-1)[:n]).reshape(-1)
 
 
+def sketch_keys(xf: torch.Tensor, key_bits: int, zero_key: int) -> torch.Tensor:
+    """SketchML's keys of the fp32 ``xf``: int32 in ``[0, 2**key_bits)``, non-decreasing in the
+    value (−0.0 just below +0.0, +0.0 at ``zero_key``); every NaN the last key, whatever its sign
+    and payload bits (which a conversion to fp32 need not keep alike for a tensor and a piece)."""
+    bits = xf.view(torch.int32)
+    s = bits >> 31  # all ones for negative values
+    s &= 0x7FFFFFFF
+    s ^= bits  # negative values: magnitude bits flipped, so signed-int order is float order
+    s >>= 32 - key_bits
+    s += zero_key
+    return s.masked_fill_(xf.isnan(), (1 << key_bits) - 1)
+
+
+def sketch_cells(xf: torch.Tensor, key_bits: int, zero_key: int, hist: torch.Tensor, sums: torch.Tensor,
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """SketchML's sketch of the fp32 ``xf`` added into ``hist`` and ``sums`` (fp64, a cell each):
+    each value's count and value at its key (``index_add_``, which on the CPU adds in index order)."""
+    keys = sketch_keys(xf, key_bits, zero_key)
+    hist.index_add_(0, keys, torch.ones(1, dtype=torch.float64, device=xf.device).expand(xf.numel()))
+    sums.index_add_(0, keys, xf.double())
+    return hist, sums
+
+
+def sketch_codes(xf: torch.Tensor, key_bits: int, zero_key: int, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Each fp32 value's bucket ``codes[key]`` (uint8, one a cell), packed in ``bits`` bits."""
+    return pack_bits(codes.index_select(0, sketch_keys(xf, key_bits, zero_key)), bits)
+
+
+def adacomp_select(g: torch.Tensor, prev: Optional[torch.Tensor], size: int, doubled: bool
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """AdaQ's selection (Chen et al.'s AdaComp) of the flat fp32 ``g`` in bins of ``size``
+    values: the ascending int64 indices of the values whose ``h`` reaches their bin's ``max
+    |g|`` (none in a bin that holds a NaN), never a zero, and each bin's count of them; ``h =
+    |2g − prev|`` with the residual kept last step, else ``2|g|`` (``doubled``) or ``|g|``."""
+    n = g.numel()
+    bins = -(-n // size)
+    pad = bins * size - n
+    mag = torch.nn.functional.pad(g.abs(), (0, pad)).view(bins, size)  # zero padding is never sent
+    if prev is not None:  # |G + dW| with dW = G - residual
+        h = torch.nn.functional.pad((2 * g - prev).abs(), (0, pad)).view(bins, size)
+    else:
+        h = 2 * mag if doubled else mag  # no residual yet: dW = G
+    sel = (h >= mag.amax(dim=1, keepdim=True)) & (mag > 0)  # the padding is never selected
+    return torch.nonzero(sel.view(-1)).reshape(-1), sel.sum(dim=1)
+
+
 SHORT_FLOATS = (torch.float16, torch.bfloat16)  # INCEPTIONN: inputs whose raw values take 2 bytes
 
 
