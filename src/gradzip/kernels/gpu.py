@@ -352,12 +352,17 @@ def _sign_encode_kernel(x_ptr, packed_ptr, numel, BLOCK: tl.constexpr, TO_F32: t
     are: narrowing them could turn a tiny negative into -0.0.
     """
     pid, offs, valid, x = _block_values(x_ptr, numel, BLOCK, TO_F32)
+    _store_signs(packed_ptr, pid, x, valid, numel, BLOCK)
+
+
+def _store_signs(packed_ptr, pid, x, valid, numel, BLOCK: tl.constexpr):
+    """Program ``pid``'s ``BLOCK`` sign bits: bit ``j`` of a byte set where value ``j >= 0``."""
     bits = ((x >= 0) & valid).to(tl.int32)
     G: tl.constexpr = BLOCK // 8
     j = tl.arange(0, 8)
     data = tl.sum(tl.reshape(bits, (G, 8)) << j[None, :], axis=1)
-    g = pid * G + tl.arange(0, G)
-    tl.store(packed_ptr + g, data.to(tl.uint8), mask=g * 8 < numel)
+    at = pid * G + tl.arange(0, G)
+    tl.store(packed_ptr + at, data.to(tl.uint8), mask=at * 8 < numel)
 
 
 def _signum_encode_kernel(g_ptr, m_ptr, finite_ptr, packed_ptr, numel, beta, alpha, BLOCK: tl.constexpr):
@@ -370,12 +375,7 @@ def _signum_encode_kernel(g_ptr, m_ptr, finite_ptr, packed_ptr, numel, beta, alp
     v = tl.fma(alpha, g, m * beta)
     keep = tl.load(finite_ptr).to(tl.int32) != 0
     tl.store(m_ptr + offs, tl.where(keep, v, m), mask=valid)
-    bits = ((v >= 0) & valid).to(tl.int32)
-    G: tl.constexpr = BLOCK // 8
-    j = tl.arange(0, 8)
-    data = tl.sum(tl.reshape(bits, (G, 8)) << j[None, :], axis=1)
-    at = pid * G + tl.arange(0, G)
-    tl.store(packed_ptr + at, data.to(tl.uint8), mask=at * 8 < numel)
+    _store_signs(packed_ptr, pid, v, valid, numel, BLOCK)
 
 
 def _uniform_kernel(out_ptr, start, numel, key, BLOCK: tl.constexpr):
@@ -964,7 +964,7 @@ def _interpreter_probe_kernel(out_ptr, n, BLOCK: tl.constexpr):
 _JIT = (
     "_interpreter_probe_kernel", "_uniform", "_tile", "_pack_store", "_unpack_load", "_maxmin_levels", "_qsgd_codes", "_magnitude_key",
     "_maxmin_encode_kernel", "_maxmin_decode_kernel", "_qsgd_encode_kernel", "_qsgd_decode_kernel",
-    "_block_values", "_store_decoded", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
+    "_block_values", "_store_decoded", "_store_signs", "_sign_encode_kernel", "_sign_decode_kernel", "_saturate_kernel",
     "_uniform_kernel", "_signum_encode_kernel", "_ternary_encode_kernel", "_ternary_decode_kernel", "_onebit_decode_kernel",
     "_header", "_natural_codes_kernel", "_natural_decode_kernel",
     "_store_2bit", "_places", "_bf16_bits", "_select_kernel", "_inceptionn_tags", "_inceptionn_tags_kernel", "_inceptionn_stream_kernel", "_inceptionn_lengths",
