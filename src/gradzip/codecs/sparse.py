@@ -892,11 +892,17 @@ class AdaComp(Codec):
         width = element_size(self._index_dtype)
         # (the dense form's values: in the gradient's width where given, Meta.wire)
         dense = (nb + m) * width + packed_bytes(m, 1) + 4 * scale.numel() > raw_bytes(n, meta.as_is)
-        if dense or (self.self_adjust and self._memory is None):  # (the memory's residual is its own)
-            sent = torch.zeros_like(g).index_copy_(0, idx, (nonneg.float() * 2 - 1) * each)
-        if self.self_adjust and self._memory is None:
-            old = prev if prev is not None and prev.numel() == n else torch.zeros_like(g)
-            kept = torch.where(all_finite(g), g - sent, old.reshape(g.shape).to(g.device))
+        signed = (nonneg.float() * 2 - 1) * each  # (the values sent, at idx)
+        sent = torch.zeros_like(g).index_copy_(0, idx, signed) if dense else None
+        if self.self_adjust and self._memory is None:  # (the memory's residual is its own)
+            finite = all_finite(g)
+            if not fused.groups_at_once(g.device) and bool(finite):  # (the flag read on the host: free)
+                kept = g.clone().index_add_(0, idx, signed, alpha=-1)  # g − sent, changed only where sent
+            else:  # the flag picks old or new on the device
+                old = prev if prev is not None and prev.numel() == n else torch.zeros_like(g)
+                if sent is None:
+                    sent = torch.zeros_like(g).index_copy_(0, idx, signed)
+                kept = torch.where(finite, g - sent, old.reshape(g.shape).to(g.device))
             if meta.parts is None:
                 self._residuals[meta.name] = kept
             else:  # by name, views of the group's (checkpoints hold them as the members alone)
