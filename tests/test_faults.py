@@ -182,6 +182,8 @@ def test_an_invalid_option_on_one_rank_is_reported_on_every_rank_at_once():
         res = results[rank]
         assert res["type"] == "SettingsMismatchError", res
         assert "unknown option(s) ratio" in res["message"] and "on rank 1" in res["message"], res["message"]
+        # the cause first, not buried among the settings the failed rank could not send
+        assert res["message"].startswith("gradzip: rank 1 could not build its communicator"), res["message"]
         assert res["seconds"] < 30, res  # told at once, not after the 120 s timeout
 
 

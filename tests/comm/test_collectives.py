@@ -231,7 +231,7 @@ def _large_finite(rank: int, world: int) -> dict:
 
     out = {}
     for name in ("maxmin", "qsgd"):
-        for collective in ("sra", "allgather"):
+        for collective in ("sra", "allgather", "ps"):
             comm = gradzip.Communicator(name, collective=collective)
             x = torch.full((4096,), 3.0e38) * (1 - 0.01 * rank)  # finite; the sum of two is not
             with Divisions() as divisions:
@@ -241,10 +241,11 @@ def _large_finite(rank: int, world: int) -> dict:
     return out
 
 
-def test_sra_and_allgather_average_large_finite_values_without_overflow_or_a_division_pass():
+def test_sra_allgather_and_ps_average_large_finite_values_without_overflow_or_a_division_pass():
     """Max-min and QSGD average the received payloads by dividing their statistics by W and
-    summing, in the SRA and the all-gather: values near fp32's largest average to a finite value
-    close to the mean (a sum first would be inf), and no division runs over the average."""
+    summing, in the SRA, the all-gather and the parameter server's aggregation: values near
+    fp32's largest average to a finite value close to the mean (a sum first would be inf), and
+    no division runs over the average."""
     results = run_workers(_large_finite, 2)
     for res in results:
         for (name, collective), rec in res.items():

@@ -1376,3 +1376,36 @@ def test_dgc_compensates_a_gradient_alone_into_its_own_memory_when_the_average_g
     assert all(a > 3.9 * 4 * n for a in made_apart), made_apart
     for c in comms:
         c.close()
+
+
+def test_allreduce_without_a_name_warns_once_where_state_is_kept_by_name():
+    """A residual, a momentum or factors are kept by the tensor's name: tensors sent without
+    one share them (and would mix theirs), so the first such call says so, once; a stateless
+    codec and memory, or a name, say nothing."""
+    import warnings
+
+    for codec, opts, warns in (("topk", {"memory": "residual"}, True), ("signum", {}, True), ("maxmin", {}, False)):
+        comm = gradzip.Communicator(codec, **opts)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for name in ("", "", "w"):
+                comm.allreduce(torch.randn(100), name=name)
+        said = [str(w.message) for w in caught if "without a name" in str(w.message)]
+        assert len(said) == (1 if warns else 0), (codec, said)
+        assert not warns or "pass name=" in said[0]
+        comm.close()
+
+
+def test_a_batch_is_checked_where_it_is_made():
+    """A name and a compress flag for each tensor, floating-point tensors: checked when the
+    Batch is made, before the worker takes it (a batch failing there fails the communicator)."""
+    from gradzip.sync.engine import Batch
+
+    a, b = torch.zeros(3), torch.zeros(2)
+    with pytest.raises(ValueError, match="a name and a compress flag for each of the 2 tensors"):
+        Batch([a, b], ["a"], [True, True])
+    with pytest.raises(ValueError, match="1 names and 2 flags"):
+        Batch([a], ["a"], [True, False])
+    with pytest.raises(TypeError, match="floating-point tensors, got torch.int32"):
+        Batch([torch.zeros(3, dtype=torch.int32)], ["a"], [True])
+    assert Batch([a, b], ["a", "b"], [True, False]).names == ["a", "b"]

@@ -89,6 +89,12 @@ def verify_same_on_all_ranks(
     gathered = _from_every_rank((dict(settings), dict(sources or {})), group)
     if gathered is None:
         return
+    failed = [(r, g[0]["error"]) for r, g in enumerate(gathered) if set(g[0]) == {"error"}]
+    if failed:  # (a rank whose construction failed sends its error in place of settings: that is the cause)
+        raise SettingsMismatchError(
+            f"gradzip: {_ranks([r for r, _ in failed])} could not build its communicator (seen from rank "
+            f"{dist.get_rank(group)}): " + "; ".join(f"{error} on rank {r}" for r, error in failed)
+        )
     lines = differences([g[0] for g in gathered], [g[1] for g in gathered], defaults=defaults)
     if lines:
         rank = dist.get_rank(group)

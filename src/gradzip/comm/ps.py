@@ -179,7 +179,15 @@ class ParameterServer(Collective):
                 saturate_16_bit_sums(self.flagged, merged if w > 1 else [])
             else:
                 payloads = [Payload(t, encoded[p].ctx) for t, _ in received[p]]
-                mean = call.decode(codec.aggregate, payloads).reshape(-1)
+                if w > 1 and codec.averages_by_stats() and len(payloads[0].tensors) > codec.stats_tensor:
+                    # each payload's statistics divided by W first (views of the received bytes,
+                    # this rank's own copy), then summed: a sum of large finite values stays finite
+                    # (a partition sent as it is, raw, has no statistics: summed, then divided)
+                    for payload in payloads:
+                        payload.tensors[codec.stats_tensor].div_(w)
+                    mean = call.decode(lambda ps: codec.aggregate(ps, mean=False), payloads).reshape(-1)
+                else:
+                    mean = call.decode(codec.aggregate, payloads).reshape(-1)
                 # the received flags, not the mean's values, say whether some input was not finite
                 merged = call.encode(mean, f"{call.name}#{p}", codec=reencoder(codec), flag=False, own=True).tensors
             merged_tensors[p] = merged

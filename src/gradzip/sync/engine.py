@@ -123,6 +123,15 @@ class Batch:
     in_place: bool = False
     on_done: Optional[Callable[[float], None]] = None
 
+    def __post_init__(self) -> None:
+        # (checked where it is made: a batch that fails on the worker fails the communicator)
+        if not len(self.names) == len(self.compress) == len(self.tensors):
+            raise ValueError(f"Batch: a name and a compress flag for each of the {len(self.tensors)} tensors, got "
+                             f"{len(self.names)} names and {len(self.compress)} flags")
+        odd = next((t for t in self.tensors if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES), None)
+        if odd is not None:
+            raise TypeError(f"Batch: floating-point tensors, got {getattr(odd, 'dtype', type(odd).__name__)}")
+
 
 class Communicator(FusedGroups):
     """Compressed, averaged all-reduce of named tensors.
@@ -248,6 +257,7 @@ class Communicator(FusedGroups):
         self._closed = False
         _OPEN.add(self)  # (closed at exit if the script does not: see _close_open)
         self._failure: Optional[CommunicationError] = None
+        self._warned_unnamed = False  # (allreduce without a name, where state is kept by name)
         self._extra = dict(settings_extra or {})
         self._sources = dict(settings_sources or {})
         if verify_settings:
@@ -460,6 +470,14 @@ class Communicator(FusedGroups):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"allreduce takes a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
         _check_out(t, out)
+        if not name and not self._warned_unnamed and (self.memory.name != "none" or self.codec.tensor_state):
+            self._warned_unnamed = True
+            warnings.warn(
+                f"gradzip: allreduce without a name, with {self.memory.name!r} memory and codec {self.codec.name!r}: "
+                "the state kept for a tensor (its residual, momentum or factors) is keyed by its name, so every "
+                "tensor sent without one shares it, and two different tensors would mix theirs; pass name= (one per "
+                "tensor, the same on every rank)", stacklevel=2,
+            )
 
         def job() -> torch.Tensor:
             if t.is_cuda:  # read on the worker's stream: keep the caller's memory until then
