@@ -365,10 +365,11 @@ class Codec(Configurable):
         codecs that can encode straight into given tensors (:meth:`encode`'s ``out``: a
         collective's send buffer, so the payload is not copied there); None otherwise (then the
         payload's form is known only once encoded)."""
-        if numel == 0 or self._raw(numel, _narrower(wire, dtype) or dtype):
+        as_is = _narrower(wire, dtype) or dtype
+        if numel == 0 or self._raw(numel, as_is):
             return None
         if parts is not None and self.parts_format:
-            return self._parts_payload_spec(numel, dtype, parts)
+            return self._parts_payload_spec(numel, as_is, _parts_of(parts, numel, self.fused_alignment()))
         return self._payload_spec(numel, dtype)
 
     def encode(self, t: torch.Tensor, name: str = "", step: Optional[int] = None,
@@ -589,10 +590,11 @@ class Codec(Configurable):
         """:meth:`payload_spec` of a tensor that is encoded (not empty, not raw); None by default."""
         return None
 
-    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Sequence[Tuple[str, Sequence[int]]],
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Tuple[Tuple[str, torch.Size], ...],
                             ) -> Optional[List[Tuple[torch.dtype, int]]]:
-        """:meth:`payload_spec` of a fused buffer of ``parts`` (``(name, shape)`` each), for a
-        codec whose format is per part (:attr:`parts_format`); None by default."""
+        """:meth:`payload_spec` of a fused buffer of ``parts`` (as :attr:`Meta.parts` holds
+        them), for a codec whose format is per part (:attr:`parts_format`); ``dtype`` the one
+        its values sent as they are take (:attr:`Meta.as_is`). None by default."""
         return None
 
     def _encode_into(self, x: torch.Tensor, meta: Meta, out: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..kernels import fused, pack_bits, packed_bytes, reference, store_into, unpack_bits
 from ..kernels.transfer import ints_on
 from .base import (
-    Codec, Meta, Option, Payload, _narrower, _parts_of, as_wire, float_in, int_in, part_spans, raw_bytes, saturate,
-    stats_nonfinite,
+    Codec, Meta, Option, Payload, as_wire, float_in, int_in, part_spans, raw_bytes, saturate, stats_nonfinite,
 )
 from .registry import register_codec
 from .sparse import _group_topk, _k
@@ -283,20 +282,21 @@ class SketchML(Codec):
                                              lambda n, dtype: False, 1, narrow=True)
         return grp
 
-    def payload_spec(self, numel: int, dtype: torch.dtype,
-                     parts: Optional[Sequence[Tuple[str, Sequence[int]]]] = None,
-                     wire: Optional[torch.dtype] = None) -> Optional[List[Tuple[torch.dtype, int]]]:
-        """Dense mode's form, known from the sizes: ``[codes, means]`` alone, ``[codes, means,
-        raw values]`` for a fused group (its raw values in the wire dtype where given); sparse
-        mode's depends on the gaps (None)."""
-        as_is = _narrower(wire, dtype) or dtype
-        if self.ratio < 1.0 or numel == 0 or self._raw(numel, as_is):
+    def _payload_spec(self, numel: int, dtype: torch.dtype) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """Dense mode's form, known from the size: ``[codes, means]``; sparse mode's depends on
+        the gaps (None)."""
+        if self.ratio < 1.0:
             return None
-        if parts is None:
-            nb = _num_buckets(numel, self.buckets)
-            return [(torch.uint8, packed_bytes(numel, _index_bits(nb))), (torch.float32, nb)]
-        grp = self._layout(_parts_of(parts, numel, self.fused_alignment()), as_is)
-        return [(torch.uint8, grp.code_bytes), (torch.float32, grp.table_size), (as_is, grp.raw_count)]
+        nb = _num_buckets(numel, self.buckets)
+        return [(torch.uint8, packed_bytes(numel, _index_bits(nb))), (torch.float32, nb)]
+
+    def _parts_payload_spec(self, numel: int, dtype: torch.dtype, parts: Tuple[Tuple[str, torch.Size], ...],
+                            ) -> Optional[List[Tuple[torch.dtype, int]]]:
+        """A dense fused group's form: ``[codes, means, raw values]``, its raw values in ``dtype``."""
+        if self.ratio < 1.0:
+            return None
+        grp = self._layout(parts, dtype)
+        return [(torch.uint8, grp.code_bytes), (torch.float32, grp.table_size), (dtype, grp.raw_count)]
 
     def _encode_into(self, x: torch.Tensor, meta: Meta, out: Optional[List[torch.Tensor]]) -> List[torch.Tensor]:
         if meta.parts is not None:
